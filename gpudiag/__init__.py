@@ -1,0 +1,45 @@
+"""gpudiag: why is my GPU training slow? Measured answers, and a CI gate that keeps it fast.
+
+The Python API, for notebooks and scripts:
+
+    from gpudiag import build_config, run_stages, load_run
+    config, notes = build_config(model="dgca", preset="tiny", device="cpu")
+    output = run_stages(config, notes=notes)
+    print(output.run.stage("full-loop").ms_per_iter)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gpudiag._version import __version__
+from gpudiag.results import Finding, RunResult, StageResult, load_run, save_run
+
+if TYPE_CHECKING:
+    from gpudiag.config import RunConfig, build_config
+    from gpudiag.models import ModelBundle, ModelOptions, ModelSpec, register_model
+    from gpudiag.runner import RunOutput, run_stages
+
+# Names that pull in torch are imported on first use, so `import gpudiag` (and the CLI's
+# --help) stays fast and reading a run.json works without torch.
+_LAZY = {
+    "RunConfig": "gpudiag.config", "build_config": "gpudiag.config",
+    "ModelBundle": "gpudiag.models", "ModelOptions": "gpudiag.models",
+    "ModelSpec": "gpudiag.models", "register_model": "gpudiag.models",
+    "RunOutput": "gpudiag.runner", "run_stages": "gpudiag.runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gpudiag' has no attribute {name!r}")
+
+
+__all__ = [
+    "Finding", "ModelBundle", "ModelOptions", "ModelSpec", "RunConfig", "RunOutput",
+    "RunResult", "StageResult", "__version__", "build_config", "load_run", "register_model",
+    "run_stages", "save_run",
+]

@@ -1,0 +1,3 @@
+from gpudiag.cli import main
+
+main()

@@ -1,0 +1,207 @@
+"""The `gpudiag` command line. Parses arguments, calls into the package, renders; nothing else.
+
+Exit codes: 0 success; 1 the gate found a regression; 2 bad input or incompatible runs;
+3 the gate is inconclusive; 130 interrupted (partial results written).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Column as ProgressColumn
+from rich.table import Table
+
+from gpudiag.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GpudiagError
+from gpudiag.results import RunFileError, StageResult
+
+stdout = Console(highlight=False)
+stderr = Console(stderr=True, highlight=False)
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Turns usage errors and gpudiag's own errors into one line and a documented exit code."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        try:
+            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+            code = EXIT_BAD_INPUT
+        except click.ClickException as exc:
+            command = exc.ctx.command_path if getattr(exc, "ctx", None) else "gpudiag"
+            stderr.print(f"{command}: error: {exc.format_message()}", markup=False)
+            code = exc.exit_code
+        except (GpudiagError, RunFileError) as exc:
+            stderr.print(f"gpudiag: error: {exc}", markup=False)
+            code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+        except click.exceptions.Abort:
+            code = EXIT_INTERRUPTED
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(
+    cls=_OneLineErrors,
+    help="Tells you why your GPU training is slow, and proves it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _split(value: str | None) -> list[str] | None:
+    return [s.strip() for s in value.split(",") if s.strip()] if value else None
+
+
+class _LiveProgress:
+    """Progress bars on stderr, one per stage, fed by the runner's listener calls."""
+
+    def __init__(self, console: Console) -> None:
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}", table_column=ProgressColumn(min_width=15,
+                                                                          no_wrap=True)),
+            BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[note]}", table_column=ProgressColumn(no_wrap=True)),
+            console=console,
+        )
+        self.tasks: dict[str, TaskID] = {}
+
+    def stage_started(self, name: str, title: str, planned_steps: int) -> None:
+        self.tasks[name] = self.progress.add_task(name, total=planned_steps, note="")
+
+    def step_done(self, name: str, done: int) -> None:
+        task = self.tasks[name]
+        total = self.progress.tasks[task].total or 0
+        self.progress.update(task, completed=done, total=max(total, done))
+
+    def stage_finished(self, result: StageResult) -> None:
+        task = self.tasks.get(result.name)
+        if task is None:
+            return
+        note = (f"{result.ms_per_iter:.1f} ms/iter" if result.ok and result.ms_per_iter
+                else f"{result.status}: {result.error}")
+        total = self.progress.tasks[task].total
+        self.progress.update(task, completed=total, note=note)
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model name (gpudiag models) or "
+                                       "path/to/file.py:factory.")] = "dgca",
+    preset: Annotated[str | None, typer.Option(help="full or tiny (default: full on CUDA, tiny "
+                                               "on CPU).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: cuda if "
+                                               "available).")] = None,
+    stages: Annotated[str | None, typer.Option(help="Comma-separated stages (default: the "
+                                               "whole ladder).")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Samples per step.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample.")] = None,
+    iters: Annotated[int | None, typer.Option(help="Timed steps per stage (at least).")] = None,
+    warmup: Annotated[int | None, typer.Option(help="Untimed warm-up steps per stage.")] = None,
+    min_seconds: Annotated[float | None, typer.Option(help="Keep timing each stage at least "
+                                                      "this long.")] = None,
+    amp_dtype: Annotated[str | None, typer.Option(help="Mixed-precision dtype: fp16 or bf16 "
+                                                  "(default: fp16 on CUDA, bf16 on CPU).")] = None,
+    workers: Annotated[int | None, typer.Option(help="DataLoader workers (default: min(4, "
+                                                "CPUs)).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
+                                             "time>-<model>/).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print run.json to stdout instead of "
+                                          "the table.")] = False,
+) -> None:
+    """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
+    from gpudiag.config import build_config
+    from gpudiag.report import (
+        default_run_dir,
+        prepare_run_dir,
+        problems,
+        stage_table,
+        write_run_dir,
+    )
+    from gpudiag.runner import RunOutput, run_stages
+
+    config, notes = build_config(
+        model=model, preset=preset, device=device, stages=_split(stages), batch_size=batch_size,
+        seq_len=seq_len, iters=iters, warmup=warmup, min_seconds=min_seconds,
+        amp_dtype=amp_dtype, loader_workers=workers)
+    run_dir = prepare_run_dir(out or default_run_dir(model))
+    for note in notes:
+        stderr.print(f"[yellow]note:[/] {note}")
+
+    def save(output: RunOutput) -> None:
+        write_run_dir(run_dir, output.run, output.samples)
+
+    live = _LiveProgress(stderr)
+    with live.progress:
+        output = run_stages(config, notes=notes, listener=live, on_stage_done=save)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
+    save(output)
+    if as_json:
+        stdout.print_json(json.dumps(output.run.to_dict()))
+    else:
+        stdout.print(stage_table(output.run))
+        for line in problems(output.run):
+            stdout.print(line)
+    stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)")
+    if output.run.interrupted:
+        stderr.print("[yellow]Interrupted:[/] partial results written.")
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+@app.command()
+def env(
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """Show what gpudiag sees: GPU, driver, CUDA, torch, power limit, NVML/GPM, TF32 flags."""
+    import dataclasses
+
+    from gpudiag.env import describe_environment
+    from gpudiag.report import env_table
+
+    environment = describe_environment(device)
+    if as_json:
+        stdout.print_json(json.dumps(dataclasses.asdict(environment)))
+    else:
+        stdout.print(env_table(environment))
+
+
+@app.command()
+def models() -> None:
+    """List the models `gpudiag run --model` accepts."""
+    from gpudiag.models import model_specs
+
+    table = Table(title="Models", title_justify="left", header_style="bold")
+    for column in ("name", "variants", "summary", "source"):
+        table.add_column(column)
+    for spec in model_specs():
+        table.add_row(spec.name, ", ".join(spec.variants) or "-", spec.summary, spec.source)
+    stdout.print(table)
+    stdout.print("Your own: --model path/to/file.py:factory, or an entry point in the "
+                 "'gpudiag.models' group (see README).")
+
+
+def main() -> None:
+    app()

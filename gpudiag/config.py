@@ -1,0 +1,211 @@
+"""RunConfig, the presets, and device selection: everything a run needs decided before it starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gpudiag.errors import BadInput
+
+AmpDtype = Literal["fp16", "bf16"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Transformer dimensions shared by the built-in models."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_positions: int = 512
+
+
+# bert-base-chinese, the backbone of the seed's DGCA-ReLM (DGCA-MODEL.md).
+BERT_BASE_CHINESE = ModelShape(
+    vocab_size=21128, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072
+)
+# Small enough that the whole ladder runs in seconds on two CPU cores, large enough that every
+# code path (LSTM prompt encoder, K candidates, vocabulary fusion) is exercised.
+TINY_SHAPE = ModelShape(
+    vocab_size=1000, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256,
+    max_positions=128,
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    summary: str
+    shape: ModelShape
+    batch_size: int
+    seq_len: int
+    iters: int
+    warmup: int
+    # Stages also run until this much time has passed: NVML's energy counter refreshes every
+    # ~100 ms, so a window of several seconds keeps the energy quantum to a few percent.
+    min_seconds: float
+
+
+PRESETS: dict[str, Preset] = {
+    "full": Preset(
+        name="full",
+        summary="bert-base-chinese shape, batch 128, seq 128 (the seed's setting)",
+        shape=BERT_BASE_CHINESE, batch_size=128, seq_len=128, iters=30, warmup=5, min_seconds=3.0,
+    ),
+    "tiny": Preset(
+        name="tiny",
+        summary="2 layers, hidden 64, batch 8, seq 64: the whole ladder in seconds on a CPU",
+        shape=TINY_SHAPE, batch_size=8, seq_len=64, iters=10, warmup=2, min_seconds=0.0,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that decides what a run measures. Serialised into run.json as `config`."""
+
+    model: str
+    preset: str
+    device: str
+    stages: tuple[str, ...]
+    shape: ModelShape
+    batch_size: int
+    seq_len: int
+    iters: int
+    warmup: int
+    min_seconds: float
+    amp_dtype: AmpDtype = "fp16"
+    loader_workers: int = 4
+    prompt_length: int = 3
+    candidates: int = 16
+    sample_period_s: float = 0.05
+    gpm_period_s: float = 0.2
+    seed: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resolve_device(requested: str | None) -> str:
+    """`None` picks cuda when torch sees a GPU, else cpu. Refuses devices that are not there."""
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    spec = requested.strip().lower()
+    if spec == "cpu":
+        return "cpu"
+    if spec == "cuda" or spec.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {requested}: no CUDA device is visible to torch; "
+                           "use --device cpu")
+        if spec == "cuda":
+            return "cuda"
+        index = spec.removeprefix("cuda:")
+        if not index.isdigit():
+            raise BadInput(f"--device {requested}: expected cuda:N with N a GPU index")
+        count = torch.cuda.device_count()
+        if int(index) >= count:
+            raise BadInput(f"--device {requested}: only {count} CUDA device(s) visible "
+                           f"(cuda:0..cuda:{count - 1})")
+        return f"cuda:{int(index)}"
+    raise BadInput(f"--device {requested}: expected cpu, cuda or cuda:N")
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise BadInput(f"{name} must be positive (got {value})")
+
+
+def build_config(
+    *,
+    model: str,
+    preset: str | None = None,
+    device: str | None = None,
+    stages: Sequence[str] | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    iters: int | None = None,
+    warmup: int | None = None,
+    min_seconds: float | None = None,
+    amp_dtype: str | None = None,
+    loader_workers: int | None = None,
+    prompt_length: int = 3,
+) -> tuple[RunConfig, list[str]]:
+    """Validate the user's choices into a RunConfig; return it with notes worth showing."""
+    from gpudiag.models import resolve_model
+    from gpudiag.stages import DEFAULT_LADDER, stage_names
+
+    notes: list[str] = []
+    resolve_model(model)  # fail early on an unknown model, before any device work
+    resolved_device = resolve_device(device)
+    if preset is None:
+        preset = "full" if resolved_device.startswith("cuda") else "tiny"
+        if preset == "tiny":
+            notes.append("No CUDA device: running the small 'tiny' preset on the CPU "
+                         "(--preset full to override).")
+    if preset not in PRESETS:
+        raise BadInput(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    chosen = PRESETS[preset]
+    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len),
+                        ("--iters", iters), ("--prompt-length", prompt_length)):
+        _positive(name, value)
+    if warmup is not None and warmup < 0:
+        raise BadInput(f"--warmup must be zero or more (got {warmup})")
+    if min_seconds is not None and min_seconds < 0:
+        raise BadInput(f"--min-seconds must be zero or more (got {min_seconds})")
+    if loader_workers is not None and loader_workers < 0:
+        raise BadInput(f"--workers must be zero or more (got {loader_workers})")
+    if amp_dtype is None:
+        # fp16 + GradScaler is the seed's recipe on GPUs; CPU autocast is bf16-native (oneDNN
+        # has no fp16 LSTM), so the CPU runs the same stages in bf16.
+        amp_dtype = "fp16" if resolved_device.startswith("cuda") else "bf16"
+    if amp_dtype not in ("fp16", "bf16"):
+        raise BadInput(f"--amp-dtype must be fp16 or bf16 (got {amp_dtype!r})")
+    seq = seq_len or chosen.seq_len
+    if seq > chosen.shape.max_positions:
+        raise BadInput(f"--seq-len {seq} exceeds the model's {chosen.shape.max_positions} "
+                       "positions")
+    if seq < 2 * prompt_length + 2:
+        raise BadInput(f"--seq-len {seq} leaves no room for 2x{prompt_length} prompt slots and "
+                       "a source sentence")
+
+    selected = tuple(stages) if stages else DEFAULT_LADDER
+    unknown = [s for s in selected if s not in stage_names()]
+    if unknown:
+        raise BadInput(f"unknown stage {unknown[0]!r} (known: {', '.join(stage_names())})")
+
+    config = RunConfig(
+        model=model,
+        preset=preset,
+        device=resolved_device,
+        stages=tuple(dict.fromkeys(selected)),
+        shape=chosen.shape,
+        batch_size=batch_size or chosen.batch_size,
+        seq_len=seq,
+        iters=iters or chosen.iters,
+        warmup=chosen.warmup if warmup is None else warmup,
+        min_seconds=chosen.min_seconds if min_seconds is None else min_seconds,
+        amp_dtype=amp_dtype,  # type: ignore[arg-type]
+        loader_workers=default_loader_workers() if loader_workers is None else loader_workers,
+        prompt_length=prompt_length,
+    )
+    return config, notes
+
+
+def default_loader_workers() -> int:
+    """Four workers, as in REFERENCE.md's stage 4, but never more than the CPUs we may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))

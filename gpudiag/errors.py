@@ -1,0 +1,19 @@
+"""Domain errors. The CLI turns each into a one-line message and its documented exit code."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_REGRESSION = 1
+EXIT_BAD_INPUT = 2
+EXIT_INCONCLUSIVE = 3
+EXIT_INTERRUPTED = 130
+
+
+class GpudiagError(Exception):
+    """An error the user can fix; its message is one line."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class BadInput(GpudiagError):
+    """An unknown name, an impossible size, a device that is not there, an unusable path."""

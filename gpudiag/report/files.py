@@ -1,0 +1,43 @@
+"""The run directory: run.json, samples.csv and report.md, written together."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from gpudiag.errors import BadInput
+from gpudiag.report.markdown import render_markdown
+from gpudiag.results import RunResult, save_run
+
+DEFAULT_REPORTS = Path("reports")
+RUN_FILE, SAMPLES_FILE, REPORT_FILE = "run.json", "samples.csv", "report.md"
+
+
+def default_run_dir(model: str, base: Path = DEFAULT_REPORTS) -> Path:
+    """`reports/<UTC timestamp>-<model>`, the model name made safe for a path."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model.split(":", 1)[0]).stem or model)
+    return base / f"{stamp}-{safe}"
+
+
+def prepare_run_dir(path: Path) -> Path:
+    """Create the run directory, or refuse a path that is a file or cannot be written."""
+    if path.exists() and not path.is_dir():
+        raise BadInput(f"--out {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"--out {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise BadInput(f"--out {path}: not writable")
+    return path
+
+
+def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame) -> None:
+    save_run(run, path / RUN_FILE)
+    samples.to_csv(path / SAMPLES_FILE, index=False, float_format="%.6g")
+    (path / REPORT_FILE).write_text(render_markdown(run))

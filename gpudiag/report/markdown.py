@@ -1,0 +1,117 @@
+"""report.md: the stage table like the seed's, the environment, and how it was measured."""
+
+from __future__ import annotations
+
+from gpudiag.report.rows import COLUMNS, fmt, phase_medians, table_cells
+from gpudiag.report.terminal import env_rows
+from gpudiag.results import RunResult
+
+PHASE_ORDER = ("data_wait", "h2d_copy", "forward", "backward", "optimizer")
+
+
+def _table(header: list[str], rows: list[list[str]], right_from: int = 1) -> list[str]:
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(run: RunResult) -> str:
+    c = run.config
+    env = run.env
+    gpu = env.gpu_name or env.device
+    out = [f"# gpudiag: `{c.get('model')}` on {gpu}", ""]
+    out.append(f"{run.created_utc} · gpudiag {run.tool_version} · preset `{c.get('preset')}` "
+               f"(batch {c.get('batch_size')}, seq {c.get('seq_len')}) · "
+               f"mixed precision {c.get('amp_dtype')}"
+               + (f" · power limit {env.power_limit_w:.0f} W" if env.power_limit_w else ""))
+    out.append("")
+    if run.interrupted:
+        out += ["> **Interrupted (Ctrl-C):** the stages below are what was measured before.", ""]
+    out += [f"> {note}" for note in run.notes]
+    if run.notes:
+        out.append("")
+
+    out += ["## Stages", ""]
+    columns, rows = table_cells(run, terminal=False)
+    out += _table([col.header for col in columns], rows)
+    out.append("")
+    out += [f"- **{col.header}**: {col.help}" for col in COLUMNS if col.help]
+    out.append("")
+    out += _what_ran(run)
+    out += _phases(run)
+    out += _problems(run)
+    out += ["## Environment", ""]
+    out += _table(["", ""], [[k, v] for k, v in env_rows(env)], right_from=2)
+    out.append("")
+    out += _method(run)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _what_ran(run: RunResult) -> list[str]:
+    rows = [[s.name, s.title, s.workload or "-"] for s in run.stages]
+    return ["### What each stage runs", "", *_table(["stage", "what", "workload"], rows, 3), ""]
+
+
+def _phases(run: RunResult) -> list[str]:
+    rows = []
+    for stage in run.ok_stages():
+        medians = phase_medians(stage)
+        if medians:
+            rows.append([stage.name, fmt(stage.ms_per_iter, ".1f")]
+                        + [fmt(medians.get(p), ".2f") for p in PHASE_ORDER])
+    if not rows:
+        return []
+    header = ["stage", "step", *[p.replace("_", " ") for p in PHASE_ORDER]]
+    return ["### Where a step's time goes (median ms)", "",
+            "Device phases are CUDA-event gaps on the GPU timeline; data wait is host time "
+            "blocked on the DataLoader.", "", *_table(header, rows), ""]
+
+
+def _problems(run: RunResult) -> list[str]:
+    bad = [s for s in run.stages if not s.ok]
+    if not bad:
+        return []
+    lines = ["### Stages that did not run", ""]
+    for stage in bad:
+        advice = f" Advice: {stage.advice}." if stage.advice else ""
+        lines.append(f"- `{stage.name}` **{stage.status}**: {stage.error}.{advice}")
+    return [*lines, ""]
+
+
+def _method(run: RunResult) -> list[str]:
+    c = run.config
+    timers = sorted({s.timer for s in run.ok_stages() if s.timer})
+    lines = ["## How it was measured", ""]
+    lines.append(f"- Each stage builds its workload, runs {c.get('warmup')} warm-up steps, then "
+                 f"at least {c.get('iters')} timed steps"
+                 + (f" and at least {c.get('min_seconds'):g} s" if c.get("min_seconds") else "")
+                 + ". Every timed step's time is kept in run.json (`iter_ms`); the table shows "
+                   "medians and interquartile ranges.")
+    if "cuda-events" in timers:
+        lines.append("- Step times are gaps between CUDA events recorded after every step on "
+                     "the compute stream, with no synchronisation between steps (the host queues "
+                     "ahead as in real training); one synchronisation reads them at the end.")
+    if "host-clock" in timers:
+        lines.append("- Host-only stages (and every stage on the CPU) use the host's monotonic "
+                     "clock.")
+    if run.env.nvml == "available":
+        lines.append(
+            f"- Telemetry: NVML sampled every {c.get('sample_period_s', 0) * 1e3:.0f} ms in a "
+            "background thread: instantaneous power (field 186), the driver's 1-second average "
+            "power, utilization.gpu (reported as *kernel-active time*: the share of time any "
+            "kernel ran, not how much of the chip worked), SM clock, temperature, throttle "
+            "reasons and memory in use. Stage energy is the total-energy counter read at the "
+            "window's edges after a device synchronisation; mean power is that energy over the "
+            "window.")
+        if run.env.gpm == "available":
+            lines.append(f"- GPM (SM activity, occupancy, tensor-pipe activity, DRAM bandwidth) "
+                         f"over each stage's whole window, and every "
+                         f"{c.get('gpm_period_s', 0) * 1e3:.0f} ms for the timeline.")
+        else:
+            lines.append(f"- GPM: {run.env.gpm}.")
+    else:
+        lines.append(f"- Telemetry: {run.env.nvml}.")
+    lines.append("- Files: `run.json` (everything above, every step time), `samples.csv` (the "
+                 "telemetry timeline with stage labels).")
+    return lines

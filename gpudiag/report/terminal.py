@@ -1,0 +1,79 @@
+"""Rich renderables for the terminal. Pure: they build tables, the CLI prints them."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from gpudiag.report.rows import fmt, table_cells
+from gpudiag.results import Env, RunResult
+
+_STATUS_STYLE = {"ok": "", "error": "red", "skipped": "yellow"}
+
+
+def stage_table(run: RunResult) -> Table:
+    columns, rows = table_cells(run, terminal=True)
+    table = Table(title=_title(run), title_justify="left", header_style="bold",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in columns:
+        table.add_column(column.short, justify="left" if column.key == "stage" else "right",
+                         no_wrap=column.key == "stage")
+    for stage, cells in zip(run.stages, rows, strict=True):
+        table.add_row(*cells, style=_STATUS_STYLE.get(stage.status, ""))
+    return table
+
+
+def _title(run: RunResult) -> str:
+    c = run.config
+    gpu = run.env.gpu_name or run.env.device
+    return (f"{c.get('model')} on {gpu} - preset {c.get('preset')}, batch {c.get('batch_size')}, "
+            f"seq {c.get('seq_len')}, {c.get('amp_dtype')}")
+
+
+def problems(run: RunResult) -> list[Text]:
+    """One line per stage that did not run: what happened and what to do."""
+    lines = []
+    for stage in run.stages:
+        if stage.ok:
+            continue
+        style = _STATUS_STYLE.get(stage.status, "")
+        advice = f" ({stage.advice})" if stage.advice else ""
+        lines.append(Text(f"{stage.name}: {stage.status}: {stage.error}{advice}", style=style))
+    return lines
+
+
+def env_table(env: Env) -> Table:
+    table = Table(title="What gpudiag sees", title_justify="left", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for label, value in env_rows(env):
+        table.add_row(label, value)
+    return table
+
+
+def env_rows(env: Env) -> list[tuple[str, str]]:
+    rows = [
+        ("device", env.device),
+        ("GPU", env.gpu_name or "none"),
+        ("GPUs visible", str(env.gpu_count)),
+        ("compute capability", env.compute_capability or "-"),
+        ("GPU memory", fmt(env.gpu_memory_mib / 1024 if env.gpu_memory_mib else None, ".1f",
+                           " GiB")),
+        ("driver", env.driver_version or "-"),
+        ("CUDA (torch build / driver)", f"{env.cuda_runtime or '-'} / {env.cuda_driver or '-'}"),
+        ("power limit", fmt(env.power_limit_w, ".0f", " W")),
+        ("torch", env.torch_version),
+        ("transformers", env.transformers_version or "-"),
+        ("python", env.python_version),
+        ("NVML", env.nvml),
+        ("GPM", env.gpm),
+        ("TF32 matmul / cuDNN", f"{env.tf32_matmul} / {env.tf32_cudnn}"),
+        ("cuDNN benchmark", str(env.cudnn_benchmark)),
+        ("CPU", f"{env.cpu_model or '-'} ({env.cpu_count} usable)"),
+        ("host", env.hostname),
+    ]
+    refused = {m: why for m, why in env.telemetry_metrics.items() if why != "ok"}
+    if refused:
+        rows.append(("telemetry refused", "; ".join(f"{m}: {w}" for m, w in refused.items())))
+    return rows

@@ -1,0 +1,187 @@
+"""Runs a list of stages: build, warm up, timed steps under telemetry, errors kept per stage.
+
+The runner never prints and never exits: it reports progress to a listener and hands the growing
+RunResult to `on_stage_done` after every stage, so the caller can write partial results. Ctrl-C
+stops the stage in progress at once; what was measured before it is kept and the run is marked
+interrupted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import nvtx
+import pandas as pd
+import torch
+
+from gpudiag._version import __version__
+from gpudiag.config import RunConfig
+from gpudiag.env import collect_env, device_identity
+from gpudiag.models import resolve_model
+from gpudiag.results import MemoryStats, RunResult, StageResult, TimingStats
+from gpudiag.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
+from gpudiag.telemetry import ReaderFactory, Sampler, open_sampler
+from gpudiag.timing import PhaseRecorder, synchronize, time_steps
+
+_MIB = 2**20
+
+
+class ProgressListener(Protocol):
+    def stage_started(self, name: str, title: str, planned_steps: int) -> None: ...
+    def step_done(self, name: str, done: int) -> None: ...
+    def stage_finished(self, result: StageResult) -> None: ...
+
+
+@dataclass
+class RunOutput:
+    run: RunResult
+    samples: pd.DataFrame  # the telemetry timeline, one row per sampler tick
+
+
+def run_stages(
+    config: RunConfig,
+    *,
+    notes: list[str] | None = None,
+    listener: ProgressListener | None = None,
+    on_stage_done: Callable[[RunOutput], None] | None = None,
+    reader_factory: ReaderFactory | None = None,
+) -> RunOutput:
+    started = time.perf_counter()
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    spec = resolve_model(config.model)
+    uuid, index = device_identity(device) if device.type == "cuda" else (None, 0)
+    sampler = open_sampler(device.type, uuid, index, period_s=config.sample_period_s,
+                           gpm_period_s=config.gpm_period_s, factory=reader_factory)
+    run = RunResult(
+        tool_version=__version__,
+        env=collect_env(device, sampler.reader, sampler.unavailable_reason),
+        config=config.to_dict(),
+        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        notes=list(notes or []),
+    )
+    ctx = StageContext(config=config, device=device, spec=spec, phases=PhaseRecorder(device))
+    with sampler:
+        for name in config.stages:
+            definition = get_stage(name)
+            if run.interrupted:
+                run.stages.append(StageResult(name=name, status="skipped",
+                                              title=definition.title, error="run interrupted"))
+                continue
+            try:
+                result = _run_stage(definition, ctx, sampler, listener)
+            except KeyboardInterrupt:
+                run.interrupted = True
+                result = StageResult(name=name, status="error", title=definition.title,
+                                     error="interrupted (Ctrl-C) before the stage finished")
+            run.stages.append(result)
+            run.duration_s = time.perf_counter() - started
+            if listener is not None:
+                listener.stage_finished(result)
+            if on_stage_done is not None:
+                on_stage_done(RunOutput(run, sampler.samples()))
+        samples = sampler.samples()
+    run.duration_s = time.perf_counter() - started
+    return RunOutput(run, samples)
+
+
+def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
+               listener: ProgressListener | None) -> StageResult:
+    config, device = ctx.config, ctx.device
+    name = definition.name
+    result = StageResult(name=name, status="ok", title=definition.title)
+    if listener is not None:
+        listener.stage_started(name, definition.title, config.warmup + config.iters)
+    on_step = (lambda done: listener.step_done(name, done)) if listener is not None else None
+    workload: Workload | None = None
+    try:
+        with nvtx.annotate(f"stage {name}", domain="gpudiag"):
+            ctx.phases.clear()
+            workload = definition.build(ctx)
+            result.workload = workload.description
+            result.details = dict(workload.details)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            warm = time_steps(workload.step, device=device, iters=config.warmup,
+                              host_only=workload.host_only, label=f"{name} warm-up",
+                              on_step=on_step)
+            synchronize(device)
+            ctx.phases.clear()
+            sampler.begin(name)
+            try:
+                timed = time_steps(
+                    workload.step, device=device, iters=config.iters,
+                    min_seconds=config.min_seconds, host_only=workload.host_only, label=name,
+                    on_step=None if on_step is None else lambda d: on_step(config.warmup + d))
+            finally:
+                synchronize(device)
+                result.telemetry = sampler.end()
+            _record_times(result, workload, warm.iter_ms, timed.iter_ms)
+            result.timer, result.wall_s = timed.timer, timed.wall_s
+            result.phases_ms = ctx.phases.collect()
+            result.memory = _memory(device)
+    except StageSkipped as exc:
+        result.status, result.error = "skipped", str(exc)
+    except torch.OutOfMemoryError as exc:
+        result.status = "error"
+        result.error = f"out of device memory: {_first_sentences(str(exc))}"
+        result.advice = (f"lower --batch-size (now {config.batch_size}) or --seq-len "
+                         f"(now {config.seq_len}), or run this stage alone with --stages {name}")
+        result.traceback = traceback.format_exc()
+    except Exception as exc:
+        result.status = "error"
+        result.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        result.advice = "the full traceback is in run.json (stages[].traceback)"
+        result.traceback = traceback.format_exc()
+    finally:
+        if workload is not None:
+            workload.close()
+        del workload
+        _release_memory(device)
+    return result
+
+
+def _record_times(result: StageResult, workload: Workload, warmup_ms: list[float],
+                  iter_ms: list[float]) -> None:
+    stats = TimingStats.of(iter_ms)
+    result.iter_ms, result.warmup_ms, result.timing = iter_ms, warmup_ms, stats
+    result.ms_per_iter = stats.median_ms
+    result.samples_per_step = workload.samples_per_step
+    result.tokens_per_step = workload.tokens_per_step
+    if stats.median_ms > 0:
+        result.samples_per_s = workload.samples_per_step / stats.median_ms * 1e3
+        result.tokens_per_s = workload.tokens_per_step / stats.median_ms * 1e3
+
+
+def _memory(device: torch.device) -> MemoryStats | None:
+    if device.type != "cuda":
+        return None
+    return MemoryStats(
+        peak_allocated_mib=torch.cuda.max_memory_allocated(device) / _MIB,
+        peak_reserved_mib=torch.cuda.max_memory_reserved(device) / _MIB,
+        device_total_mib=torch.cuda.get_device_properties(device).total_memory / _MIB,
+    )
+
+
+def _release_memory(device: torch.device) -> None:
+    # Stages must not inherit each other's cached blocks: peak-memory figures and OOM
+    # behaviour of a stage should not depend on which stage ran before it.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(no message)"
+
+
+def _first_sentences(text: str, limit: int = 2) -> str:
+    sentences = _first_line(text).split(". ")
+    return ". ".join(sentences[:limit]).rstrip(".")

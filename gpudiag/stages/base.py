@@ -1,0 +1,145 @@
+"""A stage is a named function that builds a workload; the runner owns timing and telemetry."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gpudiag.config import RunConfig
+from gpudiag.models import Example, ModelBundle, ModelOptions, ModelSpec
+from gpudiag.timing import PhaseRecorder
+
+# Enough examples that no stage runs out (a map-style dataset of this length allocates nothing).
+DATASET_LENGTH = 10_000_000
+PREFETCH_FACTOR = 2
+
+
+class StageSkipped(Exception):
+    """Raised by a stage that does not apply to this model or machine; the message says why."""
+
+
+@dataclass
+class Workload:
+    """One step function and what a step processes."""
+
+    step: Callable[[], None]
+    samples_per_step: int
+    tokens_per_step: int
+    description: str
+    host_only: bool = False  # no device work: time with the host clock
+    details: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class StageContext:
+    config: RunConfig
+    device: torch.device
+    spec: ModelSpec
+    phases: PhaseRecorder
+
+    @property
+    def options(self) -> ModelOptions:
+        c = self.config
+        return ModelOptions(shape=c.shape, seq_len=c.seq_len, prompt_length=c.prompt_length,
+                            candidates=c.candidates, seed=c.seed)
+
+    @property
+    def amp_dtype(self) -> torch.dtype:
+        return torch.float16 if self.config.amp_dtype == "fp16" else torch.bfloat16
+
+    def bundle(self, variant: str | None = None, *, weights: bool = True) -> ModelBundle:
+        """Build the model (a variant of it, for the full-* stages) with reproducible weights.
+
+        `weights=False` builds on the meta device: for stages that only need the data.
+        """
+        if variant is None:
+            factory = self.spec.build
+        elif variant in self.spec.variants:
+            factory = self.spec.variants[variant]
+        else:
+            raise StageSkipped(f"model {self.spec.name!r} has no {variant!r} variant")
+        torch.manual_seed(self.config.seed)
+        with torch.device(self.device if weights else "meta"):
+            bundle = factory(self.options)
+        if weights:
+            bundle.model.to(self.device)
+        return bundle
+
+    def batch(self, bundle: ModelBundle, keys: tuple[str, ...] | None = None) -> Example:
+        """One synthetic batch on the device, reused by every step (no data-loading cost)."""
+        examples = [bundle.make_example(i) for i in range(self.config.batch_size)]
+        batch = torch.utils.data.default_collate(examples)
+        return {k: v.to(self.device) for k, v in batch.items() if keys is None or k in keys}
+
+    def loader(self, bundle: ModelBundle) -> DataLoader[Example]:
+        """A real DataLoader over the model's synthetic examples, configured as we advise."""
+        workers = self.config.loader_workers
+        return DataLoader(
+            _SyntheticDataset(bundle.make_example),
+            batch_size=self.config.batch_size,
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            drop_last=True,
+            persistent_workers=workers > 0,
+            prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+            worker_init_fn=_ignore_sigint if workers > 0 else None,
+        )
+
+    def autocast(self, enabled: bool = True) -> AbstractContextManager[Any]:
+        if not enabled:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def to_device(self, batch: Example) -> Example:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+class _SyntheticDataset(Dataset[Example]):
+    def __init__(self, make_example: Callable[[int], Example]) -> None:
+        self.make_example = make_example
+
+    def __len__(self) -> int:
+        return DATASET_LENGTH
+
+    def __getitem__(self, index: int) -> Example:
+        return self.make_example(index)
+
+
+def _ignore_sigint(_worker_id: int) -> None:
+    # Ctrl-C goes to the whole process group; the main process shuts workers down, so workers
+    # must not raise KeyboardInterrupt themselves (the seed's traceback storm, SEEDS.md 5).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+StageFunction = Callable[[StageContext], Workload]
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    title: str
+    build: StageFunction
+
+
+_STAGES: dict[str, StageDef] = {}
+
+
+def stage(name: str, title: str) -> Callable[[StageFunction], StageFunction]:
+    """Register a stage under `name`; registration order is the ladder's order."""
+
+    def register(fn: StageFunction) -> StageFunction:
+        _STAGES[name] = StageDef(name=name, title=title, build=fn)
+        return fn
+
+    return register
+
+
+def registered_stages() -> Iterator[StageDef]:
+    return iter(_STAGES.values())

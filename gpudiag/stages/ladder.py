@@ -1,0 +1,157 @@
+"""The seed's diagnosis ladder (SEEDS.md section 1), one stage per rung, in ladder order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gpudiag.models import Example, ModelBundle
+from gpudiag.stages.base import StageContext, Workload, stage
+
+# The training recipe of the seed's DGCA trainer (DGCA-MODEL.md).
+LEARNING_RATE = 5e-5
+WEIGHT_DECAY = 0.01
+FULL_MODEL_GRAD_CLIP = 1.0
+
+
+def train_step(
+    ctx: StageContext,
+    bundle: ModelBundle,
+    next_batch: Callable[[], Example],
+    *,
+    amp: bool,
+    clip: float | None = None,
+) -> Callable[[], None]:
+    """A step of the usual loop: forward (autocast), scaled backward, optional clipping, AdamW."""
+    model = bundle.model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    scaler = torch.amp.GradScaler(ctx.device.type,
+                                  enabled=amp and ctx.amp_dtype == torch.float16)
+    phase = ctx.phases.phase
+
+    def step() -> None:
+        batch = next_batch()
+        with phase("forward"), ctx.autocast(amp):
+            loss = bundle.loss(model(**batch))
+        with phase("backward"):
+            scaler.scale(loss).backward()
+        with phase("optimizer"):
+            if clip is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _amp_label(ctx: StageContext) -> str:
+    if ctx.config.amp_dtype == "fp16":
+        return "fp16 autocast + GradScaler"
+    return "bf16 autocast"
+
+
+def _tokens(ctx: StageContext) -> int:
+    return ctx.config.batch_size * ctx.config.seq_len
+
+
+@stage("infer", "forward only (no_grad, fp32)")
+def infer(ctx: StageContext) -> Workload:
+    bundle = ctx.bundle()
+    model = bundle.model.eval()
+    inputs = ctx.batch(bundle, keys=bundle.infer_inputs)
+
+    def step() -> None:
+        with torch.no_grad():
+            model(**inputs)
+
+    return Workload(step=step, samples_per_step=ctx.config.batch_size,
+                    tokens_per_step=_tokens(ctx), description=f"{bundle.description}, fp32")
+
+
+@stage("train", "training step (fp32, AdamW)")
+def train(ctx: StageContext) -> Workload:
+    bundle = ctx.bundle()
+    batch = ctx.batch(bundle)
+    return Workload(step=train_step(ctx, bundle, lambda: batch, amp=False),
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
+                    description=f"{bundle.description}, fp32")
+
+
+@stage("train-fp16", "training step with mixed precision (autocast)")
+def train_fp16(ctx: StageContext) -> Workload:
+    bundle = ctx.bundle()
+    batch = ctx.batch(bundle)
+    return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True),
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
+                    description=f"{bundle.description}, {_amp_label(ctx)}")
+
+
+def _loader_details(ctx: StageContext) -> dict[str, object]:
+    workers = ctx.config.loader_workers
+    return {"num_workers": workers, "pin_memory": ctx.device.type == "cuda",
+            "prefetch_factor": 2 if workers else None, "persistent_workers": workers > 0}
+
+
+@stage("dataloader", "DataLoader alone (workers, pinned memory): time per batch")
+def dataloader(ctx: StageContext) -> Workload:
+    bundle = ctx.bundle(weights=False)  # only the data is needed
+    loader = ctx.loader(bundle)
+    batches = iter(loader)
+
+    def step() -> None:
+        next(batches)
+
+    details = _loader_details(ctx)
+    return Workload(step=step, samples_per_step=ctx.config.batch_size,
+                    tokens_per_step=_tokens(ctx), host_only=True, details=details,
+                    description=f"{details['num_workers']} workers, "
+                                f"pin_memory={details['pin_memory']}",
+                    close=lambda: _shutdown(batches))
+
+
+@stage("data-train", "DataLoader + mixed-precision training")
+def data_train(ctx: StageContext) -> Workload:
+    bundle = ctx.bundle()
+    batches = iter(ctx.loader(bundle))
+
+    def next_batch() -> Example:
+        with ctx.phases.phase("data_wait", host=True):
+            batch = next(batches)
+        with ctx.phases.phase("h2d_copy"):
+            return ctx.to_device(batch)
+
+    return Workload(step=train_step(ctx, bundle, next_batch, amp=True),
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
+                    details=_loader_details(ctx),
+                    description=f"{bundle.description}, {_amp_label(ctx)}, "
+                                f"{ctx.config.loader_workers} loader workers",
+                    close=lambda: _shutdown(batches))
+
+
+def _full_model(ctx: StageContext, variant: str) -> Workload:
+    bundle = ctx.bundle(variant)
+    batch = ctx.batch(bundle)
+    return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True,
+                                    clip=FULL_MODEL_GRAD_CLIP),
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
+                    description=f"{bundle.description}, {_amp_label(ctx)}, grad clip 1.0")
+
+
+@stage("full-loop", "full model, prompt written by a per-element Python loop")
+def full_loop(ctx: StageContext) -> Workload:
+    return _full_model(ctx, "loop")
+
+
+@stage("full-vectorized", "full model, prompt written by one vectorized op")
+def full_vectorized(ctx: StageContext) -> Workload:
+    return _full_model(ctx, "vectorized")
+
+
+def _shutdown(batches: object) -> None:
+    # Persistent workers stop when their iterator goes; do it now, not at garbage collection.
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
