@@ -55,6 +55,7 @@ def run_stages(
     started = time.perf_counter()
     device = torch.device(config.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # an explicit index for set_device
         torch.cuda.set_device(device)
     spec = resolve_model(config.model)
     uuid, index = device_identity(device) if device.type == "cuda" else (None, 0)
