@@ -49,6 +49,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
                                        period_s=config.sample_period_s,
                                        gpm_period_s=config.gpm_period_s)
                 with sampler:
+                    sampler.wait_ready()
                     synchronize(device)
                     sampler.begin(name)
                     times = time_steps(workload.step, device=device, iters=config.iters,

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import (
@@ -31,8 +30,17 @@ from rich.table import Table
 from gpudiag.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GpudiagError
 from gpudiag.results import RunFileError, StageResult
 
-stdout = Console(highlight=False)
+# Logs and pipes get the whole table; an interactive terminal gets what fits its width.
+stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 stderr = Console(stderr=True, highlight=False)
+
+
+# Typer >= 0.29 carries its own copy of click; older ones use click itself. Find the exception
+# classes the running Typer raises through its public BadParameter.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_click_errors = sys.modules[_ClickException.__module__]
+_NoArgsIsHelp = getattr(_click_errors, "NoArgsIsHelpError", None) or type("_N", (Exception,), {})
+_Aborts = tuple({typer.Abort, getattr(_click_errors, "Abort", typer.Abort)})
 
 
 class _OneLineErrors(typer.core.TyperGroup):
@@ -44,17 +52,19 @@ class _OneLineErrors(typer.core.TyperGroup):
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:
-            click.echo(exc.ctx.get_help() if exc.ctx else "", err=True)
+        except _NoArgsIsHelp as exc:
+            ctx = getattr(exc, "ctx", None)
+            typer.echo(ctx.get_help() if ctx else "", err=True)
             code = EXIT_BAD_INPUT
-        except click.ClickException as exc:
-            command = exc.ctx.command_path if getattr(exc, "ctx", None) else "gpudiag"
-            stderr.print(f"{command}: error: {exc.format_message()}", markup=False)
-            code = exc.exit_code
+        except _ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            command = ctx.command_path if ctx else "gpudiag"
+            typer.echo(f"{command}: error: {exc.format_message()}", err=True)
+            code = EXIT_BAD_INPUT
         except (GpudiagError, RunFileError) as exc:
-            stderr.print(f"gpudiag: error: {exc}", markup=False)
+            typer.echo(f"gpudiag: error: {exc}", err=True)
             code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
-        except click.exceptions.Abort:
+        except _Aborts:
             code = EXIT_INTERRUPTED
         if not standalone_mode:
             return code
@@ -148,7 +158,7 @@ def run(
         amp_dtype=amp_dtype, loader_workers=workers)
     run_dir = prepare_run_dir(out or default_run_dir(model))
     for note in notes:
-        stderr.print(f"[yellow]note:[/] {note}")
+        stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
 
     def save(output: RunOutput) -> None:
         write_run_dir(run_dir, output.run, output.samples)
@@ -161,10 +171,11 @@ def run(
     if as_json:
         stdout.print_json(json.dumps(output.run.to_dict()))
     else:
-        stdout.print(stage_table(output.run))
+        stdout.print(stage_table(output.run, width=stdout.width))
         for line in problems(output.run):
             stdout.print(line)
-    stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)")
+    stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)",
+                 soft_wrap=True)
     if output.run.interrupted:
         stderr.print("[yellow]Interrupted:[/] partial results written.")
         raise typer.Exit(EXIT_INTERRUPTED)

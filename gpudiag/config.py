@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,7 +93,8 @@ class RunConfig:
         return self.device.startswith("cuda")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-native (tuples as lists), so a config survives a run.json round trip."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def resolve_device(requested: str | None) -> str:

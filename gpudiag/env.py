@@ -88,12 +88,12 @@ def collect_env(device: torch.device, reader: GpuReader | None, telemetry_reason
 def describe_environment(device: str | None) -> Env:
     """The environment a run on `device` would record, for `gpudiag env`."""
     from gpudiag.config import resolve_device
-    from gpudiag.telemetry import open_reader
+    from gpudiag.telemetry import nvml_spec, open_reader
 
     resolved = torch.device(resolve_device(device))
     reader, reason = None, f"device is {resolved.type}: no GPU telemetry"
     if resolved.type == "cuda":
-        reader, reason = open_reader(*device_identity(resolved))
+        reader, reason = open_reader(nvml_spec(*device_identity(resolved)))
     try:
         return collect_env(resolved, reader, reason)
     finally:

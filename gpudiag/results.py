@@ -114,7 +114,9 @@ class TelemetrySummary:
 
 @dataclass
 class StageResult:
-    """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations)."""
+    """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations), or
+    their mean for bursty stages such as a prefetching DataLoader (`details`
+    ["ms_per_iter_statistic"] says which)."""
 
     name: str
     status: StageStatus

@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import nvtx
 import pandas as pd
@@ -26,7 +26,7 @@ from gpudiag.env import collect_env, device_identity
 from gpudiag.models import resolve_model
 from gpudiag.results import MemoryStats, RunResult, StageResult, TimingStats
 from gpudiag.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
-from gpudiag.telemetry import ReaderFactory, Sampler, open_sampler
+from gpudiag.telemetry import Sampler, open_sampler
 from gpudiag.timing import PhaseRecorder, synchronize, time_steps
 
 _MIB = 2**20
@@ -50,7 +50,7 @@ def run_stages(
     notes: list[str] | None = None,
     listener: ProgressListener | None = None,
     on_stage_done: Callable[[RunOutput], None] | None = None,
-    reader_factory: ReaderFactory | None = None,
+    telemetry_spec: dict[str, Any] | None = None,
 ) -> RunOutput:
     started = time.perf_counter()
     device = torch.device(config.device)
@@ -60,7 +60,7 @@ def run_stages(
     spec = resolve_model(config.model)
     uuid, index = device_identity(device) if device.type == "cuda" else (None, 0)
     sampler = open_sampler(device.type, uuid, index, period_s=config.sample_period_s,
-                           gpm_period_s=config.gpm_period_s, factory=reader_factory)
+                           gpm_period_s=config.gpm_period_s, spec=telemetry_spec)
     run = RunResult(
         tool_version=__version__,
         env=collect_env(device, sampler.reader, sampler.unavailable_reason),
@@ -70,6 +70,7 @@ def run_stages(
     )
     ctx = StageContext(config=config, device=device, spec=spec, phases=PhaseRecorder(device))
     with sampler:
+        sampler.wait_ready()
         for name in config.stages:
             definition = get_stage(name)
             if run.interrupted:
@@ -153,12 +154,13 @@ def _record_times(result: StageResult, workload: Workload, warmup_ms: list[float
                   iter_ms: list[float]) -> None:
     stats = TimingStats.of(iter_ms)
     result.iter_ms, result.warmup_ms, result.timing = iter_ms, warmup_ms, stats
-    result.ms_per_iter = stats.median_ms
+    result.ms_per_iter = stats.mean_ms if workload.bursty else stats.median_ms
+    result.details["ms_per_iter_statistic"] = "mean" if workload.bursty else "median"
     result.samples_per_step = workload.samples_per_step
     result.tokens_per_step = workload.tokens_per_step
-    if stats.median_ms > 0:
-        result.samples_per_s = workload.samples_per_step / stats.median_ms * 1e3
-        result.tokens_per_s = workload.tokens_per_step / stats.median_ms * 1e3
+    if result.ms_per_iter > 0:
+        result.samples_per_s = workload.samples_per_step / result.ms_per_iter * 1e3
+        result.tokens_per_s = workload.tokens_per_step / result.ms_per_iter * 1e3
 
 
 def _memory(device: torch.device) -> MemoryStats | None:

@@ -63,7 +63,8 @@ def _status(stage: StageResult, run: RunResult) -> str:
 COLUMNS: tuple[Column, ...] = (
     Column("stage", "stage", "stage", lambda s, r: s.name),
     Column("ms", "ms/iter", "ms/iter", lambda s, r: fmt(s.ms_per_iter, ".1f"),
-           help="median of the timed steps"),
+           help="median of the timed steps (for the dataloader, whose batches arrive in "
+                "bursts from the prefetch queue, the mean)"),
     Column("iqr", "IQR ms", "IQR", _iqr, help="interquartile range of the timed steps"),
     Column("sps", "samples/s", "samples/s", lambda s, r: fmt(s.samples_per_s, ",.1f")),
     Column("tps", "tokens/s", "", lambda s, r: fmt(s.tokens_per_s, ",.0f")),
@@ -84,6 +85,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("mem", "peak mem GiB", "GiB", _memory, help="peak allocated by the caching allocator"),
     Column("status", "status", "", _status),
 )
+
+
+# The terminal table sheds columns in this order when the console is too narrow.
+TERMINAL_DROP_ORDER = ("jps", "pmax", "iqr", "mem", "active", "tensor", "sm", "vs", "power")
 
 
 def table_cells(run: RunResult, *, terminal: bool) -> tuple[list[Column], list[list[str]]]:

@@ -3,17 +3,37 @@
 from __future__ import annotations
 
 from rich import box
+from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from gpudiag.report.rows import fmt, table_cells
+from gpudiag.report.rows import TERMINAL_DROP_ORDER, Column, fmt, table_cells
 from gpudiag.results import Env, RunResult
 
 _STATUS_STYLE = {"ok": "", "error": "red", "skipped": "yellow"}
 
 
-def stage_table(run: RunResult) -> Table:
+def stage_table(run: RunResult, width: int | None = None) -> Table:
+    """The stage table; with `width`, the least important columns go until it fits."""
     columns, rows = table_cells(run, terminal=True)
+    table = _build(run, columns, rows)
+    for key in TERMINAL_DROP_ORDER:
+        if width is None or _natural_width(table) <= width:
+            break
+        keep = [i for i, c in enumerate(columns) if c.key != key]
+        columns = [columns[i] for i in keep]
+        rows = [[row[i] for i in keep] for row in rows]
+        table = _build(run, columns, rows)
+    return table
+
+
+def _natural_width(table: Table) -> int:
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, table).maximum
+
+
+def _build(run: RunResult, columns: list[Column], rows: list[list[str]]) -> Table:
     table = Table(title=_title(run), title_justify="left", header_style="bold",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for column in columns:

@@ -18,6 +18,7 @@ from gpudiag.timing import PhaseRecorder
 # Enough examples that no stage runs out (a map-style dataset of this length allocates nothing).
 DATASET_LENGTH = 10_000_000
 PREFETCH_FACTOR = 2
+POOL_BATCHES = 4  # distinct batches a preloaded dataset holds
 
 
 class StageSkipped(Exception):
@@ -33,6 +34,9 @@ class Workload:
     tokens_per_step: int
     description: str
     host_only: bool = False  # no device work: time with the host clock
+    # Steps served from a prefetching queue arrive in bursts (most instant, some long): their
+    # time per step is total time over steps, not the median step.
+    bursty: bool = False
     details: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
 
@@ -82,7 +86,7 @@ class StageContext:
         """A real DataLoader over the model's synthetic examples, configured as we advise."""
         workers = self.config.loader_workers
         return DataLoader(
-            _SyntheticDataset(bundle.make_example),
+            _PreloadedDataset(bundle.make_example, POOL_BATCHES * self.config.batch_size),
             batch_size=self.config.batch_size,
             num_workers=workers,
             pin_memory=self.device.type == "cuda",
@@ -101,15 +105,21 @@ class StageContext:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
 
-class _SyntheticDataset(Dataset[Example]):
-    def __init__(self, make_example: Callable[[int], Example]) -> None:
-        self.make_example = make_example
+class _PreloadedDataset(Dataset[Example]):
+    """Tokenised examples held in memory, as the seed's `--preload_data` fix did: items are row
+    views, so the loader's cost is batching, collation and pinning, not example generation."""
+
+    def __init__(self, make_example: Callable[[int], Example], pool_size: int) -> None:
+        examples = [make_example(i) for i in range(pool_size)]
+        self.pool = torch.utils.data.default_collate(examples)
+        self.pool_size = pool_size
 
     def __len__(self) -> int:
         return DATASET_LENGTH
 
     def __getitem__(self, index: int) -> Example:
-        return self.make_example(index)
+        row = index % self.pool_size
+        return {k: v[row] for k, v in self.pool.items()}
 
 
 def _ignore_sigint(_worker_id: int) -> None:

@@ -106,7 +106,7 @@ def dataloader(ctx: StageContext) -> Workload:
 
     details = _loader_details(ctx)
     return Workload(step=step, samples_per_step=ctx.config.batch_size,
-                    tokens_per_step=_tokens(ctx), host_only=True, details=details,
+                    tokens_per_step=_tokens(ctx), host_only=True, bursty=True, details=details,
                     description=f"{details['num_workers']} workers, "
                                 f"pin_memory={details['pin_memory']}",
                     close=lambda: _shutdown(batches))

@@ -1,0 +1,79 @@
+"""The command line: bad input is one line and exit 2; a tiny run writes its directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpudiag.cli import app
+from gpudiag.errors import EXIT_BAD_INPUT
+
+runner = CliRunner()
+TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]
+
+
+def _one_line_error(result: object, contains: str) -> None:
+    assert result.exit_code == EXIT_BAD_INPUT, result.output  # type: ignore[attr-defined]
+    err = result.stderr.strip()  # type: ignore[attr-defined]
+    assert contains in err
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in result.output  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("args", "contains"), [
+    (["--model", "nope"], "unknown model 'nope'"),
+    (["--stages", "infer,warp"], "unknown stage 'warp'"),
+    (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--batch-size", "lots"], "Invalid value for '--batch-size'"),
+    (["--seq-len", "100000"], "exceeds the model's"),
+    (["--amp-dtype", "fp8"], "--amp-dtype must be fp16 or bf16"),
+    (["--device", "tpu:0"], "expected cpu, cuda or cuda:N"),
+    (["--nonsense"], "No such option"),
+])
+def test_run_rejects_bad_input(args: list[str], contains: str) -> None:
+    _one_line_error(runner.invoke(app, ["run", *args]), contains)
+
+
+def test_out_must_be_a_directory(tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    _one_line_error(runner.invoke(app, ["run", *TINY, "--out", str(file)]),
+                    "exists and is not a directory")
+    _one_line_error(runner.invoke(app, ["run", *TINY, "--out", str(file / "sub")]),
+                    "cannot create it")
+
+
+def test_tiny_run_writes_the_run_directory(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", *TINY, "--stages", "infer,train", "--out", str(out),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [s["name"] for s in data["stages"]] == ["infer", "train"]
+    assert {p.name for p in out.iterdir()} == {"run.json", "samples.csv", "report.md"}
+    assert json.loads((out / "run.json").read_text())["stages"] == data["stages"]
+
+
+def test_tiny_run_prints_the_table(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run", *TINY, "--stages", "infer,full-loop",
+                                 "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "full-loop" in result.stdout and "ms/iter" in result.stdout
+    assert "report.md" in result.stderr
+
+
+def test_env_and_models() -> None:
+    env = runner.invoke(app, ["env", "--device", "cpu", "--json"])
+    assert env.exit_code == 0
+    facts = json.loads(env.stdout)
+    assert facts["device"] == "cpu" and facts["torch_version"] and facts["cpu_count"] >= 1
+    models = runner.invoke(app, ["models"])
+    assert models.exit_code == 0 and "dgca" in models.stdout and "vectorized" in models.stdout
+
+
+def test_no_arguments_shows_help() -> None:
+    result = runner.invoke(app, [])
+    assert "run" in result.output and "Usage" in result.output

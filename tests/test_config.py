@@ -1,0 +1,57 @@
+"""Presets, defaults and validation of the run configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpudiag.config import PRESETS, build_config
+from gpudiag.errors import BadInput
+from gpudiag.stages import DEFAULT_LADDER
+
+
+def test_cpu_defaults_to_tiny_bf16_and_says_so() -> None:
+    config, notes = build_config(model="dgca", device="cpu")
+    assert config.preset == "tiny" and config.amp_dtype == "bf16"
+    assert config.stages == DEFAULT_LADDER
+    assert any("tiny" in n for n in notes)
+
+
+def test_full_preset_is_the_seed_setting() -> None:
+    full = PRESETS["full"]
+    assert (full.batch_size, full.seq_len) == (128, 128)
+    assert (full.shape.vocab_size, full.shape.hidden_size, full.shape.num_layers,
+            full.shape.num_heads, full.shape.intermediate_size) == (21128, 768, 12, 12, 3072)
+
+
+def test_overrides_apply() -> None:
+    config, _ = build_config(model="bert", device="cpu", preset="tiny", batch_size=3,
+                             seq_len=32, iters=7, warmup=0, amp_dtype="fp16",
+                             stages=["train", "train", "infer"])
+    assert (config.batch_size, config.seq_len, config.iters, config.warmup) == (3, 32, 7, 0)
+    assert config.amp_dtype == "fp16"
+    assert config.stages == ("train", "infer")  # duplicates dropped, order kept
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"model": "nope"}, "unknown model"),
+    ({"stages": ["warp-speed"]}, "unknown stage 'warp-speed'"),
+    ({"batch_size": 0}, "--batch-size must be positive"),
+    ({"iters": -3}, "--iters must be positive"),
+    ({"warmup": -1}, "--warmup must be zero or more"),
+    ({"amp_dtype": "fp8"}, "--amp-dtype must be fp16 or bf16"),
+    ({"preset": "huge"}, "unknown preset 'huge'"),
+    ({"seq_len": 4096}, "exceeds the model's"),
+    ({"device": "tpu"}, "expected cpu, cuda or cuda:N"),
+])
+def test_bad_input(kwargs: dict[str, object], message: str) -> None:
+    options: dict[str, object] = {"model": "dgca", "device": "cpu"}
+    options.update(kwargs)
+    with pytest.raises(BadInput, match=message):
+        build_config(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_bad_input() -> None:
+    with pytest.raises(BadInput, match="no CUDA device"):
+        build_config(model="dgca", device="cuda")

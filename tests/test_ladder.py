@@ -1,0 +1,146 @@
+"""The ladder on the tiny preset: every stage runs, is timed, and carries telemetry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_config
+
+from gpudiag.report import render_markdown, write_run_dir
+from gpudiag.results import load_run
+from gpudiag.runner import RunOutput, run_stages
+from gpudiag.stages import DEFAULT_LADDER
+from gpudiag.telemetry.fake import fake_spec
+
+TRAINING_STAGES = ("train", "train-fp16", "data-train", "full-loop", "full-vectorized")
+
+
+def test_every_ladder_stage_runs(tiny_ladder: RunOutput) -> None:
+    run = tiny_ladder.run
+    assert [s.name for s in run.stages] == list(DEFAULT_LADDER)
+    for stage in run.stages:
+        assert stage.status == "ok", (stage.name, stage.error, stage.traceback)
+        assert len(stage.iter_ms) >= 4 and len(stage.warmup_ms) == 1
+        assert stage.ms_per_iter and stage.ms_per_iter > 0
+        assert stage.samples_per_s == pytest.approx(8 / stage.ms_per_iter * 1e3)
+        assert stage.timer == "host-clock"
+    assert not run.interrupted and run.duration_s
+
+
+def test_training_stages_split_their_steps(tiny_ladder: RunOutput) -> None:
+    for name in TRAINING_STAGES:
+        stage = tiny_ladder.run.stage(name)
+        assert stage is not None
+        assert {"forward", "backward", "optimizer"} <= stage.phases_ms.keys()
+        assert all(len(v) == len(stage.iter_ms) for v in stage.phases_ms.values())
+    data_train = tiny_ladder.run.stage("data-train")
+    assert data_train is not None and "data_wait" in data_train.phases_ms
+
+
+def test_dataloader_stage_reports_its_configuration(tiny_ladder: RunOutput) -> None:
+    stage = tiny_ladder.run.stage("dataloader")
+    assert stage is not None
+    assert stage.details["num_workers"] == 1 and stage.details["pin_memory"] is False
+    assert stage.details["ms_per_iter_statistic"] == "mean"
+
+
+def test_stages_carry_fake_gpu_telemetry(tiny_ladder: RunOutput) -> None:
+    for stage in tiny_ladder.run.stages:
+        t = stage.telemetry
+        assert t.available and t.energy_source == "counter"
+        assert t.power_mean_w == pytest.approx(250.0, rel=0.01)
+        assert stage.energy_per_sample_j is not None
+    assert tiny_ladder.run.env.nvml == "available"
+    labels = set(tiny_ladder.samples["stage"])
+    # Stages shorter than the 50 ms sampling period may get no row; the long ones do.
+    assert labels <= {"", *DEFAULT_LADDER} and "full-loop" in labels
+
+
+def test_stage_names_and_workloads_are_described(tiny_ladder: RunOutput) -> None:
+    loop = tiny_ladder.run.stage("full-loop")
+    assert loop is not None and "prompt: loop" in loop.workload
+    assert "BertForMaskedLM" in (tiny_ladder.run.stage("infer") or loop).workload
+
+
+def test_run_directory_round_trip(tiny_ladder: RunOutput, tmp_path: Path) -> None:
+    write_run_dir(tmp_path, tiny_ladder.run, tiny_ladder.samples)
+    assert load_run(tmp_path) == tiny_ladder.run
+    samples = pd.read_csv(tmp_path / "samples.csv")
+    assert {"t_s", "stage", "power_instant_w"} <= set(samples.columns)
+    report = (tmp_path / "report.md").read_text()
+    assert report == render_markdown(tiny_ladder.run)
+    for name in DEFAULT_LADDER:
+        assert f"| {name} |" in report
+    assert "## How it was measured" in report and "## Environment" in report
+
+
+def test_bert_has_no_prompt_variants() -> None:
+    output = run_stages(tiny_config("bert", stages=["train-fp16", "full-loop"]))
+    full_loop = output.run.stage("full-loop")
+    assert output.run.stage("train-fp16").ok  # type: ignore[union-attr]
+    assert full_loop is not None and full_loop.status == "skipped"
+    assert "no 'loop' variant" in (full_loop.error or "")
+    assert not full_loop.telemetry.available
+
+
+FAILING_MODEL = '''
+import torch
+from gpudiag.models import ModelBundle
+
+class Exploding(torch.nn.Module):
+    def __init__(self, error):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.error = error
+
+    def forward(self, x):
+        if self.training:
+            raise self.error
+        return {"loss": self.lin(x).sum()}
+
+def bundle(error):
+    return ModelBundle(model=Exploding(error), make_example=lambda i: {"x": torch.ones(4)})
+
+def shape_error(options):
+    return bundle(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x4 and 5x1)\\nmore"))
+
+def oom(options):
+    return bundle(torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB"))
+'''
+
+
+@pytest.mark.parametrize(("factory", "error", "advice"), [
+    ("shape_error", "RuntimeError: mat1 and mat2 shapes cannot be multiplied", "traceback"),
+    ("oom", "out of device memory: CUDA out of memory. Tried to allocate 2.00 GiB",
+     "--batch-size (now 8)"),
+])
+def test_a_failing_stage_is_recorded_and_the_rest_still_run(
+        tmp_path: Path, factory: str, error: str, advice: str) -> None:
+    path = tmp_path / "failing.py"
+    path.write_text(FAILING_MODEL)
+    output = run_stages(tiny_config(f"{path}:{factory}", stages=["train", "infer"]))
+    train, infer = output.run.stages
+    assert train.status == "error" and train.error is not None
+    assert train.error.startswith(error) and "\n" not in train.error
+    assert advice in (train.advice or "") and train.traceback
+    assert infer.ok
+
+
+def test_step_times_use_cuda_events_on_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    output = run_stages(tiny_config(device="cuda", stages=["train"]))
+    assert output.run.stage("train").timer == "cuda-events"  # type: ignore[union-attr]
+
+
+def test_unavailable_telemetry_does_not_stop_the_run() -> None:
+    output = run_stages(tiny_config(stages=["infer"]),
+                        telemetry_spec=fake_spec(unavailable="no NVIDIA driver"))
+    stage = output.run.stages[0]
+    assert stage.ok and not stage.telemetry.available
+    assert stage.telemetry.reason == "no NVIDIA driver"
+    assert output.run.env.nvml == "unavailable: no NVIDIA driver"
