@@ -1,10 +1,11 @@
 """What does gpudiag's telemetry sampler cost the workload it measures?
 
-Times stages with the NVML sampler on and off, interleaved in one process (ABBA order, so drift
-and warm-up do not favour either side), and reports the ratio of median step times per stage.
-Host-bound stages (full-loop) are the sensitive case: the sampler thread competes for the GIL.
+Times stages with the telemetry sampler on and off, interleaved in one process (ABBA order, so
+drift does not favour either side), and reports per stage the median of paired on/off ratios of
+block medians with a bootstrap 95% interval. Host-bound stages (full-loop) are the sensitive
+case: anything that takes the host's time shows there first.
 
-    python benchmarks/sampler_overhead.py --stages train-fp16,full-loop --rounds 6 \
+    python benchmarks/sampler_overhead.py --stages train-fp16,full-loop --rounds 16 \
         --out reports/sampler_overhead.json
 """
 
@@ -16,6 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gpudiag.config import build_config
@@ -63,14 +65,24 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         workload.close()
         off, on = statistics.median(rounds["off"]), statistics.median(rounds["on"])
         paired = [b / a for a, b in zip(rounds["off"], rounds["on"], strict=True)]
+        low, high = _bootstrap_median_ci(paired)
         report["stages"][name] = {  # type: ignore[index]
-            "median_ms_off": off, "median_ms_on": on, "ratio_on_over_off": on / off,
+            "median_ms_off": off, "median_ms_on": on,
+            "median_paired_ratio": statistics.median(paired), "ci95": [low, high],
             "paired_ratios": paired, "round_medians_ms": rounds,
             "sampler_samples": samples_seen,
         }
-        print(f"{name:16s} off {off:8.2f} ms  on {on:8.2f} ms  ratio {on / off:.4f}  "
-              f"(paired ratios {min(paired):.4f}..{max(paired):.4f})", flush=True)
+        print(f"{name:16s} off {off:8.2f} ms  on {on:8.2f} ms  paired ratio "
+              f"{statistics.median(paired):.4f} (95% CI {low:.4f}..{high:.4f}, "
+              f"{args.rounds} ABBA rounds of {config.iters} steps)", flush=True)
     return report
+
+
+def _bootstrap_median_ci(values: list[float], resamples: int = 10_000) -> tuple[float, float]:
+    rng = np.random.default_rng(0)
+    draws = rng.choice(values, size=(resamples, len(values)), replace=True)
+    low, high = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
+    return float(low), float(high)
 
 
 def main() -> int:
@@ -79,8 +91,8 @@ def main() -> int:
     parser.add_argument("--preset", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--stages", default="train-fp16,full-loop")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     report = measure(args)
