@@ -181,8 +181,9 @@ class Sampler:
         status = dict(reader.metric_status)
         if self.timeline_error:
             status["timeline"] = f"telemetry worker failed: {self.timeline_error}"
+        frame = pd.DataFrame(rows).rename(columns={"t": "t_s"})
         return summarize_window(
-            pd.DataFrame(rows), window_s=window.t_end - window.t_begin,
+            frame, window_s=window.t_end - window.t_begin,
             energy_begin_mj=window.energy_begin_mj, energy_end_mj=energy_end, gpm=gpm,
             power_limit_w=window.power_limit_w, period_s=self.period_s, metric_status=status,
         )
