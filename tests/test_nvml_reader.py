@@ -295,7 +295,7 @@ def test_a_transient_failure_loses_one_sample_not_the_metric(fake_nvml: FakeNvml
     fake_nvml.patch("nvmlDeviceGetTemperature",
                     side_effect=[61, _nvml_error(pynvml.NVML_ERROR_TIMEOUT), 62])
     gpu = open_gpu(None, 0)  # the probe reads 61
-    assert "temperature_c" not in gpu.read()
+    assert gpu.read() == {k: v for k, v in H100_READ.items() if k != "temperature_c"}
     assert gpu.metric_status["temperature_c"] == "ok"
     assert gpu.read()["temperature_c"] == 62.0
 
@@ -381,3 +381,10 @@ def test_nvml_reads_exactly_the_metrics_the_sampler_knows() -> None:
     assert set(nvml._GPM_IDS) == set(reader.GPM_METRICS)
     assert set(nvml._FAST_READERS) == set(reader.FAST_METRICS)
     assert len(set(nvml._GPM_IDS.values())) == len(nvml._GPM_IDS)
+
+
+def test_gpm_allocation_failure_is_not_an_exception(fake_nvml: FakeNvml) -> None:
+    gpu = open_gpu(None, 0)
+    fake_nvml.patch("nvmlGpmSampleAlloc",
+                    side_effect=pynvml.NVMLError(pynvml.NVML_ERROR_MEMORY))
+    assert gpu.gpm_snapshot() is None

@@ -383,3 +383,15 @@ def test_summary_means_and_extremes() -> None:
     assert s.temperature_max_c == 71.0
     assert s.memory_used_max_mib == 300.0
     assert s.memory_busy_pct == pytest.approx(30.0)
+
+
+def test_samples_stay_readable_after_close() -> None:
+    sampler = open_sampler("cpu", None, 0, period_s=0.02, gpm_period_s=0.2,
+                           spec=fake_spec([(0.0, 200.0)]))
+    with sampler:
+        sampler.wait_ready()
+        sampler.begin("a")
+        time.sleep(0.1)
+        sampler.end()
+    frame = sampler.samples()
+    assert len(frame) >= 1 and "a" in set(frame["stage"])

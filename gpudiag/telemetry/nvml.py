@@ -11,6 +11,7 @@ unavailable with the reason, and never read again. Facts behind the choices (TEL
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,11 +126,14 @@ class NvmlGpu:
     def gpm_snapshot(self) -> Any | None:
         if not self.gpm_ok:
             return None
-        sample = pynvml.nvmlGpmSampleAlloc()
+        try:
+            sample = pynvml.nvmlGpmSampleAlloc()
+        except pynvml.NVMLError:
+            return None
         try:
             pynvml.nvmlGpmSampleGet(self.handle, sample)
         except pynvml.NVMLError:
-            pynvml.nvmlGpmSampleFree(sample)
+            self.gpm_release(sample)
             return None
         return sample
 
@@ -152,7 +156,8 @@ class NvmlGpu:
 
     def gpm_release(self, snapshot: Any) -> None:
         if snapshot is not None:
-            pynvml.nvmlGpmSampleFree(snapshot)
+            with contextlib.suppress(pynvml.NVMLError):  # the sample is lost either way
+                pynvml.nvmlGpmSampleFree(snapshot)
 
     def describe(self) -> dict[str, Any]:
         """Static facts for the run's environment."""

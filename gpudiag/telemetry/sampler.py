@@ -129,6 +129,7 @@ class Sampler:
             for path in (self._rows_path, self._errors_path):
                 if path is not None:
                     path.unlink(missing_ok=True)
+            self._rows_path = self._errors_path = None  # rows already read stay available
         if self._reader is not None:
             if self._open is not None:
                 self._reader.gpm_release(self._open.gpm_begin)
