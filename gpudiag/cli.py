@@ -136,6 +136,8 @@ def run(
                                                   "(default: fp16 on CUDA, bf16 on CPU).")] = None,
     workers: Annotated[int | None, typer.Option(help="DataLoader workers (default: min(4, "
                                                 "CPUs)).")] = None,
+    evidence_steps: Annotated[int | None, typer.Option(help="Profiled steps per stage after the "
+                                                   "timed ones (0: none; default 3).")] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
                                              "time>-<model>/).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print run.json to stdout instead of "
@@ -145,6 +147,7 @@ def run(
     from gpudiag.config import build_config
     from gpudiag.report import (
         default_run_dir,
+        findings_panel,
         prepare_run_dir,
         problems,
         stage_table,
@@ -155,7 +158,7 @@ def run(
     config, notes = build_config(
         model=model, preset=preset, device=device, stages=_split(stages), batch_size=batch_size,
         seq_len=seq_len, iters=iters, warmup=warmup, min_seconds=min_seconds,
-        amp_dtype=amp_dtype, loader_workers=workers)
+        amp_dtype=amp_dtype, loader_workers=workers, evidence_steps=evidence_steps)
     run_dir = prepare_run_dir(out or default_run_dir(model))
     for note in notes:
         stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
@@ -174,6 +177,7 @@ def run(
         stdout.print(stage_table(output.run, width=stdout.width))
         for line in problems(output.run):
             stdout.print(line)
+        stdout.print(findings_panel(output.run))
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)",
                  soft_wrap=True)
     if output.run.interrupted:
@@ -197,6 +201,29 @@ def env(
         stdout.print_json(json.dumps(dataclasses.asdict(environment)))
     else:
         stdout.print(env_table(environment))
+
+
+@app.command()
+def rules(
+    rule: Annotated[str | None, typer.Argument(help="A rule code (GD101) or name.")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print every rule's "
+                                           "documentation as markdown (docs/rules.md).")] = False,
+) -> None:
+    """List the diagnosis rules, or explain one: what it detects, thresholds, why, fix."""
+    from gpudiag.errors import BadInput
+    from gpudiag.report import rule_panel, rules_markdown, rules_table
+    from gpudiag.rules import all_rules, find_rule
+
+    if markdown:
+        typer.echo(rules_markdown(all_rules()), nl=False)
+    elif rule is None:
+        stdout.print(rules_table(all_rules()))
+    else:
+        found = find_rule(rule)
+        if found is None:
+            known = ", ".join(r.code for r in all_rules())
+            raise BadInput(f"unknown rule {rule!r} (known: {known})")
+        stdout.print(rule_panel(found))
 
 
 @app.command()

@@ -84,6 +84,7 @@ class RunConfig:
     loader_workers: int = 4
     prompt_length: int = 3
     candidates: int = 16
+    evidence_steps: int = 3  # profiled steps after the timed ones (0: no evidence window)
     sample_period_s: float = 0.05
     gpm_period_s: float = 0.2
     seed: int = 0
@@ -142,6 +143,7 @@ def build_config(
     amp_dtype: str | None = None,
     loader_workers: int | None = None,
     prompt_length: int = 3,
+    evidence_steps: int | None = None,
 ) -> tuple[RunConfig, list[str]]:
     """Validate the user's choices into a RunConfig; return it with notes worth showing."""
     from gpudiag.models import resolve_model
@@ -165,6 +167,8 @@ def build_config(
         raise BadInput(f"--warmup must be zero or more (got {warmup})")
     if min_seconds is not None and min_seconds < 0:
         raise BadInput(f"--min-seconds must be zero or more (got {min_seconds})")
+    if evidence_steps is not None and evidence_steps < 0:
+        raise BadInput(f"--evidence-steps must be zero or more (got {evidence_steps})")
     if loader_workers is not None and loader_workers < 0:
         raise BadInput(f"--workers must be zero or more (got {loader_workers})")
     if amp_dtype is None:
@@ -200,6 +204,7 @@ def build_config(
         amp_dtype=amp_dtype,  # type: ignore[arg-type]
         loader_workers=default_loader_workers() if loader_workers is None else loader_workers,
         prompt_length=prompt_length,
+        evidence_steps=3 if evidence_steps is None else evidence_steps,
     )
     return config, notes
 

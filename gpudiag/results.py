@@ -113,6 +113,58 @@ class TelemetrySummary:
 
 
 @dataclass
+class SourceLine:
+    """Work charged to one line of user code during the evidence window, per step."""
+
+    location: str  # "path:line"
+    function: str
+    calls_per_step: float = 0.0  # torch calls made from this line
+    direct_calls_per_step: float = 0.0  # ... by the line itself, not through a library
+    ops_per_step: float = 0.0  # top-level operators, forward and their backward
+    kernels_per_step: float = 0.0
+    syncs_per_step: float = 0.0
+    memcpys_per_step: float = 0.0
+    host_ms_per_step: float = 0.0
+    device_ms_per_step: float = 0.0
+    median_kernel_us: float | None = None
+    share_of_step_time: float = 0.0  # host time in this line's calls / profiled step time
+    in_loop: bool = False  # the line sits inside a for/while loop or comprehension
+
+
+@dataclass
+class Evidence:
+    """Per-step counts from a short profiler window, run after (not among) the timed steps."""
+
+    steps: int
+    step_ms: float  # profiled step time, host clock, instrumentation included
+    backend: str  # "cuda" (kernels measured) or "cpu" (operator calls counted)
+    kernels_per_step: float = 0.0
+    launches_per_step: float = 0.0
+    ops_per_step: float = 0.0
+    syncs_per_step: float = 0.0
+    memcpy_per_step: dict[str, float] = field(default_factory=dict)  # "HtoD-pageable": n
+    memcpy_ms_per_step: dict[str, float] = field(default_factory=dict)
+    htod_overlap_fraction: float | None = None  # share of HtoD copy time with a kernel running
+    memset_per_step: float = 0.0
+    sync_ms_per_step: float = 0.0  # host time blocked in synchronising runtime calls
+    matmul_ms_by_dtype: dict[str, float] = field(default_factory=dict)  # "fp32": ms per step
+    device_ms_per_step: float = 0.0  # kernel time, summed over kernels
+    empty_cache_per_step: float = 0.0  # cudaFree calls: the caching allocator giving back
+    empty_cache_ms_per_step: float = 0.0
+    device_busy_ms_per_step: float | None = None
+    idle_fraction: float | None = None  # share of the step with no kernel or copy running
+    short_kernels_per_step: float = 0.0
+    collective_ms_per_step: float = 0.0
+    top_ops_by_count: list[dict[str, Any]] = field(default_factory=list)
+    top_ops_by_time: list[dict[str, Any]] = field(default_factory=list)
+    source_lines: list[SourceLine] = field(default_factory=list)
+    window_overhead: float | None = None  # profiled step time / timed median step time
+
+    def hottest_source_line(self) -> SourceLine | None:
+        return self.source_lines[0] if self.source_lines else None
+
+
+@dataclass
 class StageResult:
     """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations), or
     their mean for bursty stages such as a prefetching DataLoader (`details`
@@ -138,6 +190,7 @@ class StageResult:
     )
     phases_ms: dict[str, list[float]] = field(default_factory=dict)  # e.g. data_wait per step
     details: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
     error: str | None = None  # one line; for skipped stages the reason
     advice: str | None = None
     traceback: str | None = None
@@ -218,6 +271,9 @@ class RunResult:
 
     def ok_stages(self) -> Iterator[StageResult]:
         return (s for s in self.stages if s.ok)
+
+    def stages_with_evidence(self) -> Iterator[StageResult]:
+        return (s for s in self.stages if s.ok and s.evidence is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(self)

@@ -23,8 +23,10 @@ import torch
 from gpudiag._version import __version__
 from gpudiag.config import RunConfig
 from gpudiag.env import collect_env, device_identity
+from gpudiag.evidence import collect_evidence
 from gpudiag.models import resolve_model
 from gpudiag.results import MemoryStats, RunResult, StageResult, TimingStats
+from gpudiag.rules import evaluate
 from gpudiag.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.telemetry import Sampler, open_sampler
 from gpudiag.timing import PhaseRecorder, synchronize, time_steps
@@ -84,6 +86,7 @@ def run_stages(
                 result = StageResult(name=name, status="error", title=definition.title,
                                      error="interrupted (Ctrl-C) before the stage finished")
             run.stages.append(result)
+            run.findings = evaluate(run)
             run.duration_s = time.perf_counter() - started
             if listener is not None:
                 listener.stage_finished(result)
@@ -129,6 +132,11 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
             result.timer, result.wall_s = timed.timer, timed.wall_s
             result.phases_ms = ctx.phases.collect()
             result.memory = _memory(device)
+            if config.evidence_steps and not workload.host_only:
+                result.evidence = collect_evidence(workload.step, device=device,
+                                                   steps=config.evidence_steps,
+                                                   timed_step_ms=result.ms_per_iter)
+                ctx.phases.clear()
     except StageSkipped as exc:
         result.status, result.error = "skipped", str(exc)
     except torch.OutOfMemoryError as exc:

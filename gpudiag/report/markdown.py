@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpudiag.report.findings import diagnosis_markdown
 from gpudiag.report.rows import COLUMNS, fmt, phase_medians, table_cells
 from gpudiag.report.terminal import env_rows
 from gpudiag.results import RunResult
@@ -32,6 +33,7 @@ def render_markdown(run: RunResult) -> str:
     if run.notes:
         out.append("")
 
+    out += diagnosis_markdown(run)
     out += ["## Stages", ""]
     columns, rows = table_cells(run, terminal=False)
     out += _table([col.header for col in columns], rows)
@@ -40,6 +42,7 @@ def render_markdown(run: RunResult) -> str:
     out.append("")
     out += _what_ran(run)
     out += _phases(run)
+    out += _evidence(run)
     out += _problems(run)
     out += ["## Environment", ""]
     out += _table(["", ""], [[k, v] for k, v in env_rows(env)], right_from=2)
@@ -66,6 +69,32 @@ def _phases(run: RunResult) -> list[str]:
     return ["### Where a step's time goes (median ms)", "",
             "Device phases are CUDA-event gaps on the GPU timeline; data wait is host time "
             "blocked on the DataLoader.", "", *_table(header, rows), ""]
+
+
+def _evidence(run: RunResult) -> list[str]:
+    rows = []
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        hot = ev.hottest_source_line()
+        copies = sum(ev.memcpy_per_step.values())
+        rows.append([
+            stage.name, fmt(ev.kernels_per_step, ",.0f") if ev.backend == "cuda" else "-",
+            fmt(ev.launches_per_step, ",.0f") if ev.backend == "cuda" else "-",
+            fmt(ev.ops_per_step, ",.0f"), fmt(ev.syncs_per_step, ",.0f"), fmt(copies, ",.0f"),
+            fmt(ev.idle_fraction * 100 if ev.idle_fraction is not None else None, ".0f"),
+            f"`{hot.location}` ({hot.ops_per_step:,.0f} ops)" if hot else "-",
+            fmt(ev.window_overhead, ".2f", "x"),
+        ])
+    if not rows:
+        return []
+    header = ["stage", "kernels", "launches", "operators", "host syncs", "copies", "GPU idle %",
+              "busiest source line", "window cost"]
+    return ["### Evidence per step (profiler window, after the timed steps)", "",
+            *_table(header, rows), "",
+            "Operators are top-level ATen calls, forward and backward; GPU idle is the share of "
+            "the timed step with no kernel or copy running; window cost is the profiled step "
+            "time over the timed one (instrumentation overhead, excluded from the timings).", ""]
 
 
 def _problems(run: RunResult) -> list[str]:

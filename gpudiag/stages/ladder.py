@@ -47,6 +47,14 @@ def train_step(
     return step
 
 
+# The ladder's fp32 rungs are fp32 on purpose: precision rules treat them as information.
+FP32_RUNG = {"precision": "fp32", "deliberate_fp32": True}
+
+
+def _amp_details(ctx: StageContext) -> dict[str, object]:
+    return {"precision": f"{ctx.config.amp_dtype}-autocast"}
+
+
 def _amp_label(ctx: StageContext) -> str:
     if ctx.config.amp_dtype == "fp16":
         return "fp16 autocast + GradScaler"
@@ -68,7 +76,8 @@ def infer(ctx: StageContext) -> Workload:
             model(**inputs)
 
     return Workload(step=step, samples_per_step=ctx.config.batch_size,
-                    tokens_per_step=_tokens(ctx), description=f"{bundle.description}, fp32")
+                    tokens_per_step=_tokens(ctx), description=f"{bundle.description}, fp32",
+                    details=FP32_RUNG)
 
 
 @stage("train", "training step (fp32, AdamW)")
@@ -77,7 +86,7 @@ def train(ctx: StageContext) -> Workload:
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=False),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    description=f"{bundle.description}, fp32")
+                    description=f"{bundle.description}, fp32", details=FP32_RUNG)
 
 
 @stage("train-fp16", "training step with mixed precision (autocast)")
@@ -86,7 +95,8 @@ def train_fp16(ctx: StageContext) -> Workload:
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    description=f"{bundle.description}, {_amp_label(ctx)}")
+                    description=f"{bundle.description}, {_amp_label(ctx)}",
+                    details=_amp_details(ctx))
 
 
 def _loader_details(ctx: StageContext) -> dict[str, object]:
@@ -125,7 +135,7 @@ def data_train(ctx: StageContext) -> Workload:
 
     return Workload(step=train_step(ctx, bundle, next_batch, amp=True),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    details=_loader_details(ctx),
+                    details={**_loader_details(ctx), **_amp_details(ctx)},
                     description=f"{bundle.description}, {_amp_label(ctx)}, "
                                 f"{ctx.config.loader_workers} loader workers",
                     close=lambda: _shutdown(batches))
@@ -137,7 +147,8 @@ def _full_model(ctx: StageContext, variant: str) -> Workload:
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True,
                                     clip=FULL_MODEL_GRAD_CLIP),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    description=f"{bundle.description}, {_amp_label(ctx)}, grad clip 1.0")
+                    description=f"{bundle.description}, {_amp_label(ctx)}, grad clip 1.0",
+                    details=_amp_details(ctx))
 
 
 @stage("full-loop", "full model, prompt written by a per-element Python loop")

@@ -1,0 +1,118 @@
+"""Which line of the user's code issued each piece of device work.
+
+During the evidence window a TorchFunctionMode wraps every Python-level torch call in a profiler
+range named after its call site: the first frame outside torch itself. Kernels, copies and syncs
+then fall inside a range on the host timeline (or link to one through the CUDA correlation id),
+so they can be charged to a file and line. The profiler's own Python stacks cannot do this: they
+name a function's first line, not the line inside it that runs in a loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.profiler import record_function
+
+ANNOTATION_PREFIX = "gpudiag.src|"
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_EVIDENCE_DIR = str(Path(__file__).resolve().parent)
+# torch frames that only dispatch the call the user made (not library code calling torch).
+_DISPATCH_FILES = ("overrides.py", "functional.py", "_tensor.py")
+
+
+def annotation(location: str, function: str, direct: bool) -> str:
+    return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}"
+
+
+def parse_annotation(name: str) -> tuple[str, str, bool] | None:
+    if not name.startswith(ANNOTATION_PREFIX):
+        return None
+    location, function, direct = name[len(ANNOTATION_PREFIX):].rsplit("|", 2)
+    return location, function, direct == "1"
+
+
+@functools.cache
+def _is_internal(filename: str) -> bool:
+    return filename.startswith((_TORCH_DIR, _EVIDENCE_DIR)) or filename.startswith("<frozen")
+
+
+@functools.cache
+def display_path(filename: str) -> str:
+    """A short, stable name: relative to the working directory or to site-packages."""
+    path = Path(filename)
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        pass
+    parts = path.parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            return str(Path(*parts[parts.index(marker) + 1:]))
+    return str(path)
+
+
+def call_site(frame: FrameType | None) -> tuple[str, str, bool] | None:
+    """(path:line, function, direct) of the first frame outside torch; `direct` when the user's
+    line called torch itself rather than through another library function in torch."""
+    direct = True
+    while frame is not None and _is_internal(frame.f_code.co_filename):
+        if not frame.f_code.co_filename.endswith(_DISPATCH_FILES):
+            direct = False
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    return f"{display_path(code.co_filename)}:{frame.f_lineno}", code.co_name, direct
+
+
+class SourceAnnotator(TorchFunctionMode):
+    """Names a profiler range after the call site of every torch call made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        site = call_site(sys._getframe(1))
+        self.calls += 1
+        if site is None:
+            return func(*args, **(kwargs or {}))
+        with record_function(annotation(*site)):
+            return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _loop_lines(filename: str) -> frozenset[int]:
+    """Lines of a source file that sit inside a for/while loop or a comprehension."""
+    try:
+        tree = ast.parse(Path(filename).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    lines: set[int] = set()
+    loops = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp,
+             ast.GeneratorExp)
+    for node in ast.walk(tree):
+        if isinstance(node, loops):
+            body = node.body if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) else [node]
+            for child in body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return frozenset(lines)
+
+
+def in_loop(location: str, roots: tuple[Path, ...] = ()) -> bool:
+    """Whether `path:line` lies inside a loop in its source file (found from the working
+    directory, sys.path, or `roots`)."""
+    path_text, _, line = location.rpartition(":")
+    for base in (Path.cwd(), *roots, *(Path(p) for p in sys.path if p)):
+        candidate = Path(path_text) if Path(path_text).is_absolute() else base / path_text
+        if candidate.is_file():
+            return int(line) in _loop_lines(str(candidate))
+    return False

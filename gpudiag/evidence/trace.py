@@ -1,0 +1,349 @@
+"""Turn a profiler trace (Chrome trace JSON events) into per-step evidence. Pure: tested on
+recorded traces without a GPU.
+
+Attribution, in order of preference:
+- host events (operators, CUDA runtime calls) inside a source annotation belong to its line;
+- backward work belongs to the line of the forward operator that created its autograd node
+  (matched by the autograd sequence number the profiler records on both);
+- device events (kernels, copies, memsets) belong to the runtime call that launched them
+  (matched by the CUDA correlation id).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.evidence.source import in_loop, parse_annotation
+from gpudiag.results import Evidence, SourceLine
+
+SHORT_KERNEL_US = 10.0  # kernels shorter than this are dominated by launch overhead
+TOP_N = 10
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel", "cudaGraphLaunch"}
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"}
+# Operators that force a device-to-host synchronisation on CUDA: counted as syncs on the CPU,
+# where there is no runtime to observe.
+SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero"}
+EMPTY_CACHE_CALLS = {"cudaFree"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+              "aten::_addmm_activation", "aten::_scaled_mm", "aten::convolution",
+              "aten::_convolution", "aten::cudnn_convolution"}
+DTYPES = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16", "double": "fp64",
+          "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8"}
+BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+_MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
+
+
+@dataclass
+class _Line:
+    location: str
+    function: str
+    ops: int = 0
+    kernels: int = 0
+    syncs: int = 0
+    memcpys: int = 0
+    direct_calls: int = 0
+    calls: int = 0
+    host_us: float = 0.0
+    device_us: float = 0.0
+    kernel_us: list[float] = field(default_factory=list)
+
+
+def _end(e: dict[str, Any]) -> float:
+    return float(e["ts"]) + float(e.get("dur", 0.0))
+
+
+def _enclosing(events: list[dict[str, Any]], ranges: list[dict[str, Any]],
+               key: str) -> None:
+    """Store on each event (under `key`) the innermost range of `ranges` that contains it on the
+    same host thread. Both lists are scanned once, in time order."""
+    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for r in ranges:
+        by_thread[r["tid"]].append(r)
+    for thread_ranges in by_thread.values():
+        thread_ranges.sort(key=lambda r: (r["ts"], -_end(r)))
+    for tid, items in _group(events).items():
+        pending = by_thread.get(tid, [])
+        stack: list[dict[str, Any]] = []
+        i = 0
+        for e in items:
+            while i < len(pending) and pending[i]["ts"] <= e["ts"]:
+                stack.append(pending[i])
+                i += 1
+            while stack and _end(stack[-1]) < e["ts"]:
+                stack.pop()  # ranges nest, so one that ended is done for later events too
+            for candidate in reversed(stack):
+                if candidate is not e and _end(candidate) >= _end(e):
+                    e[key] = candidate
+                    break
+
+
+def _group(events: Iterable[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
+    groups: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        groups[e["tid"]].append(e)
+    for items in groups.values():
+        items.sort(key=lambda e: (e["ts"], -_end(e)))
+    return groups
+
+
+def _top_level(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Operators not nested inside another operator on the same thread."""
+    top = []
+    for items in _group(ops).values():
+        open_until = -1.0
+        for e in items:
+            if e["ts"] >= open_until:
+                top.append(e)
+                open_until = _end(e)
+    return top
+
+
+def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of (start, end) intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def memcpy_kind(name: str) -> str:
+    """'HtoD', 'DtoH', 'DtoD'..., with '-pageable' when host memory was not pinned."""
+    match = _MEMCPY.search(name)
+    if not match:
+        return "other"
+    kind = match["kind"]
+    pageable = "Pageable" in (match["src"] or "", match["dst"] or "")
+    return f"{kind}-pageable" if pageable else kind
+
+
+def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend: str,
+            timed_step_ms: float | None = None) -> Evidence:
+    """Per-step evidence from the trace events of `steps` profiled steps."""
+    by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            by_cat[e.get("cat", "")].append(e)
+    annotations = [a for a in by_cat["user_annotation"] if parse_annotation(a["name"])]
+    ops = by_cat["cpu_op"]
+    runtime = by_cat["cuda_runtime"] + by_cat["cuda_driver"]
+    device = by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"]
+
+    backward_nodes = [o for o in ops if o["name"].startswith(BACKWARD_PREFIX)]
+    matmuls = [o for o in ops if o["name"] in MATMUL_OPS]
+    host = ops + runtime
+    _enclosing(host, annotations, "_line")
+    _enclosing(host, backward_nodes, "_backward")
+    _enclosing(runtime, matmuls, "_matmul")
+    forward_by_seq: dict[Any, dict[str, Any]] = {}
+    for o in sorted(ops, key=lambda o: o["ts"]):
+        seq = o.get("args", {}).get("Sequence number")
+        # Ops running inside a backward node carry its sequence number too; skip them.
+        if (seq is not None and "_backward" not in o
+                and not o["name"].startswith(BACKWARD_PREFIX)):
+            forward_by_seq.setdefault(seq, o)
+    for node in backward_nodes:
+        forward = forward_by_seq.get(node.get("args", {}).get("Sequence number"))
+        if forward is not None and "_line" in forward:
+            node["_line"] = forward["_line"]
+
+    def line_of(e: dict[str, Any]) -> dict[str, Any] | None:
+        # Backward work inside `loss.backward()` belongs to the forward line that created its
+        # autograd node, not to the line that called backward.
+        node = e if e["name"].startswith(BACKWARD_PREFIX) else e.get("_backward")
+        if node is not None and node.get("_line") is not None:
+            return node["_line"]
+        return e.get("_line")
+
+    lines: dict[str, _Line] = {}
+
+    def stats(annotation_event: dict[str, Any]) -> _Line:
+        location, function, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
+        if location not in lines:
+            lines[location] = _Line(location=location, function=function)
+        return lines[location]
+
+    for a in annotations:
+        line = stats(a)
+        line.calls += 1
+        line.direct_calls += int(parse_annotation(a["name"])[2])  # type: ignore[index]
+        line.host_us += float(a.get("dur", 0.0))
+    for node in backward_nodes:
+        if node.get("_line") is not None:
+            stats(node["_line"]).host_us += float(node.get("dur", 0.0))
+
+    top_ops = _top_level(ops)
+    for o in top_ops:
+        owner = line_of(o)
+        if owner is not None:
+            stats(owner).ops += 1
+    syncs = 0
+    if backend != "cuda":
+        for o in ops:
+            if o["name"] in SYNCING_OPS:
+                syncs += 1
+                owner = line_of(o)
+                if owner is not None:
+                    stats(owner).syncs += 1
+
+    launches = 0
+    empty_cache = 0
+    sync_us = free_us = 0.0
+    runtime_by_correlation: dict[Any, dict[str, Any]] = {}
+    for r in runtime:
+        name = r["name"]
+        corr = r.get("args", {}).get("correlation")
+        if corr is not None:
+            runtime_by_correlation[corr] = r
+        owner = line_of(r)
+        if name in LAUNCH_CALLS:
+            launches += 1
+        elif name in SYNC_CALLS:
+            syncs += 1
+            sync_us += float(r.get("dur", 0.0))
+            if owner is not None:
+                stats(owner).syncs += 1
+        elif name in EMPTY_CACHE_CALLS:
+            empty_cache += 1
+            free_us += float(r.get("dur", 0.0))
+
+    memcpy: Counter[str] = Counter()
+    memcpy_us: Counter[str] = Counter()
+    matmul_us: Counter[str] = Counter()
+    kernel_time: Counter[str] = Counter()
+    kernel_count = short = 0
+    collective_us = kernel_us = 0.0
+    for d in device:
+        cat, dur = d.get("cat"), float(d.get("dur", 0.0))
+        corr = d.get("args", {}).get("correlation")
+        launcher = runtime_by_correlation.get(corr)
+        owner = line_of(launcher) if launcher is not None else None
+        if cat == "kernel":
+            kernel_count += 1
+            kernel_us += dur
+            short += dur < SHORT_KERNEL_US
+            kernel_time[d["name"]] += dur
+            if launcher is not None and "_matmul" in launcher:
+                matmul_us[_dtype(launcher["_matmul"])] += dur
+            if "nccl" in d["name"].lower():
+                collective_us += dur
+        elif cat == "gpu_memcpy":
+            memcpy[memcpy_kind(d["name"])] += 1
+            memcpy_us[memcpy_kind(d["name"])] += dur
+        if owner is not None:
+            line = stats(owner)
+            line.device_us += dur
+            if cat == "kernel":
+                line.kernels += 1
+                line.kernel_us.append(dur)
+            elif cat == "gpu_memcpy":
+                line.memcpys += 1
+
+    busy_ms = (sum(b - a for a, b in _merge((float(d["ts"]), _end(d)) for d in device)) / 1e3
+               if device else None)
+    if backend != "cuda":
+        # No kernels: matmul work is the host time of the outermost matmul operators.
+        for o in _top_level(matmuls):
+            matmul_us[_dtype(o)] += float(o.get("dur", 0.0))
+    htod = [d for d in by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
+    overlap = _overlap_fraction(htod, by_cat["kernel"])
+    op_counts = Counter(o["name"] for o in top_ops)
+    per = 1.0 / steps
+    step_us = step_ms * 1e3
+    source_lines = [
+        SourceLine(
+            location=line.location,
+            function=line.function,
+            calls_per_step=line.calls * per,
+            direct_calls_per_step=line.direct_calls * per,
+            ops_per_step=line.ops * per,
+            kernels_per_step=line.kernels * per,
+            syncs_per_step=line.syncs * per,
+            memcpys_per_step=line.memcpys * per,
+            host_ms_per_step=line.host_us * per / 1e3,
+            device_ms_per_step=line.device_us * per / 1e3,
+            median_kernel_us=statistics.median(line.kernel_us) if line.kernel_us else None,
+            share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
+            in_loop=in_loop(line.location),
+        )
+        for line in lines.values()
+    ]
+    source_lines.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
+                      reverse=True)
+    return Evidence(
+        steps=steps,
+        step_ms=step_ms,
+        backend=backend,
+        kernels_per_step=kernel_count * per,
+        launches_per_step=launches * per,
+        ops_per_step=len(top_ops) * per,
+        syncs_per_step=syncs * per,
+        memcpy_per_step={k: v * per for k, v in sorted(memcpy.items())},
+        memcpy_ms_per_step={k: v * per / 1e3 for k, v in sorted(memcpy_us.items())},
+        htod_overlap_fraction=overlap,
+        memset_per_step=len(by_cat["gpu_memset"]) * per,
+        sync_ms_per_step=sync_us * per / 1e3,
+        matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(matmul_us.items())},
+        device_ms_per_step=kernel_us * per / 1e3,
+        empty_cache_per_step=empty_cache * per,
+        empty_cache_ms_per_step=free_us * per / 1e3,
+        device_busy_ms_per_step=busy_ms * per if busy_ms is not None else None,
+        # Device busy time is what the kernels took; the instrumented window's host overhead
+        # would inflate idle time, so idleness is judged against the timed step when known.
+        idle_fraction=(max(0.0, 1.0 - busy_ms * per / (timed_step_ms or step_ms))
+                       if busy_ms is not None and (timed_step_ms or step_ms) else None),
+        short_kernels_per_step=short * per,
+        collective_ms_per_step=collective_us * per / 1e3,
+        top_ops_by_count=[{"name": n, "per_step": c * per}
+                          for n, c in op_counts.most_common(TOP_N)],
+        top_ops_by_time=_top_by_time(kernel_time, top_ops, per),
+        source_lines=source_lines[:TOP_N],
+        window_overhead=step_ms / timed_step_ms if timed_step_ms else None,
+    )
+
+
+def _dtype(op: dict[str, Any]) -> str:
+    types = op.get("args", {}).get("Input type") or []
+    first = next((t for t in types if t), "")
+    return DTYPES.get(first, first or "unknown")
+
+
+def _overlap_fraction(copies: list[dict[str, Any]],
+                      kernels: list[dict[str, Any]]) -> float | None:
+    """Share of the copies' time during which some kernel was running."""
+    total = sum(float(c.get("dur", 0.0)) for c in copies)
+    if not copies or total <= 0:
+        return None
+    busy = _merge((float(k["ts"]), _end(k)) for k in kernels)
+    starts = [a for a, _ in busy]
+    covered = 0.0
+    for c in copies:
+        start, end = float(c["ts"]), _end(c)
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while i < len(busy) and busy[i][0] < end:
+            covered += max(0.0, min(end, busy[i][1]) - max(start, busy[i][0]))
+            i += 1
+    return covered / total
+
+
+def _top_by_time(kernel_time: Counter[str], top_ops: list[dict[str, Any]],
+                 per: float) -> list[dict[str, Any]]:
+    """Kernels by device time on a GPU; operators by host time where there are no kernels."""
+    if kernel_time:
+        ranked = kernel_time.most_common(TOP_N)
+    else:
+        host: Counter[str] = Counter()
+        for o in top_ops:
+            host[o["name"]] += float(o.get("dur", 0.0))
+        ranked = host.most_common(TOP_N)
+    return [{"name": n, "ms_per_step": us * per / 1e3} for n, us in ranked]
