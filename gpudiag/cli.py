@@ -115,6 +115,14 @@ class _LiveProgress:
         total = self.progress.tasks[task].total
         self.progress.update(task, completed=total, note=note)
 
+    def evidence_started(self, name: str) -> None:
+        self.tasks[f"evidence {name}"] = self.progress.add_task(
+            f"evidence {name}", total=None, note="profiler window")
+
+    def evidence_finished(self, name: str) -> None:
+        task = self.tasks[f"evidence {name}"]
+        self.progress.update(task, total=1, completed=1, note="done")
+
 
 @app.command()
 def run(
@@ -136,8 +144,8 @@ def run(
                                                   "(default: fp16 on CUDA, bf16 on CPU).")] = None,
     workers: Annotated[int | None, typer.Option(help="DataLoader workers (default: min(4, "
                                                 "CPUs)).")] = None,
-    evidence_steps: Annotated[int | None, typer.Option(help="Profiled steps per stage after the "
-                                                   "timed ones (0: none; default 3).")] = None,
+    evidence_steps: Annotated[int | None, typer.Option(help="Profiled steps per stage, run after "
+                                                   "all timing (0: none; default 2).")] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
                                              "time>-<model>/).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print run.json to stdout instead of "

@@ -84,7 +84,7 @@ class RunConfig:
     loader_workers: int = 4
     prompt_length: int = 3
     candidates: int = 16
-    evidence_steps: int = 3  # profiled steps after the timed ones (0: no evidence window)
+    evidence_steps: int = 2  # profiled steps per stage, after all timing (0: no evidence)
     sample_period_s: float = 0.05
     gpm_period_s: float = 0.2
     seed: int = 0
@@ -204,7 +204,7 @@ def build_config(
         amp_dtype=amp_dtype,  # type: ignore[arg-type]
         loader_workers=default_loader_workers() if loader_workers is None else loader_workers,
         prompt_length=prompt_length,
-        evidence_steps=3 if evidence_steps is None else evidence_steps,
+        evidence_steps=2 if evidence_steps is None else evidence_steps,
     )
     return config, notes
 

@@ -1,8 +1,12 @@
 """Runs a list of stages: build, warm up, timed steps under telemetry, errors kept per stage.
 
+Two passes. First every stage is timed; then each is rebuilt for its evidence window (a few
+profiled steps). Never the other way round: Kineto leaves CUPTI attached after a profiler
+window (pytorch/pytorch#144455), and on an H100 every stage timed after one ran 12-30% slower.
+
 The runner never prints and never exits: it reports progress to a listener and hands the growing
-RunResult to `on_stage_done` after every stage, so the caller can write partial results. Ctrl-C
-stops the stage in progress at once; what was measured before it is kept and the run is marked
+RunResult to `on_stage_done` after every stage and every evidence window, so the caller can write
+partial results. Ctrl-C stops at once; what was measured before is kept and the run is marked
 interrupted.
 """
 
@@ -38,6 +42,8 @@ class ProgressListener(Protocol):
     def stage_started(self, name: str, title: str, planned_steps: int) -> None: ...
     def step_done(self, name: str, done: int) -> None: ...
     def stage_finished(self, result: StageResult) -> None: ...
+    def evidence_started(self, name: str) -> None: ...
+    def evidence_finished(self, name: str) -> None: ...
 
 
 @dataclass
@@ -71,6 +77,14 @@ def run_stages(
         notes=list(notes or []),
     )
     ctx = StageContext(config=config, device=device, spec=spec, phases=PhaseRecorder(device))
+
+    def checkpoint() -> None:
+        run.findings = evaluate(run)
+        run.duration_s = time.perf_counter() - started
+        if on_stage_done is not None:
+            on_stage_done(RunOutput(run, sampler.samples()))
+
+    profiled: list[StageResult] = []
     with sampler:
         sampler.wait_ready()
         for name in config.stages:
@@ -80,25 +94,60 @@ def run_stages(
                                               title=definition.title, error="run interrupted"))
                 continue
             try:
-                result = _run_stage(definition, ctx, sampler, listener)
+                result, host_only = _run_stage(definition, ctx, sampler, listener)
             except KeyboardInterrupt:
                 run.interrupted = True
-                result = StageResult(name=name, status="error", title=definition.title,
-                                     error="interrupted (Ctrl-C) before the stage finished")
+                result, host_only = StageResult(
+                    name=name, status="error", title=definition.title,
+                    error="interrupted (Ctrl-C) before the stage finished"), True
             run.stages.append(result)
-            run.findings = evaluate(run)
-            run.duration_s = time.perf_counter() - started
+            if result.ok and not host_only and config.evidence_steps:
+                profiled.append(result)
             if listener is not None:
                 listener.stage_finished(result)
-            if on_stage_done is not None:
-                on_stage_done(RunOutput(run, sampler.samples()))
+            checkpoint()
+        for result in profiled:
+            if run.interrupted:
+                break
+            if listener is not None:
+                listener.evidence_started(result.name)
+            try:
+                _add_evidence(get_stage(result.name), ctx, result)
+            except KeyboardInterrupt:
+                run.interrupted = True
+            if listener is not None:
+                listener.evidence_finished(result.name)
+            checkpoint()
         samples = sampler.samples()
     run.duration_s = time.perf_counter() - started
     return RunOutput(run, samples)
 
 
+def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult) -> None:
+    """Rebuild the stage's workload and record a profiled window of it on `result`. A failure
+    here is noted on the stage; its timings stand."""
+    workload: Workload | None = None
+    try:
+        with nvtx.annotate(f"evidence {definition.name}", domain="gpudiag"):
+            ctx.phases.clear()
+            workload = definition.build(ctx)
+            time_steps(workload.step, device=ctx.device, iters=min(ctx.config.warmup, 2))
+            result.evidence = collect_evidence(workload.step, device=ctx.device,
+                                               steps=ctx.config.evidence_steps,
+                                               timed_step_ms=result.ms_per_iter)
+    except Exception as exc:
+        result.details["evidence_error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
+    finally:
+        ctx.phases.clear()
+        if workload is not None:
+            workload.close()
+        del workload
+        _release_memory(ctx.device)
+
+
 def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
-               listener: ProgressListener | None) -> StageResult:
+               listener: ProgressListener | None) -> tuple[StageResult, bool]:
+    """The stage's timed result, and whether it is host-only (nothing to profile)."""
     config, device = ctx.config, ctx.device
     name = definition.name
     result = StageResult(name=name, status="ok", title=definition.title)
@@ -106,10 +155,12 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
         listener.stage_started(name, definition.title, config.warmup + config.iters)
     on_step = (lambda done: listener.step_done(name, done)) if listener is not None else None
     workload: Workload | None = None
+    host_only = False
     try:
         with nvtx.annotate(f"stage {name}", domain="gpudiag"):
             ctx.phases.clear()
             workload = definition.build(ctx)
+            host_only = workload.host_only
             result.workload = workload.description
             result.details = dict(workload.details)
             if device.type == "cuda":
@@ -132,11 +183,6 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
             result.timer, result.wall_s = timed.timer, timed.wall_s
             result.phases_ms = ctx.phases.collect()
             result.memory = _memory(device)
-            if config.evidence_steps and not workload.host_only:
-                result.evidence = collect_evidence(workload.step, device=device,
-                                                   steps=config.evidence_steps,
-                                                   timed_step_ms=result.ms_per_iter)
-                ctx.phases.clear()
     except StageSkipped as exc:
         result.status, result.error = "skipped", str(exc)
     except torch.OutOfMemoryError as exc:
@@ -155,7 +201,7 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
             workload.close()
         del workload
         _release_memory(device)
-    return result
+    return result, host_only
 
 
 def _record_times(result: StageResult, workload: Workload, warmup_ms: list[float],

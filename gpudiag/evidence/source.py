@@ -27,15 +27,42 @@ _EVIDENCE_DIR = str(Path(__file__).resolve().parent)
 _DISPATCH_FILES = ("overrides.py", "functional.py", "_tensor.py")
 
 
-def annotation(location: str, function: str, direct: bool) -> str:
-    return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}"
+# Calls whose kernels are matrix products: the annotation records the dtype they compute in.
+_MATMUL_FUNCS = {
+    torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
+    torch.addmm, torch.baddbmm, torch.einsum, torch.nn.functional.conv1d,
+    torch.nn.functional.conv2d, torch.nn.functional.conv3d,
+    torch.nn.functional.scaled_dot_product_attention,
+}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+               torch.float64: "fp64"}
 
 
-def parse_annotation(name: str) -> tuple[str, str, bool] | None:
+def annotation(location: str, function: str, direct: bool, dtype: str = "") -> str:
+    return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}|{dtype}"
+
+
+def parse_annotation(name: str) -> tuple[str, str, bool, str] | None:
+    """(location, function, direct, matmul dtype or '') of a source annotation."""
     if not name.startswith(ANNOTATION_PREFIX):
         return None
-    location, function, direct = name[len(ANNOTATION_PREFIX):].rsplit("|", 2)
-    return location, function, direct == "1"
+    location, function, direct, dtype = name[len(ANNOTATION_PREFIX):].rsplit("|", 3)
+    return location, function, direct == "1", dtype
+
+
+def matmul_dtype(func: Any, args: tuple[Any, ...]) -> str:
+    """The dtype a matmul-family call computes in: autocast's when autocast is on for the
+    inputs' device, else the first tensor input's. Empty for other calls."""
+    if func not in _MATMUL_FUNCS:
+        return ""
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if tensor is None:
+        return ""
+    device_type = tensor.device.type
+    if tensor.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return DTYPE_NAMES.get(torch.get_autocast_dtype(device_type), "other")
+    return DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
 
 
 @functools.cache
@@ -85,7 +112,7 @@ class SourceAnnotator(TorchFunctionMode):
         self.calls += 1
         if site is None:
             return func(*args, **(kwargs or {}))
-        with record_function(annotation(*site)):
+        with record_function(annotation(*site, dtype=matmul_dtype(func, args))):
             return func(*args, **(kwargs or {}))
 
 

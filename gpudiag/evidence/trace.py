@@ -35,8 +35,6 @@ EMPTY_CACHE_CALLS = {"cudaFree"}
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
               "aten::_addmm_activation", "aten::_scaled_mm", "aten::convolution",
               "aten::_convolution", "aten::cudnn_convolution"}
-DTYPES = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16", "double": "fp64",
-          "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8"}
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 _MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
 
@@ -57,7 +55,10 @@ class _Line:
 
 
 def _end(e: dict[str, Any]) -> float:
-    return float(e["ts"]) + float(e.get("dur", 0.0))
+    end = e.get("_end")
+    if end is None:
+        end = e["_end"] = float(e["ts"]) + float(e.get("dur", 0.0))
+    return end
 
 
 def _enclosing(events: list[dict[str, Any]], ranges: list[dict[str, Any]],
@@ -75,10 +76,14 @@ def _enclosing(events: list[dict[str, Any]], ranges: list[dict[str, Any]],
         i = 0
         for e in items:
             while i < len(pending) and pending[i]["ts"] <= e["ts"]:
+                # Ranges nest: drop those that ended before this one starts, so the stack is
+                # always a chain of ranges each inside the one below it.
+                while stack and _end(stack[-1]) < pending[i]["ts"]:
+                    stack.pop()
                 stack.append(pending[i])
                 i += 1
             while stack and _end(stack[-1]) < e["ts"]:
-                stack.pop()  # ranges nest, so one that ended is done for later events too
+                stack.pop()
             for candidate in reversed(stack):
                 if candidate is not e and _end(candidate) >= _end(e):
                     e[key] = candidate
@@ -168,7 +173,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     lines: dict[str, _Line] = {}
 
     def stats(annotation_event: dict[str, Any]) -> _Line:
-        location, function, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
+        location, function, _, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
         if location not in lines:
             lines[location] = _Line(location=location, function=function)
         return lines[location]
@@ -234,7 +239,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             short += dur < SHORT_KERNEL_US
             kernel_time[d["name"]] += dur
             if launcher is not None and "_matmul" in launcher:
-                matmul_us[_dtype(launcher["_matmul"])] += dur
+                matmul_us[_dtype(owner)] += dur
             if "nccl" in d["name"].lower():
                 collective_us += dur
         elif cat == "gpu_memcpy":
@@ -254,7 +259,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     if backend != "cuda":
         # No kernels: matmul work is the host time of the outermost matmul operators.
         for o in _top_level(matmuls):
-            matmul_us[_dtype(o)] += float(o.get("dur", 0.0))
+            matmul_us[_dtype(line_of(o))] += float(o.get("dur", 0.0))
     htod = [d for d in by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
     overlap = _overlap_fraction(htod, by_cat["kernel"])
     op_counts = Counter(o["name"] for o in top_ops)
@@ -312,10 +317,10 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     )
 
 
-def _dtype(op: dict[str, Any]) -> str:
-    types = op.get("args", {}).get("Input type") or []
-    first = next((t for t in types if t), "")
-    return DTYPES.get(first, first or "unknown")
+def _dtype(annotation_event: dict[str, Any] | None) -> str:
+    """The matmul dtype the source annotator recorded for the call that issued this work."""
+    parsed = parse_annotation(annotation_event["name"]) if annotation_event else None
+    return parsed[3] if parsed and parsed[3] else "unknown"
 
 
 def _overlap_fraction(copies: list[dict[str, Any]],

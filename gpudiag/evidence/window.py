@@ -32,7 +32,7 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     synchronize(device)
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             with SourceAnnotator():

@@ -60,7 +60,8 @@ def fp32_matmul(run: RunResult) -> Iterator[Draft]:
                                        "tf32_matmul": run.env.tf32_matmul}
         ref = run.stage(REFERENCE_STAGE)
         note = ""
-        if ref is not None and ref.ok and ref.ms_per_iter and stage.ms_per_iter:
+        if (ref is not None and ref.ok and ref.ms_per_iter and stage.ms_per_iter
+                and stage.details.get("mode") != "inference"):
             evidence["mixed_precision_speedup_in_this_run"] = round(
                 stage.ms_per_iter / ref.ms_per_iter, 2)
             note = f"; {ref.name} runs {stage.ms_per_iter / ref.ms_per_iter:.1f}x faster here"
