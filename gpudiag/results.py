@@ -147,6 +147,8 @@ class Evidence:
     htod_overlap_fraction: float | None = None  # share of HtoD copy time with a kernel running
     memset_per_step: float = 0.0
     sync_ms_per_step: float = 0.0  # host time blocked in synchronising runtime calls
+    # Device idle right after syncs (until the host's next work starts): what syncs cost.
+    sync_idle_ms_per_step: float = 0.0
     matmul_ms_by_dtype: dict[str, float] = field(default_factory=dict)  # "fp32": ms per step
     device_ms_per_step: float = 0.0  # kernel time, summed over kernels
     empty_cache_per_step: float = 0.0  # cudaFree calls: the caching allocator giving back

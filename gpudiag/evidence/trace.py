@@ -204,6 +204,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     launches = 0
     empty_cache = 0
     sync_us = free_us = 0.0
+    sync_ends: list[float] = []
     runtime_by_correlation: dict[Any, dict[str, Any]] = {}
     for r in runtime:
         name = r["name"]
@@ -216,6 +217,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         elif name in SYNC_CALLS:
             syncs += 1
             sync_us += float(r.get("dur", 0.0))
+            sync_ends.append(_end(r))
             if owner is not None:
                 stats(owner).syncs += 1
         elif name in EMPTY_CACHE_CALLS:
@@ -298,6 +300,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         htod_overlap_fraction=overlap,
         memset_per_step=len(by_cat["gpu_memset"]) * per,
         sync_ms_per_step=sync_us * per / 1e3,
+        sync_idle_ms_per_step=_idle_after(sync_ends, device) * per / 1e3,
         matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(matmul_us.items())},
         device_ms_per_step=kernel_us * per / 1e3,
         empty_cache_per_step=empty_cache * per,
@@ -321,6 +324,23 @@ def _dtype(annotation_event: dict[str, Any] | None) -> str:
     """The matmul dtype the source annotator recorded for the call that issued this work."""
     parsed = parse_annotation(annotation_event["name"]) if annotation_event else None
     return parsed[3] if parsed and parsed[3] else "unknown"
+
+
+def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
+    """Device idle time from each moment to the next device activity (the queue a sync drained
+    stays empty until the host issues more work). Moments with the device busy cost nothing."""
+    if not moments or not device:
+        return 0.0
+    busy = _merge((float(d["ts"]), _end(d)) for d in device)
+    starts = [a for a, _ in busy]
+    idle = 0.0
+    for t in moments:
+        i = bisect.bisect_right(starts, t)
+        if i > 0 and busy[i - 1][1] > t:
+            continue  # still busy with earlier work
+        if i < len(busy):
+            idle += busy[i][0] - t
+    return idle
 
 
 def _overlap_fraction(copies: list[dict[str, Any]],

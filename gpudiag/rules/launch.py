@@ -202,9 +202,10 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
 SYNC_THRESHOLDS = (
     Threshold("min_syncs_per_step", SYNC_MIN,
               "GradScaler's inf check and one logged loss.item() are 1-2 syncs per step"),
-    Threshold("warning_blocked_share", SYNC_WARNING,
-              "5% of the step blocked waiting on the device"),
-    Threshold("critical_blocked_share", SYNC_CRITICAL, "the step mostly waits on syncs"),
+    Threshold("warning_idle_share", SYNC_WARNING,
+              "the GPU idles 5% of the step after syncs, waiting for the host to refill its "
+              "queue (host time blocked while the GPU works costs nothing)"),
+    Threshold("critical_idle_share", SYNC_CRITICAL, "the step mostly idles after syncs"),
 )
 
 
@@ -238,19 +239,22 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
                      else sum(s.syncs_per_step for s in lines))
         if remaining < SYNC_MIN or not lines:
             continue
-        blocked = ev.sync_ms_per_step / stage.ms_per_iter if cuda and stage.ms_per_iter else 0.0
+        # What syncs cost is the device idle they leave behind, as a share of the profiled step
+        # (instrumentation slows the host's refill and the step alike).
+        cost = ev.sync_idle_ms_per_step / ev.step_ms if cuda and ev.step_ms else 0.0
         top = lines[0]
         yield Draft(
-            severity=severity_for(blocked, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
+            severity=severity_for(cost, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
                                   cap="critical" if cuda else "info"),
             stage=stage.name,
             title=(f"{remaining:.0f} host-device syncs per step"
-                   + (f", {ev.sync_ms_per_step:.1f} ms blocked" if cuda else "")
+                   + (f" leave the GPU idle {pct(cost)} of the step" if cuda else "")
                    + f"; most from {top.function} ({top.syncs_per_step:.0f}/step)"),
             location=top.location,
-            impact=min(blocked, 1.0),
+            impact=min(cost, 1.0),
             evidence={"syncs_per_step": round(remaining, 1),
                       "blocked_ms_per_step": round(ev.sync_ms_per_step, 2),
+                      "idle_after_syncs_ms_per_step": round(ev.sync_idle_ms_per_step, 2),
                       "lines": {s.location: round(s.syncs_per_step, 1) for s in lines[:5]}},
             fix=(f"At {top.location}: keep the value on the device instead of reading it back "
                  "every step (log every N steps; use torch.where or masks instead of Python "
