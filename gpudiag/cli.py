@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -27,8 +27,11 @@ from rich.progress import (
 from rich.table import Column as ProgressColumn
 from rich.table import Table
 
-from gpudiag.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, GpudiagError
-from gpudiag.results import RunFileError, StageResult
+if TYPE_CHECKING:
+    from gpudiag.config import RunConfig
+
+from gpudiag.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, GpudiagError
+from gpudiag.results import RunFileError, RunResult, StageResult, to_jsonable
 
 # Logs and pipes get the whole table; an interactive terminal gets what fits its width.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -150,6 +153,10 @@ def run(
                                              "time>-<model>/).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print run.json to stdout instead of "
                                           "the table.")] = False,
+    trials: Annotated[int, typer.Option(help="Repeat the run in N fresh processes (the unit of "
+                                        "evidence for compare and gate).")] = 1,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress or table; files only.")]
+    = False,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
     from gpudiag.config import build_config
@@ -163,22 +170,41 @@ def run(
     )
     from gpudiag.runner import RunOutput, run_stages
 
+    if trials < 1:
+        raise BadInput(f"--trials must be positive (got {trials})")
     config, notes = build_config(
         model=model, preset=preset, device=device, stages=_split(stages), batch_size=batch_size,
         seq_len=seq_len, iters=iters, warmup=warmup, min_seconds=min_seconds,
         amp_dtype=amp_dtype, loader_workers=workers, evidence_steps=evidence_steps)
     run_dir = prepare_run_dir(out or default_run_dir(model))
-    for note in notes:
-        stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+    if not quiet:
+        for note in notes:
+            stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
 
     def save(output: RunOutput) -> None:
         write_run_dir(run_dir, output.run, output.samples)
 
-    live = _LiveProgress(stderr)
-    with live.progress:
-        output = run_stages(config, notes=notes, listener=live, on_stage_done=save)
+    if trials > 1:
+        from gpudiag.rules import evaluate
+        from gpudiag.trialrun import run_trials
+
+        args = _run_args(config)
+        merged = run_trials(args, run_dir, trials, evidence_steps=config.evidence_steps,
+                            on_trial=lambda k, n: stderr.print(f"trial {k}/{n}"))
+        merged.run.findings = evaluate(merged.run)
+        output = RunOutput(merged.run, merged.samples)
+    elif quiet:
+        output = run_stages(config, notes=notes, on_stage_done=save)
+    else:
+        live = _LiveProgress(stderr)
+        with live.progress:
+            output = run_stages(config, notes=notes, listener=live, on_stage_done=save)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
     save(output)
+    if quiet:
+        if output.run.interrupted:
+            raise typer.Exit(EXIT_INTERRUPTED)
+        return
     if as_json:
         stdout.print_json(json.dumps(output.run.to_dict()))
     else:
@@ -191,6 +217,140 @@ def run(
     if output.run.interrupted:
         stderr.print("[yellow]Interrupted:[/] partial results written.")
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _run_args(config: RunConfig) -> list[str]:
+    """The `gpudiag run` arguments that reproduce `config` in a child process."""
+    return ["--model", config.model, "--preset", config.preset, "--device", config.device,
+            "--stages", ",".join(config.stages), "--batch-size", str(config.batch_size),
+            "--seq-len", str(config.seq_len), "--iters", str(config.iters),
+            "--warmup", str(config.warmup), "--min-seconds", str(config.min_seconds),
+            "--amp-dtype", config.amp_dtype, "--workers", str(config.loader_workers)]
+
+
+def _parse_limits(values: list[str]) -> tuple[float, dict[str, float]]:
+    """`5` sets the default limit, `stage=3` one stage's (percent)."""
+    default, per_stage = 5.0, {}
+    for value in values:
+        name, _, number = value.rpartition("=")
+        try:
+            pct = float(number)
+        except ValueError:
+            raise BadInput(f"--max-regression {value!r}: expected PCT or STAGE=PCT") from None
+        if not 0 < pct < 100:
+            raise BadInput(f"--max-regression {value!r}: the percentage must be in (0, 100)")
+        if name:
+            per_stage[name] = pct / 100
+        else:
+            default = pct
+    return default / 100, per_stage
+
+
+def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
+    from gpudiag.trials import load_run_set
+
+    return load_run_set(before), load_run_set(after)
+
+
+@app.command()
+def compare(
+    before: Annotated[Path, typer.Argument(help="Run directory, run.json, or folder of trial "
+                                           "runs.")],
+    after: Annotated[Path, typer.Argument(help="The same, after the change.")],
+    markdown: Annotated[Path | None, typer.Option(help="Also write the comparison as markdown "
+                                                  "(for a pull-request comment).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")]
+    = False,
+) -> None:
+    """Compare two runs stage by stage: ratios with intervals, verdicts, findings."""
+    from gpudiag.compare import compare_runs
+    from gpudiag.report.compare import comparison_markdown, comparison_table
+
+    a, b = _load_pair(before, after)
+    comparison = compare_runs(a, b, before_label=str(before), after_label=str(after))
+    if markdown is not None:
+        markdown.write_text(comparison_markdown(comparison))
+    if as_json:
+        stdout.print_json(json.dumps(to_jsonable(comparison)))
+        return
+    for name, x, y in [*comparison.env_differences, *comparison.config_differences]:
+        stderr.print(f"[bold yellow]setup differs:[/] {name}: {x!r} vs {y!r}", soft_wrap=True)
+    stdout.print(comparison_table(comparison))
+    for s in comparison.stages:
+        if s.note:
+            stdout.print(f"  {s.stage}: {s.note}", soft_wrap=True)
+    for title, findings in (("resolved", comparison.findings_resolved),
+                            ("new", comparison.findings_new)):
+        for f in findings:
+            stdout.print(f"  finding {title}: {f.id} {f.stage}: {f.title}", soft_wrap=True)
+
+
+@app.command()
+def gate(
+    baseline: Annotated[Path, typer.Argument(help="Baseline: run directory, run.json, trial "
+                                             "folder, or a saved baseline file.")],
+    current: Annotated[Path, typer.Argument(help="The run to check.")],
+    max_regression: Annotated[list[str] | None, typer.Option(
+        help="Allowed throughput loss in percent: PCT, or STAGE=PCT for one stage (repeat).")]
+    = None,
+    min_iters: Annotated[int, typer.Option(help="Steady-state steps a side needs per stage.")]
+    = 10,
+    allow_mismatch: Annotated[bool, typer.Option(help="Gate runs of different model, preset, "
+                                                 "batch, stages or GPU anyway.")] = False,
+    markdown: Annotated[Path | None, typer.Option(help="Also write the decision as markdown.")]
+    = None,
+) -> None:
+    """CI gate: exit 1 on a real regression, 0 on pass, 3 when more trials are needed."""
+    import os
+
+    from gpudiag.compare import compare_runs, decide
+    from gpudiag.report.compare import gate_lines, gate_markdown
+
+    default, per_stage = _parse_limits(max_regression or [])
+    a, b = _load_pair(baseline, current)
+    comparison = compare_runs(a, b, before_label=str(baseline), after_label=str(current))
+    if comparison.mismatches and not allow_mismatch:
+        raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
+                       + "); pass --allow-mismatch to gate anyway")
+    unknown = sorted(set(per_stage) - {s.stage for s in comparison.stages})
+    if unknown:
+        raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
+    decision = decide(comparison, default_limit=default, stage_limits=per_stage,
+                      min_iters=min_iters)
+    text = gate_markdown(decision, comparison)
+    if markdown is not None:
+        markdown.write_text(text)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with Path(summary).open("a") as fh:
+            fh.write(text + "\n")
+    for line in gate_lines(decision):
+        typer.echo(line)
+    raise typer.Exit(decision.exit_code)
+
+
+baseline_app = typer.Typer(help="Keep baselines in the repository for `gpudiag gate`.",
+                           no_args_is_help=True)
+app.add_typer(baseline_app, name="baseline")
+
+
+@baseline_app.command("save")
+def baseline_save(
+    run_path: Annotated[Path, typer.Argument(metavar="RUN", help="Run directory, run.json or "
+                                             "trial folder.")],
+    name: Annotated[str, typer.Option(help="Baseline name (file name).")] = "default",
+    directory: Annotated[Path, typer.Option("--dir", help="Where baselines live.")]
+    = Path(".gpudiag/baselines"),
+) -> None:
+    """Save a small, stable copy of a run (no traces, no evidence) as a gate baseline."""
+    from gpudiag.results import save_run
+    from gpudiag.trials import baseline_of, load_run_set
+
+    if not name or "/" in name or name.startswith("."):
+        raise BadInput(f"--name {name!r}: use a plain file name")
+    target = directory / f"{name}.json"
+    save_run(baseline_of(load_run_set(run_path)), target)
+    typer.echo(f"baseline written: {target} (commit it; gate with `gpudiag gate {target} RUN`)")
 
 
 @app.command()
@@ -218,7 +378,6 @@ def rules(
                                            "documentation as markdown (docs/rules.md).")] = False,
 ) -> None:
     """List the diagnosis rules, or explain one: what it detects, thresholds, why, fix."""
-    from gpudiag.errors import BadInput
     from gpudiag.report import rule_panel, rules_markdown, rules_table
     from gpudiag.rules import all_rules, find_rule
 

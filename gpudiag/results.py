@@ -167,6 +167,17 @@ class Evidence:
 
 
 @dataclass
+class Trial:
+    """One fresh process's score for a stage (see gpudiag.trials)."""
+
+    samples_per_s: float  # from the median steady-state step time
+    ms_per_iter: float
+    iters: int  # steady-state steps behind the score
+    throttled: bool = False  # thermal/hardware slowdown: not valid for a gate
+    energy_per_sample_j: float | None = None
+
+
+@dataclass
 class StageResult:
     """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations), or
     their mean for bursty stages such as a prefetching DataLoader (`details`
@@ -193,6 +204,7 @@ class StageResult:
     phases_ms: dict[str, list[float]] = field(default_factory=dict)  # e.g. data_wait per step
     details: dict[str, Any] = field(default_factory=dict)
     evidence: Evidence | None = None
+    trials: list[Trial] = field(default_factory=list)  # filled when runs are merged
     error: str | None = None  # one line; for skipped stages the reason
     advice: str | None = None
     traceback: str | None = None
@@ -278,7 +290,7 @@ class RunResult:
         return (s for s in self.stages if s.ok and s.evidence is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_jsonable(self)
+        return to_jsonable(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
@@ -295,16 +307,16 @@ class RunResult:
 _DERIVED = {StageResult: ("energy_per_sample_j",), TimingStats: ("iqr_ms",)}
 
 
-def _to_jsonable(value: Any) -> Any:
+def to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        out = {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
         for name in _DERIVED.get(type(value), ()):
-            out[name] = _to_jsonable(getattr(value, name))
+            out[name] = to_jsonable(getattr(value, name))
         return out
     if isinstance(value, dict):
-        return {str(k): _to_jsonable(v) for k, v in value.items()}
+        return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_to_jsonable(v) for v in value]
+        return [to_jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN/inf; a missing number reads as null
     return value
