@@ -123,6 +123,7 @@ class SourceLine:
     ops_per_step: float = 0.0  # top-level operators, forward and their backward
     kernels_per_step: float = 0.0
     syncs_per_step: float = 0.0
+    sync_idle_ms_per_step: float = 0.0  # device idle after this line's syncs
     memcpys_per_step: float = 0.0
     host_ms_per_step: float = 0.0
     device_ms_per_step: float = 0.0

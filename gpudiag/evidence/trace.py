@@ -12,6 +12,7 @@ Attribution, in order of preference:
 from __future__ import annotations
 
 import bisect
+import math
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -36,6 +37,8 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ad
               "aten::_addmm_activation", "aten::_scaled_mm", "aten::convolution",
               "aten::_convolution", "aten::cudnn_convolution"}
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+STEP_RANGE = "gpudiag.step"  # the capture names each profiled step so
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
 
 
@@ -111,6 +114,40 @@ def _top_level(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return top
 
 
+def _link_backward(events: list[dict[str, Any]], ops: list[dict[str, Any]],
+                   backward_nodes: list[dict[str, Any]],
+                   annotations: list[dict[str, Any]]) -> None:
+    """Set `_forward_line` on backward nodes: the annotation around the forward op that created
+    the node. The profiler's forward->backward flow events say which op that was, in-place
+    writes into views (CopySlices) included; traces without them fall back to the autograd
+    sequence number, taking the last forward op that recorded it (the one that made the node).
+    """
+    starts = {f["id"]: {"ts": float(f["ts"]), "dur": 0.0, "tid": f["tid"], "name": ""}
+              for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "s"}
+    finishes = [{"ts": float(f["ts"]), "dur": 0.0, "tid": f["tid"], "name": "", "id": f["id"]}
+                for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "f"
+                and f["id"] in starts]
+    _enclosing(list(starts.values()), annotations, "_line")
+    _enclosing(finishes, backward_nodes, "_backward")
+    for finish in finishes:
+        node, start = finish.get("_backward"), starts[finish["id"]]
+        if node is not None and start.get("_line") is not None:
+            node["_forward_line"] = start["_line"]
+    forward_by_seq: dict[Any, dict[str, Any]] = {}
+    for o in sorted(ops, key=lambda o: o["ts"]):
+        seq = o.get("args", {}).get("Sequence number")
+        # Ops running inside a backward node carry its sequence number too; skip them.
+        if (seq is not None and "_backward" not in o
+                and not o["name"].startswith(BACKWARD_PREFIX)):
+            forward_by_seq[seq] = o
+    for node in backward_nodes:
+        if "_forward_line" in node:
+            continue
+        forward = forward_by_seq.get(node.get("args", {}).get("Sequence number"))
+        if forward is not None and forward.get("_line") is not None:
+            node["_forward_line"] = forward["_line"]
+
+
 def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted, non-overlapping union of (start, end) intervals."""
     merged: list[tuple[float, float]] = []
@@ -136,8 +173,13 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             timed_step_ms: float | None = None) -> Evidence:
     """Per-step evidence from the trace events of `steps` profiled steps."""
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    steps_ranges = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP_RANGE]
+    first = min((float(s["ts"]) for s in steps_ranges), default=-math.inf)
+    last = max((_end(s) for s in steps_ranges), default=math.inf)
     for e in events:
-        if e.get("ph") == "X":
+        # Host work outside the profiled steps (the window's own final sync) is not the step's.
+        if e.get("ph") == "X" and (e.get("cat") in DEVICE_CATS
+                                   or first <= float(e["ts"]) <= last):
             by_cat[e.get("cat", "")].append(e)
     annotations = [a for a in by_cat["user_annotation"] if parse_annotation(a["name"])]
     ops = by_cat["cpu_op"]
@@ -150,24 +192,14 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     _enclosing(host, annotations, "_line")
     _enclosing(host, backward_nodes, "_backward")
     _enclosing(runtime, matmuls, "_matmul")
-    forward_by_seq: dict[Any, dict[str, Any]] = {}
-    for o in sorted(ops, key=lambda o: o["ts"]):
-        seq = o.get("args", {}).get("Sequence number")
-        # Ops running inside a backward node carry its sequence number too; skip them.
-        if (seq is not None and "_backward" not in o
-                and not o["name"].startswith(BACKWARD_PREFIX)):
-            forward_by_seq.setdefault(seq, o)
-    for node in backward_nodes:
-        forward = forward_by_seq.get(node.get("args", {}).get("Sequence number"))
-        if forward is not None and "_line" in forward:
-            node["_line"] = forward["_line"]
+    _link_backward(events, ops, backward_nodes, annotations)
 
     def line_of(e: dict[str, Any]) -> dict[str, Any] | None:
         # Backward work inside `loss.backward()` belongs to the forward line that created its
         # autograd node, not to the line that called backward.
         node = e if e["name"].startswith(BACKWARD_PREFIX) else e.get("_backward")
-        if node is not None and node.get("_line") is not None:
-            return node["_line"]
+        if node is not None and node.get("_forward_line") is not None:
+            return node["_forward_line"]
         return e.get("_line")
 
     lines: dict[str, _Line] = {}
@@ -184,8 +216,8 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         line.direct_calls += int(parse_annotation(a["name"])[2])  # type: ignore[index]
         line.host_us += float(a.get("dur", 0.0))
     for node in backward_nodes:
-        if node.get("_line") is not None:
-            stats(node["_line"]).host_us += float(node.get("dur", 0.0))
+        if node.get("_forward_line") is not None:  # unmapped nodes are inside their backward()
+            stats(node["_forward_line"]).host_us += float(node.get("dur", 0.0))  # annotation
 
     top_ops = _top_level(ops)
     for o in top_ops:
@@ -205,6 +237,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     empty_cache = 0
     sync_us = free_us = 0.0
     sync_ends: list[float] = []
+    line_sync_ends: dict[str, list[float]] = defaultdict(list)
     runtime_by_correlation: dict[Any, dict[str, Any]] = {}
     for r in runtime:
         name = r["name"]
@@ -220,6 +253,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             sync_ends.append(_end(r))
             if owner is not None:
                 stats(owner).syncs += 1
+                line_sync_ends[stats(owner).location].append(_end(r))
         elif name in EMPTY_CACHE_CALLS:
             empty_cache += 1
             free_us += float(r.get("dur", 0.0))
@@ -280,6 +314,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             host_ms_per_step=line.host_us * per / 1e3,
             device_ms_per_step=line.device_us * per / 1e3,
             median_kernel_us=statistics.median(line.kernel_us) if line.kernel_us else None,
+            sync_idle_ms_per_step=_idle_after(line_sync_ends[line.location], device) * per / 1e3,
             share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
             in_loop=in_loop(line.location),
         )
@@ -333,14 +368,14 @@ def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
         return 0.0
     busy = _merge((float(d["ts"]), _end(d)) for d in device)
     starts = [a for a, _ in busy]
-    idle = 0.0
+    gaps = []
     for t in moments:
         i = bisect.bisect_right(starts, t)
         if i > 0 and busy[i - 1][1] > t:
             continue  # still busy with earlier work
         if i < len(busy):
-            idle += busy[i][0] - t
-    return idle
+            gaps.append((t, busy[i][0]))
+    return sum(b - a for a, b in _merge(gaps))  # two syncs in one gap idle it once
 
 
 def _overlap_fraction(copies: list[dict[str, Any]],

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpudiag.evidence.source import SourceAnnotator
-from gpudiag.evidence.trace import analyze
+from gpudiag.evidence.trace import STEP_RANGE, analyze
 from gpudiag.results import Evidence
 from gpudiag.timing import synchronize
 
@@ -35,7 +35,7 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            with SourceAnnotator():
+            with record_function(STEP_RANGE), SourceAnnotator():
                 step()
         synchronize(device)
         step_ms = (time.perf_counter() - start) * 1e3 / steps

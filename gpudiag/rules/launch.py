@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gpudiag.results import RunResult, SourceLine, StageResult
+from gpudiag.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
 from gpudiag.rules.common import data_wait_share, device_ops, pct, reference_stage
 from gpudiag.rules.registry import Draft, Threshold, rule, severity_for
 
@@ -65,7 +65,7 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
         cuda = ev.backend == "cuda"
         ops = device_ops(line, ev.backend)
         share = line.share_of_step_time
-        impact, twin = share, _counterfactual(run, stage)
+        impact, twin = loop_price(run, stage, line)
         evidence: dict[str, object] = {
             "function": line.function,
             "torch_calls_per_step": round(line.direct_calls_per_step, 1),
@@ -80,11 +80,8 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
         if line.median_kernel_us is not None:
             evidence["median_kernel_us"] = round(line.median_kernel_us, 2)
         price = f"{pct(share)} of the profiled step"
-        if twin is not None and twin.evidence is not None:
+        if twin is not None:
             speedup = stage.ms_per_iter / twin.ms_per_iter  # type: ignore[operator]
-            # A measured counterfactual beats the in-window share, which profiler overhead on
-            # every other call dilutes.
-            impact = max(0.0, 1 - 1 / speedup)
             evidence.update(counterfactual_stage=twin.name,
                             counterfactual_speedup=round(speedup, 2),
                             counterfactual_device_ops_per_step=round(_device_ops(twin), 1))
@@ -94,7 +91,7 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
                 if cuda else f"{ops:,.0f} operator calls per step "
                              f"({line.syncs_per_step:,.0f} would block the host on a GPU)")
         yield Draft(
-            severity=severity_for(impact, warning=LOOP_WARNING, critical=LOOP_CRITICAL),
+            severity=loop_severity(impact),
             stage=stage.name,
             title=(f"{what} come from one line inside a Python loop in {line.function}(); "
                    f"{price}"),
@@ -108,6 +105,21 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
                  "blocking device-to-host read). With static shapes, torch.compile or CUDA "
                  "graphs also remove per-op launch cost."),
         )
+
+
+def loop_price(run: RunResult, stage: StageResult,
+               line: SourceLine) -> tuple[float, StageResult | None]:
+    """What the loop costs (share of the step at stake) and the twin that measured it. A
+    measured counterfactual beats the in-window share, which profiler overhead on every other
+    call dilutes."""
+    twin = _counterfactual(run, stage)
+    if twin is None or twin.evidence is None:
+        return line.share_of_step_time, None
+    return max(0.0, 1 - twin.ms_per_iter / stage.ms_per_iter), twin  # type: ignore[operator]
+
+
+def loop_severity(impact: float) -> Severity:
+    return severity_for(impact, warning=LOOP_WARNING, critical=LOOP_CRITICAL)
 
 
 def _counterfactual(run: RunResult, stage: StageResult) -> StageResult | None:
@@ -189,8 +201,11 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
         impact = excess
         loop = loop_line(stage)
         if loop is not None:
+            # The loop is the cause: this symptom never ranks above its finding.
+            loop_impact, _ = loop_price(run, stage, loop)
             title += f"; the Python loop at {loop.location} is why (see GD101)"
-            severity, impact = "warning", min(excess, loop.share_of_step_time)
+            impact = min(excess, loop_impact)
+            severity = min(severity, loop_severity(loop_impact), key=SEVERITY_RANK.__getitem__)
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=("Look at this stage's loop and sync findings first: they name the lines that "
@@ -241,7 +256,8 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
             continue
         # What syncs cost is the device idle they leave behind, as a share of the profiled step
         # (instrumentation slows the host's refill and the step alike).
-        cost = ev.sync_idle_ms_per_step / ev.step_ms if cuda and ev.step_ms else 0.0
+        idle = sum(s.sync_idle_ms_per_step for s in lines)
+        cost = idle / ev.step_ms if cuda and ev.step_ms else 0.0
         top = lines[0]
         yield Draft(
             severity=severity_for(cost, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
@@ -254,7 +270,7 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
             impact=min(cost, 1.0),
             evidence={"syncs_per_step": round(remaining, 1),
                       "blocked_ms_per_step": round(ev.sync_ms_per_step, 2),
-                      "idle_after_syncs_ms_per_step": round(ev.sync_idle_ms_per_step, 2),
+                      "idle_after_syncs_ms_per_step": round(idle, 2),
                       "lines": {s.location: round(s.syncs_per_step, 1) for s in lines[:5]}},
             fix=(f"At {top.location}: keep the value on the device instead of reading it back "
                  "every step (log every N steps; use torch.where or masks instead of Python "

@@ -1,0 +1,557 @@
+"""The rule engine: findings on a recorded H100 run, on a real tiny CPU run, and one firing case
+plus near misses per rule on hand-built runs."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpudiag.report.findings import diagnosis_markdown
+from gpudiag.results import (
+    SEVERITY_RANK,
+    Env,
+    Evidence,
+    Finding,
+    MemoryStats,
+    RunResult,
+    SourceLine,
+    StageResult,
+    TelemetrySummary,
+    load_run,
+)
+from gpudiag.rules import all_rules, evaluate, find_rule
+from gpudiag.runner import RunOutput
+
+ROOT = Path(__file__).resolve().parent.parent
+H100_RUN = Path(__file__).resolve().parent / "data" / "h100-dgca-run.json"
+DGCA = ROOT / "gpudiag" / "models" / "dgca.py"
+MATERIAL = ("warning", "critical")
+CLEAN_STAGES = ("infer", "train", "train-fp16", "full-vectorized")
+
+
+def dgca_loop_line() -> int:
+    """The line of the per-element assignment in dgca.apply_prompt_loop."""
+    lines = DGCA.read_text().splitlines()
+    hits = [n for n, text in enumerate(lines, 1)
+            if re.match(r"\s*inputs_embeds\[i, blocked\[i, j\], :\] = ", text)]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def material(findings: list[Finding], stage: str) -> list[Finding]:
+    return [f for f in findings if f.stage == stage and f.severity in MATERIAL]
+
+
+# --- The recorded H100 run -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100_findings() -> list[Finding]:
+    return evaluate(load_run(H100_RUN))
+
+
+def test_h100_loop_line_is_the_first_finding(h100_findings: list[Finding]) -> None:
+    assert dgca_loop_line() == 116
+    top = h100_findings[0]
+    assert (top.id, top.rule, top.stage) == ("GD101", "python-loop-launches", "full-loop")
+    assert top.severity in MATERIAL
+    assert top.location is not None and top.location.endswith("gpudiag/models/dgca.py:116")
+    assert top.evidence["function"] == "apply_prompt_loop"
+    assert top.evidence["counterfactual_stage"] == "full-vectorized"
+    assert top.evidence["counterfactual_speedup"] >= 2
+    assert top.impact >= 0.5
+    # The recorded step times say the same: full-loop against its vectorized twin.
+    run = load_run(H100_RUN)
+    loop, twin = run.stage("full-loop"), run.stage("full-vectorized")
+    assert loop is not None and twin is not None and loop.ms_per_iter and twin.ms_per_iter
+    assert top.evidence["counterfactual_speedup"] == pytest.approx(
+        loop.ms_per_iter / twin.ms_per_iter, abs=0.01)
+    assert top.impact == pytest.approx(1 - twin.ms_per_iter / loop.ms_per_iter)
+
+
+def test_h100_full_loop_is_gpu_starved_against_train_fp16(h100_findings: list[Finding]) -> None:
+    starved = [f for f in h100_findings if f.id == "GD102" and f.stage == "full-loop"]
+    assert len(starved) == 1
+    f = starved[0]
+    assert f.evidence["power_gap_w"] > 50
+    assert f.evidence["reference_stage"] == "train-fp16" and "train-fp16" in f.title
+    assert "dgca.py:116" in f.title  # it names the loop as the cause
+    # The loop finding, the cause, ranks above it.
+    assert h100_findings.index(f) > 0
+
+
+@pytest.mark.parametrize("stage", [*CLEAN_STAGES])
+def test_h100_clean_stages_have_no_material_finding(h100_findings: list[Finding],
+                                                    stage: str) -> None:
+    assert material(h100_findings, stage) == []
+
+
+def test_h100_diagnosis_leads_with_the_loop(h100_findings: list[Finding]) -> None:
+    run = load_run(H100_RUN)
+    run.findings = h100_findings
+    text = "\n".join(diagnosis_markdown(run))
+    assert text.splitlines()[2].startswith("**full-loop: ")
+    assert "`gpudiag/models/dgca.py:116`" in text.splitlines()[2]
+    assert "### 1. critical: GD101 python-loop-launches (full-loop)" in text
+    # Information-level findings are listed apart, not numbered.
+    assert "Observations (information, no action needed):" in text
+    assert not re.search(r"### \d+\. info", text)
+
+
+# --- The real tiny CPU ladder --------------------------------------------------------------
+
+
+def test_tiny_ladder_finds_the_loop_line(tiny_ladder: RunOutput) -> None:
+    findings = evaluate(tiny_ladder.run)
+    loops = [f for f in findings if f.id == "GD101" and f.stage == "full-loop"]
+    assert len(loops) == 1
+    assert loops[0].location is not None
+    assert loops[0].location.endswith(f"gpudiag/models/dgca.py:{dgca_loop_line()}")
+    assert loops[0].evidence["counterfactual_stage"] == "full-vectorized"
+    assert not [f for f in findings if f.id == "GD101" and f.stage != "full-loop"]
+    # The runner stored what evaluate() says.
+    assert [(f.id, f.stage) for f in tiny_ladder.run.findings] == [
+        (f.id, f.stage) for f in findings]
+
+
+@pytest.mark.parametrize("stage", [*CLEAN_STAGES])
+def test_tiny_ladder_clean_stages_have_no_material_finding(tiny_ladder: RunOutput,
+                                                           stage: str) -> None:
+    assert tiny_ladder.run.stage(stage) is not None
+    assert material(evaluate(tiny_ladder.run), stage) == []
+
+
+# --- Hand-built runs -----------------------------------------------------------------------
+
+STEP_MS = 100.0
+
+
+def limit(code: str, name: str) -> float:
+    rule = find_rule(code)
+    assert rule is not None
+    return rule.limit(name)
+
+
+def make_run(*stages: StageResult, compute_capability: str | None = "9.0",
+             tf32: bool | None = False) -> RunResult:
+    env = Env(device="cuda", gpu_name="Test GPU", gpu_count=1,
+              compute_capability=compute_capability, tf32_matmul=tf32)
+    return RunResult(tool_version="test", env=env, config={"batch_size": 8},
+                     stages=list(stages))
+
+
+def make_stage(name: str, *, ms: float = STEP_MS, evidence: Evidence | None = None,
+               details: dict[str, Any] | None = None, power_w: float | None = None,
+               gpm: dict[str, float] | None = None, kernel_active_pct: float | None = None,
+               throttle: dict[str, float] | None = None, memory: MemoryStats | None = None,
+               data_wait_ms: float | None = None) -> StageResult:
+    telemetry = TelemetrySummary(available=True, sample_count=10, power_mean_w=power_w,
+                                 kernel_active_pct=kernel_active_pct, gpm=gpm or {},
+                                 throttle_share=throttle or {})
+    phases = {"data_wait": [data_wait_ms] * 5} if data_wait_ms is not None else {}
+    return StageResult(name=name, status="ok", ms_per_iter=ms, iter_ms=[ms] * 5,
+                       samples_per_step=8, telemetry=telemetry, memory=memory,
+                       phases_ms=phases, details=details or {}, evidence=evidence)
+
+
+def make_evidence(*, backend: str = "cuda", **fields: Any) -> Evidence:
+    return Evidence(steps=2, step_ms=STEP_MS, backend=backend, **fields)
+
+
+def loop_source_line(*, calls: float, ops: float, share: float, syncs: float = 0.0,
+                     in_loop: bool = True) -> SourceLine:
+    return SourceLine(location="model.py:42", function="apply", calls_per_step=calls,
+                      direct_calls_per_step=calls, kernels_per_step=ops, ops_per_step=ops,
+                      syncs_per_step=syncs, share_of_step_time=share, in_loop=in_loop)
+
+
+def gd101(*, calls: float | None = None, ops: float | None = None, share: float | None = None,
+          in_loop: bool = True) -> RunResult:
+    line = loop_source_line(
+        calls=calls if calls is not None else limit("GD101", "min_direct_calls_per_step"),
+        ops=ops if ops is not None else limit("GD101", "min_device_ops_per_step"),
+        share=share if share is not None else limit("GD101", "critical_share"),
+        in_loop=in_loop)
+    ev = make_evidence(kernels_per_step=line.kernels_per_step + 50, source_lines=[line])
+    return make_run(make_stage("full-loop", evidence=ev))
+
+
+def gd102(*, excess: float, data_wait: float = 0.0) -> RunResult:
+    ref_idle = 0.125
+    ref = make_stage("train-fp16", ms=50.0, power_w=500.0,
+                     details={"precision": "fp16-autocast"},
+                     evidence=make_evidence(idle_fraction=ref_idle))
+    starved = make_stage("full-loop", ms=200.0, power_w=300.0, data_wait_ms=data_wait * 200.0,
+                         evidence=make_evidence(idle_fraction=ref_idle + excess,
+                                                launches_per_step=900.0))
+    return make_run(ref, starved)
+
+
+def gd103(*, syncs: float, idle_share: float = limit("GD103", "critical_idle_share"),
+          backend: str = "cuda", direct: float = 1.0) -> RunResult:
+    line = SourceLine(location="train.py:30", function="log", calls_per_step=1,
+                      direct_calls_per_step=direct, syncs_per_step=syncs,
+                      sync_idle_ms_per_step=idle_share * STEP_MS)
+    # The host blocks far longer than the GPU idles: only the idle is priced.
+    ev = make_evidence(backend=backend, syncs_per_step=syncs, sync_ms_per_step=80.0,
+                       sync_idle_ms_per_step=idle_share * STEP_MS, source_lines=[line])
+    return make_run(make_stage("train", evidence=ev))
+
+
+def gd104(*, kernels: float, idle: float = limit("GD104", "min_idle_fraction"),
+          short_share: float = limit("GD104", "min_short_kernel_share")) -> RunResult:
+    ev = make_evidence(kernels_per_step=kernels, short_kernels_per_step=kernels * short_share,
+                       idle_fraction=idle,
+                       top_ops_by_count=[{"name": "aten::add", "per_step": kernels}])
+    return make_run(make_stage("train", evidence=ev))
+
+
+def gd201(*, share: float) -> RunResult:
+    return make_run(make_stage("data-train", data_wait_ms=share * STEP_MS,
+                               details={"num_workers": 1}))
+
+
+def gd202(*, share: float, count: float = 2.0) -> RunResult:
+    ev = make_evidence(memcpy_per_step={"HtoD-pageable": count},
+                       memcpy_ms_per_step={"HtoD-pageable": share * STEP_MS})
+    return make_run(make_stage("data-train", evidence=ev))
+
+
+def gd203(*, copy_share: float, overlap: float) -> RunResult:
+    ev = make_evidence(memcpy_per_step={"HtoD": 1.0},
+                       memcpy_ms_per_step={"HtoD": copy_share * STEP_MS},
+                       htod_overlap_fraction=overlap)
+    return make_run(make_stage("data-train", evidence=ev))
+
+
+def gd301(*, share: float, compute_capability: str = "9.0", tf32: bool = False,
+          deliberate: bool = False) -> RunResult:
+    details: dict[str, Any] = {"precision": "fp32"}
+    if deliberate:
+        details["deliberate_fp32"] = True
+    ev = make_evidence(device_ms_per_step=80.0, matmul_ms_by_dtype={"fp32": share * 80.0})
+    return make_run(make_stage("train", evidence=ev, details=details),
+                    compute_capability=compute_capability, tf32=tf32)
+
+
+def gd302(*, fp16: float, fp32: float = 10.0) -> RunResult:
+    ev = make_evidence(device_ms_per_step=STEP_MS, matmul_ms_by_dtype={"fp16": fp16,
+                                                                       "fp32": fp32})
+    return make_run(make_stage("train-fp16", evidence=ev,
+                               details={"precision": "fp16-autocast"}))
+
+
+def gd303(*, tensor: float, matmul_share: float = limit("GD303", "min_matmul_share"),
+          idle: float = 0.1) -> RunResult:
+    ev = make_evidence(device_ms_per_step=STEP_MS, idle_fraction=idle,
+                       matmul_ms_by_dtype={"fp16": matmul_share * STEP_MS})
+    return make_run(make_stage("train-fp16", evidence=ev, gpm={"tensor_active_pct": tensor},
+                               details={"precision": "fp16-autocast"}))
+
+
+def gd401(*, reserved_mib: float, allocated_mib: float = 8000.0) -> RunResult:
+    memory = MemoryStats(peak_allocated_mib=allocated_mib, peak_reserved_mib=reserved_mib,
+                         device_total_mib=10_000.0)
+    return make_run(make_stage("train", memory=memory))
+
+
+def gd402(*, frees: float) -> RunResult:
+    ev = make_evidence(empty_cache_per_step=frees, empty_cache_ms_per_step=5.0)
+    return make_run(make_stage("train", evidence=ev))
+
+
+def gd501(*, thermal: float = 0.0, power_cap: float = 0.0) -> RunResult:
+    return make_run(make_stage("train-fp16", throttle={"hw_slowdown": thermal,
+                                                       "power_cap": power_cap}))
+
+
+@dataclass(frozen=True)
+class Case:
+    """A run where the rule fires, what it must say, and near misses where it must not."""
+
+    fires: Callable[[], RunResult]
+    stage: str
+    severity: str
+    evidence: dict[str, Any]  # evidence key -> expected value
+    near_misses: tuple[Callable[[], RunResult], ...]
+
+
+P = functools.partial
+CASES: dict[str, Case] = {
+    # At both count thresholds, with the loop taking the critical share of the step.
+    "GD101": Case(P(gd101), "full-loop", "critical",
+                  {"torch_calls_per_step": 64, "device_ops_per_step": 100,
+                   "share_of_step_time": 0.4},
+                  (P(gd101, calls=63), P(gd101, ops=99), P(gd101, in_loop=False))),
+    "GD102": Case(P(gd102, excess=0.5), "full-loop", "critical",
+                  {"idle_beyond_reference": 0.5, "power_gap_w": 200.0,
+                   "reference_stage": "train-fp16", "slowdown_vs_reference": 4.0},
+                  (P(gd102, excess=0.249),
+                   P(gd102, excess=0.5, data_wait=limit("GD102", "max_data_wait_share")))),
+    "GD103": Case(P(gd103, syncs=4), "train", "critical",
+                  {"syncs_per_step": 4, "blocked_ms_per_step": 80.0,
+                   "idle_after_syncs_ms_per_step": 30.0, "lines": {"train.py:30": 4}},
+                  (P(gd103, syncs=3),
+                   P(gd103, syncs=40, idle_share=limit("GD103", "warning_idle_share") - 1e-3))),
+    "GD104": Case(P(gd104, kernels=500), "train", "warning",
+                  {"kernels_per_step": 500, "short_kernel_share": 0.5, "idle_fraction": 0.2},
+                  (P(gd104, kernels=499), P(gd104, kernels=500, idle=0.199),
+                   P(gd104, kernels=500, short_share=0.49))),
+    "GD201": Case(P(gd201, share=0.3), "data-train", "critical",
+                  {"data_wait_ms": 30.0, "share": 0.3, "num_workers": 1},
+                  (P(gd201, share=0.099),)),
+    "GD202": Case(P(gd202, share=0.02), "data-train", "warning",
+                  {"pageable_htod_per_step": 2.0, "pageable_htod_ms_per_step": 2.0},
+                  (P(gd202, share=0.0199), P(gd202, share=0.5, count=0.0))),
+    "GD203": Case(P(gd203, copy_share=0.05, overlap=0.0), "data-train", "warning",
+                  {"htod_ms_per_step": 5.0, "overlap_fraction": 0.0},
+                  (P(gd203, copy_share=0.049, overlap=0.0),
+                   P(gd203, copy_share=0.2, overlap=0.5))),
+    "GD301": Case(P(gd301, share=0.3), "train", "warning",
+                  {"share_of_kernel_time": 0.3, "fp32_matmul_ms_per_step": 24.0,
+                   "tf32_matmul": False},
+                  (P(gd301, share=0.299), P(gd301, share=0.9, tf32=True),
+                   P(gd301, share=0.9, compute_capability="7.5"),
+                   P(gd301, share=0.9, deliberate=True))),
+    "GD302": Case(P(gd302, fp16=90.0), "train-fp16", "warning",
+                  {"matmul_ms_by_dtype": {"fp16": 90.0, "fp32": 10.0}},
+                  (P(gd302, fp16=91.0),)),
+    "GD303": Case(P(gd303, tensor=9.9), "train-fp16", "info",
+                  {"tensor_active_pct": 9.9, "matmul_share": 0.3},
+                  (P(gd303, tensor=10.0), P(gd303, tensor=5.0, matmul_share=0.299),
+                   P(gd303, tensor=5.0, idle=0.25))),
+    "GD401": Case(P(gd401, reserved_mib=9000.0), "train", "warning",
+                  {"peak_reserved_mib": 9000, "device_total_mib": 10000},
+                  (P(gd401, reserved_mib=8999.0),)),
+    "GD402": Case(P(gd402, frees=0.5), "train", "warning",
+                  {"frees_per_step": 0.5, "free_ms_per_step": 5.0},
+                  (P(gd402, frees=0.49),)),
+    "GD501": Case(P(gd501, thermal=0.1), "train-fp16", "warning",
+                  {"throttle_share": {"hw_slowdown": 0.1, "power_cap": 0.0}},
+                  (P(gd501, thermal=0.099),)),
+}
+
+
+def findings_of(code: str, run: RunResult) -> list[Finding]:
+    return [f for f in evaluate(run) if f.id == code]
+
+
+def test_every_rule_has_a_case() -> None:
+    assert set(CASES) == {r.code for r in all_rules()}
+
+
+@pytest.mark.parametrize("code", sorted(CASES))
+def test_rule_fires(code: str) -> None:
+    case = CASES[code]
+    found = findings_of(code, case.fires())
+    assert len(found) == 1, found
+    f = found[0]
+    rule = find_rule(code)
+    assert rule is not None and f.rule == rule.name
+    assert (f.stage, f.severity) == (case.stage, case.severity), f
+    for key, value in case.evidence.items():
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        assert f.evidence[key] == (pytest.approx(value) if numeric else value), (key, f)
+    assert 0.0 <= f.impact <= 1.0 and f.title and f.fix
+
+
+NEAR_MISSES = [(code, i) for code, case in sorted(CASES.items())
+               for i in range(len(case.near_misses))]
+
+
+@pytest.mark.parametrize(("code", "index"), NEAR_MISSES)
+def test_rule_near_miss(code: str, index: int) -> None:
+    """Just past a threshold the rule stays silent, or (for rules that always note what they
+    see) reports below the firing case's severity."""
+    case = CASES[code]
+    found = findings_of(code, case.near_misses[index]())
+    assert not [f for f in found
+                if SEVERITY_RANK[f.severity] >= SEVERITY_RANK[case.severity]], found
+
+
+# Rule-specific behaviour beyond the threshold pairs.
+
+
+@pytest.mark.parametrize(("share", "severity"), [
+    (limit("GD101", "critical_share"), "critical"),
+    (limit("GD101", "critical_share") - 0.01, "warning"),
+    (limit("GD101", "warning_share"), "warning"),
+    (limit("GD101", "warning_share") - 0.01, "info"),
+])
+def test_loop_severity_follows_its_share_of_the_step(share: float, severity: str) -> None:
+    (f,) = findings_of("GD101", gd101(share=share))
+    assert f.severity == severity and f.impact == pytest.approx(share)
+    assert f.location == "model.py:42"
+    assert f.evidence["speedup_if_removed"] == pytest.approx(1 / (1 - share), abs=0.01)
+
+
+def test_loop_is_priced_by_its_counterfactual_twin() -> None:
+    run = gd101(share=0.05)
+    loop = run.stages[0]
+    loop.ms_per_iter = 300.0
+    loop.details["counterfactual"] = "full-vectorized"
+    twin_ev = make_evidence(kernels_per_step=1000.0, memcpy_per_step={"HtoD": 7.0})
+    run.stages.append(make_stage("full-vectorized", ms=100.0, evidence=twin_ev))
+    (f,) = findings_of("GD101", run)
+    assert f.evidence["counterfactual_speedup"] == 3.0
+    assert f.evidence["counterfactual_device_ops_per_step"] == 1007.0
+    assert f.impact == pytest.approx(2 / 3) and f.severity == "critical"
+    assert "full-vectorized runs 3.0x faster" in f.title
+
+
+def test_loop_on_the_cpu_counts_operator_calls() -> None:
+    line = SourceLine(location="model.py:42", function="apply", direct_calls_per_step=64,
+                      ops_per_step=100, syncs_per_step=32, share_of_step_time=0.2,
+                      in_loop=True)
+    ev = make_evidence(backend="cpu", ops_per_step=400, source_lines=[line])
+    (f,) = findings_of("GD101", make_run(make_stage("full-loop", evidence=ev)))
+    assert f.evidence["device_ops_per_step"] == 100 and f.evidence["step_device_ops"] == 400
+    assert "32 would block the host on a GPU" in f.title
+    # Kernels do not count on a CPU run: only operator calls do.
+    line.ops_per_step, line.kernels_per_step = 99, 1000
+    assert findings_of("GD101", make_run(make_stage("full-loop", evidence=ev))) == []
+
+
+def test_starved_gpu_with_a_loop_is_only_a_warning() -> None:
+    run = gd102(excess=0.6)
+    run.stages[1].evidence.source_lines = [  # type: ignore[union-attr]
+        loop_source_line(calls=100, ops=500, share=0.3)]
+    (f,) = findings_of("GD102", run)
+    assert f.severity == "warning" and f.impact == pytest.approx(0.3)
+    assert "the Python loop at model.py:42 is why (see GD101)" in f.title
+    ranked = [f.id for f in evaluate(run) if f.stage == "full-loop"]
+    assert ranked.index("GD101") < ranked.index("GD102")
+
+
+def test_starved_gpu_never_outranks_its_loop_finding_with_a_counterfactual() -> None:
+    run = gd102(excess=0.6)
+    loop = run.stages[1]
+    loop.evidence.source_lines = [  # type: ignore[union-attr]
+        loop_source_line(calls=100, ops=500, share=0.3)]
+    loop.details["counterfactual"] = "full-vectorized"
+    run.stages.append(make_stage("full-vectorized", ms=190.0,
+                                 evidence=make_evidence(kernels_per_step=800.0)))
+    ranked = [f.id for f in evaluate(run) if f.stage == "full-loop"]
+    assert ranked.index("GD101") < ranked.index("GD102"), ranked
+
+
+def test_host_syncs_leave_the_loops_syncs_to_the_loop_finding() -> None:
+    loop = loop_source_line(calls=100, ops=500, share=0.3, syncs=768)
+    other = SourceLine(location="train.py:30", function="log", direct_calls_per_step=1,
+                       syncs_per_step=3)
+    ev = make_evidence(syncs_per_step=771, sync_idle_ms_per_step=40.0,
+                       source_lines=[loop, other])
+    assert findings_of("GD103", make_run(make_stage("full-loop", evidence=ev))) == []
+    other.syncs_per_step, ev.syncs_per_step = 4, 772
+    (f,) = findings_of("GD103", make_run(make_stage("full-loop", evidence=ev)))
+    assert f.evidence["syncs_per_step"] == 4 and f.location == "train.py:30"
+    assert f.evidence["lines"] == {"train.py:30": 4}
+
+
+def test_host_syncs_are_not_priced_with_the_loops_idle_time() -> None:
+    loop = loop_source_line(calls=100, ops=500, share=0.3, syncs=768)
+    other = SourceLine(location="train.py:30", function="log", direct_calls_per_step=1,
+                       syncs_per_step=4)
+    ev = make_evidence(syncs_per_step=772, sync_idle_ms_per_step=40.0,
+                       source_lines=[loop, other])
+    (f,) = findings_of("GD103", make_run(make_stage("full-loop", evidence=ev)))
+    # At most their share of the syncs can be theirs: 4/772 of 40% of the step.
+    assert f.impact <= 0.4 * 4 / 772 + 1e-9, f
+
+
+def test_host_syncs_on_the_cpu_are_information_from_lines_that_call_torch() -> None:
+    (f,) = findings_of("GD103", gd103(syncs=10, backend="cpu"))
+    assert f.severity == "info" and f.impact == 0.0 and f.evidence["syncs_per_step"] == 10
+    # A library's internal syncs (no direct torch call on the line) would not block a GPU.
+    assert findings_of("GD103", gd103(syncs=10, backend="cpu", direct=0.0)) == []
+
+
+def test_small_kernels_branch_on_gpm_sm_activity() -> None:
+    max_sm = limit("GD104", "max_sm_active_pct")
+    ev = make_evidence(kernels_per_step=10.0, idle_fraction=0.05)
+    run = make_run(make_stage("train", evidence=ev, kernel_active_pct=80.0,
+                              gpm={"sm_active_pct": max_sm - 0.5}))
+    (f,) = findings_of("GD104", run)
+    assert f.severity == "warning" and f.evidence["sm_active_pct"] == max_sm - 0.5
+    assert f.evidence["batch_size"] == 8
+    assert f.impact == pytest.approx((1 - (max_sm - 0.5) / 100) * 0.5)
+    run.stages[0].telemetry.gpm["sm_active_pct"] = max_sm
+    assert findings_of("GD104", run) == []
+    run.stages[0].telemetry.gpm["sm_active_pct"] = max_sm - 0.5
+    run.stages[0].telemetry.kernel_active_pct = 79.0
+    assert findings_of("GD104", run) == []
+
+
+def test_small_kernels_are_left_to_the_loop_finding() -> None:
+    run = gd104(kernels=5000, idle=0.6)
+    run.stages[0].evidence.source_lines = [  # type: ignore[union-attr]
+        loop_source_line(calls=100, ops=500, share=0.3)]
+    assert findings_of("GD104", run) == []
+
+
+def test_fp32_rung_by_design_is_information() -> None:
+    (f,) = findings_of("GD301", gd301(share=0.9, deliberate=True))
+    assert f.severity == "info" and "by design" in f.title
+    assert f.impact == pytest.approx(0.9 * 0.8)
+
+
+def test_memory_fragmentation_is_information() -> None:
+    frag = limit("GD401", "fragmentation_share")
+    (f,) = findings_of("GD401", gd401(reserved_mib=6000.0 + frag * 10_000.0,
+                                      allocated_mib=6000.0))
+    assert f.severity == "info" and f.evidence["peak_allocated_mib"] == 6000
+    assert findings_of("GD401", gd401(reserved_mib=7999.0, allocated_mib=6000.0)) == []
+
+
+def test_power_cap_is_information() -> None:
+    cap = limit("GD501", "power_cap_share")
+    (f,) = findings_of("GD501", gd501(power_cap=cap))
+    assert f.severity == "info" and "power limit" in f.title
+    assert findings_of("GD501", gd501(power_cap=cap - 0.01)) == []
+    (hot,) = findings_of("GD501", gd501(thermal=0.5, power_cap=1.0))
+    assert hot.severity == "critical" and hot.impact == pytest.approx(0.5 * 0.2)
+
+
+def test_rules_skip_stages_that_did_not_run() -> None:
+    run = gd201(share=0.5)
+    run.stages[0].status = "error"
+    assert findings_of("GD201", run) == []
+    run = gd402(frees=5.0)
+    run.stages[0].status = "skipped"
+    assert findings_of("GD402", run) == []
+
+
+# --- Ranking -------------------------------------------------------------------------------
+
+
+def test_evaluate_ranks_by_severity_then_impact() -> None:
+    run = make_run(
+        make_stage("a", data_wait_ms=12.0),  # GD201 warning, impact 0.12
+        make_stage("b", data_wait_ms=29.0),  # GD201 warning, impact 0.29
+        make_stage("c", throttle={"hw_thermal": 0.5}),  # GD501 critical, impact 0.10
+        make_stage("d", throttle={"power_cap": 0.9}),  # GD501 info, impact 0
+        make_stage("e", memory=MemoryStats(9500.0, 9600.0, 10_000.0)),  # GD401 warning, 0
+    )
+    ranked = [(f.id, f.stage, f.severity) for f in evaluate(run)]
+    assert ranked == [("GD501", "c", "critical"), ("GD201", "b", "warning"),
+                      ("GD201", "a", "warning"), ("GD401", "e", "warning"),
+                      ("GD501", "d", "info")]
+    # Severity first: the critical finding has less impact than the warnings behind it.
+    findings = evaluate(run)
+    assert findings[0].impact < findings[1].impact
+
+
+def test_every_stage_of_a_clean_run_is_silent() -> None:
+    ev = make_evidence(kernels_per_step=200.0, idle_fraction=0.05, device_ms_per_step=90.0,
+                       matmul_ms_by_dtype={"fp16": 60.0}, syncs_per_step=1.0)
+    stage = make_stage("train-fp16", evidence=ev, details={"precision": "fp16-autocast"},
+                       power_w=600.0, gpm={"tensor_active_pct": 40.0, "sm_active_pct": 80.0},
+                       kernel_active_pct=99.0,
+                       memory=MemoryStats(4000.0, 4500.0, 80_000.0), data_wait_ms=1.0)
+    assert evaluate(make_run(stage)) == []

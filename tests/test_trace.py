@@ -1,0 +1,463 @@
+"""Evidence analysis: per-step counts charged to source lines, from Chrome-trace events.
+
+Most tests build a handful of events by hand (times in microseconds), so every expected number
+can be worked out on paper; the last ones profile a real CPU workload.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+from gpudiag.evidence import analyze, capture_trace
+from gpudiag.evidence.source import annotation
+from gpudiag.evidence.trace import memcpy_kind
+from gpudiag.results import Evidence, SourceLine
+
+Event = dict[str, Any]
+HOST_TID = 1
+STREAM_TID = 7
+
+
+def op(name: str, ts: float, dur: float, *, tid: int = HOST_TID, seq: int | None = None,
+       cat: str = "cpu_op", **args: Any) -> Event:
+    """A host event; `seq` is the autograd "Sequence number" the profiler records."""
+    if seq is not None:
+        args["Sequence number"] = seq
+    return {"ph": "X", "cat": cat, "name": name, "pid": 100, "tid": tid, "ts": ts, "dur": dur,
+            "args": args}
+
+
+def ann(location: str, function: str, ts: float, dur: float, *, direct: bool = True,
+        dtype: str = "", tid: int = HOST_TID) -> Event:
+    """The range the source annotator opens around one torch call."""
+    return op(annotation(location, function, direct, dtype), ts, dur, tid=tid,
+              cat="user_annotation")
+
+
+def launch(name: str, ts: float, corr: int, *, dur: float = 2.0, tid: int = HOST_TID) -> Event:
+    """A CUDA runtime call (cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize...)."""
+    return op(name, ts, dur, tid=tid, cat="cuda_runtime", correlation=corr)
+
+
+def kernel(name: str, ts: float, dur: float, corr: int, *, cat: str = "kernel") -> Event:
+    """A device event (kernel, gpu_memcpy, gpu_memset) tied to its launch by correlation."""
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": STREAM_TID, "ts": ts,
+            "dur": dur, "args": {"correlation": corr}}
+
+
+def copy(name: str, ts: float, dur: float, corr: int) -> Event:
+    return kernel(name, ts, dur, corr, cat="gpu_memcpy")
+
+
+def run(events: list[Event], *, steps: int = 1, step_ms: float = 1.0, backend: str = "cuda",
+        timed_step_ms: float | None = None) -> Evidence:
+    return analyze(events, steps=steps, step_ms=step_ms, backend=backend,
+                   timed_step_ms=timed_step_ms)
+
+
+def line(ev: Evidence, location: str) -> SourceLine:
+    found = [s for s in ev.source_lines if s.location == location]
+    assert len(found) == 1, [s.location for s in ev.source_lines]
+    return found[0]
+
+
+def test_forward_op_and_its_kernels_are_charged_to_the_enclosing_line() -> None:
+    events = [
+        ann("model.py:10", "forward", 0, 100),
+        op("aten::mul", 10, 50),
+        launch("cudaLaunchKernel", 20, corr=1),
+        launch("cudaLaunchKernel", 40, corr=2),
+        kernel("mul_kernel", 200, 4.0, corr=1),
+        kernel("mul_kernel", 210, 8.0, corr=2),
+        # A kernel launched outside every annotation is counted for the step, not for the line.
+        launch("cudaLaunchKernel", 150, corr=3),
+        kernel("other", 220, 10.0, corr=3),
+        ann("model.py:11", "forward", 300, 20, direct=False),
+    ]
+    ev = run(events)
+    ten = line(ev, "model.py:10")
+    assert ten.function == "forward"
+    assert ten.calls_per_step == 1 and ten.direct_calls_per_step == 1
+    assert ten.ops_per_step == 1
+    assert ten.kernels_per_step == 2
+    assert ten.device_ms_per_step == pytest.approx(0.012)
+    assert ten.median_kernel_us == pytest.approx(6.0)
+    assert ten.host_ms_per_step == pytest.approx(0.1)
+    assert ten.share_of_step_time == pytest.approx(0.1)  # 100 us of a 1 ms step
+    assert not ten.in_loop  # model.py does not exist: no loop can be seen
+    eleven = line(ev, "model.py:11")
+    assert eleven.calls_per_step == 1 and eleven.direct_calls_per_step == 0
+    assert eleven.kernels_per_step == 0 and eleven.median_kernel_us is None
+    assert ev.kernels_per_step == 3 and ev.launches_per_step == 3
+    assert ev.device_ms_per_step == pytest.approx(0.022)
+    assert ev.short_kernels_per_step == 2  # 4 and 8 us are under 10 us; 10 us is not
+    assert ev.hottest_source_line() is ten
+    assert ev.top_ops_by_time == [
+        {"name": "mul_kernel", "ms_per_step": pytest.approx(0.012)},
+        {"name": "other", "ms_per_step": pytest.approx(0.010)},
+    ]
+
+
+def test_a_call_on_another_thread_is_not_charged_to_an_annotation() -> None:
+    events = [ann("model.py:10", "forward", 0, 100),
+              op("aten::mul", 10, 50, tid=2),
+              launch("cudaLaunchKernel", 20, corr=1, tid=2),
+              kernel("k", 200, 4.0, corr=1)]
+    ev = run(events)
+    ten = line(ev, "model.py:10")
+    assert ten.ops_per_step == 0 and ten.kernels_per_step == 0
+    assert ev.ops_per_step == 1 and ev.kernels_per_step == 1
+
+
+def test_backward_work_follows_the_forward_line_by_sequence_number() -> None:
+    events = [
+        ann("model.py:10", "forward", 0, 100),  # line A
+        op("aten::mul", 10, 40, seq=7),
+        ann("train.py:20", "step", 200, 200),  # line B: loss.backward()
+        op("autograd::engine::evaluate_function: MulBackward0", 210, 50, seq=7),
+        op("MulBackward0", 212, 40, seq=7),  # inside the node: the same number
+        op("aten::mul", 215, 30),
+        launch("cudaLaunchKernel", 220, corr=5),
+        kernel("mul_backward_kernel", 500, 20.0, corr=5),
+        # No forward op carries 99: the node stays on the line that called backward.
+        op("autograd::engine::evaluate_function: ExpBackward0", 300, 30, seq=99),
+        launch("cudaLaunchKernel", 310, corr=6),
+        kernel("exp_backward_kernel", 530, 10.0, corr=6),
+    ]
+    ev = run(events)
+    a, b = line(ev, "model.py:10"), line(ev, "train.py:20")
+    # The forward mul and its backward node; the ops nested inside the node are not counted.
+    assert a.ops_per_step == 2
+    assert a.kernels_per_step == 1 and a.device_ms_per_step == pytest.approx(0.020)
+    assert a.host_ms_per_step == pytest.approx(0.150)  # its call (100 us) + the node (50 us)
+    assert b.ops_per_step == 1
+    assert b.kernels_per_step == 1 and b.device_ms_per_step == pytest.approx(0.010)
+
+
+def test_backward_on_the_autograd_thread_is_charged_to_its_forward_line() -> None:
+    # On CUDA the engine runs backward on its own thread, outside every annotation.
+    events = [ann("model.py:10", "forward", 0, 100),
+              op("aten::addmm", 10, 40, seq=3),
+              op("autograd::engine::evaluate_function: AddmmBackward0", 200, 50, seq=3, tid=9),
+              launch("cudaLaunchKernel", 210, corr=1, tid=9),
+              kernel("gemm", 300, 30.0, corr=1)]
+    a = line(run(events), "model.py:10")
+    assert a.ops_per_step == 2 and a.kernels_per_step == 1
+
+
+def test_backward_node_left_on_the_backward_line_is_not_counted_twice() -> None:
+    events = [ann("train.py:20", "step", 0, 100),
+              op("autograd::engine::evaluate_function: AccumulateGrad", 10, 80)]
+    b = line(run(events), "train.py:20")
+    assert b.host_ms_per_step == pytest.approx(0.100)  # the call's 100 us, not 180
+
+
+def one_step(t0: float, corr0: int) -> list[Event]:
+    """A step with one line: an op, two kernels, a pinned HtoD copy and a sync."""
+    return [
+        ann("model.py:10", "forward", t0, 100),
+        op("aten::add", t0 + 10, 50),
+        launch("cudaLaunchKernel", t0 + 20, corr0),
+        launch("cudaLaunchKernel", t0 + 30, corr0 + 1),
+        launch("cudaMemcpyAsync", t0 + 40, corr0 + 2),
+        launch("cudaStreamSynchronize", t0 + 70, corr0 + 3, dur=20.0),
+        kernel("add", t0 + 25, 5.0, corr0),
+        kernel("add", t0 + 35, 5.0, corr0 + 1),
+        copy("Memcpy HtoD (Pinned -> Device)", t0 + 45, 10.0, corr0 + 2),
+    ]
+
+
+def test_counts_are_divided_by_the_number_of_steps() -> None:
+    single = run(one_step(0, 1), steps=1)
+    double = run(one_step(0, 1) + one_step(1000, 11), steps=2)
+    assert single.kernels_per_step == 2 and double.kernels_per_step == 2
+    for name in ("kernels_per_step", "launches_per_step", "ops_per_step", "syncs_per_step",
+                 "sync_ms_per_step", "device_ms_per_step", "device_busy_ms_per_step",
+                 "memcpy_per_step", "memcpy_ms_per_step"):
+        assert getattr(double, name) == pytest.approx(getattr(single, name)), name
+    assert double.top_ops_by_count == single.top_ops_by_count == [
+        {"name": "aten::add", "per_step": 1.0}]
+    one, two = line(single, "model.py:10"), line(double, "model.py:10")
+    assert two.calls_per_step == 1 and two.kernels_per_step == 2 and two.memcpys_per_step == 1
+    for name in ("calls_per_step", "ops_per_step", "kernels_per_step", "syncs_per_step",
+                 "memcpys_per_step", "host_ms_per_step", "device_ms_per_step"):
+        assert getattr(two, name) == pytest.approx(getattr(one, name)), name
+
+
+def test_synchronising_runtime_calls_are_counted_per_line() -> None:
+    events = [
+        ann("model.py:10", "forward", 0, 100),
+        launch("cudaStreamSynchronize", 10, corr=1, dur=30.0),
+        launch("cudaMemcpy", 50, corr=2, dur=10.0),  # the synchronous copy blocks too
+        launch("cudaMemcpyAsync", 70, corr=3, dur=5.0),  # ... the asynchronous one does not
+        op("aten::_local_scalar_dense", 80, 5),  # on a GPU the runtime call above is the sync
+        launch("cudaDeviceSynchronize", 200, corr=4, dur=20.0),  # outside every line
+    ]
+    ev = run(events, steps=2)
+    assert ev.syncs_per_step == 1.5
+    assert ev.sync_ms_per_step == pytest.approx(0.030)  # (30 + 10 + 20) us over 2 steps
+    assert line(ev, "model.py:10").syncs_per_step == 1.0
+
+
+def test_sync_idle_is_the_device_gap_after_each_sync() -> None:
+    events = [
+        kernel("a", 0, 50.0, corr=1),
+        launch("cudaStreamSynchronize", 10, corr=2, dur=50.0),  # ends at 60, idle until 100
+        kernel("b", 100, 50.0, corr=3),
+        launch("cudaStreamSynchronize", 110, corr=4, dur=20.0),  # ends at 130: "b" still runs
+        copy("Memcpy DtoH (Device -> Pinned)", 200, 10.0, corr=5),
+        launch("cudaStreamSynchronize", 215, corr=6, dur=5.0),  # ends at 220, idle until 260
+        kernel("c", 260, 10.0, corr=7),
+        launch("cudaDeviceSynchronize", 300, corr=8, dur=5.0),  # after all device work
+    ]
+    ev = run(events, steps=2)
+    assert ev.syncs_per_step == 2
+    assert ev.sync_ms_per_step == pytest.approx(0.040)  # host time blocked: (50+20+5+5)/2
+    assert ev.sync_idle_ms_per_step == pytest.approx(0.040)  # device idle: (40 + 40)/2
+    assert run([launch("cudaStreamSynchronize", 0, corr=1)]).sync_idle_ms_per_step == 0
+
+
+def test_sync_idle_counts_one_idle_gap_once() -> None:
+    events = [kernel("a", 0, 10.0, corr=1),
+              launch("cudaStreamSynchronize", 5, corr=2, dur=15.0),  # ends at 20
+              launch("cudaDeviceSynchronize", 25, corr=3, dur=5.0),  # ends at 30
+              kernel("b", 100, 10.0, corr=4)]
+    ev = run(events, step_ms=0.110)
+    assert ev.idle_fraction is not None
+    idle_ms = ev.idle_fraction * 0.110  # 90 us between the kernels
+    assert ev.sync_idle_ms_per_step <= idle_ms + 1e-9  # 80 + 70 us are counted
+
+
+def test_syncing_operators_count_as_syncs_on_the_cpu() -> None:
+    events = [
+        ann("model.py:10", "forward", 0, 100),
+        op("aten::item", 10, 20),
+        op("aten::_local_scalar_dense", 12, 10),
+        op("aten::nonzero", 40, 20),
+        ann("model.py:11", "forward", 200, 20),
+        op("aten::add", 205, 10),
+    ]
+    ev = run(events, backend="cpu")
+    assert ev.syncs_per_step == 2 and ev.sync_ms_per_step == 0
+    assert line(ev, "model.py:10").syncs_per_step == 2
+    assert line(ev, "model.py:11").syncs_per_step == 0
+    assert run(events, backend="cuda").syncs_per_step == 0
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("Memcpy HtoD (Pageable -> Device)", "HtoD-pageable"),
+    ("Memcpy HtoD (Pinned -> Device)", "HtoD"),
+    ("Memcpy DtoH (Device -> Pageable)", "DtoH-pageable"),
+    ("Memcpy DtoH (Device -> Pinned)", "DtoH"),
+    ("Memcpy DtoD (Device -> Device)", "DtoD"),
+    ("Memcpy PtoP (Device -> Device)", "PtoP"),
+    ("Memcpy HtoD", "HtoD"),
+    ("Memset (Device)", "other"),
+])
+def test_memcpy_kind(name: str, kind: str) -> None:
+    assert memcpy_kind(name) == kind
+
+
+def test_copies_are_counted_and_timed_by_kind() -> None:
+    events = [
+        ann("data.py:5", "load", 0, 100),
+        launch("cudaMemcpyAsync", 10, corr=1),
+        launch("cudaMemcpyAsync", 20, corr=2),
+        launch("cudaMemcpyAsync", 30, corr=3),
+        copy("Memcpy HtoD (Pageable -> Device)", 100, 30.0, corr=1),
+        copy("Memcpy HtoD (Pageable -> Device)", 140, 10.0, corr=2),
+        copy("Memcpy DtoH (Device -> Pinned)", 160, 4.0, corr=3),
+        kernel("memset", 170, 1.0, corr=4, cat="gpu_memset"),
+    ]
+    ev = run(events, steps=2)
+    assert ev.memcpy_per_step == {"DtoH": 0.5, "HtoD-pageable": 1.0}
+    assert ev.memcpy_ms_per_step == pytest.approx({"DtoH": 0.002, "HtoD-pageable": 0.020})
+    assert ev.memset_per_step == 0.5
+    assert ev.kernels_per_step == 0
+    assert line(ev, "data.py:5").memcpys_per_step == 1.5
+    assert ev.htod_overlap_fraction == 0.0  # no kernel ran during them
+
+
+def test_htod_overlap_is_the_share_of_copy_time_under_a_kernel() -> None:
+    events = [copy("Memcpy HtoD (Pinned -> Device)", 0, 20.0, corr=1),
+              kernel("gemm", 10, 40.0, corr=2),
+              copy("Memcpy DtoH (Device -> Pinned)", 100, 50.0, corr=3)]  # not an HtoD copy
+    assert run(events).htod_overlap_fraction == pytest.approx(0.5)
+    two = [*events, copy("Memcpy HtoD (Pinned -> Device)", 20, 20.0, corr=4)]  # all covered
+    assert run(two).htod_overlap_fraction == pytest.approx(0.75)
+    assert run([kernel("gemm", 10, 40.0, corr=2)]).htod_overlap_fraction is None
+
+
+def test_idle_fraction_is_judged_against_the_timed_step() -> None:
+    overlapping = [kernel("a", 0, 20.0, corr=1), kernel("b", 10, 20.0, corr=2)]
+    ev = run(overlapping, step_ms=1.0, timed_step_ms=0.1)
+    assert ev.device_ms_per_step == pytest.approx(0.040)  # kernel time: summed
+    assert ev.device_busy_ms_per_step == pytest.approx(0.030)  # busy time: their union
+    assert ev.idle_fraction == pytest.approx(0.7)
+    assert ev.window_overhead == pytest.approx(10.0)
+    # Without a timed step, the profiled step is the measure.
+    assert run(overlapping, step_ms=1.0).idle_fraction == pytest.approx(0.97)
+    # Copies keep the device busy too; a gap between them is idle.
+    with_copy = [*overlapping, copy("Memcpy HtoD (Pinned -> Device)", 50, 10.0, corr=3)]
+    assert run(with_copy, timed_step_ms=0.1).idle_fraction == pytest.approx(0.6)
+    # Busier than the timed step (the window is slower): not idle, never negative.
+    assert run(overlapping, timed_step_ms=0.02).idle_fraction == 0.0
+    assert run([op("aten::add", 0, 10)]).idle_fraction is None
+
+
+def test_nested_operators_are_counted_once() -> None:
+    events = [
+        op("aten::linear", 0, 50),
+        op("aten::t", 1, 5),
+        op("aten::transpose", 2, 3),
+        op("aten::addmm", 10, 40),
+        op("aten::linear", 60, 40),
+        op("aten::addmm", 65, 30),
+        op("aten::relu", 110, 10),
+        op("aten::add", 0, 10, tid=2),  # another thread: top level there
+    ]
+    ev = run(events, backend="cpu")
+    assert ev.ops_per_step == 4
+    assert ev.top_ops_by_count[0] == {"name": "aten::linear", "per_step": 2}
+    assert {o["name"] for o in ev.top_ops_by_count} == {"aten::linear", "aten::relu", "aten::add"}
+    # Without kernels the top ops by time are operators by host time.
+    assert ev.top_ops_by_time[0] == {"name": "aten::linear", "ms_per_step": pytest.approx(0.09)}
+
+
+def test_matmul_time_is_split_by_the_dtype_the_line_computed_in() -> None:
+    events = [
+        ann("model.py:10", "forward", 0, 100, dtype="fp16"),
+        op("aten::linear", 5, 90),
+        op("aten::addmm", 10, 60),
+        launch("cudaLaunchKernel", 20, corr=1),
+        op("aten::relu", 75, 10),  # same line, not a matmul
+        launch("cudaLaunchKernel", 80, corr=2),
+        ann("model.py:20", "head", 200, 50, dtype="fp32"),
+        op("aten::mm", 205, 40),
+        launch("cudaLaunchKernel", 210, corr=3),
+        op("aten::bmm", 300, 40),  # no annotation: the dtype is not known
+        launch("cudaLaunchKernel", 310, corr=4),
+    ]
+    events += [kernel("gemm_fp16", 500, 50.0, corr=1), kernel("relu", 560, 5.0, corr=2),
+               kernel("gemm_fp32", 600, 20.0, corr=3), kernel("gemm", 700, 8.0, corr=4)]
+    ev = run(events)
+    assert ev.matmul_ms_by_dtype == pytest.approx({"fp16": 0.050, "fp32": 0.020,
+                                                   "unknown": 0.008})
+
+
+def test_matmul_time_on_the_cpu_is_host_time_of_the_outermost_matmul() -> None:
+    events = [ann("model.py:10", "forward", 0, 100, dtype="bf16"),
+              op("aten::addmm", 10, 60),
+              op("aten::mm", 20, 30),  # inside addmm: not counted again
+              op("aten::relu", 75, 10)]
+    assert run(events, backend="cpu").matmul_ms_by_dtype == pytest.approx({"bf16": 0.060})
+
+
+def test_empty_cache_counts_cuda_free_calls() -> None:
+    events = [launch("cudaFree", 0, corr=1, dur=10.0),
+              launch("cudaFree", 100, corr=2, dur=20.0),
+              launch("cudaFree", 1000, corr=3, dur=30.0),
+              launch("cudaMalloc", 1100, corr=4, dur=30.0)]
+    ev = run(events, steps=2)
+    assert ev.empty_cache_per_step == 1.5
+    assert ev.empty_cache_ms_per_step == pytest.approx(0.030)
+    assert ev.syncs_per_step == 0 and ev.launches_per_step == 0
+
+
+def test_events_that_are_not_complete_or_not_annotations_are_ignored() -> None:
+    events = [
+        {"ph": "i", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 0},
+        op("ProfilerStep#1", 0, 1000, cat="user_annotation"),
+        op("aten::add", 10, 10),
+    ]
+    ev = run(events, backend="cpu")
+    assert ev.ops_per_step == 1 and ev.source_lines == []
+
+
+# A real trace: a per-element Python loop, its backward, and one line that calls backward.
+
+ROWS = 24
+CALLS_PER_ROW = 3  # values[i] (__getitem__), * 2.0 (__mul__), out[i] = ... (__setitem__)
+
+
+def fill_rows(values: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    out = torch.zeros(rows, width)
+    for i in range(rows):
+        out[i] = values[i] * 2.0  # the loop line
+    return out
+
+
+def _loop_line() -> int:
+    source, first = inspect.getsourcelines(fill_rows)
+    return first + next(i for i, text in enumerate(source) if "# the loop line" in text)
+
+
+def _captured(step: Any, steps: int = 2) -> Evidence:
+    events, step_ms = capture_trace(step, device=torch.device("cpu"), steps=steps)
+    return analyze(events, steps=steps, step_ms=step_ms, backend="cpu")
+
+
+def test_real_trace_names_the_python_loop_line() -> None:
+    weights = torch.randn(ROWS, 8, requires_grad=True)
+
+    def step() -> None:
+        loss = fill_rows(weights, ROWS, 8).sum()
+        loss.backward()
+
+    ev = _captured(step)
+    hottest = ev.hottest_source_line()
+    assert hottest is not None
+    assert hottest.location.endswith(f"test_trace.py:{_loop_line()}"), ev.source_lines
+    assert hottest.function == "fill_rows"
+    assert hottest.in_loop
+    assert hottest.direct_calls_per_step == ROWS * CALLS_PER_ROW
+    assert hottest.calls_per_step == ROWS * CALLS_PER_ROW
+    # Forward: select, mul, select, copy_ per row; backward adds the nodes of select and mul.
+    assert hottest.ops_per_step >= 6 * ROWS
+    assert ev.ops_per_step >= hottest.ops_per_step
+    others = [s for s in ev.source_lines if s is not hottest]
+    assert others and not any(s.in_loop for s in others)
+
+
+def test_real_trace_charges_in_place_write_backward_to_the_loop_line() -> None:
+    weights = torch.randn(ROWS, 8, requires_grad=True)
+
+    def step() -> None:
+        loss = fill_rows(weights, ROWS, 8).sum()
+        loss.backward()  # the backward line
+
+    ev = _captured(step, steps=1)
+    source, first = inspect.getsourcelines(step)
+    backward = first + next(i for i, t in enumerate(source) if "# the backward line" in t)
+    lines = [s for s in ev.source_lines if s.location.endswith(f"test_trace.py:{backward}")]
+    # Its own work is a handful of ops (ones_like, SumBackward0, AccumulateGrad), not per row.
+    assert lines and lines[0].ops_per_step < ROWS, lines
+
+
+def _mask_then_multiply(labels: torch.Tensor, w: torch.Tensor,
+                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = labels == 1  # the mask line: no autograd node
+    y = w * x  # the multiply line: creates MulBackward0
+    return mask, y
+
+
+def test_real_trace_charges_backward_to_the_op_that_created_the_node() -> None:
+    labels = torch.randint(0, 2, (64,))
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64)
+
+    def step() -> None:
+        _, y = _mask_then_multiply(labels, w, x)
+        y.sum().backward()
+
+    ev = _captured(step, steps=1)
+    source, first = inspect.getsourcelines(_mask_then_multiply)
+    mask_at = first + next(i for i, t in enumerate(source) if "# the mask line" in t)
+    multiply_at = first + next(i for i, t in enumerate(source) if "# the multiply line" in t)
+    by_line = {s.location.rpartition(":")[2]: s for s in ev.source_lines}
+    assert by_line[str(mask_at)].ops_per_step == 1  # aten::eq only
+    assert by_line[str(multiply_at)].ops_per_step == 2  # aten::mul and its MulBackward0
