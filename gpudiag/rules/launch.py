@@ -81,7 +81,7 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
             evidence["median_kernel_us"] = round(line.median_kernel_us, 2)
         price = f"{pct(share)} of the profiled step"
         if twin is not None:
-            speedup = stage.ms_per_iter / twin.ms_per_iter  # type: ignore[operator]
+            speedup = sustained_ms(stage) / sustained_ms(twin)
             evidence.update(counterfactual_stage=twin.name,
                             counterfactual_speedup=round(speedup, 2),
                             counterfactual_device_ops_per_step=round(_device_ops(twin), 1))
@@ -115,7 +115,12 @@ def loop_price(run: RunResult, stage: StageResult,
     twin = _counterfactual(run, stage)
     if twin is None or twin.evidence is None:
         return line.share_of_step_time, None
-    return max(0.0, 1 - twin.ms_per_iter / stage.ms_per_iter), twin  # type: ignore[operator]
+    return max(0.0, 1 - sustained_ms(twin) / sustained_ms(stage)), twin
+
+
+def sustained_ms(stage: StageResult) -> float:
+    """Lower-quartile step time: robust to host interference, which only ever adds time."""
+    return stage.timing.p25_ms if stage.timing else stage.ms_per_iter or 0.0
 
 
 def loop_severity(impact: float) -> Severity:
