@@ -21,7 +21,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from gpudiag.compare import compare_runs, decide
+from gpudiag.compare import GATE_ALPHA, compare_runs, decide
 from gpudiag.results import RunResult, load_run
 from gpudiag.trials import merge_trials
 
@@ -48,8 +48,8 @@ def outcomes(pairs: list[tuple[list[RunResult], list[RunResult]]], limit: float,
         before = merge_trials(a) if len(a) > 1 else a[0]
         after_runs = [slowed(r, slowdown) for r in b]
         after = merge_trials(after_runs) if len(after_runs) > 1 else after_runs[0]
-        counts[decide(compare_runs(before, after), default_limit=limit,
-                      stage_limits={}).outcome] += 1
+        comparison = compare_runs(before, after, alpha=GATE_ALPHA)
+        counts[decide(comparison, default_limit=limit, stage_limits={}).outcome] += 1
     return counts
 
 

@@ -264,7 +264,7 @@ def compare(
 ) -> None:
     """Compare two runs stage by stage: ratios with intervals, verdicts, findings."""
     from gpudiag.compare import compare_runs
-    from gpudiag.report.compare import comparison_markdown, comparison_table
+    from gpudiag.report.compare import comparison_markdown, comparison_table, grouped_notes
 
     a, b = _load_pair(before, after)
     comparison = compare_runs(a, b, before_label=str(before), after_label=str(after))
@@ -276,9 +276,8 @@ def compare(
     for name, x, y in [*comparison.env_differences, *comparison.config_differences]:
         stderr.print(f"[bold yellow]setup differs:[/] {name}: {x!r} vs {y!r}", soft_wrap=True)
     stdout.print(comparison_table(comparison))
-    for s in comparison.stages:
-        if s.note:
-            stdout.print(f"  {s.stage}: {s.note}", soft_wrap=True)
+    for line in grouped_notes(comparison):
+        stdout.print(f"  {line}", soft_wrap=True)
     for title, findings in (("resolved", comparison.findings_resolved),
                             ("new", comparison.findings_new)):
         for f in findings:
@@ -303,12 +302,13 @@ def gate(
     """CI gate: exit 1 on a real regression, 0 on pass, 3 when more trials are needed."""
     import os
 
-    from gpudiag.compare import compare_runs, decide
+    from gpudiag.compare import GATE_ALPHA, compare_runs, decide
     from gpudiag.report.compare import gate_lines, gate_markdown
 
     default, per_stage = _parse_limits(max_regression or [])
     a, b = _load_pair(baseline, current)
-    comparison = compare_runs(a, b, before_label=str(baseline), after_label=str(current))
+    comparison = compare_runs(a, b, before_label=str(baseline), after_label=str(current),
+                              alpha=GATE_ALPHA)
     if comparison.mismatches and not allow_mismatch:
         raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
                        + "); pass --allow-mismatch to gate anyway")

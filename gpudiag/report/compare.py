@@ -35,8 +35,9 @@ def _samples_per_s(s: StageComparison) -> list[str]:
             fmt(s.after.samples_per_s if s.after else None, ",.1f")]
 
 
-_HEADER = ["stage", "before samples/s", "after samples/s", "throughput ratio", "95% CI",
-           "detectable", "verdict", *_SHOWN_METRICS]
+def _header(c: Comparison) -> list[str]:
+    return ["stage", "before samples/s", "after samples/s", "throughput ratio",
+            f"{c.confidence:.0%} CI", "detectable", "verdict", *_SHOWN_METRICS]
 
 
 def _row(s: StageComparison) -> list[str]:
@@ -48,7 +49,7 @@ def _row(s: StageComparison) -> list[str]:
 def comparison_table(c: Comparison) -> Table:
     table = Table(title=f"{c.before_label} -> {c.after_label}", title_justify="left",
                   header_style="bold", box=box.SIMPLE_HEAD)
-    for i, header in enumerate(_HEADER):
+    for i, header in enumerate(_header(c)):
         table.add_column(header, justify="left" if i in (0, 6) else "right")
     for s in c.stages:
         table.add_row(*_row(s), style=_VERDICT_STYLE.get(s.verdict, ""))
@@ -66,6 +67,16 @@ def _differences(c: Comparison) -> list[str]:
     return lines
 
 
+def grouped_notes(c: Comparison) -> list[str]:
+    """Per-stage notes, one line per distinct note ("all stages" when it applies to each)."""
+    by_note: dict[str, list[str]] = {}
+    for s in c.stages:
+        if s.note:
+            by_note.setdefault(s.note, []).append(s.stage)
+    return [f"{'all stages' if len(names) == len(c.stages) > 1 else ', '.join(names)}: {note}"
+            for note, names in by_note.items()]
+
+
 def _finding_lines(title: str, findings: list[Finding]) -> list[str]:
     if not findings:
         return []
@@ -78,18 +89,19 @@ def _finding_lines(title: str, findings: list[Finding]) -> list[str]:
 def comparison_markdown(c: Comparison) -> str:
     out = [f"## gpudiag compare: {c.before_label} -> {c.after_label}", ""]
     out += _differences(c)
-    out += ["| " + " | ".join(_HEADER) + " |",
+    out += ["| " + " | ".join(_header(c)) + " |",
             "| " + " | ".join(["---"] + ["---:"] * 5 + ["---"] + ["---:"] * 5) + " |"]
     out += ["| " + " | ".join(_row(s)) + " |" for s in c.stages]
     out.append("")
-    out.append("Throughput ratio is after over before (above 1: faster), with its 95% interval; "
+    out.append("Throughput ratio is after over before (above 1: faster), with its "
+               f"{c.confidence:.0%} interval; "
                "*detectable* is the smallest change this data could detect (80% power). "
                "An interval marked * comes from blocks of steps of a single trial per side: "
                "steps are autocorrelated, so it is optimistic; compare runs made with "
                "`--trials` for a trustworthy one.")
-    notes = [f"- `{s.stage}`: {s.note}" for s in c.stages if s.note]
+    notes = grouped_notes(c)
     if notes:
-        out += ["", *notes]
+        out += ["", *[f"- {line}" for line in notes]]
     out.append("")
     out += _finding_lines("Findings resolved", c.findings_resolved)
     out += _finding_lines("New findings", c.findings_new)
