@@ -79,8 +79,13 @@ def estimate_ratio(before: StageSamples, after: StageSamples,
     diff, se, df, t_crit = _welch(before.scores, after.scores, alpha)
     kind = "blocks" if "blocks" in (before.kind, after.kind) else "trials"
     if kind == "blocks":
-        se = math.sqrt(se ** 2 + 2 * noise_floor ** 2)
-        t_crit = t_crit or float(stats.norm.ppf(1 - alpha / 2))
+        # The floor is an assumed, known variance: by Welch-Satterthwaite it adds no
+        # uncertainty of its own, so the effective degrees of freedom grow with its share.
+        variance = se ** 2 + 2 * noise_floor ** 2
+        df = variance ** 2 / (se ** 4 / df) if se > 0 and math.isfinite(df) else math.inf
+        se = math.sqrt(variance)
+        t_crit = float(stats.t.ppf(1 - alpha / 2, df) if math.isfinite(df)
+                       else stats.norm.ppf(1 - alpha / 2))
     t_power = float(stats.t.ppf(POWER, df)) if math.isfinite(df) else float(stats.norm.ppf(POWER))
     min_detectable = 1 - math.exp(-(t_crit + t_power) * se)
     if kind == "trials" and min(len(before.scores), len(after.scores)) >= BOOTSTRAP_FROM:
