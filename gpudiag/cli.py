@@ -228,9 +228,13 @@ def _run_args(config: RunConfig) -> list[str]:
             "--amp-dtype", config.amp_dtype, "--workers", str(config.loader_workers)]
 
 
-def _parse_limits(values: list[str]) -> tuple[float, dict[str, float]]:
-    """`5` sets the default limit, `stage=3` one stage's (percent)."""
-    default, per_stage = 5.0, {}
+def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],
+                                            dict[tuple[str | None, str], float]]:
+    """`5` sets the default throughput limit, `stage=3` one stage's, `energy=10` or
+    `memory=10` a metric's for every stage, `stage:energy=8` one stage's (percent)."""
+    from gpudiag.compare import GATED_METRICS
+
+    default, per_stage, per_metric = 5.0, {}, {}
     for value in values:
         name, _, number = value.rpartition("=")
         try:
@@ -239,11 +243,14 @@ def _parse_limits(values: list[str]) -> tuple[float, dict[str, float]]:
             raise BadInput(f"--max-regression {value!r}: expected PCT or STAGE=PCT") from None
         if not 0 < pct < 100:
             raise BadInput(f"--max-regression {value!r}: the percentage must be in (0, 100)")
-        if name:
+        stage_name, _, metric = name.rpartition(":")
+        if metric in GATED_METRICS:
+            per_metric[(stage_name or None, metric)] = pct / 100
+        elif name:
             per_stage[name] = pct / 100
         else:
             default = pct
-    return default / 100, per_stage
+    return default / 100, per_stage, per_metric
 
 
 def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
@@ -290,7 +297,8 @@ def gate(
                                              "folder, or a saved baseline file.")],
     current: Annotated[Path, typer.Argument(help="The run to check.")],
     max_regression: Annotated[list[str] | None, typer.Option(
-        help="Allowed throughput loss in percent: PCT, or STAGE=PCT for one stage (repeat).")]
+        help="Allowed loss in percent: PCT (throughput, all stages), STAGE=PCT, energy=PCT, "
+             "memory=PCT, STAGE:energy=PCT (repeat).")]
     = None,
     min_iters: Annotated[int, typer.Option(help="Steady-state steps a side needs per stage.")]
     = 10,
@@ -305,18 +313,19 @@ def gate(
     from gpudiag.compare import GATE_ALPHA, compare_runs, decide
     from gpudiag.report.compare import gate_lines, gate_markdown
 
-    default, per_stage = _parse_limits(max_regression or [])
+    default, per_stage, per_metric = _parse_limits(max_regression or [])
     a, b = _load_pair(baseline, current)
     comparison = compare_runs(a, b, before_label=str(baseline), after_label=str(current),
                               alpha=GATE_ALPHA)
     if comparison.mismatches and not allow_mismatch:
         raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
                        + "); pass --allow-mismatch to gate anyway")
-    unknown = sorted(set(per_stage) - {s.stage for s in comparison.stages})
+    named = set(per_stage) | {stage for stage, _ in per_metric if stage is not None}
+    unknown = sorted(named - {s.stage for s in comparison.stages})
     if unknown:
         raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
     decision = decide(comparison, default_limit=default, stage_limits=per_stage,
-                      min_iters=min_iters)
+                      min_iters=min_iters, metric_limits=per_metric)
     text = gate_markdown(decision, comparison)
     if markdown is not None:
         markdown.write_text(text)

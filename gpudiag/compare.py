@@ -300,12 +300,37 @@ def gate_stage(comparison: StageComparison, limit: float, min_iters: int) -> Sta
                      trials_needed=_trials_needed(est, limit))
 
 
+# Metrics gated besides throughput (higher is worse): energy per sample and peak memory. Both
+# are point comparisons of medians over trials: energy comes from one counter window per trial
+# and peak memory hardly varies, so neither has the step-to-step noise throughput has.
+GATED_METRICS = {"energy": "energy/sample", "memory": "peak memory"}
+
+
+def gate_metric(comparison: StageComparison, metric: str, limit: float) -> StageGate | None:
+    change = next((m for m in comparison.metrics if m.name == GATED_METRICS[metric]), None)
+    name = f"{comparison.stage} ({metric})"
+    if change is None or change.ratio is None:
+        return StageGate(name, "inconclusive", limit, None, f"no {metric} on both sides")
+    text = f"{metric} {change.ratio - 1:+.1%} ({change.before:,.4g} -> {change.after:,.4g})"
+    if change.ratio > 1 + limit:
+        return StageGate(name, "regression", limit, None, f"{text}: beyond the {limit:.0%} limit")
+    return StageGate(name, "pass", limit, None, f"{text}: within the {limit:.0%} limit")
+
+
 def decide(comparison: Comparison, *, default_limit: float, stage_limits: dict[str, float],
-           min_iters: int = 10) -> GateDecision:
+           min_iters: int = 10,
+           metric_limits: dict[tuple[str | None, str], float] | None = None) -> GateDecision:
     """The gate: regression if any stage regressed, else inconclusive if any stage could not
-    tell, else pass. New findings since the baseline travel with the decision."""
+    tell, else pass. `metric_limits` maps (stage or None for all, metric) to a limit for
+    energy or memory. New findings since the baseline travel with the decision."""
     gates = [gate_stage(s, stage_limits.get(s.stage, default_limit), min_iters)
              for s in comparison.stages]
+    for (stage_name, metric), limit in (metric_limits or {}).items():
+        for s in comparison.stages:
+            if stage_name in (None, s.stage) and s.before is not None and s.after is not None:
+                gate = gate_metric(s, metric, limit)
+                if gate is not None:
+                    gates.append(gate)
     outcomes = {g.outcome for g in gates}
     outcome: GateOutcome = ("regression" if "regression" in outcomes else
                             "inconclusive" if "inconclusive" in outcomes or not gates else "pass")

@@ -368,6 +368,7 @@ def save_run(run: RunResult, path: Path) -> None:
 
 def load_run(path: Path) -> RunResult:
     """Read a run from a run directory or a run.json file."""
+    path = Path(path)
     file = path / "run.json" if path.is_dir() else path
     try:
         data = json.loads(file.read_text())

@@ -200,7 +200,12 @@ def test_a_folder_of_runs_is_a_trial_set(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_real_tiny_runs(tmp_path: Path) -> None:
     """Two real runs of the same code never exit 1 at a 5% gate; the same run with every step
-    25% slower does; runs of different models are not comparable (exit 2)."""
+    25% slower exits 1; runs of different models are not comparable (exit 2).
+
+    One trial per side on a shared 2-core CPU: block medians swing 5-15% and the gate adds a 5%
+    between-process floor per side at 99%, so a 25% slowdown sits near the edge of what a single
+    trial can prove (upper end ~0.97 at best). A noisy attempt may honestly say inconclusive, so
+    the slowdown gets up to three fresh runs; it must never pass."""
     args = ["run", "--device", "cpu", "--preset", "tiny", "--stages", "train-fp16",
             "--iters", "80", "--evidence-steps", "0", "--quiet"]
     for name, model in (("a", "dgca"), ("b", "dgca"), ("bert", "bert")):
@@ -208,10 +213,47 @@ def test_real_tiny_runs(tmp_path: Path) -> None:
         assert result.exit_code == 0, result.output
     gate = ["gate", "--max-regression", "5"]
     assert runner.invoke(app, [*gate, str(tmp_path / "a"), str(tmp_path / "b")]).exit_code != 1
-    slow = load_run(tmp_path / "a")
-    for stage in slow.stages:
-        stage.iter_ms = [t * 1.25 for t in stage.iter_ms]
-    _save(slow, tmp_path / "slow")
-    slowed = runner.invoke(app, [*gate, str(tmp_path / "a"), str(tmp_path / "slow")])
-    assert slowed.exit_code == 1, slowed.stdout
     assert runner.invoke(app, [*gate, str(tmp_path / "a"), str(tmp_path / "bert")]).exit_code == 2
+    outcomes = []
+    for attempt in range(3):
+        base = tmp_path / ("a" if attempt == 0 else f"retry-{attempt}")
+        if attempt:
+            runner.invoke(app, [*args, "--model", "dgca", "--out", str(base)])
+        slow = load_run(base)
+        for stage in slow.stages:
+            stage.iter_ms = [t * 1.25 for t in stage.iter_ms]
+        _save(slow, tmp_path / f"slow-{attempt}")
+        slowed = runner.invoke(app, [*gate, str(base), str(tmp_path / f"slow-{attempt}")])
+        outcomes.append(slowed.exit_code)
+        if slowed.exit_code != 3:
+            break
+    assert outcomes[-1] == 1 and set(outcomes) <= {1, 3}, (outcomes, slowed.stdout)
+
+
+def test_energy_and_memory_limits(tmp_path: Path) -> None:
+    before, after = _side(50.0, 5, 0.005, 1), _side(50.0, 5, 0.005, 2)
+    before.stages[0].telemetry.energy_j, after.stages[0].telemetry.energy_j = 100.0, 120.0
+    base, cur = _save(before, tmp_path / "a"), _save(after, tmp_path / "b")
+    energy = runner.invoke(app, ["gate", "--max-regression", "energy=10", str(base), str(cur)])
+    assert energy.exit_code == 1 and "energy +20.0%" in energy.stdout
+    loose = runner.invoke(app, ["gate", "--max-regression", "train-fp16:energy=25", str(base),
+                                str(cur)])
+    assert loose.exit_code == 0, loose.stdout
+    memory = runner.invoke(app, ["gate", "--max-regression", "memory=10", str(base), str(cur)])
+    assert memory.exit_code == 3 and "no memory on both sides" in memory.stdout
+
+
+@pytest.mark.slow
+def test_run_trials_merges_fresh_processes(tmp_path: Path) -> None:
+    """`run --trials 2` runs two child processes, keeps each one's folder, and merges them into
+    one run with a trial per process and the evidence of the last one."""
+    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+                                 "train-fp16", "--iters", "20", "--evidence-steps", "1",
+                                 "--model", "dgca", "--trials", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    merged = load_run(tmp_path)
+    stage = merged.stages[0]
+    assert len(stage.trials) == 2 and all(t.samples_per_s > 0 for t in stage.trials)
+    assert stage.evidence is not None
+    assert load_run(tmp_path / "trial-1").stages[0].evidence is None
+    assert (tmp_path / "report.md").is_file()
