@@ -78,11 +78,13 @@ def main() -> int:
     parser.add_argument("--splits", type=int, default=20)
     parser.add_argument("--limit", type=float, default=5.0, help="gate limit, percent")
     parser.add_argument("--pool", type=Path, default=None, help="reuse a folder of trials")
+    parser.add_argument("--pool-out", type=Path, default=None,
+                        help="run the trials into this folder (kept), not a temporary one")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     pool_dir = args.pool
     if pool_dir is None:
-        pool_dir = Path(tempfile.mkdtemp(prefix="gpudiag-aa-"))
+        pool_dir = args.pool_out or Path(tempfile.mkdtemp(prefix="gpudiag-aa-"))
         command = [sys.executable, "-m", "gpudiag", "run", "--model", args.model, "--stages",
                    args.stages, "--iters", str(args.iters), "--trials", str(args.trials),
                    "--evidence-steps", "0", "--out", str(pool_dir), "--quiet"]

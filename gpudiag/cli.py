@@ -6,6 +6,7 @@ Exit codes: 0 success; 1 the gate found a regression; 2 bad input or incompatibl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -157,6 +158,12 @@ def run(
                                         "evidence for compare and gate).")] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress or table; files only.")]
     = False,
+    checkpoint_every: Annotated[int, typer.Option(help="Steps between saves in the "
+                                                  "checkpoint-* stages.")] = 10,
+    checkpoint_dir: Annotated[Path | None, typer.Option(help="Where checkpoint-* stages save "
+                                                        "(default: <out>/checkpoints).")] = None,
+    keep_checkpoints: Annotated[bool, typer.Option("--keep-checkpoints", help="Leave the "
+                                                   "checkpoint files in place.")] = False,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
     from gpudiag.config import build_config
@@ -175,8 +182,12 @@ def run(
     config, notes = build_config(
         model=model, preset=preset, device=device, stages=_split(stages), batch_size=batch_size,
         seq_len=seq_len, iters=iters, warmup=warmup, min_seconds=min_seconds,
-        amp_dtype=amp_dtype, loader_workers=workers, evidence_steps=evidence_steps)
+        amp_dtype=amp_dtype, loader_workers=workers, evidence_steps=evidence_steps,
+        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
     run_dir = prepare_run_dir(out or default_run_dir(model))
+    if config.checkpoint_dir is None:
+        config = dataclasses.replace(config, checkpoint_dir=str(run_dir / "checkpoints"))
     if not quiet:
         for note in notes:
             stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
@@ -225,7 +236,10 @@ def _run_args(config: RunConfig) -> list[str]:
             "--stages", ",".join(config.stages), "--batch-size", str(config.batch_size),
             "--seq-len", str(config.seq_len), "--iters", str(config.iters),
             "--warmup", str(config.warmup), "--min-seconds", str(config.min_seconds),
-            "--amp-dtype", config.amp_dtype, "--workers", str(config.loader_workers)]
+            "--amp-dtype", config.amp_dtype, "--workers", str(config.loader_workers),
+            "--checkpoint-every", str(config.checkpoint_every),
+            *(["--checkpoint-dir", config.checkpoint_dir] if config.checkpoint_dir else []),
+            *(["--keep-checkpoints"] if config.keep_checkpoints else [])]
 
 
 def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],

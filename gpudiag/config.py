@@ -88,6 +88,9 @@ class RunConfig:
     sample_period_s: float = 0.05
     gpm_period_s: float = 0.2
     seed: int = 0
+    checkpoint_every: int = 10  # steps between saves in the checkpoint-* stages
+    checkpoint_dir: str | None = None  # None: <run dir>/checkpoints
+    keep_checkpoints: bool = False
 
     @property
     def is_cuda(self) -> bool:
@@ -144,6 +147,9 @@ def build_config(
     loader_workers: int | None = None,
     prompt_length: int = 3,
     evidence_steps: int | None = None,
+    checkpoint_every: int = 10,
+    checkpoint_dir: str | None = None,
+    keep_checkpoints: bool = False,
 ) -> tuple[RunConfig, list[str]]:
     """Validate the user's choices into a RunConfig; return it with notes worth showing."""
     from gpudiag.models import resolve_model
@@ -161,7 +167,8 @@ def build_config(
         raise BadInput(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
     chosen = PRESETS[preset]
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len),
-                        ("--iters", iters), ("--prompt-length", prompt_length)):
+                        ("--iters", iters), ("--prompt-length", prompt_length),
+                        ("--checkpoint-every", checkpoint_every)):
         _positive(name, value)
     if warmup is not None and warmup < 0:
         raise BadInput(f"--warmup must be zero or more (got {warmup})")
@@ -205,6 +212,9 @@ def build_config(
         loader_workers=default_loader_workers() if loader_workers is None else loader_workers,
         prompt_length=prompt_length,
         evidence_steps=2 if evidence_steps is None else evidence_steps,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=checkpoint_dir,
+        keep_checkpoints=keep_checkpoints,
     )
     return config, notes
 

@@ -173,16 +173,18 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
                               on_step=on_step)
             synchronize(device)
             ctx.phases.clear()
+            workload.on_timed_start()
             sampler.begin(name)
             try:
                 timed = time_steps(
-                    workload.step, device=device, iters=config.iters,
+                    workload.step, device=device, iters=max(config.iters, workload.min_iters),
                     min_seconds=config.min_seconds, host_only=workload.host_only, label=name,
                     on_step=None if on_step is None else lambda d: on_step(config.warmup + d))
             finally:
                 synchronize(device)
                 result.telemetry = sampler.end()
             _record_times(result, workload, warm.iter_ms, timed.iter_ms)
+            result.details.update(workload.timed_details())
             result.timer, result.wall_s = timed.timer, timed.wall_s
             result.phases_ms = ctx.phases.collect()
             result.memory = _memory(device)

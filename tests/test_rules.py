@@ -279,6 +279,25 @@ def gd601(*, shift: float) -> RunResult:
     return make_run(stage)
 
 
+def _saving_stage(name: str, stall: float) -> StageResult:
+    """100 steps of 50 ms with a save every 10 steps that adds `stall` ms to its step."""
+    stage = make_stage(name, ms=50.0)
+    stage.iter_ms = [50.0 + (stall if i % 10 == 9 else 0.0) for i in range(100)]
+    return stage
+
+
+def gd701(*, stall: float) -> RunResult:
+    return make_run(_saving_stage("checkpoint-sync", stall))  # step times alone, no records
+
+
+def gd702(*, wait: float) -> RunResult:
+    stage = _saving_stage("checkpoint-async", wait + 1.0)
+    stage.details["checkpoint"] = {"mode": "async", "every": 10, "saves": [
+        {"step": i, "blocking_ms": wait + 1.0, "waited_ms": wait, "total_ms": 600.0}
+        for i in range(9, 100, 10)]}
+    return make_run(stage)
+
+
 @dataclass(frozen=True)
 class Case:
     """A run where the rule fires, what it must say, and near misses where it must not."""
@@ -343,6 +362,13 @@ CASES: dict[str, Case] = {
     "GD501": Case(P(gd501, thermal=0.1), "train-fp16", "warning",
                   {"throttle_share": {"hw_slowdown": 0.1, "power_cap": 0.0}},
                   (P(gd501, thermal=0.099),)),
+    "GD701": Case(P(gd701, stall=25.0), "checkpoint-sync", "warning",
+                  {"source": "step times alone", "period_steps": 10, "saves": 10,
+                   "stall_ms_per_save": 25.0, "lost_share": 0.05, "interval_for_3pct": 17},
+                  (P(gd701, stall=24.9),)),
+    "GD702": Case(P(gd702, wait=25.0), "checkpoint-async", "warning",
+                  {"saves_waited": 10, "wait_ms_median": 25.0, "lost_share": 0.05},
+                  (P(gd702, wait=24.9),)),
     "GD601": Case(P(gd601, shift=1.3), "train-fp16", "info",
                   {"fastest_block_ms": 50.0, "slowest_block_ms": 65.0},
                   (P(gd601, shift=limit("GD601", "max_block_shift")),)),

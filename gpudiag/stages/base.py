@@ -39,6 +39,11 @@ class Workload:
     bursty: bool = False
     details: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    min_iters: int = 0  # timed steps the stage needs whatever --iters says (e.g. several saves)
+    # Called once warm-up is over, and after the timed steps for what they recorded (merged
+    # into the stage's details): per-step records that only the timed window should hold.
+    on_timed_start: Callable[[], None] = lambda: None
+    timed_details: Callable[[], dict[str, Any]] = dict
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -22,13 +23,17 @@ def train_step(
     *,
     amp: bool,
     clip: float | None = None,
+    hooks: StepHooks | None = None,
 ) -> Callable[[], None]:
-    """A step of the usual loop: forward (autocast), scaled backward, optional clipping, AdamW."""
+    """A step of the usual loop: forward (autocast), scaled backward, optional clipping, AdamW.
+    `hooks`, when given, receive the training state and run before and after each update."""
     model = bundle.model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
     scaler = torch.amp.GradScaler(ctx.device.type,
                                   enabled=amp and ctx.amp_dtype == torch.float16)
     phase = ctx.phases.phase
+    if hooks is not None:
+        hooks.attach(model, optimizer, scaler)
 
     def step() -> None:
         batch = next_batch()
@@ -37,31 +42,44 @@ def train_step(
         with phase("backward"):
             scaler.scale(loss).backward()
         with phase("optimizer"):
+            if hooks is not None:
+                hooks.before_update()
             if clip is not None:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+        if hooks is not None:
+            hooks.after_step()
 
     return step
+
+
+class StepHooks(Protocol):
+    """What a stage adds to the training step (a checkpointer, say)."""
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler) -> None: ...
+    def before_update(self) -> None: ...
+    def after_step(self) -> None: ...
 
 
 # The ladder's fp32 rungs are fp32 on purpose: precision rules treat them as information.
 FP32_RUNG = {"precision": "fp32", "deliberate_fp32": True}
 
 
-def _amp_details(ctx: StageContext) -> dict[str, object]:
+def amp_details(ctx: StageContext) -> dict[str, object]:
     return {"precision": f"{ctx.config.amp_dtype}-autocast"}
 
 
-def _amp_label(ctx: StageContext) -> str:
+def amp_label(ctx: StageContext) -> str:
     if ctx.config.amp_dtype == "fp16":
         return "fp16 autocast + GradScaler"
     return "bf16 autocast"
 
 
-def _tokens(ctx: StageContext) -> int:
+def tokens(ctx: StageContext) -> int:
     return ctx.config.batch_size * ctx.config.seq_len
 
 
@@ -76,7 +94,7 @@ def infer(ctx: StageContext) -> Workload:
             model(**inputs)
 
     return Workload(step=step, samples_per_step=ctx.config.batch_size,
-                    tokens_per_step=_tokens(ctx), description=f"{bundle.description}, fp32",
+                    tokens_per_step=tokens(ctx), description=f"{bundle.description}, fp32",
                     details={**FP32_RUNG, "mode": "inference"})
 
 
@@ -85,7 +103,7 @@ def train(ctx: StageContext) -> Workload:
     bundle = ctx.bundle()
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=False),
-                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
                     description=f"{bundle.description}, fp32", details=FP32_RUNG)
 
 
@@ -94,9 +112,9 @@ def train_fp16(ctx: StageContext) -> Workload:
     bundle = ctx.bundle()
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True),
-                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    description=f"{bundle.description}, {_amp_label(ctx)}",
-                    details=_amp_details(ctx))
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
+                    description=f"{bundle.description}, {amp_label(ctx)}",
+                    details=amp_details(ctx))
 
 
 def _loader_details(ctx: StageContext) -> dict[str, object]:
@@ -116,7 +134,7 @@ def dataloader(ctx: StageContext) -> Workload:
 
     details = _loader_details(ctx)
     return Workload(step=step, samples_per_step=ctx.config.batch_size,
-                    tokens_per_step=_tokens(ctx), host_only=True, bursty=True, details=details,
+                    tokens_per_step=tokens(ctx), host_only=True, bursty=True, details=details,
                     description=f"{details['num_workers']} workers, "
                                 f"pin_memory={details['pin_memory']}",
                     close=lambda: _shutdown(batches))
@@ -134,9 +152,9 @@ def data_train(ctx: StageContext) -> Workload:
             return ctx.to_device(batch)
 
     return Workload(step=train_step(ctx, bundle, next_batch, amp=True),
-                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    details={**_loader_details(ctx), **_amp_details(ctx)},
-                    description=f"{bundle.description}, {_amp_label(ctx)}, "
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
+                    details={**_loader_details(ctx), **amp_details(ctx)},
+                    description=f"{bundle.description}, {amp_label(ctx)}, "
                                 f"{ctx.config.loader_workers} loader workers",
                     close=lambda: _shutdown(batches))
 
@@ -146,9 +164,9 @@ def _full_model(ctx: StageContext, variant: str, **details: object) -> Workload:
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True,
                                     clip=FULL_MODEL_GRAD_CLIP),
-                    samples_per_step=ctx.config.batch_size, tokens_per_step=_tokens(ctx),
-                    description=f"{bundle.description}, {_amp_label(ctx)}, grad clip 1.0",
-                    details={**_amp_details(ctx), **details})
+                    samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
+                    description=f"{bundle.description}, {amp_label(ctx)}, grad clip 1.0",
+                    details={**amp_details(ctx), **details})
 
 
 @stage("full-loop", "full model, prompt written by a per-element Python loop")
