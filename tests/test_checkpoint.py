@@ -151,7 +151,8 @@ def test_async_writes_that_slow_training_are_flagged() -> None:
     assert len(found) == 1
     f = found[0]
     assert f.evidence["saves_waited"] == 0 and f.evidence["steps_during_write"] == 12 + 22
-    assert f.evidence["slowdown_during_write"] == pytest.approx(0.4, abs=0.05)
+    # On average over the overlapped steps: 22 of 34 are 40% slower (the saving steps are not).
+    assert f.evidence["slowdown_during_write"] == pytest.approx(0.4 * 22 / 34, abs=0.04)
     assert f.evidence["lost_share"] == pytest.approx(22 * 20 / 6000, rel=0.15)
     assert "competes" in f.fix
 

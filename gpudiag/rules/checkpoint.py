@@ -213,9 +213,9 @@ def _in_flight_steps(times: list[float], saves: list[Save]) -> set[int]:
 )
 def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
     """Stages that save asynchronously (save records with mode "async"): the time saves spent
-    waiting for the previous save, and the median step a write overlapped (the saving step less
-    its blocking call, and the steps that started while the write ran) against the median step
-    with no save activity, both as shares of the stage's steady time."""
+    waiting for the previous save, and the mean step a write overlapped (the saving step less
+    its blocking call, and the steps that started while the write ran) against the mean step
+    with no save activity; losses as shares of the stage's steady time (median idle step)."""
     for stage in run.ok_stages():
         mode, every, saves = _saves(stage)
         if mode != "async" or not saves or len(stage.iter_ms) < MIN_STEPS:
@@ -233,7 +233,9 @@ def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
         wait_lost = sum(waits) / steady_total
         slowdown, contention_lost = 0.0, 0.0
         if len(idle) >= MIN_STEPS_PER_SIDE and len(during) >= MIN_STEPS_PER_SIDE:
-            slowdown = statistics.median(during) / baseline - 1
+            # Means, not medians: a writer that stalls a few steps for hundreds of ms (seen on
+            # an H100 host) costs as much as one that slows every step a little.
+            slowdown = statistics.fmean(during) / statistics.fmean(idle) - 1
             contention_lost = max(0.0, sum(during) - baseline * len(during)) / steady_total
         queued = bool(waits) and wait_lost >= INFO_LOST
         competing = slowdown >= CONTENTION_SLOWDOWN and contention_lost >= INFO_LOST
@@ -252,8 +254,9 @@ def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
                          f"steps ({interval_ms:.0f} ms): save every >= {needed} steps, or write "
                          "faster (local NVMe, DCP with several writer threads)")
         if competing:
-            parts.append(f"steps during a write run {pct(slowdown)} slower "
-                         f"({statistics.median(during):.1f} vs {baseline:.1f} ms)")
+            parts.append(f"steps during a write run {pct(slowdown)} slower on average "
+                         f"({statistics.fmean(during):.1f} vs {statistics.fmean(idle):.1f} ms, "
+                         f"worst {max(during):.0f} ms)")
             fixes.append("the writer competes with training: give it spare cores (fewer "
                          "torch intra-op threads), write from a separate process, or stage "
                          "less often")
@@ -267,9 +270,11 @@ def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
                       "wait_ms_median": round(statistics.median(waits), 1) if waits else 0.0,
                       "save_total_ms_median": None if save_ms is None else round(save_ms, 1),
                       "interval_ms": round(interval_ms, 1), "steps_during_write": len(during),
-                      "step_ms_during_write": round(statistics.median(during), 2)
+                      "step_ms_during_write": round(statistics.fmean(during), 2)
                       if during else None,
-                      "step_ms_without_save": round(baseline, 2),
+                      "worst_step_ms_during_write": round(max(during), 1) if during else None,
+                      "step_ms_without_save": round(statistics.fmean(idle), 2)
+                      if idle else None,
                       "slowdown_during_write": round(slowdown, 4),
                       "lost_share": round(lost, 4)},
             impact=min(1.0, lost / (1 + lost)),
