@@ -164,6 +164,21 @@ def run(
                                                         "(default: <out>/checkpoints).")] = None,
     keep_checkpoints: Annotated[bool, typer.Option("--keep-checkpoints", help="Leave the "
                                                    "checkpoint files in place.")] = False,
+    nproc: Annotated[int | None, typer.Option(help="ddp stage: processes on this node "
+                                              "(default: every visible GPU; 2 on a CPU).")]
+    = None,
+    nnodes: Annotated[int, typer.Option(help="ddp stage: nodes taking part.")] = 1,
+    node_rank: Annotated[int, typer.Option(help="ddp stage: this node's rank.")] = 0,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="ddp stage: HOST:PORT of the "
+                                                      "rendezvous (several nodes).")] = None,
+    ddp_sweep: Annotated[bool, typer.Option("--ddp-sweep", help="ddp stage: also try bucket "
+                                            "size, accumulation with no_sync, bucket views, "
+                                            "static graph.")] = False,
+    ddp_accum: Annotated[int, typer.Option(help="ddp stage: micro-steps per optimizer step.")]
+    = 1,
+    ddp_no_sync: Annotated[str, typer.Option(help="ddp stage: 'correct' (forward and backward "
+                                             "under no_sync) or 'backward-only' (the common "
+                                             "mistake, to see what it costs).")] = "correct",
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
     from gpudiag.config import build_config
@@ -184,7 +199,9 @@ def run(
         seq_len=seq_len, iters=iters, warmup=warmup, min_seconds=min_seconds,
         amp_dtype=amp_dtype, loader_workers=workers, evidence_steps=evidence_steps,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
+        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+        nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        ddp_sweep=ddp_sweep, ddp_accum=ddp_accum, ddp_no_sync=ddp_no_sync)
     run_dir = prepare_run_dir(out or default_run_dir(model))
     if config.checkpoint_dir is None:
         config = dataclasses.replace(config, checkpoint_dir=str(run_dir / "checkpoints"))
@@ -239,7 +256,12 @@ def _run_args(config: RunConfig) -> list[str]:
             "--amp-dtype", config.amp_dtype, "--workers", str(config.loader_workers),
             "--checkpoint-every", str(config.checkpoint_every),
             *(["--checkpoint-dir", config.checkpoint_dir] if config.checkpoint_dir else []),
-            *(["--keep-checkpoints"] if config.keep_checkpoints else [])]
+            *(["--keep-checkpoints"] if config.keep_checkpoints else []),
+            *(["--nproc", str(config.nproc)] if config.nproc else []),
+            "--nnodes", str(config.nnodes), "--node-rank", str(config.node_rank),
+            *(["--rdzv-endpoint", config.rdzv_endpoint] if config.rdzv_endpoint else []),
+            *(["--ddp-sweep"] if config.ddp_sweep else []),
+            "--ddp-accum", str(config.ddp_accum), "--ddp-no-sync", config.ddp_no_sync]
 
 
 def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],

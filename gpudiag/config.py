@@ -91,6 +91,15 @@ class RunConfig:
     checkpoint_every: int = 10  # steps between saves in the checkpoint-* stages
     checkpoint_dir: str | None = None  # None: <run dir>/checkpoints
     keep_checkpoints: bool = False
+    # The ddp stage: processes per node (None: every visible GPU, or 2 on a CPU), rendezvous
+    # for several nodes, and the optional sweep of DDP knobs.
+    nproc: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    ddp_sweep: bool = False
+    ddp_accum: int = 1  # micro-steps per optimizer step
+    ddp_no_sync: str = "correct"  # or "backward-only", the seed's misuse (forward outside)
 
     @property
     def is_cuda(self) -> bool:
@@ -99,6 +108,15 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-native (tuples as lists), so a config survives a run.json round trip."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """The inverse of to_dict (for child processes such as DDP ranks)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["shape"] = ModelShape(**values["shape"])
+        values["stages"] = tuple(values["stages"])
+        return cls(**values)
 
 
 def resolve_device(requested: str | None) -> str:
@@ -150,6 +168,13 @@ def build_config(
     checkpoint_every: int = 10,
     checkpoint_dir: str | None = None,
     keep_checkpoints: bool = False,
+    nproc: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    ddp_sweep: bool = False,
+    ddp_accum: int = 1,
+    ddp_no_sync: str = "correct",
 ) -> tuple[RunConfig, list[str]]:
     """Validate the user's choices into a RunConfig; return it with notes worth showing."""
     from gpudiag.models import resolve_model
@@ -168,7 +193,8 @@ def build_config(
     chosen = PRESETS[preset]
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len),
                         ("--iters", iters), ("--prompt-length", prompt_length),
-                        ("--checkpoint-every", checkpoint_every)):
+                        ("--checkpoint-every", checkpoint_every), ("--nproc", nproc),
+                        ("--nnodes", nnodes), ("--ddp-accum", ddp_accum)):
         _positive(name, value)
     if warmup is not None and warmup < 0:
         raise BadInput(f"--warmup must be zero or more (got {warmup})")
@@ -191,6 +217,20 @@ def build_config(
     if seq < 2 * prompt_length + 2:
         raise BadInput(f"--seq-len {seq} leaves no room for 2x{prompt_length} prompt slots and "
                        "a source sentence")
+
+    if not 0 <= node_rank < nnodes:
+        raise BadInput(f"--node-rank {node_rank} must be in 0..{nnodes - 1} for --nnodes "
+                       f"{nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise BadInput("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if ddp_no_sync not in ("correct", "backward-only"):
+        raise BadInput(f"--ddp-no-sync must be correct or backward-only (got {ddp_no_sync!r})")
+    if resolved_device.startswith("cuda") and nproc is not None:
+        import torch
+
+        if nproc > torch.cuda.device_count():
+            raise BadInput(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA device(s) "
+                           "visible")
 
     selected = tuple(stages) if stages else DEFAULT_LADDER
     unknown = [s for s in selected if s not in stage_names()]
@@ -215,6 +255,8 @@ def build_config(
         checkpoint_every=checkpoint_every,
         checkpoint_dir=checkpoint_dir,
         keep_checkpoints=keep_checkpoints,
+        nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+        ddp_sweep=ddp_sweep, ddp_accum=ddp_accum, ddp_no_sync=ddp_no_sync,
     )
     return config, notes
 

@@ -157,7 +157,12 @@ class Evidence:
     device_busy_ms_per_step: float | None = None
     idle_fraction: float | None = None  # share of the step with no kernel or copy running
     short_kernels_per_step: float = 0.0
-    collective_ms_per_step: float = 0.0
+    collective_ms_per_step: float = 0.0  # NCCL kernel time; on a CPU, gloo's work time
+    collective_calls_per_step: float = 0.0  # c10d collective calls (a DDP bucket each)
+    collective_overlap_fraction: float | None = None  # share of NCCL time beside compute
+    collective_exposed_ms_per_step: float | None = None  # NCCL time with no compute beside it
+    microsteps_per_step: float = 0.0  # gradient-accumulation micro-steps (gpudiag.microstep)
+    microsteps_with_collectives_per_step: float = 0.0  # of which all-reduced
     top_ops_by_count: list[dict[str, Any]] = field(default_factory=list)
     top_ops_by_time: list[dict[str, Any]] = field(default_factory=list)
     source_lines: list[SourceLine] = field(default_factory=list)
@@ -301,7 +306,7 @@ class RunResult:
                 f"run.json schema_version {version!r} is not {SCHEMA_VERSION} "
                 "(written by a different gpudiag)"
             )
-        return _from_jsonable(cls, data)
+        return from_jsonable(cls, data)
 
 
 # Derived values written into run.json for readers that do not use this module.
@@ -326,7 +331,7 @@ def to_jsonable(value: Any) -> Any:
 T = TypeVar("T")
 
 
-def _from_jsonable(cls: type[T], data: Any) -> T:
+def from_jsonable(cls: type[T], data: Any) -> T:
     """Build dataclass `cls` from parsed JSON, ignoring unknown keys (forward compatible)."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
@@ -348,7 +353,7 @@ def _convert(hint: Any, value: Any) -> Any:
         _, item = typing.get_args(hint)
         return {k: _convert(item, v) for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
-        return _from_jsonable(hint, value)  # type: ignore[arg-type]
+        return from_jsonable(hint, value)  # type: ignore[arg-type]
     return value
 
 

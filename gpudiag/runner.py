@@ -94,7 +94,10 @@ def run_stages(
                                               title=definition.title, error="run interrupted"))
                 continue
             try:
-                result, host_only = _run_stage(definition, ctx, sampler, listener)
+                if definition.launch is not None:
+                    result, host_only = _launch_stage(definition, ctx, listener), True
+                else:
+                    result, host_only = _run_stage(definition, ctx, sampler, listener)
             except KeyboardInterrupt:
                 run.interrupted = True
                 result, host_only = StageResult(
@@ -130,6 +133,7 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult) 
     try:
         with nvtx.annotate(f"evidence {definition.name}", domain="gpudiag"):
             ctx.phases.clear()
+            assert definition.build is not None
             workload = definition.build(ctx)
             time_steps(workload.step, device=ctx.device, iters=min(ctx.config.warmup, 2))
             # The lower quartile is the pace the stage sustains: interference on a shared host
@@ -148,6 +152,26 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult) 
         _release_memory(ctx.device)
 
 
+def _launch_stage(definition: StageDef, ctx: StageContext,
+                  listener: ProgressListener | None) -> StageResult:
+    """A stage that runs in its own processes (its ranks time, sample and profile themselves,
+    so it needs no evidence pass here). Errors are kept on the stage, as for any stage."""
+    assert definition.launch is not None
+    if listener is not None:
+        listener.stage_started(definition.name, definition.title, 1)
+    try:
+        with nvtx.annotate(f"stage {definition.name}", domain="gpudiag"):
+            return definition.launch(ctx)
+    except StageSkipped as exc:
+        return StageResult(name=definition.name, status="skipped", title=definition.title,
+                           error=str(exc))
+    except Exception as exc:
+        return StageResult(name=definition.name, status="error", title=definition.title,
+                           error=f"{type(exc).__name__}: {_first_line(str(exc))}",
+                           advice="the full traceback is in run.json (stages[].traceback)",
+                           traceback=traceback.format_exc())
+
+
 def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
                listener: ProgressListener | None) -> tuple[StageResult, bool]:
     """The stage's timed result, and whether it is host-only (nothing to profile)."""
@@ -162,6 +186,7 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
     try:
         with nvtx.annotate(f"stage {name}", domain="gpudiag"):
             ctx.phases.clear()
+            assert definition.build is not None
             workload = definition.build(ctx)
             host_only = workload.host_only
             result.workload = workload.description

@@ -298,6 +298,22 @@ def gd702(*, wait: float) -> RunResult:
     return make_run(stage)
 
 
+def gd801(*, efficiency: float) -> RunResult:
+    stage = make_stage("ddp", ms=50.0, details={"ddp": {
+        "world_size": 2, "per_device_batch": 64, "accum": 1, "scaling_efficiency": efficiency,
+        "single_device": {"ms_per_iter": 40.0, "samples_per_s": 1600.0},
+        "grad_bytes_per_round": 440_000_000, "transfer_ms_per_step": 9.0,
+        "allreduce_probe": {"busbw_gbps": 48.0}}})
+    return make_run(stage)
+
+
+def gd802(*, rounds: float) -> RunResult:
+    evidence = make_evidence(microsteps_per_step=4.0, microsteps_with_collectives_per_step=rounds)
+    stage = make_stage("ddp", ms=100.0, evidence=evidence,
+                       details={"ddp": {"transfer_ms_per_step": 40.0 * rounds}})
+    return make_run(stage)
+
+
 @dataclass(frozen=True)
 class Case:
     """A run where the rule fires, what it must say, and near misses where it must not."""
@@ -369,6 +385,13 @@ CASES: dict[str, Case] = {
     "GD702": Case(P(gd702, wait=25.0), "checkpoint-async", "warning",
                   {"saves_waited": 10, "wait_ms_median": 25.0, "lost_share": 0.05},
                   (P(gd702, wait=24.9),)),
+    "GD801": Case(P(gd801, efficiency=0.79), "ddp", "warning",
+                  {"scaling_efficiency": 0.79, "cause": "communication",
+                   "added_ms_per_step": 10.0},
+                  (P(gd801, efficiency=limit("GD801", "poor_efficiency")),)),
+    "GD802": Case(P(gd802, rounds=2.0), "ddp", "warning",
+                  {"reducing_microsteps_per_step": 2.0, "wasted_transfer_ms_per_step": 40.0},
+                  (P(gd802, rounds=1.0),)),
     "GD601": Case(P(gd601, shift=1.3), "train-fp16", "info",
                   {"fastest_block_ms": 50.0, "slowest_block_ms": 65.0},
                   (P(gd601, shift=limit("GD601", "max_block_shift")),)),

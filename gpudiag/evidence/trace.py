@@ -38,6 +38,13 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ad
               "aten::_convolution", "aten::cudnn_convolution"}
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 STEP_RANGE = "gpudiag.step"  # the capture names each profiled step so
+MICROSTEP_RANGE = "gpudiag.microstep"  # a gradient-accumulation micro-step, where marked
+# Collectives: c10d ops on the calling thread (one per DDP bucket), and the process group's
+# own work ranges on its thread (gloo/ucc/mpi on CPUs; NCCL's work is its kernels).
+COLLECTIVE_OP = re.compile(r"^c10d::(all_?reduce|allgather|reduce_scatter|broadcast|all_to_all)")
+COLLECTIVE_WORK = re.compile(r"^(gloo|ucc|mpi):")
+# Gradient reduction alone (DDP also broadcasts buffers in some forwards: not a reduction).
+ALLREDUCE_OP = re.compile(r"^c10d::all_?reduce")
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
 
@@ -298,6 +305,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             matmul_us[_dtype(line_of(o))] += float(o.get("dur", 0.0))
     htod = [d for d in by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
     overlap = _overlap_fraction(htod, by_cat["kernel"])
+    collectives = _collectives(events, ops, by_cat, backend)
     op_counts = Counter(o["name"] for o in top_ops)
     per = 1.0 / steps
     step_us = step_ms * 1e3
@@ -346,7 +354,14 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         idle_fraction=(max(0.0, 1.0 - busy_ms * per / (timed_step_ms or step_ms))
                        if busy_ms is not None and (timed_step_ms or step_ms) else None),
         short_kernels_per_step=short * per,
-        collective_ms_per_step=collective_us * per / 1e3,
+        collective_ms_per_step=(collective_us if backend == "cuda"
+                                else collectives.work_us) * per / 1e3,
+        collective_calls_per_step=collectives.calls * per,
+        collective_overlap_fraction=collectives.overlap,
+        collective_exposed_ms_per_step=(collective_us * (1 - collectives.overlap) * per / 1e3
+                                        if collectives.overlap is not None else None),
+        microsteps_per_step=collectives.microsteps * per,
+        microsteps_with_collectives_per_step=collectives.microsteps_reduced * per,
         top_ops_by_count=[{"name": n, "per_step": c * per}
                           for n, c in op_counts.most_common(TOP_N)],
         top_ops_by_time=_top_by_time(kernel_time, top_ops, per),
@@ -376,6 +391,37 @@ def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
         if i < len(busy):
             gaps.append((t, busy[i][0]))
     return sum(b - a for a, b in _merge(gaps))  # two syncs in one gap idle it once
+
+
+@dataclass
+class _Collectives:
+    calls: int
+    work_us: float
+    overlap: float | None
+    microsteps: int
+    microsteps_reduced: int
+
+
+def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
+                 by_cat: dict[str, list[dict[str, Any]]], backend: str) -> _Collectives:
+    """Collective calls, their work time, NCCL's overlap with compute kernels, and how many
+    accumulation micro-steps issued any collective (more than one per optimizer step means the
+    reduction ran on every micro-step: no_sync missing or wrapping only the backward)."""
+    calls = [o for o in ops if COLLECTIVE_OP.match(o["name"])]
+    reductions = sorted(float(o["ts"]) for o in calls if ALLREDUCE_OP.match(o["name"]))
+    work_us = sum(float(a.get("dur", 0.0)) for a in by_cat["user_annotation"]
+                  if COLLECTIVE_WORK.match(a["name"]))
+    overlap = None
+    if backend == "cuda":
+        nccl = [k for k in by_cat["kernel"] if "nccl" in k["name"].lower()]
+        compute = [k for k in by_cat["kernel"] if "nccl" not in k["name"].lower()]
+        overlap = _overlap_fraction(nccl, compute)
+    micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE]
+    reduced = 0
+    for m in micro:
+        i = bisect.bisect_left(reductions, float(m["ts"]))
+        reduced += i < len(reductions) and reductions[i] <= _end(m)
+    return _Collectives(len(calls), work_us, overlap, len(micro), reduced)
 
 
 def _overlap_fraction(copies: list[dict[str, Any]],

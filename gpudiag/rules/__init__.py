@@ -8,7 +8,7 @@ import importlib
 
 from gpudiag.rules.registry import Rule, Threshold, all_rules, evaluate, find_rule
 
-_BUILTIN_MODULES = ("launch", "input", "precision", "device", "checkpoint")
+_BUILTIN_MODULES = ("launch", "input", "precision", "device", "checkpoint", "ddp")
 
 
 def load_builtin_rules() -> None:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from gpudiag.config import RunConfig
 from gpudiag.models import Example, ModelBundle, ModelOptions, ModelSpec
+from gpudiag.results import StageResult
 from gpudiag.timing import PhaseRecorder
 
 # Enough examples that no stage runs out (a map-style dataset of this length allocates nothing).
@@ -134,13 +135,16 @@ def _ignore_sigint(_worker_id: int) -> None:
 
 
 StageFunction = Callable[[StageContext], Workload]
+# A stage that runs itself elsewhere (the ddp stage's ranks) and returns its finished result.
+LaunchFunction = Callable[[StageContext], StageResult]
 
 
 @dataclass(frozen=True)
 class StageDef:
     name: str
     title: str
-    build: StageFunction
+    build: StageFunction | None = None
+    launch: LaunchFunction | None = None
 
 
 _STAGES: dict[str, StageDef] = {}
@@ -151,6 +155,16 @@ def stage(name: str, title: str) -> Callable[[StageFunction], StageFunction]:
 
     def register(fn: StageFunction) -> StageFunction:
         _STAGES[name] = StageDef(name=name, title=title, build=fn)
+        return fn
+
+    return register
+
+
+def launched_stage(name: str, title: str) -> Callable[[LaunchFunction], LaunchFunction]:
+    """Register a stage that runs in its own processes and times itself (see StageDef)."""
+
+    def register(fn: LaunchFunction) -> LaunchFunction:
+        _STAGES[name] = StageDef(name=name, title=title, launch=fn)
         return fn
 
     return register

@@ -1,0 +1,1 @@
+"""The ddp stage's processes: the launcher (torch.distributed.run) and one rank's program."""

@@ -1,0 +1,199 @@
+"""The ddp stage: merging recorded per-rank parts, the scaling and no_sync rules on recorded and
+hand-built evidence, and real two-rank gloo runs on the CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from gpudiag.cli import app
+from gpudiag.config import build_config
+from gpudiag.distributed.launch import _failure_line, launch_command, merge_parts
+from gpudiag.results import Env, Evidence, RunResult, StageResult, load_run
+from gpudiag.rules import evaluate
+
+runner = CliRunner()
+PARTS = Path(__file__).resolve().parent / "data" / "ddp-cpu-parts.json"
+
+
+def _config(**overrides: Any):  # type: ignore[no-untyped-def]
+    options: dict[str, Any] = {"model": "bert", "preset": "tiny", "device": "cpu",
+                               "stages": ["ddp"], "nproc": 2}
+    options.update(overrides)
+    return build_config(**options)[0]
+
+
+def _parts() -> list[dict[str, Any]]:
+    return json.loads(PARTS.read_text())
+
+
+def test_merge_recorded_parts() -> None:
+    """Two gloo ranks of a tiny BERT with the sweep, recorded on the CPU."""
+    stage = merge_parts(_parts(), _config(ddp_sweep=True), "ddp", "title")
+    info = stage.details["ddp"]
+    assert info["world_size"] == 2 and info["backend"] == "gloo"
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    parts = _parts()
+    # The job's step is, step by step, the slower rank's.
+    expected = [max(a, b) for a, b in zip(parts[0]["variants"][0]["iter_ms"],
+                                          parts[1]["variants"][0]["iter_ms"], strict=True)]
+    assert stage.iter_ms == expected
+    assert stage.samples_per_step == 2 * 8
+    single = info["single_device"]["samples_per_s"]
+    assert info["scaling_efficiency"] == pytest.approx(stage.samples_per_s / (2 * single))
+    assert info["allreduce_probe"]["busbw_gbps"] > 0
+    assert info["transfer_ms_per_step"] > 0 and info["allreduce_rounds_per_step"] == 1
+    assert stage.evidence is not None and stage.evidence.collective_calls_per_step >= 1
+    names = [row["name"] for row in info["sweep"]]
+    assert names == ["default", "bucket 100 MB", "accumulate x4 (no_sync)",
+                     "gradient_as_bucket_view", "static_graph"]
+    assert info["sweep"][2]["accum"] == 4
+
+
+def test_straggler_is_the_rank_with_slow_compute() -> None:
+    parts = _parts()
+    slow = copy.deepcopy(parts)
+    slow[1]["variants"][0]["phases_ms"]["forward"] *= 2
+    info = merge_parts(slow, _config(), "ddp", "t").details["ddp"]
+    assert info["straggler"]["rank"] == 1 and info["straggler"]["is_straggler"]
+    assert info["straggler"]["ratio"] >= 1.8
+
+
+def test_launch_command_is_torchrun() -> None:
+    single = launch_command(_config(), Path("c.json"), Path("out"))
+    assert single[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
+    assert "--standalone" in single and single[-5:-4] == ["gpudiag.distributed.worker"]
+    multi = launch_command(_config(nnodes=2, node_rank=1, rdzv_endpoint="host:29400"),
+                           Path("c.json"), Path("out"))
+    assert multi[multi.index("--rdzv-endpoint") + 1] == "host:29400"
+    assert multi[multi.index("--node-rank") + 1] == "1" and "--standalone" not in multi
+
+
+def test_failure_line_names_the_rank_error() -> None:
+    log = ("W1123 warning about OMP_NUM_THREADS\nTraceback (most recent call last):\n"
+           "  File x\nRuntimeError: CUDA out of memory\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: boom\n")
+    assert _failure_line(log) == "RuntimeError: CUDA out of memory"
+
+
+# --- Rules on hand-built per-rank evidence -------------------------------------------------
+
+
+def _stage(*, step: float, single: float, efficiency: float, transfer: float | None = None,
+           exposed: float | None = None, overlap: float | None = None,
+           straggler_ratio: float = 1.0, sweep: list[dict[str, Any]] | None = None,
+           evidence: Evidence | None = None) -> RunResult:
+    info: dict[str, Any] = {
+        "world_size": 2, "per_device_batch": 64, "accum": 1, "no_sync": "correct",
+        "grad_bytes_per_round": 440_000_000, "scaling_efficiency": efficiency,
+        "single_device": {"ms_per_iter": single, "samples_per_s": 64 / single * 1e3},
+        "allreduce_probe": {"bytes": 268435456, "ms": 70.0, "algbw_gbps": 3.8,
+                            "busbw_gbps": 3.8},
+        "transfer_ms_per_step": transfer, "collective_exposed_ms_per_step": exposed,
+        "collective_overlap_fraction": overlap,
+        "straggler": {"rank": 1, "ratio": straggler_ratio, "compute_ms": 30.0,
+                      "fastest_compute_ms": 30.0 / straggler_ratio,
+                      "is_straggler": straggler_ratio >= 1.1},
+    }
+    if sweep:
+        info["sweep"] = sweep
+    stage = StageResult(name="ddp", status="ok", ms_per_iter=step, samples_per_s=128 / step * 1e3,
+                        iter_ms=[step] * 10, details={"ddp": info}, evidence=evidence)
+    return RunResult(tool_version="t", env=Env(device="cuda"), config={},
+                     created_utc="2026-11-23T00:00:00+00:00", stages=[stage])
+
+
+def _one(run: RunResult, code: str) -> list:
+    return [f for f in evaluate(run) if f.id == code]
+
+
+def test_sockets_like_run_is_communication_bound() -> None:
+    """REFERENCE.md's socket row: 33 ms steps become ~133 ms; 0.44 GB at 3.8 GB/s ~ 116 ms."""
+    run = _stage(step=133.0, single=33.3, efficiency=0.25, transfer=116.0, exposed=98.0,
+                 overlap=0.2, sweep=[{"name": "default", "scaling_efficiency": 0.25},
+                                     {"name": "accumulate x4 (no_sync)",
+                                      "scaling_efficiency": 0.6}])
+    (f,) = _one(run, "GD801")
+    assert f.severity == "critical" and f.evidence["cause"] == "communication"
+    assert f.evidence["comm_share"] == pytest.approx(98 / 133, abs=0.01)
+    assert "440 MB" in f.fix and "3.8 GB/s" in f.fix and "fp16_compress_hook" in f.fix
+    assert "no_sync()" in f.fix and "only 20%" in f.fix
+    assert "accumulate x4 (no_sync) 60%" in f.fix
+    assert f.impact == pytest.approx(0.75)
+
+
+def test_straggler_outranks_communication() -> None:
+    run = _stage(step=60.0, single=33.0, efficiency=0.55, transfer=40.0, straggler_ratio=1.3)
+    (f,) = _one(run, "GD801")
+    assert f.evidence["cause"] == "a straggler" and "rank 1" in f.fix
+
+
+def test_small_batch_and_unexplained_causes() -> None:
+    small = _stage(step=20.0, single=12.0, efficiency=0.6, transfer=1.0)
+    assert _one(small, "GD801")[0].evidence["cause"] == "per-device batch too small"
+    unexplained = _stage(step=60.0, single=40.0, efficiency=0.67, transfer=2.0)
+    assert _one(unexplained, "GD801")[0].evidence["cause"] == "unexplained overhead"
+
+
+def test_good_scaling_and_one_rank_are_quiet() -> None:
+    assert not _one(_stage(step=36.0, single=33.0, efficiency=0.91, transfer=1.0), "GD801")
+    run = _stage(step=36.0, single=33.0, efficiency=0.5, transfer=1.0)
+    run.stages[0].details["ddp"]["world_size"] = 1
+    assert not _one(run, "GD801")
+
+
+def test_no_sync_misuse_from_microstep_evidence() -> None:
+    misuse = Evidence(steps=2, step_ms=100.0, backend="cuda", microsteps_per_step=4.0,
+                      microsteps_with_collectives_per_step=4.0, collective_calls_per_step=8.0)
+    run = _stage(step=100.0, single=20.0, efficiency=0.9, transfer=40.0, evidence=misuse)
+    (f,) = _one(run, "GD802")
+    assert f.severity == "warning" and f.evidence["reducing_microsteps_per_step"] == 4.0
+    assert f.evidence["wasted_transfer_ms_per_step"] == pytest.approx(30.0)
+    assert f.impact == pytest.approx(0.3)
+    correct = Evidence(steps=2, step_ms=100.0, backend="cuda", microsteps_per_step=4.0,
+                       microsteps_with_collectives_per_step=1.0)
+    assert not _one(_stage(step=100.0, single=20.0, efficiency=0.9, evidence=correct), "GD802")
+
+
+# --- Real two-rank runs --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_two_rank_gloo_run(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run", "--model", "bert", "--preset", "tiny", "--device", "cpu",
+                                 "--stages", "ddp", "--nproc", "2", "--iters", "8", "--quiet",
+                                 "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    stage = load_run(tmp_path).stages[0]
+    assert stage.ok, stage.error
+    info = stage.details["ddp"]
+    assert info["world_size"] == 2 and len(info["ranks"]) == 2
+    assert 0 < info["scaling_efficiency"] < 2
+    assert info["allreduce_rounds_per_step"] == 1
+    assert "ddp" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("no_sync", "misuse"), [("backward-only", True), ("correct", False)])
+def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -> None:
+    result = runner.invoke(app, ["run", "--model", "bert", "--preset", "tiny", "--device", "cpu",
+                                 "--stages", "ddp", "--nproc", "2", "--iters", "4", "--quiet",
+                                 "--ddp-accum", "3", "--ddp-no-sync", no_sync,
+                                 "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    run = load_run(tmp_path)
+    assert run.stages[0].details["ddp"]["allreduce_rounds_per_step"] == (3 if misuse else 1)
+    assert bool([f for f in run.findings if f.id == "GD802"]) == misuse
+
+
+def test_bad_ddp_options_are_one_line_errors() -> None:
+    bad = runner.invoke(app, ["run", "--device", "cpu", "--stages", "ddp", "--nnodes", "2"])
+    assert bad.exit_code == 2 and "--rdzv-endpoint" in bad.output
+    bad = runner.invoke(app, ["run", "--device", "cpu", "--stages", "ddp",
+                              "--ddp-no-sync", "sometimes"])
+    assert bad.exit_code == 2 and "--ddp-no-sync" in bad.output
