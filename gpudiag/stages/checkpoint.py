@@ -5,8 +5,11 @@ queued behind each other and ran too often. These stages price both ways of savi
 
 - `checkpoint-sync`: plain `torch.save` of model, optimizer, scaler and step. The device-to-host
   copies and the file write all happen on the training thread, so the step that saves stalls.
-- `checkpoint-async`: the state is copied into pinned host buffers (allocated once) on a side
-  CUDA stream, and a background thread writes those buffers with `torch.save`. The training
+- `checkpoint-async`: the state is copied into pinned host buffers (one per dtype, allocated
+  once) on a side CUDA stream, and a background thread writes them: a small torch.save header
+  (the state's layout) and then the buffers' raw bytes. Raw writes release the GIL; torch.save
+  of the same buffers held it long enough to stall the training thread for up to 420 ms per
+  save on an H100 host (benchmarks/async_write_stalls.py). The training
   thread only enqueues the copies; the next optimizer update waits on the copy event, so the
   parameters it overwrites have been copied first. At most one save is in flight: a save that
   finds the previous one still writing waits for it, and that wait is recorded.
@@ -17,6 +20,7 @@ written, bytes, write bandwidth, wait for the previous save) into the stage's de
 
 from __future__ import annotations
 
+import io
 import math
 import shutil
 import time
@@ -33,6 +37,7 @@ from gpudiag.stages.ladder import amp_details, amp_label, tokens, train_step
 SAVES_NEEDED = 6  # timed saves per stage: enough to see the period in the step times
 FILES_KEPT = 2  # saves alternate between two files, so disk use stays at two checkpoints
 FLAT_FORMAT = "gpudiag-flat-checkpoint-v1"
+FLAT_MAGIC = b"GDFLAT01"
 FLAT_SLOT = "__gpudiag_flat__"  # marks where a tensor was: [dtype, offset, shape]
 
 
@@ -243,20 +248,16 @@ class AsyncCheckpointer(Checkpointer):
             copied = None
             for source, target in pairs.values():
                 target.copy_(source)
-        # A few flat records and a small layout: pickling hundreds of tensors would hold the
-        # GIL on the writer thread while the training thread waits for it (measured on a
-        # 2,000-tensor state: stalls up to 81 ms; one large record releases the GIL to write).
-        flat_file = {"format": FLAT_FORMAT, "buffers": self.flats,
-                     "layout": {**self.layout, "step": state["step"]}}
+        layout = {**self.layout, "step": state["step"]}
+        flats = self.flats
         record = SaveRecord(step=step, blocking_ms=0.0, waited_ms=waited)
         path = self.next_path()
-        logging = self.logging
 
         def write() -> None:
             if copied is not None:
                 copied.synchronize()
             begin = time.perf_counter()
-            torch.save(flat_file, path)
+            write_flat_checkpoint(path, layout, flats)
             end = time.perf_counter()
             record.write_ms = (end - begin) * 1e3
             record.total_ms = (end - start) * 1e3
@@ -264,8 +265,7 @@ class AsyncCheckpointer(Checkpointer):
 
         self.pending = self.writer.submit(write)
         record.blocking_ms = (time.perf_counter() - start) * 1e3
-        if logging:
-            self.records.append(record)
+        self.record(record)
 
     def finish(self) -> None:
         if self.pending is not None:
@@ -279,13 +279,34 @@ class AsyncCheckpointer(Checkpointer):
             self.writer.shutdown(wait=True)
 
 
+def write_flat_checkpoint(path: Path, layout: dict[str, Any],
+                          flats: dict[str, torch.Tensor]) -> None:
+    """MAGIC, the header's length (8 bytes, little-endian), a torch.save header (layout and
+    buffer sizes), then each buffer's raw bytes in header order."""
+    header = io.BytesIO()
+    torch.save({"format": FLAT_FORMAT, "layout": layout,
+                "buffers": [(name, t.numel()) for name, t in flats.items()]}, header)
+    with path.open("wb") as f:
+        f.write(FLAT_MAGIC)
+        f.write(len(header.getbuffer()).to_bytes(8, "little"))
+        f.write(header.getbuffer())
+        for flat in flats.values():
+            f.write(memoryview(flat.view(torch.uint8).numpy()))
+
+
 def load_flat_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint-async file back into the usual nested state (model, optimizer,
     scaler, step) of CPU tensors: each tensor a view into its dtype's buffer."""
-    data = torch.load(path, weights_only=True)
-    if data.get("format") != FLAT_FORMAT:
-        raise ValueError(f"{path}: not a {FLAT_FORMAT} checkpoint")
-    buffers = data["buffers"]
+    with Path(path).open("rb") as f:
+        if f.read(len(FLAT_MAGIC)) != FLAT_MAGIC:
+            raise ValueError(f"{path}: not a {FLAT_FORMAT} checkpoint")
+        size = int.from_bytes(f.read(8), "little")
+        header = torch.load(io.BytesIO(f.read(size)), weights_only=True)
+        buffers = {}
+        for name, numel in header["buffers"]:
+            dtype = getattr(torch, name)
+            raw = bytearray(f.read(numel * dtype.itemsize))
+            buffers[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
 
     def restore(value: Any) -> Any:
         if isinstance(value, dict) and FLAT_SLOT in value:
@@ -297,7 +318,7 @@ def load_flat_checkpoint(path: Path) -> dict[str, Any]:
             return type(value)(restore(v) for v in value)
         return value
 
-    return restore(data["layout"])
+    return restore(header["layout"])
 
 
 def _checkpoint_stage(ctx: StageContext, saver: Checkpointer, how: str) -> Workload:
