@@ -237,3 +237,21 @@ def test_async_checkpoint_reads_back_as_the_training_state(tmp_path: Path) -> No
     fresh.load_state_dict(state["model"])
     torch.optim.AdamW(fresh.parameters()).load_state_dict(state["optimizer"])
     saver.close()
+
+
+def test_recorded_h100_checkpoint_runs() -> None:
+    """dgca full preset on an H100, 1.23 GB per save: blocking saves are critical at every 10
+    and 20 steps; the async saver is only information at every 20 steps, and at every 10 its
+    saves outlast the interval and queue (the contention rule names it)."""
+    examples = Path(__file__).resolve().parent.parent / "reports" / "examples"
+    every10 = load_run(examples / "h100-checkpoint")
+    every20 = load_run(examples / "h100-checkpoint-every20")
+    for run in (every10, every20):
+        found = evaluate(run)
+        sync = [f for f in found if f.id == "GD701" and f.stage == "checkpoint-sync"]
+        assert sync and sync[0].severity == "critical"
+        assert sync[0].evidence["bytes_per_save"] > 1e9
+    async20 = [f for f in evaluate(every20) if f.stage == "checkpoint-async"]
+    assert all(f.severity == "info" for f in async20)
+    queued = [f for f in evaluate(every10) if f.id == "GD702"]
+    assert queued and queued[0].evidence["saves_waited"] >= 1
