@@ -10,6 +10,9 @@ The Python API, for notebooks and scripts:
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpudiag._version import __version__
@@ -30,6 +33,21 @@ _LAZY = {
 }
 
 
+def step() -> None:
+    """Mark the end of a training step for `gpudiag profile`, for loops without an optimizer
+    (or with several). A no-op when the script is not being profiled."""
+    recorder = sys.modules.get("gpudiag.profiling.recorder")
+    if recorder is not None and recorder.RECORDER is not None:
+        recorder.RECORDER.manual_step()
+
+
+@contextmanager
+def watch() -> Iterator[None]:
+    """`with gpudiag.watch():` around a loop body: the block's end is a step boundary."""
+    yield
+    step()
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
@@ -41,5 +59,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Finding", "ModelBundle", "ModelOptions", "ModelSpec", "RunConfig", "RunOutput",
     "RunResult", "StageResult", "__version__", "build_config", "load_run", "register_model",
-    "run_stages", "save_run",
+    "run_stages", "save_run", "step", "watch",
 ]

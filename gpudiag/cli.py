@@ -295,6 +295,46 @@ def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
     return load_run_set(before), load_run_set(after)
 
 
+@app.command(context_settings={"ignore_unknown_options": True})
+def profile(
+    command: Annotated[list[str], typer.Argument(help="The command to profile, after --: "
+                                                 "python train.py ..., torchrun ..., "
+                                                 "python -m pkg.train.")],
+    out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
+                                             "time>-profile/).")] = None,
+    steps: Annotated[int, typer.Option(help="Profiled steps (the evidence window).")] = 3,
+    warmup: Annotated[int, typer.Option(help="Steps before timing starts.")] = 5,
+    timed: Annotated[int, typer.Option(help="Timed steps, before the profiler window.")] = 30,
+) -> None:
+    """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
+    from gpudiag.profiling.session import profile_command
+    from gpudiag.report import (
+        default_run_dir,
+        findings_panel,
+        prepare_run_dir,
+        stage_table,
+        write_run_dir,
+    )
+
+    for name, value in (("--steps", steps), ("--warmup", warmup), ("--timed", timed)):
+        if value < (1 if name == "--timed" else 0):
+            raise BadInput(f"{name} must be {'positive' if name == '--timed' else 'zero or more'}"
+                           f" (got {value})")
+    run_dir = prepare_run_dir(out or default_run_dir("profile"))
+    output = profile_command(command, run_dir, warmup=warmup, timed=timed, steps=steps)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import pandas as pd
+
+    write_run_dir(run_dir, output.run, pd.DataFrame())
+    for message in output.messages:
+        stderr.print(f"[yellow]gpudiag profile:[/] {message}", soft_wrap=True)
+    if output.run.stages:
+        stdout.print(stage_table(output.run, width=stdout.width))
+        stdout.print(findings_panel(output.run))
+    stderr.print(f"Report: {run_dir / 'report.md'}  (run.json beside it)", soft_wrap=True)
+    raise typer.Exit(output.exit_code)
+
+
 @app.command()
 def compare(
     before: Annotated[Path, typer.Argument(help="Run directory, run.json, or folder of trial "

@@ -314,6 +314,12 @@ def gd802(*, rounds: float) -> RunResult:
     return make_run(stage)
 
 
+def gd803(*, share: float) -> RunResult:
+    evidence = make_evidence(collective_calls_per_step=2.0,
+                             collective_exposed_ms_per_step=share * 50.0)
+    return make_run(make_stage("train.py[rank0]", ms=50.0, evidence=evidence))
+
+
 @dataclass(frozen=True)
 class Case:
     """A run where the rule fires, what it must say, and near misses where it must not."""
@@ -392,6 +398,9 @@ CASES: dict[str, Case] = {
     "GD802": Case(P(gd802, rounds=2.0), "ddp", "warning",
                   {"reducing_microsteps_per_step": 2.0, "wasted_transfer_ms_per_step": 40.0},
                   (P(gd802, rounds=1.0),)),
+    "GD803": Case(P(gd803, share=0.3), "train.py[rank0]", "warning",
+                  {"share": 0.3, "collective_ms_per_step": 15.0},
+                  (P(gd803, share=0.299),)),
     "GD601": Case(P(gd601, shift=1.3), "train-fp16", "info",
                   {"fastest_block_ms": 50.0, "slowest_block_ms": 65.0},
                   (P(gd601, shift=limit("GD601", "max_block_shift")),)),

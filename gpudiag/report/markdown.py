@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpudiag.report.findings import diagnosis_markdown
-from gpudiag.report.rows import COLUMNS, fmt, phase_medians, table_cells
+from gpudiag.report.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
 from gpudiag.report.terminal import env_rows
 from gpudiag.results import RunResult
 
@@ -21,11 +21,16 @@ def render_markdown(run: RunResult) -> str:
     c = run.config
     env = run.env
     gpu = env.gpu_name or env.device
-    out = [f"# gpudiag: `{c.get('model')}` on {gpu}", ""]
-    out.append(f"{run.created_utc} · gpudiag {run.tool_version} · preset `{c.get('preset')}` "
-               f"(batch {c.get('batch_size')}, seq {c.get('seq_len')}) · "
-               f"mixed precision {c.get('amp_dtype')}"
-               + (f" · power limit {env.power_limit_w:.0f} W" if env.power_limit_w else ""))
+    subject, setting = run_subject(run)
+    out = [f"# gpudiag: `{subject}` on {gpu}", ""]
+    if c.get("mode") == "profile":
+        head = f"{run.created_utc} · gpudiag {run.tool_version} · {setting}"
+    else:
+        head = (f"{run.created_utc} · gpudiag {run.tool_version} · preset `{c.get('preset')}` "
+                f"(batch {c.get('batch_size')}, seq {c.get('seq_len')}) · "
+                f"mixed precision {c.get('amp_dtype')}")
+    out.append(head + (f" · power limit {env.power_limit_w:.0f} W" if env.power_limit_w
+                       else ""))
     out.append("")
     if run.interrupted:
         out += ["> **Interrupted (Ctrl-C):** the stages below are what was measured before.", ""]

@@ -106,3 +106,15 @@ def table_cells(run: RunResult, *, terminal: bool) -> tuple[list[Column], list[l
 def phase_medians(stage: StageResult) -> dict[str, float]:
     """Median milliseconds per phase of a step (forward, backward, ...), when measured."""
     return {phase: statistics.median(ms) for phase, ms in stage.phases_ms.items() if ms}
+
+
+def run_subject(run: RunResult) -> tuple[str, str]:
+    """(what ran, how it was set up) for report headings: a ladder's model and preset, or a
+    profiled command."""
+    c = run.config
+    if c.get("mode") == "profile":
+        return (" ".join(c.get("command", [])),
+                f"profiled: warm-up {c.get('warmup')}, timed {c.get('timed')}, "
+                f"evidence {c.get('evidence_steps')} steps")
+    return (str(c.get("model")), f"preset {c.get('preset')}, batch {c.get('batch_size')}, "
+            f"seq {c.get('seq_len')}, {c.get('amp_dtype')}")

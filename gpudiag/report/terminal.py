@@ -8,7 +8,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from gpudiag.report.rows import TERMINAL_DROP_ORDER, Column, fmt, table_cells
+from gpudiag.report.rows import TERMINAL_DROP_ORDER, Column, fmt, run_subject, table_cells
 from gpudiag.results import Env, RunResult
 
 _STATUS_STYLE = {"ok": "", "error": "red", "skipped": "yellow"}
@@ -45,10 +45,8 @@ def _build(run: RunResult, columns: list[Column], rows: list[list[str]]) -> Tabl
 
 
 def _title(run: RunResult) -> str:
-    c = run.config
-    gpu = run.env.gpu_name or run.env.device
-    return (f"{c.get('model')} on {gpu} - preset {c.get('preset')}, batch {c.get('batch_size')}, "
-            f"seq {c.get('seq_len')}, {c.get('amp_dtype')}")
+    subject, setting = run_subject(run)
+    return f"{subject} on {run.env.gpu_name or run.env.device} - {setting}"
 
 
 def problems(run: RunResult) -> list[Text]:

@@ -191,3 +191,51 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
             fix=("Wrap forward and backward of all micro-steps but the last in "
                  "model.no_sync(); one all-reduce per optimizer step then carries the "
                  f"accumulated gradients ({pct(1 - 1 / rounds)} fewer rounds)."))
+
+
+COMM_BOUND_SHARE = 0.30
+
+
+@rule(
+    "GD803", "collective-bound-step", concern="ddp",
+    summary="Collectives (DDP's all-reduce) take a large share of each step of a profiled run.",
+    why=("Without a single-device baseline (a profiled script), the profiler window still shows "
+         "how much of the step the gradient all-reduce holds the step: NCCL time with no "
+         "compute beside it on a GPU, the process group's work time on a CPU. A large share "
+         "means the per-device batch is too small for the link, or the link is slow."),
+    fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
+         "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables)."),
+    thresholds=(Threshold("share", COMM_BOUND_SHARE, "collective time over the step"),),
+    references=("https://pytorch.org/docs/stable/ddp_comm_hooks.html",),
+)
+def collective_bound_step(run: RunResult) -> Iterator[Draft]:
+    """Stages with profiler evidence but no ddp-stage details (those get ddp-poor-scaling):
+    exposed NCCL time (GPU) or gloo work time (CPU, which includes waiting for peers) over the
+    timed step; warning from 30%."""
+    for stage in run.ok_stages():
+        ev = stage.evidence
+        if ev is None or _ddp(stage) is not None or not ev.collective_calls_per_step:
+            continue
+        step = stage.ms_per_iter or ev.step_ms
+        comm = (ev.collective_exposed_ms_per_step if ev.backend == "cuda"
+                else ev.collective_ms_per_step)
+        if not comm or not step or comm / step < COMM_BOUND_SHARE:
+            continue
+        share = min(1.0, comm / step)
+        measured = ("NCCL time with no compute beside it" if ev.backend == "cuda" else
+                    "the process group's work time, waits for peers included")
+        yield Draft(
+            severity="warning", stage=stage.name,
+            title=(f"Collectives take {share:.0%} of each step ({comm:.1f} of {step:.1f} ms, "
+                   f"{ev.collective_calls_per_step:.0f} calls per step): communication-bound"),
+            evidence={"collective_ms_per_step": round(comm, 2), "step_ms": round(step, 2),
+                      "share": round(share, 3),
+                      "collective_calls_per_step": ev.collective_calls_per_step,
+                      "measured_as": measured,
+                      "samples_per_step": stage.samples_per_step},
+            impact=share,
+            fix=("Give each all-reduce more work: raise the per-device batch (now "
+                 f"{stage.samples_per_step or 'unknown'}), or accumulate micro-steps with "
+                 "model.no_sync() around forward and backward of all but the last; compress "
+                 "gradients with register_comm_hook(None, default_hooks.fp16_compress_hook); "
+                 "check the interconnect (NVLink/InfiniBand, NCCL_P2P_DISABLE/SHM_DISABLE)."))

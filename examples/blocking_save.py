@@ -1,0 +1,31 @@
+"""Planted problem: a full blocking checkpoint (model and optimizer) every 5 steps."""
+
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+STEPS = 60
+SAVE_EVERY = 5
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, 1024, device=device)
+    with tempfile.TemporaryDirectory() as out:
+        for step in range(1, STEPS + 1):
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step % SAVE_EVERY == 0:
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "step": step}, Path(out) / "checkpoint.pt")
+
+
+if __name__ == "__main__":
+    main()

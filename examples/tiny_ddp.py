@@ -1,0 +1,36 @@
+"""Planted problem: DDP with a tiny per-device batch, so each step's all-reduce and
+synchronisation cost more than its compute. Run with torchrun --nproc-per-node 2."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+STEPS = 60
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(device),
+        device_ids=[local] if cuda else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(4, 1024, device=device)  # 4 samples per device
+    for _ in range(STEPS):
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""`gpudiag profile`: the same evidence and rules for an unmodified training script."""

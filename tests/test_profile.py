@@ -1,0 +1,141 @@
+"""`gpudiag profile`: the examples' planted problems found from unmodified scripts on the CPU,
+the clean script quiet, exit codes passed through, crashes and Ctrl-C still reported."""
+
+from __future__ import annotations
+
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpudiag.cli import app
+from gpudiag.results import RunResult, load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+runner = CliRunner()
+pytestmark = pytest.mark.slow
+
+
+def profile(tmp_path: Path, *command: str, timed: int = 15) -> tuple[int, RunResult, str]:
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["profile", "--out", str(out), "--warmup", "3", "--timed",
+                                 str(timed), "--", *command])
+    return result.exit_code, load_run(out), result.output
+
+
+def example(tmp_path: Path, name: str, timed: int = 15) -> RunResult:
+    code, run, output = profile(tmp_path, sys.executable, str(EXAMPLES / f"{name}.py"),
+                                timed=timed)
+    assert code == 0, output
+    assert run.stages and all(s.ok for s in run.stages), output
+    return run
+
+
+def test_python_loop_names_the_script_line(tmp_path: Path) -> None:
+    run = example(tmp_path, "python_loop")
+    lines = (EXAMPLES / "python_loop.py").read_text().splitlines()
+    loop_line = next(n for n, text in enumerate(lines, 1)
+                     if re.match(r"\s*x\[i, slots\[i, j\], :\] = ", text))
+    top = run.findings[0]
+    assert top.id == "GD101" and top.severity in ("warning", "critical")
+    assert top.location is not None and top.location.endswith(f"python_loop.py:{loop_line}")
+
+
+def test_slow_dataset_is_data_starved(tmp_path: Path) -> None:
+    top = example(tmp_path, "slow_dataset").findings[0]
+    assert top.id == "GD201" and top.severity in ("warning", "critical")
+    assert top.evidence["share"] > 0.3
+
+
+def test_blocking_save_is_a_checkpoint_stall(tmp_path: Path) -> None:
+    top = example(tmp_path, "blocking_save", timed=30).findings[0]  # the rule needs 20 steps
+    assert top.id == "GD701" and top.severity in ("warning", "critical")
+    assert top.evidence["source"] == "save records" and top.evidence["period_steps"] == 5
+
+
+def test_per_step_item_reads_are_named(tmp_path: Path) -> None:
+    """On a CPU nothing idles, so it is information; the line is the script's."""
+    top = example(tmp_path, "item_sync").findings[0]
+    assert top.id == "GD103" and "item_sync.py" in (top.location or "")
+
+
+def test_clean_script_has_no_warning(tmp_path: Path) -> None:
+    run = example(tmp_path, "clean")
+    assert not [f for f in run.findings if f.severity in ("warning", "critical")], run.findings
+    stage = run.stages[0]
+    assert stage.samples_per_step == 32 and stage.evidence is not None
+    assert "data_wait" in stage.phases_ms
+
+
+def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
+    code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
+                                "--nproc-per-node", "2", str(EXAMPLES / "tiny_ddp.py"))
+    assert code == 0, output
+    assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
+    assert run.findings[0].id == "GD803"
+
+
+def _script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+LOOP = """
+    import os, signal, sys
+    import torch
+    import gpudiag
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(30):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        {after}
+"""
+
+
+def test_exit_code_and_crash_still_report(tmp_path: Path) -> None:
+    code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
+        after="if step == 25: raise RuntimeError('boom')")), timed=10)
+    assert code == 1 and run.stages[0].ok and len(run.stages[0].iter_ms) == 10
+    code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
+        after="pass") + "    sys.exit(3)\n"), timed=10)
+    assert code == 3 and run.stages[0].ok
+
+
+def test_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
+    code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
+        after="if step == 20: os.kill(os.getpid(), signal.SIGINT)")), timed=10)
+    assert code == 130 and run.interrupted and run.stages[0].ok
+
+
+def test_no_steps_says_how_to_mark_them(tmp_path: Path) -> None:
+    code, run, output = profile(tmp_path, sys.executable, _script(tmp_path, """
+        import torch
+        x = torch.ones(3) * 2
+    """))
+    assert code == 0 and not run.stages
+    assert "gpudiag.step()" in output and "gpudiag.step()" in run.notes[0]
+
+
+def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
+    code, run, output = profile(tmp_path, sys.executable, _script(tmp_path, """
+        import torch
+        import gpudiag
+        for _ in range(25):
+            with gpudiag.watch():
+                torch.randn(64, 64) @ torch.randn(64, 64)
+    """), timed=10)
+    assert code == 0, output
+    assert run.stages[0].details["step_clock"] == "gpudiag.step()"
+    assert len(run.stages[0].iter_ms) == 10
+
+
+def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["profile", "--out", str(tmp_path), "--",
+                                 "no-such-command-gpudiag"])
+    assert result.exit_code == 2 and "command not found" in result.output
