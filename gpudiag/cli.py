@@ -305,6 +305,8 @@ def profile(
     steps: Annotated[int, typer.Option(help="Profiled steps (the evidence window).")] = 3,
     warmup: Annotated[int, typer.Option(help="Steps before timing starts.")] = 5,
     timed: Annotated[int, typer.Option(help="Timed steps, before the profiler window.")] = 30,
+    telemetry: Annotated[str, typer.Option(help="GPU telemetry in the script: full (NVML and "
+                                           "GPM), basic (NVML only) or off.")] = "full",
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
     from gpudiag.profiling.session import profile_command
@@ -320,8 +322,11 @@ def profile(
         if value < (1 if name == "--timed" else 0):
             raise BadInput(f"{name} must be {'positive' if name == '--timed' else 'zero or more'}"
                            f" (got {value})")
+    if telemetry not in ("full", "basic", "off"):
+        raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
     run_dir = prepare_run_dir(out or default_run_dir("profile"))
-    output = profile_command(command, run_dir, warmup=warmup, timed=timed, steps=steps)
+    output = profile_command(command, run_dir, warmup=warmup, timed=timed, steps=steps,
+                             telemetry=telemetry)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import pandas as pd
 

@@ -36,6 +36,8 @@ ENV_WARMUP = "GPUDIAG_PROFILE_WARMUP"
 ENV_TIMED = "GPUDIAG_PROFILE_TIMED"
 ENV_STEPS = "GPUDIAG_PROFILE_STEPS"
 ENV_PARENT = "GPUDIAG_PROFILE_PARENT"
+ENV_TELEMETRY = "GPUDIAG_PROFILE_TELEMETRY"  # full, basic (no GPM) or off
+NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
 
 
@@ -169,7 +171,8 @@ class Recorder:
                            else None})
 
     def _open_telemetry(self) -> None:
-        if not self.cuda:
+        mode = os.environ.get(ENV_TELEMETRY, "full")
+        if not self.cuda or mode == "off":
             return
         try:
             from gpudiag.env import device_identity
@@ -177,7 +180,8 @@ class Recorder:
 
             device = torch.device("cuda", torch.cuda.current_device())
             uuid, index = device_identity(device)
-            self.sampler = open_sampler("cuda", uuid, index, period_s=0.05, gpm_period_s=0.2)
+            self.sampler = open_sampler("cuda", uuid, index, period_s=0.05,
+                                        gpm_period_s=NO_GPM_PERIOD_S if mode == "basic" else 0.2)
             self.sampler.__enter__()
         except Exception as exc:
             self.sampler, self.error = None, f"telemetry: {type(exc).__name__}: {exc}"

@@ -41,14 +41,15 @@ class ProfileOutput:
     messages: list[str]
 
 
-def child_env(out: Path, *, warmup: int, timed: int, steps: int) -> dict[str, str]:
+def child_env(out: Path, *, warmup: int, timed: int, steps: int,
+              telemetry: str = "full") -> dict[str, str]:
     env = dict(os.environ)
     package_root = str(Path(gpudiag.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(BOOTSTRAP), package_root, env.get("PYTHONPATH", "")) if p)
     env.update({recorder.ENV_OUT: str(out), recorder.ENV_WARMUP: str(warmup),
                 recorder.ENV_TIMED: str(timed), recorder.ENV_STEPS: str(steps),
-                recorder.ENV_PARENT: str(os.getpid())})
+                recorder.ENV_PARENT: str(os.getpid()), recorder.ENV_TELEMETRY: telemetry})
     return env
 
 
@@ -87,14 +88,15 @@ def collect(parts_dir: Path) -> tuple[list[StageResult], list[str]]:
 
 
 def profile_command(command: Sequence[str], out: Path, *, warmup: int, timed: int,
-                    steps: int) -> ProfileOutput:
+                    steps: int, telemetry: str = "full") -> ProfileOutput:
     from gpudiag.env import collect_env
 
     parts_dir = out / PARTS_DIR
     for old in parts_dir.glob("part-*.json"):
         old.unlink()
     started = time.perf_counter()
-    code = run_command(command, child_env(parts_dir, warmup=warmup, timed=timed, steps=steps))
+    code = run_command(command, child_env(parts_dir, warmup=warmup, timed=timed, steps=steps,
+                                          telemetry=telemetry))
     stages, messages = collect(parts_dir)
     import torch
 
@@ -105,7 +107,7 @@ def profile_command(command: Sequence[str], out: Path, *, warmup: int, timed: in
         tool_version=__version__,
         env=collect_env(device, None, "telemetry is sampled inside the profiled processes"),
         config={"command": list(command), "warmup": warmup, "timed": timed,
-                "evidence_steps": steps, "mode": "profile"},
+                "evidence_steps": steps, "telemetry": telemetry, "mode": "profile"},
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         stages=stages, interrupted=code == EXIT_INTERRUPTED,
     )
