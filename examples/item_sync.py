@@ -17,7 +17,9 @@ def main() -> None:
     target = torch.randn(batch, width, device=device)
     history = []
     for _ in range(STEPS):
-        per_sample = nn.functional.mse_loss(model(x), target, reduction="none").mean(1)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            out = model(x)
+        per_sample = nn.functional.mse_loss(out.float(), target, reduction="none").mean(1)
         for value in per_sample:
             history.append(value.item())
         per_sample.mean().backward()
