@@ -61,7 +61,7 @@ def test_per_step_item_reads_are_named(tmp_path: Path) -> None:
     """On a CPU nothing idles, so it is information; the line is the script's."""
     top = example(tmp_path, "item_sync").findings[0]
     lines = (EXAMPLES / "item_sync.py").read_text().splitlines()
-    item_line = next(n for n, text in enumerate(lines, 1) if ".item()" in text)
+    item_line = next(n for n, text in enumerate(lines, 1) if "history.append(" in text)
     assert top.id == "GD103" and (top.location or "").endswith(f"item_sync.py:{item_line}")
 
 
