@@ -341,6 +341,25 @@ def profile(
 
 
 @app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holding run.json).")],
+    rules: Annotated[bool, typer.Option("--rules", help="Apply this gpudiag's rules again "
+                                        "(and save the findings into run.json).")] = False,
+) -> None:
+    """Re-render a saved run: the terminal view and report.md."""
+    from gpudiag.report import findings_panel, problems, rerender_run_dir, stage_table
+
+    if not (run_dir / "run.json").is_file():
+        raise BadInput(f"{run_dir}: no run.json there")
+    run = rerender_run_dir(run_dir, reevaluate=rules)
+    stdout.print(stage_table(run, width=stdout.width))
+    for line in problems(run):
+        stdout.print(line)
+    stdout.print(findings_panel(run))
+    stderr.print(f"Report: {run_dir / 'report.md'}", soft_wrap=True)
+
+
+@app.command()
 def compare(
     before: Annotated[Path, typer.Argument(help="Run directory, run.json, or folder of trial "
                                            "runs.")],

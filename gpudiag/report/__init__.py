@@ -1,6 +1,11 @@
 """Renderers: pure functions of a RunResult (terminal tables, markdown) and the run directory."""
 
-from gpudiag.report.files import default_run_dir, prepare_run_dir, write_run_dir
+from gpudiag.report.files import (
+    default_run_dir,
+    prepare_run_dir,
+    rerender_run_dir,
+    write_run_dir,
+)
 from gpudiag.report.findings import (
     findings_panel,
     rule_panel,
@@ -17,6 +22,7 @@ __all__ = [
     "prepare_run_dir",
     "problems",
     "render_markdown",
+    "rerender_run_dir",
     "rule_panel",
     "rules_markdown",
     "rules_table",

@@ -11,6 +11,7 @@ import pandas as pd
 
 from gpudiag.errors import BadInput
 from gpudiag.report.markdown import render_markdown
+from gpudiag.report.trace import TRACE_FILE, write_trace
 from gpudiag.results import RunResult, save_run
 
 DEFAULT_REPORTS = Path("reports")
@@ -40,4 +41,30 @@ def prepare_run_dir(path: Path) -> Path:
 def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame) -> None:
     save_run(run, path / RUN_FILE)
     samples.to_csv(path / SAMPLES_FILE, index=False, float_format="%.6g")
+    write_trace(path / TRACE_FILE, run, samples)
     (path / REPORT_FILE).write_text(render_markdown(run))
+
+
+def read_samples(path: Path) -> pd.DataFrame:
+    file = path / SAMPLES_FILE
+    if not file.is_file() or file.stat().st_size <= 1:
+        return pd.DataFrame()
+    try:
+        return pd.read_csv(file)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError):
+        return pd.DataFrame()
+
+
+def rerender_run_dir(path: Path, *, reevaluate: bool = False) -> RunResult:
+    """Write report.md again from a saved run (with today's rules when `reevaluate`)."""
+    from gpudiag.results import load_run
+
+    run = load_run(path)
+    if reevaluate:
+        from gpudiag.rules import evaluate
+
+        run.findings = evaluate(run)
+        save_run(run, path / RUN_FILE)
+    write_trace(path / TRACE_FILE, run, read_samples(path))
+    (path / REPORT_FILE).write_text(render_markdown(run))
+    return run

@@ -49,6 +49,9 @@ def render_markdown(run: RunResult) -> str:
     out += _phases(run)
     out += _evidence(run)
     out += _problems(run)
+    out += ["The timeline (stages, steps, power and SM/tensor activity, findings) is in "
+            "[trace.json](trace.json): open it in https://ui.perfetto.dev or chrome://tracing.",
+            ""]
     out += ["## Environment", ""]
     out += _table(["", ""], [[k, v] for k, v in env_rows(env)], right_from=2)
     out.append("")

@@ -63,8 +63,8 @@ def _status(stage: StageResult, run: RunResult) -> str:
 COLUMNS: tuple[Column, ...] = (
     Column("stage", "stage", "stage", lambda s, r: s.name),
     Column("ms", "ms/iter", "ms/iter", lambda s, r: fmt(s.ms_per_iter, ".1f"),
-           help="median of the timed steps (for the dataloader, whose batches arrive in "
-                "bursts from the prefetch queue, the mean)"),
+           help="median of the timed steps (the mean for stages whose steps come in bursts: "
+                "the dataloader's prefetch queue, checkpoint saves)"),
     Column("iqr", "IQR ms", "IQR", _iqr, help="interquartile range of the timed steps"),
     Column("sps", "samples/s", "samples/s", lambda s, r: fmt(s.samples_per_s, ",.1f")),
     Column("tps", "tokens/s", "", lambda s, r: fmt(s.tokens_per_s, ",.0f")),

@@ -1,0 +1,61 @@
+"""The run directory's derived files: trace.json from recorded runs, and `gpudiag report`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from gpudiag.cli import app
+from gpudiag.report.files import read_samples
+from gpudiag.report.trace import build_trace
+from gpudiag.results import load_run
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
+runner = CliRunner()
+
+
+def test_trace_of_a_recorded_h100_run() -> None:
+    run_dir = EXAMPLES / "h100-checkpoint"
+    run = load_run(run_dir)
+    trace = build_trace(run, read_samples(run_dir))
+    events = trace["traceEvents"]
+    stages = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
+    assert [e["name"] for e in stages] == [s.name for s in run.stages]
+    steps = [e for e in events if e["ph"] == "X" and e["tid"] == 2]
+    assert len(steps) == sum(len(s.iter_ms) for s in run.stages)
+    power = [e for e in events if e["ph"] == "C" and e["name"] == "power W"]
+    assert len(power) > 100 and all(e["args"]["power W"] > 0 for e in power)
+    assert {e["name"] for e in events if e["ph"] == "i"} >= {"GD701 critical"}
+    # Steps lie inside their stage's slice (the window opens just before the first step).
+    first = stages[1]
+    sync_steps = [e for e in steps if e["name"].startswith("checkpoint-sync ")]
+    assert first["ts"] <= sync_steps[0]["ts"] < first["ts"] + first["dur"]
+    json.dumps(trace)  # serialisable as is
+
+
+def test_report_rerenders_a_saved_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(EXAMPLES / "h100-checkpoint", run_dir)
+    (run_dir / "report.md").unlink()
+    result = runner.invoke(app, ["report", str(run_dir), "--rules"])
+    assert result.exit_code == 0, result.output
+    text = (run_dir / "report.md").read_text()
+    assert "checkpoint-sync" in text and "[trace.json](trace.json)" in text
+    trace = json.loads((run_dir / "trace.json").read_text())
+    assert any(e["ph"] == "C" for e in trace["traceEvents"])
+    assert runner.invoke(app, ["report", str(tmp_path / "none")]).exit_code == 2
+
+
+def test_cpu_run_trace_is_laid_out_from_wall_times(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+                                 "infer,train-fp16", "--iters", "3", "--evidence-steps", "0",
+                                 "--quiet", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["otherData"]["clock"].startswith("approximate")
+    stages = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1]
+    assert [e["name"] for e in stages] == ["infer", "train-fp16"]
+    assert stages[1]["ts"] >= stages[0]["ts"] + stages[0]["dur"]
