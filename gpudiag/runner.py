@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 
 from gpudiag._version import __version__
+from gpudiag.ceilings import count_flops
 from gpudiag.config import RunConfig
 from gpudiag.env import collect_env, device_identity
 from gpudiag.evidence import collect_evidence
@@ -136,6 +137,8 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult) 
             assert definition.build is not None
             workload = definition.build(ctx)
             time_steps(workload.step, device=ctx.device, iters=min(ctx.config.warmup, 2))
+            if not workload.host_only:
+                result.details["flops_per_step"] = count_flops(workload.step)
             # The lower quartile is the pace the stage sustains: interference on a shared host
             # only ever adds time, and would otherwise pass for GPU idleness.
             result.evidence = collect_evidence(workload.step, device=ctx.device,

@@ -170,7 +170,7 @@ def test_real_two_rank_gloo_run(tmp_path: Path) -> None:
                                  "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     stage = load_run(tmp_path).stages[0]
-    assert stage.ok, stage.error
+    assert stage.ok, (stage.error, stage.traceback)
     info = stage.details["ddp"]
     assert info["world_size"] == 2 and len(info["ranks"]) == 2
     assert 0 < info["scaling_efficiency"] < 2
@@ -187,6 +187,7 @@ def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -
                                  "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     run = load_run(tmp_path)
+    assert run.stages[0].ok, (run.stages[0].error, run.stages[0].traceback)
     assert run.stages[0].details["ddp"]["allreduce_rounds_per_step"] == (3 if misuse else 1)
     assert bool([f for f in run.findings if f.id == "GD802"]) == misuse
 

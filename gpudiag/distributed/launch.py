@@ -13,6 +13,7 @@ throughput), the baseline measured by rank 0 alone at the same per-device batch.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -55,8 +56,9 @@ def launch_command(config: RunConfig, config_file: Path, out: Path) -> list[str]
 
 
 def _failure_line(log: str) -> str:
-    """The exception line of the first rank that failed, else the log's last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    """The exception line of the first rank that failed, else the log's last meaningful line."""
+    lines = [re.sub(r"^\[(default)?\d+\]:", "", line).strip() for line in log.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("=", "*"))]
     for line in lines:
         if line.split(":")[0].endswith(("Error", "Exception")) and "ChildFailedError" not in line:
             return line
@@ -77,11 +79,16 @@ def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
         except KeyboardInterrupt:  # the ranks got Ctrl-C too; let them stop
             process.wait(timeout=60)
             raise
-    if code != 0:
-        raise LaunchError(f"torch.distributed.run exited {code}: "
-                          f"{_failure_line(log_path.read_text())}")
-    if (out / PARTS_FILE).is_file():
-        return list(json.loads((out / PARTS_FILE).read_text()))
+    parts_file = out / PARTS_FILE
+    if code != 0 and not parts_file.is_file():
+        log_text = log_path.read_text()
+        tail = "\n".join(log_text.splitlines()[-40:])
+        raise LaunchError(f"torch.distributed.run exited {code}: {_failure_line(log_text)}\n"
+                          f"--- the launcher's output, last lines ---\n{tail}")
+    if parts_file.is_file():
+        # Rank 0 writes this only after every rank's results arrived: a rank that failed
+        # later, on its way out, cost nothing measured.
+        return list(json.loads(parts_file.read_text()))
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpudiag.ceilings import PEAK_STAGE, utilisation
 from gpudiag.report.findings import diagnosis_markdown
 from gpudiag.report.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
 from gpudiag.report.terminal import env_rows
@@ -45,6 +46,7 @@ def render_markdown(run: RunResult) -> str:
     out.append("")
     out += [f"- **{col.header}**: {col.help}" for col in COLUMNS if col.help]
     out.append("")
+    out += _ceilings(run)
     out += _what_ran(run)
     out += _phases(run)
     out += _evidence(run)
@@ -57,6 +59,27 @@ def render_markdown(run: RunResult) -> str:
     out.append("")
     out += _method(run)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _ceilings(run: RunResult) -> list[str]:
+    """The peak stage's measurements and each stage's share of its ceiling, in words."""
+    lines = []
+    peak = run.stage(PEAK_STAGE)
+    if peak is not None and peak.ok:
+        rates = peak.details.get("matmul_tflops", {})
+        sheet = peak.details.get("datasheet_tflops", {})
+        measured = ", ".join(
+            f"{k} {v:,.1f}" + (f" (datasheet {sheet[k]:,.0f})" if sheet.get(k) else "")
+            for k, v in rates.items())
+        lines.append(f"- Measured ceilings ({peak.details.get('matmul_n')}^2 matmuls, TFLOP/s): "
+                     f"{measured}; device copy {peak.details.get('copy_gbps', 0):,.0f} GB/s.")
+    for stage in run.ok_stages():
+        use = utilisation(run, stage)
+        if use and use["mfu"] is not None:
+            lines.append(f"- {stage.name} runs at {use['mfu']:.0%} of {use['ceiling']} "
+                         f"{use['dtype']} peak ({use['tflops']:,.1f} of "
+                         f"{use['ceiling_tflops']:,.0f} TFLOP/s).")
+    return ["### Against this GPU's ceilings", "", *lines, ""] if lines else []
 
 
 def _what_ran(run: RunResult) -> list[str]:

@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpudiag.ceilings import utilisation
 from gpudiag.results import RunResult, StageResult
 
 # The stage the ladder compares against: the seed's "GPU saturated, fp16" rung.
@@ -54,6 +55,16 @@ def _memory(stage: StageResult, run: RunResult) -> str:
     return fmt(stage.memory.peak_allocated_mib / 1024 if stage.memory else None, ".1f")
 
 
+def _tflops(stage: StageResult, run: RunResult) -> str:
+    use = utilisation(run, stage)
+    return fmt(use["tflops"] if use else None, ",.1f")
+
+
+def _mfu(stage: StageResult, run: RunResult) -> str:
+    use = utilisation(run, stage)
+    return fmt(use["mfu"] * 100 if use and use["mfu"] is not None else None, ".0f")
+
+
 def _status(stage: StageResult, run: RunResult) -> str:
     if stage.ok:
         return "ok"
@@ -82,6 +93,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("tensor", "tensor %", "TC%", _gpm("tensor_active_pct"),
            help="GPM: tensor-pipe activity, the matrix units' share"),
     Column("dram", "DRAM BW %", "", _gpm("dram_bw_pct"), help="GPM: DRAM bandwidth used of peak"),
+    Column("tflops", "TFLOP/s", "TFLOP/s", _tflops,
+           help="FLOPs of one step (FlopCounterMode) over the median step time"),
+    Column("mfu", "MFU %", "MFU%", _mfu,
+           help="TFLOP/s over the ceiling in the stage's matmul dtype: the peak stage's "
+                "measured rate when it ran, else the datasheet's"),
     Column("mem", "peak mem GiB", "GiB", _memory, help="peak allocated by the caching allocator"),
     Column("status", "status", "", _status),
 )

@@ -6,6 +6,7 @@ from gpudiag.errors import BadInput
 from gpudiag.stages import checkpoint as _checkpoint  # noqa: F401  (registers its stages)
 from gpudiag.stages import ddp as _ddp  # noqa: F401  (registers the ddp stage)
 from gpudiag.stages import ladder as _ladder  # noqa: F401  (registers the built-in stages)
+from gpudiag.stages import peak as _peak  # noqa: F401  (registers the peak stage)
 from gpudiag.stages.base import (
     StageContext,
     StageDef,
