@@ -29,7 +29,7 @@ class Column:
 
 def _vs_reference(stage: StageResult, run: RunResult) -> str:
     ref = run.stage(REFERENCE_STAGE)
-    if (stage.name in (REFERENCE_STAGE, "dataloader") or ref is None or not ref.ok
+    if (stage.name in (REFERENCE_STAGE, "dataloader", "peak") or ref is None or not ref.ok
             or not stage.ms_per_iter or not ref.ms_per_iter):
         return DASH
     return f"{stage.ms_per_iter / ref.ms_per_iter:.2f}x"
