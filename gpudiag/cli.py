@@ -209,8 +209,10 @@ def run(
         for note in notes:
             stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
 
-    def save(output: RunOutput) -> None:
-        write_run_dir(run_dir, output.run, output.samples)
+    def save(output: RunOutput, *, final: bool = False) -> None:
+        # Plots take a second or two: only the last write draws them, so a Ctrl-C lands in a
+        # stage (and is recorded there), not inside a partial save.
+        write_run_dir(run_dir, output.run, output.samples, plots=final)
 
     if trials > 1:
         from gpudiag.rules import evaluate
@@ -228,7 +230,7 @@ def run(
         with live.progress:
             output = run_stages(config, notes=notes, listener=live, on_stage_done=save)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
-    save(output)
+    save(output, final=True)
     if quiet:
         if output.run.interrupted:
             raise typer.Exit(EXIT_INTERRUPTED)

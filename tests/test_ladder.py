@@ -71,7 +71,9 @@ def test_run_directory_round_trip(tiny_ladder: RunOutput, tmp_path: Path) -> Non
     samples = pd.read_csv(tmp_path / "samples.csv")
     assert {"t_s", "stage", "power_instant_w"} <= set(samples.columns)
     report = (tmp_path / "report.md").read_text()
-    assert report == render_markdown(tiny_ladder.run)
+    drawn = [p for p in ("throughput.png", "timeline.png", "step-times.png")
+             if (tmp_path / p).is_file()]
+    assert drawn and report == render_markdown(tiny_ladder.run, drawn)
     for name in DEFAULT_LADDER:
         assert f"| {name} |" in report
     assert "## How it was measured" in report and "## Environment" in report

@@ -59,3 +59,28 @@ def test_cpu_run_trace_is_laid_out_from_wall_times(tmp_path: Path) -> None:
     stages = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1]
     assert [e["name"] for e in stages] == ["infer", "train-fp16"]
     assert stages[1]["ts"] >= stages[0]["ts"] + stages[0]["dur"]
+
+
+def test_plots_from_a_recorded_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(EXAMPLES / "h100-checkpoint", run_dir)
+    for png in run_dir.glob("*.png"):
+        png.unlink()
+    result = runner.invoke(app, ["report", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    text = (run_dir / "report.md").read_text()
+    for name in ("throughput.png", "timeline.png", "step-times.png"):
+        png = run_dir / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert f"]({name})" in text
+
+
+def test_cpu_run_draws_what_it_has(tmp_path: Path) -> None:
+    """No telemetry on a CPU: throughput and step times, no timeline, and no broken links."""
+    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+                                 "train-fp16", "--iters", "4", "--evidence-steps", "0",
+                                 "--quiet", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "report.md").read_text()
+    assert (tmp_path / "throughput.png").is_file() and "](throughput.png)" in text
+    assert not (tmp_path / "timeline.png").exists() and "timeline.png" not in text

@@ -11,6 +11,7 @@ import pandas as pd
 
 from gpudiag.errors import BadInput
 from gpudiag.report.markdown import render_markdown
+from gpudiag.report.plots import write_plots
 from gpudiag.report.trace import TRACE_FILE, write_trace
 from gpudiag.results import RunResult, save_run
 
@@ -38,11 +39,15 @@ def prepare_run_dir(path: Path) -> Path:
     return path
 
 
-def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame) -> None:
+def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame, *,
+                  plots: bool = True) -> None:
+    """run.json, samples.csv, trace.json, report.md and (unless `plots` is False, as for the
+    partial writes during a run) the PNG plots the report links."""
     save_run(run, path / RUN_FILE)
     samples.to_csv(path / SAMPLES_FILE, index=False, float_format="%.6g")
     write_trace(path / TRACE_FILE, run, samples)
-    (path / REPORT_FILE).write_text(render_markdown(run))
+    drawn = write_plots(path, run, samples) if plots else []
+    (path / REPORT_FILE).write_text(render_markdown(run, drawn))
 
 
 def read_samples(path: Path) -> pd.DataFrame:
@@ -65,6 +70,8 @@ def rerender_run_dir(path: Path, *, reevaluate: bool = False) -> RunResult:
 
         run.findings = evaluate(run)
         save_run(run, path / RUN_FILE)
-    write_trace(path / TRACE_FILE, run, read_samples(path))
-    (path / REPORT_FILE).write_text(render_markdown(run))
+    samples = read_samples(path)
+    write_trace(path / TRACE_FILE, run, samples)
+    plots = write_plots(path, run, samples)
+    (path / REPORT_FILE).write_text(render_markdown(run, plots))
     return run

@@ -18,7 +18,12 @@ def _table(header: list[str], rows: list[list[str]], right_from: int = 1) -> lis
     return lines
 
 
-def render_markdown(run: RunResult) -> str:
+PLOT_CAPTIONS = {"throughput.png": "Throughput and mean power per stage",
+                 "timeline.png": "Power and SM/tensor activity over the run",
+                 "step-times.png": "Step-time distribution per stage"}
+
+
+def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> str:
     c = run.config
     env = run.env
     gpu = env.gpu_name or env.device
@@ -47,6 +52,10 @@ def render_markdown(run: RunResult) -> str:
     out += [f"- **{col.header}**: {col.help}" for col in COLUMNS if col.help]
     out.append("")
     out += _ceilings(run)
+    if plots:
+        out += ["### Plots", ""]
+        out += [f"![{PLOT_CAPTIONS.get(p, p)}]({p})" for p in plots]
+        out.append("")
     out += _what_ran(run)
     out += _phases(run)
     out += _evidence(run)
