@@ -224,11 +224,12 @@ def run(
         merged.run.findings = evaluate(merged.run)
         output = RunOutput(merged.run, merged.samples)
     elif quiet:
-        output = run_stages(config, notes=notes, on_stage_done=save)
+        output = run_stages(config, notes=notes, on_stage_done=save, trace_dir=run_dir)
     else:
         live = _LiveProgress(stderr)
         with live.progress:
-            output = run_stages(config, notes=notes, listener=live, on_stage_done=save)
+            output = run_stages(config, notes=notes, listener=live, on_stage_done=save,
+                                trace_dir=run_dir)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
     save(output, final=True)
     if quiet:

@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import nvtx
@@ -60,7 +61,10 @@ def run_stages(
     listener: ProgressListener | None = None,
     on_stage_done: Callable[[RunOutput], None] | None = None,
     telemetry_spec: dict[str, Any] | None = None,
+    trace_dir: Path | None = None,
 ) -> RunOutput:
+    """Time every stage, then profile each; `trace_dir` keeps each profiler window's trace
+    there as profile-<stage>.json.gz."""
     started = time.perf_counter()
     device = torch.device(config.device)
     if device.type == "cuda":
@@ -116,7 +120,7 @@ def run_stages(
             if listener is not None:
                 listener.evidence_started(result.name)
             try:
-                _add_evidence(get_stage(result.name), ctx, result)
+                _add_evidence(get_stage(result.name), ctx, result, trace_dir)
             except KeyboardInterrupt:
                 run.interrupted = True
             if listener is not None:
@@ -127,7 +131,8 @@ def run_stages(
     return RunOutput(run, samples)
 
 
-def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult) -> None:
+def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
+                  trace_dir: Path | None = None) -> None:
     """Rebuild the stage's workload and record a profiled window of it on `result`. A failure
     here is noted on the stage; its timings stand."""
     workload: Workload | None = None
@@ -139,12 +144,15 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult) 
             time_steps(workload.step, device=ctx.device, iters=min(ctx.config.warmup, 2))
             if not workload.host_only:
                 result.details["flops_per_step"] = count_flops(workload.step)
+            trace_file = (trace_dir / f"profile-{definition.name}.json.gz"
+                          if trace_dir is not None else None)
             # The lower quartile is the pace the stage sustains: interference on a shared host
             # only ever adds time, and would otherwise pass for GPU idleness.
             result.evidence = collect_evidence(workload.step, device=ctx.device,
                                                steps=ctx.config.evidence_steps,
                                                timed_step_ms=result.timing.p25_ms
-                                               if result.timing else result.ms_per_iter)
+                                               if result.timing else result.ms_per_iter,
+                                               save_to=trace_file)
     except Exception as exc:
         result.details["evidence_error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
     finally:

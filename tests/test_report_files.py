@@ -84,3 +84,17 @@ def test_cpu_run_draws_what_it_has(tmp_path: Path) -> None:
     text = (tmp_path / "report.md").read_text()
     assert (tmp_path / "throughput.png").is_file() and "](throughput.png)" in text
     assert not (tmp_path / "timeline.png").exists() and "timeline.png" not in text
+
+
+def test_profiler_windows_are_kept_as_traces(tmp_path: Path) -> None:
+    import gzip
+
+    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+                                 "train-fp16", "--iters", "3", "--evidence-steps", "1",
+                                 "--quiet", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    with gzip.open(tmp_path / "profile-train-fp16.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name") == "gpudiag.step" for e in events)
+    assert any(str(e.get("name", "")).startswith("gpudiag.src|") for e in events)
+    assert "profile-<stage>.json.gz" in (tmp_path / "report.md").read_text()

@@ -7,6 +7,7 @@ the timed median is the window's overhead.
 
 from __future__ import annotations
 
+import gzip
 import json
 import tempfile
 import time
@@ -47,8 +48,13 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
-                     timed_step_ms: float | None) -> Evidence:
+                     timed_step_ms: float | None, save_to: Path | None = None) -> Evidence:
+    """The window's evidence; with `save_to`, its Chrome trace too (gzipped JSON, which
+    ui.perfetto.dev and chrome://tracing open as is)."""
     events, step_ms = capture_trace(step, device=device, steps=steps)
+    if save_to is not None:
+        with gzip.open(save_to, "wt") as f:
+            json.dump({"traceEvents": events}, f)
     return analyze(events, steps=steps, step_ms=step_ms,
                    backend="cuda" if device.type == "cuda" else "cpu",
                    timed_step_ms=timed_step_ms)

@@ -61,8 +61,9 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += _evidence(run)
     out += _problems(run)
     out += ["The timeline (stages, steps, power and SM/tensor activity, findings) is in "
-            "[trace.json](trace.json): open it in https://ui.perfetto.dev or chrome://tracing.",
-            ""]
+            "[trace.json](trace.json), and each stage's profiler window (kernels, copies, the "
+            "source-line ranges) in profile-<stage>.json.gz beside it: open them in "
+            "https://ui.perfetto.dev or chrome://tracing.", ""]
     out += ["## Environment", ""]
     out += _table(["", ""], [[k, v] for k, v in env_rows(env)], right_from=2)
     out.append("")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gpudiag.ceilings import utilisation
 from gpudiag.results import RunResult, StageResult
 from gpudiag.rules.common import REFERENCE_STAGE, pct
 from gpudiag.rules.registry import Draft, Threshold, rule, severity_for
@@ -129,7 +130,8 @@ def autocast_fp32_fallback(run: RunResult) -> Iterator[Draft]:
 )
 def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
     """GPM tensor activity under 10% in an autocast stage where matmuls take 30%+ of kernel
-    time and the GPU is not starved (idle under 25%): information."""
+    time and the GPU is not starved (idle under 25%): information, with the stage's MFU
+    against the measured (peak stage) or datasheet ceiling when FLOPs were counted."""
     for stage in run.stages_with_evidence():
         ev = stage.evidence
         tensor = stage.telemetry.gpm.get("tensor_active_pct")
@@ -140,10 +142,17 @@ def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
         share = sum(ev.matmul_ms_by_dtype.values()) / ev.device_ms_per_step
         if share < TENSOR_MIN_MATMUL:
             continue
+        use = utilisation(run, stage)
+        mfu = use["mfu"] if use else None
+        ceiling = (f"; the stage runs at {mfu:.0%} of {use['ceiling']} {use['dtype']} peak"
+                   if use and mfu is not None else "")
         yield Draft(
             severity="info", stage=stage.name,
-            title=f"Tensor pipes active {tensor:.0f}% while matmuls are {pct(share)} of kernels",
+            title=(f"Tensor pipes active {tensor:.0f}% while matmuls are {pct(share)} of "
+                   f"kernels{ceiling}"),
             impact=0.0,
-            evidence={"tensor_active_pct": tensor, "matmul_share": round(share, 3)},
+            evidence={"tensor_active_pct": tensor, "matmul_share": round(share, 3),
+                      "mfu": None if mfu is None else round(mfu, 3),
+                      "achieved_tflops": None if use is None else round(use["tflops"], 1)},
             fix="Make matmuls larger (batch, sequence) and dimensions multiples of 64.",
         )
