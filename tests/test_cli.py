@@ -55,7 +55,7 @@ def test_tiny_run_writes_the_run_directory(tmp_path: Path) -> None:
     assert [s["name"] for s in data["stages"]] == ["infer", "train"]
     files = {p.name for p in out.iterdir()}
     assert {"run.json", "samples.csv", "report.md", "trace.json", "throughput.png"} <= files
-    assert all(p.endswith((".json", ".csv", ".md", ".png")) for p in files)
+    assert all(p.endswith((".json", ".json.gz", ".csv", ".md", ".png")) for p in files)
     assert json.loads((out / "run.json").read_text())["stages"] == data["stages"]
 
 
