@@ -184,10 +184,7 @@ def run(
     from gpudiag.config import build_config
     from gpudiag.report import (
         default_run_dir,
-        findings_panel,
         prepare_run_dir,
-        problems,
-        stage_table,
         write_run_dir,
     )
     from gpudiag.runner import RunOutput, run_stages
@@ -239,15 +236,22 @@ def run(
     if as_json:
         stdout.print_json(json.dumps(output.run.to_dict()))
     else:
-        stdout.print(stage_table(output.run, width=stdout.width))
-        for line in problems(output.run):
-            stdout.print(line)
-        stdout.print(findings_panel(output.run))
+        _print_run(output.run)
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)",
                  soft_wrap=True)
     if output.run.interrupted:
         stderr.print("[yellow]Interrupted:[/] partial results written.")
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _print_run(run: RunResult) -> None:
+    """The terminal view of a run: the stage table, stages that did not run, the diagnosis."""
+    from gpudiag.report import findings_panel, problems, stage_table
+
+    stdout.print(stage_table(run, width=stdout.width))
+    for line in problems(run):
+        stdout.print(line)
+    stdout.print(findings_panel(run))
 
 
 def _run_args(config: RunConfig) -> list[str]:
@@ -315,9 +319,7 @@ def profile(
     from gpudiag.profiling.session import profile_command
     from gpudiag.report import (
         default_run_dir,
-        findings_panel,
         prepare_run_dir,
-        stage_table,
         write_run_dir,
     )
 
@@ -337,8 +339,7 @@ def profile(
     for message in output.messages:
         stderr.print(f"[yellow]gpudiag profile:[/] {message}", soft_wrap=True)
     if output.run.stages:
-        stdout.print(stage_table(output.run, width=stdout.width))
-        stdout.print(findings_panel(output.run))
+        _print_run(output.run)
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json beside it)", soft_wrap=True)
     raise typer.Exit(output.exit_code)
 
@@ -350,15 +351,11 @@ def report(
                                         "(and save the findings into run.json).")] = False,
 ) -> None:
     """Re-render a saved run: the terminal view and report.md."""
-    from gpudiag.report import findings_panel, problems, rerender_run_dir, stage_table
+    from gpudiag.report import rerender_run_dir
 
     if not (run_dir / "run.json").is_file():
         raise BadInput(f"{run_dir}: no run.json there")
-    run = rerender_run_dir(run_dir, reevaluate=rules)
-    stdout.print(stage_table(run, width=stdout.width))
-    for line in problems(run):
-        stdout.print(line)
-    stdout.print(findings_panel(run))
+    _print_run(rerender_run_dir(run_dir, reevaluate=rules))
     stderr.print(f"Report: {run_dir / 'report.md'}", soft_wrap=True)
 
 

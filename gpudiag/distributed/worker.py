@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import gc
 import json
 import math
 import os
@@ -204,8 +205,6 @@ def allreduce_probe(nbytes: int, device: torch.device) -> dict[str, Any] | None:
 
 
 def _release(device: torch.device) -> None:
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
