@@ -144,8 +144,9 @@ def run(
     warmup: Annotated[int | None, typer.Option(help="Untimed warm-up steps per stage.")] = None,
     min_seconds: Annotated[float | None, typer.Option(help="Keep timing each stage at least "
                                                       "this long.")] = None,
-    amp_dtype: Annotated[str | None, typer.Option(help="Mixed-precision dtype: fp16 or bf16 "
-                                                  "(default: fp16 on CUDA, bf16 on CPU).")] = None,
+    amp_dtype: Annotated[str | None, typer.Option(help="Mixed-precision dtype: fp16, bf16 or "
+                                                  "fp32 (default: fp16 on CUDA; on a CPU bf16 "
+                                                  "where native, else fp32).")] = None,
     workers: Annotated[int | None, typer.Option(help="DataLoader workers (default: min(4, "
                                                 "CPUs)).")] = None,
     evidence_steps: Annotated[int | None, typer.Option(help="Profiled steps per stage, run after "

@@ -7,11 +7,14 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from gpudiag.errors import BadInput
 
-AmpDtype = Literal["fp16", "bf16"]
+# "fp32": no autocast, for CPUs without native bf16 (and by request).
+AmpDtype = Literal["fp16", "bf16", "fp32"]
+AMP_DTYPES = ("fp16", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -205,11 +208,9 @@ def build_config(
     if loader_workers is not None and loader_workers < 0:
         raise BadInput(f"--workers must be zero or more (got {loader_workers})")
     if amp_dtype is None:
-        # fp16 + GradScaler is the seed's recipe on GPUs; CPU autocast is bf16-native (oneDNN
-        # has no fp16 LSTM), so the CPU runs the same stages in bf16.
-        amp_dtype = "fp16" if resolved_device.startswith("cuda") else "bf16"
-    if amp_dtype not in ("fp16", "bf16"):
-        raise BadInput(f"--amp-dtype must be fp16 or bf16 (got {amp_dtype!r})")
+        amp_dtype = default_amp_dtype(resolved_device, notes)
+    if amp_dtype not in AMP_DTYPES:
+        raise BadInput(f"--amp-dtype must be fp16, bf16 or fp32 (got {amp_dtype!r})")
     seq = seq_len or chosen.seq_len
     if seq > chosen.shape.max_positions:
         raise BadInput(f"--seq-len {seq} exceeds the model's {chosen.shape.max_positions} "
@@ -259,6 +260,37 @@ def build_config(
         ddp_sweep=ddp_sweep, ddp_accum=ddp_accum, ddp_no_sync=ddp_no_sync,
     )
     return config, notes
+
+
+def default_amp_dtype(device: str, notes: list[str]) -> str:
+    """fp16 + GradScaler on GPUs, the seed's recipe. On a CPU, bf16 where the CPU computes it
+    natively (oneDNN has no fp16 LSTM); elsewhere fp32, said in `notes`: on AVX2-only CPUs
+    oneDNN cannot build the bf16 LSTM of the dgca model at all."""
+    if device.startswith("cuda"):
+        return "fp16"
+    if cpu_bf16_native():
+        return "bf16"
+    notes.append("This CPU has no native bf16 (no AVX512-BF16, AMX or Arm BF16): the "
+                 "mixed-precision stages run in fp32 (--amp-dtype bf16 to try anyway).")
+    return "fp32"
+
+
+def cpu_bf16_native(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 arithmetic in hardware: x86 AVX512-BF16 or AMX-BF16, Arm's
+    BF16 (Linux reports them as the `avx512_bf16`, `amx_bf16` and `bf16` flags). Without a
+    cpuinfo file (macOS, Windows), whether oneDNN offers bf16 kernels at all."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        import torch
+
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def default_loader_workers() -> int:

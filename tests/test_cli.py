@@ -29,7 +29,7 @@ def _one_line_error(result: object, contains: str) -> None:
     (["--batch-size", "0"], "--batch-size must be positive"),
     (["--batch-size", "lots"], "Invalid value for '--batch-size'"),
     (["--seq-len", "100000"], "exceeds the model's"),
-    (["--amp-dtype", "fp8"], "--amp-dtype must be fp16 or bf16"),
+    (["--amp-dtype", "fp8"], "--amp-dtype must be fp16, bf16 or fp32"),
     (["--device", "tpu:0"], "expected cpu, cuda or cuda:N"),
     (["--nonsense"], "No such option"),
 ])

@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from gpudiag.config import PRESETS, build_config
+from gpudiag.config import PRESETS, build_config, cpu_bf16_native
 from gpudiag.errors import BadInput
 from gpudiag.stages import DEFAULT_LADDER
 
 
-def test_cpu_defaults_to_tiny_bf16_and_says_so() -> None:
+def test_cpu_defaults_to_tiny_and_says_so() -> None:
     config, notes = build_config(model="dgca", device="cpu")
-    assert config.preset == "tiny" and config.amp_dtype == "bf16"
+    assert config.preset == "tiny" and config.amp_dtype == ("bf16" if cpu_bf16_native()
+                                                           else "fp32")
     assert config.stages == DEFAULT_LADDER
     assert any("tiny" in n for n in notes)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_mixed_precision_follows_native_bf16(monkeypatch: pytest.MonkeyPatch,
+                                                 native: bool) -> None:
+    """Each branch forced, whatever CPU runs the tests."""
+    monkeypatch.setattr("gpudiag.config.cpu_bf16_native", lambda: native)
+    config, notes = build_config(model="dgca", device="cpu")
+    assert config.amp_dtype == ("bf16" if native else "fp32")
+    assert any("no native bf16" in n for n in notes) != native
+
+
+@pytest.mark.parametrize(("cpuinfo", "native"), [
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n", False),  # AVX2-only EPYC, laptops
+    ("flags\t\t: avx2 avx512f avx512bw\n", False),  # AVX-512 without BF16
+    ("flags\t\t: avx2 avx512f avx512_bf16\n", True),  # Cooper Lake, Zen 4
+    ("flags\t\t: avx512f amx_bf16 amx_tile\n", True),  # Sapphire Rapids
+    ("Features\t: fp asimd sve bf16\n", True),  # Arm Neoverse V1
+    ("Features\t: fp asimd\n", False),
+])
+def test_cpu_bf16_native_reads_the_cpu_flags(tmp_path: Path, cpuinfo: str, native: bool) -> None:
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    assert cpu_bf16_native(path) is native
+
+
+def test_cpu_bf16_without_cpuinfo_asks_onednn(tmp_path: Path) -> None:
+    expected = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert cpu_bf16_native(tmp_path / "missing") is expected
 
 
 def test_full_preset_is_the_seed_setting() -> None:
@@ -39,7 +71,7 @@ def test_overrides_apply() -> None:
     ({"batch_size": 0}, "--batch-size must be positive"),
     ({"iters": -3}, "--iters must be positive"),
     ({"warmup": -1}, "--warmup must be zero or more"),
-    ({"amp_dtype": "fp8"}, "--amp-dtype must be fp16 or bf16"),
+    ({"amp_dtype": "fp8"}, "--amp-dtype must be fp16, bf16 or fp32"),
     ({"preset": "huge"}, "unknown preset 'huge'"),
     ({"seq_len": 4096}, "exceeds the model's"),
     ({"device": "tpu"}, "expected cpu, cuda or cuda:N"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from gpudiag.config import TINY_SHAPE
+from gpudiag.config import TINY_SHAPE, cpu_bf16_native
 from gpudiag.errors import BadInput
 from gpudiag.models import ModelBundle, ModelOptions, model_specs, resolve_model
 from gpudiag.models.bert import CLS_ID, IGNORE_INDEX, MASK_ID, SEP_ID
@@ -113,10 +113,15 @@ def test_full_models_give_identical_embeddings_and_losses() -> None:
     assert torch.isfinite(out1.loss)
 
 
-def test_full_model_trains_under_autocast() -> None:
+@pytest.mark.parametrize("autocast", [
+    pytest.param(True, marks=pytest.mark.skipif(
+        not cpu_bf16_native(), reason="no native bf16 on this CPU: oneDNN has no bf16 LSTM")),
+    False,  # what a CPU without native bf16 runs (config.default_amp_dtype)
+])
+def test_full_model_trains_in_the_cpu_precision(autocast: bool) -> None:
     bundle = resolve_model("dgca").variants["vectorized"](OPTIONS)
     batch = _batch(4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = bundle.loss(bundle.model(**batch))
     loss.backward()
     prompt_grad = bundle.model.prompt_encoder.embedding.weight.grad

@@ -62,7 +62,8 @@ class StageContext:
 
     @property
     def amp_dtype(self) -> torch.dtype:
-        return torch.float16 if self.config.amp_dtype == "fp16" else torch.bfloat16
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.config.amp_dtype,
+                                                                   torch.float32)
 
     def bundle(self, variant: str | None = None, *, weights: bool = True) -> ModelBundle:
         """Build the model (a variant of it, for the full-* stages) with reproducible weights.
@@ -103,7 +104,7 @@ class StageContext:
         )
 
     def autocast(self, enabled: bool = True) -> AbstractContextManager[Any]:
-        if not enabled:
+        if not enabled or self.config.amp_dtype == "fp32":
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 

@@ -70,13 +70,18 @@ FP32_RUNG = {"precision": "fp32", "deliberate_fp32": True}
 
 
 def amp_details(ctx: StageContext) -> dict[str, object]:
-    return {"precision": f"{ctx.config.amp_dtype}-autocast"}
+    return {"precision": precision_of(ctx.config.amp_dtype)}
+
+
+def precision_of(amp_dtype: str) -> str:
+    """run.json's `precision` for a mixed-precision stage: "fp16-autocast", "bf16-autocast",
+    or "fp32" where the machine has no fast half precision (see config.default_amp_dtype)."""
+    return "fp32" if amp_dtype == "fp32" else f"{amp_dtype}-autocast"
 
 
 def amp_label(ctx: StageContext) -> str:
-    if ctx.config.amp_dtype == "fp16":
-        return "fp16 autocast + GradScaler"
-    return "bf16 autocast"
+    return {"fp16": "fp16 autocast + GradScaler", "bf16": "bf16 autocast"}.get(
+        ctx.config.amp_dtype, "fp32 (no autocast: no native bf16 on this CPU)")
 
 
 def tokens(ctx: StageContext) -> int:
