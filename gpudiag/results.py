@@ -157,10 +157,15 @@ class Evidence:
     device_busy_ms_per_step: float | None = None
     idle_fraction: float | None = None  # share of the step with no kernel or copy running
     short_kernels_per_step: float = 0.0
-    collective_ms_per_step: float = 0.0  # NCCL kernel time; on a CPU, gloo's work time
+    # Collectives, all within the window. Raw time is NCCL kernel durations summed (gloo's work
+    # ranges on a CPU): it includes spinning while a peer is late, so it can exceed the step.
+    collective_ms_per_step: float = 0.0
+    collective_wall_ms_per_step: float = 0.0  # the union of those intervals
     collective_calls_per_step: float = 0.0  # c10d collective calls (a DDP bucket each)
-    collective_overlap_fraction: float | None = None  # share of NCCL time beside compute
-    collective_exposed_ms_per_step: float | None = None  # NCCL time with no compute beside it
+    collective_overlap_fraction: float | None = None  # share of the union beside other work
+    collective_exposed_ms_per_step: float | None = None  # the union minus other device work
+    compute_busy_ms_per_step: float | None = None  # union of non-collective device work
+    window_step_ms: float = 0.0  # the window's span per step (host and device clocks)
     microsteps_per_step: float = 0.0  # gradient-accumulation micro-steps (gpudiag.microstep)
     microsteps_with_collectives_per_step: float = 0.0  # of which all-reduced
     top_ops_by_count: list[dict[str, Any]] = field(default_factory=list)
@@ -170,6 +175,24 @@ class Evidence:
 
     def hottest_source_line(self) -> SourceLine | None:
         return self.source_lines[0] if self.source_lines else None
+
+    @property
+    def collective_share(self) -> float | None:
+        """The share of the window's step that collectives held the step back: exposed time on
+        a GPU; on a CPU their wall time (gloo cannot tell transfer from waiting for a peer).
+        Both are parts of the window, so the share is in [0, 1]."""
+        held = (self.collective_exposed_ms_per_step if self.backend == "cuda"
+                else self.collective_wall_ms_per_step)
+        if held is None or self.window_step_ms <= 0:
+            return None
+        return min(1.0, held / self.window_step_ms)
+
+
+def bus_bandwidth_factor(world: int) -> float:
+    """Bytes a ring all-reduce moves over each rank's link per byte reduced, 2(n-1)/n: the
+    factor nccl-tests apply to turn algorithm bandwidth into bus bandwidth
+    (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)."""
+    return 2 * (world - 1) / world
 
 
 @dataclass
@@ -310,7 +333,8 @@ class RunResult:
 
 
 # Derived values written into run.json for readers that do not use this module.
-_DERIVED = {StageResult: ("energy_per_sample_j",), TimingStats: ("iqr_ms",)}
+_DERIVED = {StageResult: ("energy_per_sample_j",), TimingStats: ("iqr_ms",),
+            Evidence: ("collective_share",)}
 
 
 def to_jsonable(value: Any) -> Any:

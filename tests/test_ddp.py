@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def _stage(*, step: float, single: float, efficiency: float, transfer: float | N
         "single_device": {"ms_per_iter": single, "samples_per_s": 64 / single * 1e3},
         "allreduce_probe": {"bytes": 268435456, "ms": 70.0, "algbw_gbps": 3.8,
                             "busbw_gbps": 3.8},
-        "transfer_ms_per_step": transfer, "collective_exposed_ms_per_step": exposed,
+        "transfer_ms_per_step": transfer, "exposed_comm_ms_per_step": exposed,
         "collective_overlap_fraction": overlap,
         "straggler": {"rank": 1, "ratio": straggler_ratio, "compute_ms": 30.0,
                       "fastest_compute_ms": 30.0 / straggler_ratio,
@@ -120,7 +121,7 @@ def test_sockets_like_run_is_communication_bound() -> None:
                                       "scaling_efficiency": 0.6}])
     (f,) = _one(run, "GD801")
     assert f.severity == "critical" and f.evidence["cause"] == "communication"
-    assert f.evidence["comm_share"] == pytest.approx(98 / 133, abs=0.01)
+    assert f.evidence["exposed_comm_share"] == pytest.approx(98 / 133, abs=0.01)
     assert "440 MB" in f.fix and "3.8 GB/s" in f.fix and "fp16_compress_hook" in f.fix
     assert "no_sync()" in f.fix and "only 20%" in f.fix
     assert "accumulate x4 (no_sync) 60%" in f.fix
@@ -198,3 +199,139 @@ def test_bad_ddp_options_are_one_line_errors() -> None:
     bad = runner.invoke(app, ["run", "--device", "cpu", "--stages", "ddp",
                               "--ddp-no-sync", "sometimes"])
     assert bad.exit_code == 2 and "--ddp-no-sync" in bad.output
+
+
+# --- Profile mode: ranks of one job, each with its own window ---------------------------------
+
+
+def _rank(rank: int, *, step: float, exposed: float, compute: float, window: float = 200.0,
+          probe: float | None = 297.0, grad: int = 440_000_000) -> StageResult:
+    """One profiled rank; the window's host is slower than the timed step (`window`)."""
+    evidence = Evidence(steps=3, step_ms=window, backend="cuda", window_step_ms=window,
+                        collective_calls_per_step=4.0, collective_ms_per_step=exposed * 1.4,
+                        collective_wall_ms_per_step=exposed + 5.0,
+                        collective_exposed_ms_per_step=exposed,
+                        collective_overlap_fraction=0.1, compute_busy_ms_per_step=compute)
+    job = {"grad_bytes": grad, "bucket_mb": 25.0, "world_size": 2, "backend": "nccl",
+           "allreduce_probe": None if probe is None else {"busbw_gbps": probe}}
+    return StageResult(name=f"train.py[rank{rank}]", status="ok", ms_per_iter=step,
+                       iter_ms=[step] * 10, samples_per_step=2, evidence=evidence,
+                       details={"ddp_job": job})
+
+
+def _job(*ranks: StageResult) -> RunResult:
+    return RunResult(tool_version="t", env=Env(device="cuda"), config={"mode": "profile"},
+                     stages=list(ranks))
+
+
+def test_profiled_job_bound_by_a_slow_link_names_communication_with_its_figures() -> None:
+    # 440 MB per step over sockets; rank 0 arrives last (72 ms held), rank 1 also waits 3 ms.
+    run = _job(_rank(0, step=120.0, exposed=72.0, compute=30.0, probe=3.8),
+               _rank(1, step=120.0, exposed=75.0, compute=30.5, probe=3.8))
+    (f,) = _one(run, "GD803")
+    assert f.severity == "critical" and f.stage == "train.py[rank0]"
+    assert f.evidence["exposed_share"] == pytest.approx(0.6)
+    assert f.evidence["exposed_ms_per_step"] == pytest.approx(72.0)
+    assert f.evidence["step_without_exposed_ms"] == pytest.approx(48.0)
+    assert f.evidence["rank_waits_ms_per_step"] == {0: 0.0, 1: 3.0}
+    assert f.evidence["probe_busbw_gbps"] == pytest.approx(3.8)
+    assert "440 MB" in f.fix and "no_sync()" in f.fix and "fp16_compress_hook" in f.fix
+    assert not _one(run, "GD804")
+    assert all(0 <= x.impact <= 1 for x in evaluate(run))
+
+
+def test_waiting_for_a_rank_that_lags_in_the_window_is_not_communication() -> None:
+    """Seen on two H200s: rank 0 spent 62 ms per window step in NCCL kernels waiting for rank
+    1's slower host, rank 1 held them 2.8 ms; the job is not communication-bound."""
+    run = _job(_rank(0, step=52.9, exposed=62.0, compute=7.4),
+               _rank(1, step=52.8, exposed=2.8, compute=7.0))
+    assert not _one(run, "GD803")
+
+
+def test_all_reduce_far_below_the_link_is_called_latency_bound() -> None:
+    run = _job(_rank(0, step=40.0, exposed=16.0, compute=20.0, grad=4_000_000),
+               _rank(1, step=40.0, exposed=16.0, compute=20.0, grad=4_000_000))
+    (f,) = _one(run, "GD803")
+    assert f.evidence["effective_busbw_gbps"] < 0.5 * 297 and "bucket_cap_mb" in f.fix
+
+
+def test_a_rank_waiting_for_a_slower_rank_is_a_straggler_not_the_network() -> None:
+    # Rank 1 computes 60 ms, rank 0 computes 30 ms and waits ~30 ms in the all-reduce.
+    run = _job(_rank(0, step=70.0, exposed=36.0, compute=30.0),
+               _rank(1, step=70.0, exposed=4.0, compute=60.0))
+    (f,) = _one(run, "GD804")
+    assert f.stage == "train.py[rank1]" and f.evidence["slow_rank"] == 1
+    assert f.evidence["compute_ratio"] == pytest.approx(2.0)
+    assert "waiting, not transfer" in f.fix
+    assert not _one(run, "GD803")
+
+
+def test_a_healthy_profiled_job_gets_no_communication_finding() -> None:
+    run = _job(_rank(0, step=50.0, exposed=2.5, compute=45.0),
+               _rank(1, step=50.0, exposed=3.0, compute=45.5))
+    assert not _one(run, "GD803") and not _one(run, "GD804")
+
+
+def test_merged_ddp_stage_takes_the_least_exposed_rank_and_no_share_exceeds_one() -> None:
+    parts = _parts()
+    for part, exposed in zip(parts, (90.0, 20.0), strict=True):
+        ev = part["variants"][0]["evidence"]
+        ev.update(backend="cuda", collective_exposed_ms_per_step=exposed, window_step_ms=100.0)
+    info = merge_parts(parts, _config(), "ddp", "t").details["ddp"]
+    assert info["exposed_comm_ms_per_step"] == 20.0
+    assert 0 <= info["exposed_comm_share"] <= 1
+    assert [r["collective_exposed_ms_per_step"] for r in info["ranks"]] == [90.0, 20.0]
+
+
+# --- The recorded two-H200 runs (reports/examples/h200x2-ddp, benchmarks/ddp_two_gpus.sh) ----
+
+H200X2 = Path(__file__).resolve().parent.parent / "reports" / "examples" / "h200x2-ddp"
+
+
+def _shares(value: Any) -> list[float]:
+    """Every number under a key naming a share, anywhere in a nested structure."""
+    found: list[float] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if "share" in str(key) and isinstance(item, (int, float)):
+                found.append(float(item))
+            found += _shares(item)
+    elif isinstance(value, list):
+        for item in value:
+            found += _shares(item)
+    return found
+
+
+@pytest.mark.parametrize(("name", "efficiency"), [("nvlink", 0.919), ("sockets", 0.275)])
+def test_recorded_two_gpu_ddp_runs(name: str, efficiency: float) -> None:
+    """Two H200s: within 10 points of an independent user's measurement of the same job."""
+    run = load_run(H200X2 / name)
+    stage = run.stage("ddp")
+    assert stage is not None and stage.ok and "H200" in (run.env.gpu_name or "")
+    info = stage.details["ddp"]
+    assert info["world_size"] == 2 and abs(info["scaling_efficiency"] - efficiency) <= 0.10
+    findings = evaluate(run)
+    material = [f for f in findings if f.severity != "info"]
+    if name == "sockets":
+        assert material[0].id == "GD801" and material[0].evidence["cause"] == "communication"
+    else:
+        assert not material, material
+
+
+def test_recorded_profiles_of_ddp_jobs() -> None:
+    comm = evaluate(load_run(H200X2 / "profile-small-batch-sockets"))
+    top = comm[0]
+    assert top.id == "GD803" and top.evidence["probe_busbw_gbps"] > 0
+    assert 0.3 <= top.evidence["exposed_share"] <= 1
+    healthy = evaluate(load_run(H200X2 / "profile-large-batch"))
+    assert not [f for f in healthy if f.severity != "info"]
+
+
+def test_no_share_above_one_in_any_recorded_two_gpu_run() -> None:
+    for path in sorted(H200X2.glob("*/run.json")):
+        data = json.loads(path.read_text())
+        shares = _shares(data)
+        assert shares and all(0 <= s <= 1 for s in shares), path
+        for line in (path.parent / "report.md").read_text().splitlines():
+            for number in re.findall(r"(\d+(?:\.\d+)?)% of (?:each|the) step", line):
+                assert float(number) <= 100, line

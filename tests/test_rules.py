@@ -315,9 +315,21 @@ def gd802(*, rounds: float) -> RunResult:
 
 
 def gd803(*, share: float) -> RunResult:
-    evidence = make_evidence(collective_calls_per_step=2.0,
+    # The window's host runs slower (200 ms) than the timed step (50 ms); exposed time is
+    # device time, held against the timed step.
+    evidence = make_evidence(collective_calls_per_step=2.0, window_step_ms=200.0,
                              collective_exposed_ms_per_step=share * 50.0)
     return make_run(make_stage("train.py[rank0]", ms=50.0, evidence=evidence))
+
+
+def gd804(*, ratio: float) -> RunResult:
+    """Rank 1's own device work takes `ratio` x rank 0's; rank 0 waits in the all-reduce."""
+    def rank(index: int, compute: float, exposed: float) -> StageResult:
+        evidence = make_evidence(collective_calls_per_step=2.0, window_step_ms=200.0,
+                                 compute_busy_ms_per_step=compute,
+                                 collective_exposed_ms_per_step=exposed)
+        return make_stage(f"train.py[rank{index}]", ms=50.0, evidence=evidence)
+    return make_run(rank(0, 30.0, 30.0 * (ratio - 1) + 1.0), rank(1, 30.0 * ratio, 1.0))
 
 
 @dataclass(frozen=True)
@@ -399,8 +411,12 @@ CASES: dict[str, Case] = {
                   {"reducing_microsteps_per_step": 2.0, "wasted_transfer_ms_per_step": 40.0},
                   (P(gd802, rounds=1.0),)),
     "GD803": Case(P(gd803, share=0.3), "train.py[rank0]", "warning",
-                  {"share": 0.3, "collective_ms_per_step": 15.0},
+                  {"exposed_share": 0.3, "exposed_ms_per_step": 15.0},
                   (P(gd803, share=0.299),)),
+    "GD804": Case(P(gd804, ratio=1.2), "train.py[rank1]", "warning",
+                  {"slow_rank": 1, "fast_rank": 0, "compute_ratio": 1.2,
+                   "share_of_step_lost": 0.12},
+                  (P(gd804, ratio=limit("GD804", "straggler_ratio") - 0.001),)),
     "GD601": Case(P(gd601, shift=1.3), "train-fp16", "info",
                   {"fastest_block_ms": 50.0, "slowest_block_ms": 65.0},
                   (P(gd601, shift=limit("GD601", "max_block_shift")),)),

@@ -461,3 +461,68 @@ def test_real_trace_charges_backward_to_the_op_that_created_the_node() -> None:
     by_line = {s.location.rpartition(":")[2]: s for s in ev.source_lines}
     assert by_line[str(mask_at)].ops_per_step == 1  # aten::eq only
     assert by_line[str(multiply_at)].ops_per_step == 2  # aten::mul and its MulBackward0
+
+
+def nccl(ts: float, dur: float, corr: int) -> Event:
+    return kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", ts, dur, corr)
+
+
+def test_exposed_collective_time_is_the_nccl_union_without_other_device_work() -> None:
+    # The optimizer kernel was queued at t=50, before the all-reduce ended: it waited 40 us.
+    events = [nccl(0, 100.0, corr=1), kernel("gemm", 20, 40.0, corr=2),
+              kernel("adam", 100, 10.0, corr=3), launch("cudaLaunchKernel", 50, corr=3),
+              op("c10d::allreduce_", 0, 5)]
+    ev = run(events, step_ms=0.11)
+    assert ev.collective_ms_per_step == pytest.approx(0.100)
+    assert ev.collective_wall_ms_per_step == pytest.approx(0.100)
+    assert ev.collective_exposed_ms_per_step == pytest.approx(0.060)
+    assert ev.collective_overlap_fraction == pytest.approx(0.4)
+    assert ev.compute_busy_ms_per_step == pytest.approx(0.050)
+    assert ev.collective_share == pytest.approx(0.060 / 0.110)
+
+
+def test_a_gap_the_host_had_not_filled_is_not_blamed_on_the_all_reduce() -> None:
+    """Under the profiler the host runs slower: the next kernel, launched at t=90, could not
+    have run before then whatever the all-reduce did; only 90..100 waited on it."""
+    events = [nccl(0, 100.0, corr=1), kernel("gemm", 0, 20.0, corr=2),
+              kernel("adam", 100, 10.0, corr=3), launch("cudaLaunchKernel", 90, corr=3),
+              op("c10d::allreduce_", 0, 5)]
+    assert run(events, step_ms=0.11).collective_exposed_ms_per_step == pytest.approx(0.010)
+
+
+def test_collective_kernels_waiting_on_a_peer_never_make_a_share_above_one() -> None:
+    """NCCL kernels on two streams spin side by side while a peer is late: their summed time
+    is twice the step, yet the exposed share is a part of the window."""
+    events = [nccl(0, 100.0, corr=1), {**nccl(0, 100.0, corr=2), "tid": 8},
+              kernel("adam", 100, 10.0, corr=3), launch("cudaLaunchKernel", 0, corr=3),
+              op("c10d::allreduce_", 0, 5)]
+    ev = run(events, step_ms=0.05)
+    assert ev.collective_ms_per_step == pytest.approx(0.200)
+    assert ev.collective_share == pytest.approx(100 / 110)  # of the device's 110 us span
+
+
+def test_collective_share_is_in_zero_one_for_any_trace() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        events: list[Event] = [op("c10d::allreduce_", 0, 1)]
+        for corr in range(rng.randint(1, 12)):
+            start, dur = rng.uniform(-50, 500), rng.uniform(0, 300)
+            maker = nccl if rng.random() < 0.5 else (lambda t, d, c: kernel("gemm", t, d, c))
+            events.append({**maker(start, dur, corr), "tid": rng.choice([7, 8, 9])})
+        for backend in ("cuda", "cpu"):
+            share = run(events, steps=rng.randint(1, 3), step_ms=rng.uniform(0.01, 1.0),
+                        backend=backend).collective_share
+            assert share is None or 0.0 <= share <= 1.0
+
+
+def test_gloo_work_time_is_clipped_to_the_profiled_steps() -> None:
+    events = [op("gpudiag.step", 0, 100, cat="user_annotation"),
+              op("c10d::allreduce_", 10, 2),
+              op("gloo:all_reduce", 60, 80, tid=9, cat="user_annotation")]
+    ev = run(events, step_ms=0.1, backend="cpu")
+    assert ev.collective_ms_per_step == pytest.approx(0.080)  # raw: waits for peers included
+    assert ev.collective_wall_ms_per_step == pytest.approx(0.040)  # inside the step
+    assert ev.collective_exposed_ms_per_step is None  # a CPU cannot tell waiting from transfer
+    assert ev.collective_share == pytest.approx(0.4)

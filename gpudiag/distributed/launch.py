@@ -26,6 +26,7 @@ import torch
 from gpudiag.config import RunConfig
 from gpudiag.distributed.worker import PARTS_FILE
 from gpudiag.results import Evidence, StageResult, TelemetrySummary, TimingStats, from_jsonable
+from gpudiag.stages.ladder import precision_of
 
 CPU_DEFAULT_NPROC = 2
 STRAGGLER_RATIO = 1.10  # a rank whose compute phases take this much longer than the fastest's
@@ -125,6 +126,19 @@ def _straggler(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
             "ratio": ratio, "is_straggler": ratio >= STRAGGLER_RATIO}
 
 
+def job_exposed_ms(rank_evidence: list[dict[str, Any] | None]) -> float | None:
+    """Exposed collective time per step of the job: the least any rank saw. A collective ends
+    when the last rank arrives, so the last rank's exposed time is the transfer itself and every
+    other rank's extra is waiting for it (in the profiled window, where ranks drift apart).
+    It is device time, which the window's host instrumentation does not stretch. On a CPU,
+    gloo's work time cannot tell transfer from waiting: None (the probe's transfer estimate
+    stands in)."""
+    exposed = [e.get("collective_exposed_ms_per_step") for e in rank_evidence if e]
+    if not exposed or any(x is None for x in exposed):
+        return None
+    return min(x for x in exposed if x is not None)
+
+
 def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
                 title: str) -> StageResult:
     parts = sorted(parts, key=lambda p: p["rank"])
@@ -138,8 +152,7 @@ def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
     evidence = (from_jsonable(Evidence, default["evidence"]) if default.get("evidence")
                 else None)
     world = lead["world_size"]
-    comm_ms = evidence.collective_ms_per_step if evidence is not None else None
-    exposed = evidence.collective_exposed_ms_per_step if evidence is not None else None
+    exposed_ms = job_exposed_ms([p["variants"][0].get("evidence") for p in parts])
     probe = lead.get("allreduce")
     rounds = (evidence.microsteps_with_collectives_per_step
               if evidence is not None and evidence.microsteps_per_step else None)
@@ -158,12 +171,16 @@ def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
             "ms_per_iter": run["ms_per_iter"], "phases_ms": run["phases_ms"],
             "power_mean_w": telemetry.get("power_mean_w"),
             "kernel_active_pct": telemetry.get("kernel_active_pct"),
-            "collective_ms_per_step": rank_ev.get("collective_ms_per_step"),
+            "collective_kernel_ms_per_step": rank_ev.get("collective_ms_per_step"),
+            "exposed_comm_share": rank_ev.get("collective_share")
+            if rank_ev.get("backend") == "cuda" else None,
+            "collective_exposed_ms_per_step": rank_ev.get("collective_exposed_ms_per_step"),
+            "compute_busy_ms_per_step": rank_ev.get("compute_busy_ms_per_step"),
             "collective_overlap_fraction": rank_ev.get("collective_overlap_fraction"),
             "peak_allocated_mib": run.get("peak_allocated_mib"),
         })
     details: dict[str, Any] = {
-        "precision": f"{config.amp_dtype}-autocast",
+        "precision": precision_of(config.amp_dtype),
         "ddp": {
             "world_size": world, "nnodes": config.nnodes, "backend": lead["backend"],
             "per_device_batch": config.batch_size, "accum": config.ddp_accum,
@@ -173,11 +190,13 @@ def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
                 "ms_per_iter": single["ms_per_iter"], "samples_per_s": single_sps},
             "scaling_efficiency": summary["scaling_efficiency"],
             "allreduce_probe": lead.get("allreduce"),
-            "collective_ms_per_step": comm_ms, "collective_exposed_ms_per_step": exposed,
+            "collective_kernel_ms_per_step": None if evidence is None
+            else evidence.collective_ms_per_step,
             "collective_overlap_fraction": None if evidence is None
             else evidence.collective_overlap_fraction,
-            "comm_share": (exposed if exposed is not None else comm_ms) / stats.median_ms
-            if comm_ms is not None and stats.median_ms else None,
+            "exposed_comm_ms_per_step": exposed_ms,
+            "exposed_comm_share": None if exposed_ms is None or not stats.median_ms
+            else min(1.0, exposed_ms / stats.median_ms),
             "allreduce_rounds_per_step": rounds,
             "transfer_ms_per_step": transfer_ms,
             "straggler": _straggler(parts),

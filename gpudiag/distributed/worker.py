@@ -20,7 +20,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from gpudiag.config import RunConfig
+from gpudiag.distributed.probe import allreduce_probe
 from gpudiag.evidence import collect_evidence
 from gpudiag.evidence.trace import MICROSTEP_RANGE
 from gpudiag.models import resolve_model
@@ -43,8 +43,6 @@ from gpudiag.telemetry import Sampler, open_sampler
 from gpudiag.timing import PhaseRecorder, synchronize, time_steps
 
 PARTS_FILE = "parts.json"
-ALLREDUCE_MAX_BYTES = 256 * 2**20  # the bandwidth probe's buffer: the gradients, at most this
-PROBE_REPEATS = 5
 TIMEOUT = dt.timedelta(minutes=10)
 
 
@@ -178,30 +176,6 @@ def run_variant(ctx: StageContext, variant: Variant, sampler: Sampler,
                                     timed_step_ms=TimingStats.of(timed.iter_ms).p25_ms)
         part["evidence"] = to_jsonable(evidence)
     return part
-
-
-def allreduce_probe(nbytes: int, device: torch.device) -> dict[str, Any] | None:
-    """Bus bandwidth of an all-reduce of the gradients' size (capped): algorithm bandwidth
-    bytes/time, times 2(n-1)/n for a ring, as nccl-tests report it."""
-    world = dist.get_world_size()
-    if world < 2:
-        return None
-    nbytes = max(4, min(nbytes, ALLREDUCE_MAX_BYTES))
-    buffer = torch.ones(nbytes // 4, device=device)
-    for _ in range(2):
-        dist.all_reduce(buffer)
-    synchronize(device)
-    times = []
-    for _ in range(PROBE_REPEATS):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(buffer)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    algbw = nbytes / seconds / 1e9
-    return {"bytes": nbytes, "ms": seconds * 1e3, "algbw_gbps": algbw,
-            "busbw_gbps": algbw * 2 * (world - 1) / world}
 
 
 def _release(device: torch.device) -> None:

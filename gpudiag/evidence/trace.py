@@ -270,7 +270,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     matmul_us: Counter[str] = Counter()
     kernel_time: Counter[str] = Counter()
     kernel_count = short = 0
-    collective_us = kernel_us = 0.0
+    kernel_us = 0.0
     for d in device:
         cat, dur = d.get("cat"), float(d.get("dur", 0.0))
         corr = d.get("args", {}).get("correlation")
@@ -283,8 +283,6 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             kernel_time[d["name"]] += dur
             if launcher is not None and "_matmul" in launcher:
                 matmul_us[_dtype(owner)] += dur
-            if "nccl" in d["name"].lower():
-                collective_us += dur
         elif cat == "gpu_memcpy":
             memcpy[memcpy_kind(d["name"])] += 1
             memcpy_us[memcpy_kind(d["name"])] += dur
@@ -305,7 +303,11 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
             matmul_us[_dtype(line_of(o))] += float(o.get("dur", 0.0))
     htod = [d for d in by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
     overlap = _overlap_fraction(htod, by_cat["kernel"])
-    collectives = _collectives(events, ops, by_cat, backend)
+    window = (first, last) if steps_ranges else (
+        min((float(e["ts"]) for e in host), default=0.0),
+        max((_end(e) for e in host), default=0.0))
+    launched_at = {corr: float(r["ts"]) for corr, r in runtime_by_correlation.items()}
+    collectives = _collectives(events, ops, by_cat, backend, window, launched_at)
     op_counts = Counter(o["name"] for o in top_ops)
     per = 1.0 / steps
     step_us = step_ms * 1e3
@@ -354,12 +356,15 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         idle_fraction=(max(0.0, 1.0 - busy_ms * per / (timed_step_ms or step_ms))
                        if busy_ms is not None and (timed_step_ms or step_ms) else None),
         short_kernels_per_step=short * per,
-        collective_ms_per_step=(collective_us if backend == "cuda"
-                                else collectives.work_us) * per / 1e3,
+        collective_ms_per_step=collectives.raw_us * per / 1e3,
+        collective_wall_ms_per_step=collectives.wall_us * per / 1e3,
         collective_calls_per_step=collectives.calls * per,
         collective_overlap_fraction=collectives.overlap,
-        collective_exposed_ms_per_step=(collective_us * (1 - collectives.overlap) * per / 1e3
-                                        if collectives.overlap is not None else None),
+        collective_exposed_ms_per_step=(None if collectives.exposed_us is None
+                                        else collectives.exposed_us * per / 1e3),
+        compute_busy_ms_per_step=(None if collectives.compute_us is None
+                                  else collectives.compute_us * per / 1e3),
+        window_step_ms=collectives.window_us * per / 1e3,
         microsteps_per_step=collectives.microsteps * per,
         microsteps_with_collectives_per_step=collectives.microsteps_reduced * per,
         top_ops_by_count=[{"name": n, "per_step": c * per}
@@ -396,32 +401,120 @@ def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
 @dataclass
 class _Collectives:
     calls: int
-    work_us: float
-    overlap: float | None
+    raw_us: float  # NCCL kernel durations summed (GPU) or gloo work ranges summed (CPU)
+    wall_us: float  # their union, clipped to the window
+    exposed_us: float | None  # the union's part with no compute beside it (GPU only)
+    compute_us: float | None  # union of the non-collective device work (GPU only)
+    window_us: float  # the window's length: shares of it never exceed 1
     microsteps: int
     microsteps_reduced: int
 
+    @property
+    def overlap(self) -> float | None:
+        if self.exposed_us is None or self.wall_us <= 0:
+            return None
+        return 1.0 - self.exposed_us / self.wall_us
+
 
 def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
-                 by_cat: dict[str, list[dict[str, Any]]], backend: str) -> _Collectives:
-    """Collective calls, their work time, NCCL's overlap with compute kernels, and how many
+                 by_cat: dict[str, list[dict[str, Any]]], backend: str,
+                 host_window: tuple[float, float],
+                 launched_at: dict[Any, float]) -> _Collectives:
+    """Collective calls and their time, all measured inside one window: raw (summed), wall
+    (union), exposed (see _blocking) and the window they are shares of; and how many
     accumulation micro-steps issued any collective (more than one per optimizer step means the
-    reduction ran on every micro-step: no_sync missing or wrapping only the backward)."""
+    reduction ran on every micro-step: no_sync missing or wrapping only the backward).
+
+    A collective kernel starts when its bucket is ready and spins until every peer arrives, so
+    its raw time includes waiting for slower ranks and can exceed the step; only exposed time
+    holds the step back, and it never exceeds the window."""
     calls = [o for o in ops if COLLECTIVE_OP.match(o["name"])]
     reductions = sorted(float(o["ts"]) for o in calls if ALLREDUCE_OP.match(o["name"]))
-    work_us = sum(float(a.get("dur", 0.0)) for a in by_cat["user_annotation"]
-                  if COLLECTIVE_WORK.match(a["name"]))
-    overlap = None
     if backend == "cuda":
-        nccl = [k for k in by_cat["kernel"] if "nccl" in k["name"].lower()]
-        compute = [k for k in by_cat["kernel"] if "nccl" not in k["name"].lower()]
-        overlap = _overlap_fraction(nccl, compute)
+        device = [d for d in by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"]]
+        comm = [k for k in by_cat["kernel"] if "nccl" in k["name"].lower()]
+        other = [d for d in device if "nccl" not in d["name"].lower()]
+        span = _merge((float(d["ts"]), _end(d)) for d in device)
+        device_window = (span[0][0], span[-1][1]) if span else host_window
+        window = (min(host_window[0], device_window[0]), max(host_window[1], device_window[1]))
+    else:
+        comm = [a for a in by_cat["user_annotation"] if COLLECTIVE_WORK.match(a["name"])]
+        other, window = [], host_window
+    wall = _clip(_merge((float(c["ts"]), _end(c)) for c in comm), window)
+    compute = _merge((float(d["ts"]), _end(d)) for d in other)
+    exposed = compute_us = None
+    if backend == "cuda":
+        exposed = _blocking(wall, other, launched_at)
+        compute_us = _length(_clip(compute, window))
     micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE]
     reduced = 0
     for m in micro:
         i = bisect.bisect_left(reductions, float(m["ts"]))
         reduced += i < len(reductions) and reductions[i] <= _end(m)
-    return _Collectives(len(calls), work_us, overlap, len(micro), reduced)
+    return _Collectives(
+        calls=len(calls), raw_us=sum(float(c.get("dur", 0.0)) for c in comm),
+        wall_us=_length(wall), exposed_us=exposed, compute_us=compute_us,
+        window_us=max(0.0, window[1] - window[0]), microsteps=len(micro),
+        microsteps_reduced=reduced)
+
+
+def _blocking(comm: list[tuple[float, float]], other: list[dict[str, Any]],
+              launched_at: dict[Any, float]) -> float:
+    """Collective time that held the device's other work back: moments a collective ran with
+    no other device work beside it *and* the next other work had already been queued by the
+    host (its launch call had happened). A gap the host had not filled yet is the host's, not
+    the link's: under the profiler's slower host that distinction keeps idle gaps from being
+    blamed on communication. Work whose launch is not in the trace counts as queued."""
+    busy = _merge((float(d["ts"]), _end(d)) for d in other)
+    starts = sorted((float(d["ts"]), launched_at.get(d.get("args", {}).get("correlation"),
+                                                      -math.inf)) for d in other)
+    start_times = [t for t, _ in starts]
+    total = 0.0
+    for lo, hi in _subtract(comm, busy):
+        i = bisect.bisect_left(start_times, hi)
+        queued = starts[i][1] if i < len(starts) else math.inf  # nothing after: the step's end
+        total += max(0.0, hi - max(lo, queued))
+    return total
+
+
+def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]],
+              ) -> list[tuple[float, float]]:
+    """Parts of the sorted, disjoint intervals `a` that no interval of `b` covers."""
+    out = []
+    for lo, hi in a:
+        start = lo
+        for blo, bhi in _intersect([(lo, hi)], b):
+            if blo > start:
+                out.append((start, blo))
+            start = max(start, bhi)
+        if hi > start:
+            out.append((start, hi))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _clip(spans: list[tuple[float, float]], window: tuple[float, float],
+          ) -> list[tuple[float, float]]:
+    lo, hi = window
+    return [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]],
+               ) -> list[tuple[float, float]]:
+    """Intersection of two sorted, disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _overlap_fraction(copies: list[dict[str, Any]],

@@ -62,6 +62,7 @@ class Recorder:
         self.nvtx_range: Any = None
         self.finished = False
         self.error: str | None = None
+        self.ddp: dict[str, Any] | None = None  # what a DistributedDataParallel wrap told us
 
     @property
     def steps(self) -> int:
@@ -116,6 +117,7 @@ class Recorder:
             self.step_range.__exit__(None, None, None)
             if done == start_profile + self.profiled:
                 self._stop_profiler(keep=True)
+                self._probe_link()
             else:
                 self.step_range = torch.profiler.record_function(STEP_RANGE)
                 self.step_range.__enter__()
@@ -152,6 +154,30 @@ class Recorder:
             events, steps=len(self.window_host_ms), step_ms=statistics.fmean(self.window_host_ms),
             backend="cuda" if self.cuda else "cpu",
             timed_step_ms=TimingStats.of(timed).p25_ms if timed else None)
+
+    # --- DDP: gradient bytes and the link ------------------------------------------------
+
+    def ddp_wrapped(self, model: Any) -> None:
+        """A DistributedDataParallel was built: note the bytes it all-reduces per step."""
+        import torch.distributed as dist
+
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        cap = getattr(model, "bucket_bytes_cap", None)
+        self.ddp = {"grad_bytes": sum(p.numel() * p.element_size() for p in params),
+                    "bucket_mb": cap / 2**20 if cap else None,
+                    "world_size": dist.get_world_size(), "backend": str(dist.get_backend()),
+                    "allreduce_probe": None}
+
+    def _probe_link(self) -> None:
+        """Every rank closes its window at the same optimizer step (DDP keeps them in step),
+        so each can join one all-reduce probe there: the link's bandwidth for this job."""
+        if self.ddp is None or self.ddp["world_size"] < 2:
+            return
+        from gpudiag.distributed.probe import allreduce_probe
+
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if self.ddp["backend"] == "nccl" else torch.device("cpu"))
+        self.ddp["allreduce_probe"] = allreduce_probe(self.ddp["grad_bytes"], device)
 
     # --- data, saves, telemetry ----------------------------------------------------------
 
@@ -232,6 +258,8 @@ class Recorder:
         if self.telemetry is not None:
             result.telemetry = self.telemetry
         result.evidence = self.evidence
+        if self.ddp is not None:
+            result.details["ddp_job"] = self.ddp
         result.details.update({"profiled_steps": self.steps, "warmup": self.warmup,
                                "timed": len(timed), "step_clock": "gpudiag.step()"
                                if self.manual else "optimizer.step()"})
@@ -328,6 +356,16 @@ def install() -> Recorder:
         return save
 
     _wrap(torch, "save", timed_save)
+
+    def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            recorder.ddp_wrapped(self)
+        return __init__
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    _wrap(DistributedDataParallel, "__init__", noted_ddp)
     atexit.register(recorder.finish)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         # torchrun stops the other ranks with SIGTERM when one fails: exit through atexit.

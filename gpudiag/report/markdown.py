@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpudiag.ceilings import PEAK_STAGE, utilisation
 from gpudiag.report.findings import diagnosis_markdown
 from gpudiag.report.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
 from gpudiag.report.terminal import env_rows
-from gpudiag.results import RunResult
+from gpudiag.results import RunResult, StageResult
 
 PHASE_ORDER = ("data_wait", "h2d_copy", "forward", "backward", "optimizer")
 
@@ -59,6 +61,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += _what_ran(run)
     out += _phases(run)
     out += _evidence(run)
+    out += _distributed(run)
     out += _problems(run)
     out += ["The timeline (stages, steps, power and SM/tensor activity, findings) is in "
             "[trace.json](trace.json), and each stage's profiler window (kernels, copies, the "
@@ -136,6 +139,76 @@ def _evidence(run: RunResult) -> list[str]:
             "Operators are top-level ATen calls, forward and backward; GPU idle is the share of "
             "the timed step with no kernel or copy running; window cost is the profiled step "
             "time over the timed one (instrumentation overhead, excluded from the timings).", ""]
+
+
+def _pct(value: float | None) -> str:
+    return fmt(None if value is None else value * 100, ".0f")
+
+
+def _ddp_stage_lines(stage: StageResult, info: dict[str, Any]) -> list[str]:
+    single = info.get("single_device") or {}
+    probe = info.get("allreduce_probe") or {}
+    efficiency = info.get("scaling_efficiency")
+    lines = [f"- `{stage.name}`: {info.get('world_size')} ranks ({info.get('backend')}), "
+             f"{fmt(stage.samples_per_s, ',.0f')} samples/s against "
+             f"{info.get('world_size')} x {fmt(single.get('samples_per_s'), ',.0f')} on one "
+             f"device: scaling efficiency {_pct(efficiency)}%. Gradients "
+             f"{fmt((info.get('grad_bytes_per_round') or 0) / 1e6, ',.0f')} MB per round; "
+             f"all-reduce probe {fmt(probe.get('busbw_gbps'), ',.1f')} GB/s bus bandwidth.", ""]
+    rows = [[str(r["rank"]), r.get("gpu_name") or r.get("device") or "-",
+             fmt(r.get("ms_per_iter"), ".1f"), _pct(r.get("exposed_comm_share")),
+             _pct(r.get("collective_overlap_fraction")),
+             fmt(r.get("collective_kernel_ms_per_step"), ".1f"),
+             fmt(r.get("compute_busy_ms_per_step"), ".1f"), fmt(r.get("power_mean_w"), ".0f")]
+            for r in info.get("ranks", [])]
+    lines += _table(["rank", "device", "ms/iter", "exposed comm % of step", "overlap %",
+                     "collective kernel ms/step", "own device work ms/step", "power W"], rows)
+    sweep = info.get("sweep") or []
+    if sweep:
+        lines += ["", *_table(["DDP variant", "ms/iter", "samples/s", "scaling efficiency %"],
+                              [[r["name"], fmt(r.get("ms_per_iter"), ".1f"),
+                                fmt(r.get("samples_per_s"), ",.0f"),
+                                _pct(r.get("scaling_efficiency"))] for r in sweep])]
+    return [*lines, ""]
+
+
+def _profiled_rank_lines(stages: list[StageResult]) -> list[str]:
+    rows = []
+    for stage in stages:
+        ev = stage.evidence
+        assert ev is not None
+        job = stage.details.get("ddp_job") or {}
+        probe = (job.get("allreduce_probe") or {}).get("busbw_gbps")
+        rows.append([stage.name, fmt(stage.ms_per_iter, ".1f"), _pct(ev.collective_share),
+                     _pct(ev.collective_overlap_fraction), fmt(ev.collective_ms_per_step, ".1f"),
+                     fmt(ev.compute_busy_ms_per_step, ".1f"),
+                     fmt((job.get("grad_bytes") or 0) / 1e6 or None, ",.0f"),
+                     fmt(probe, ",.1f")])
+    return [*_table(["process", "ms/iter", "exposed comm % of step", "overlap %",
+                     "collective kernel ms/step", "own device work ms/step", "gradient MB",
+                     "probe GB/s"], rows), ""]
+
+
+def _distributed(run: RunResult) -> list[str]:
+    """Communication per rank, each figure named for what it is (see the note below)."""
+    out: list[str] = []
+    for stage in run.ok_stages():
+        info = stage.details.get("ddp")
+        if isinstance(info, dict):
+            out += _ddp_stage_lines(stage, info)
+    profiled = [s for s in run.stages_with_evidence()
+                if "ddp" not in s.details and s.evidence and s.evidence.collective_calls_per_step]
+    if profiled:
+        out += _profiled_rank_lines(profiled)
+    if not out:
+        return []
+    return ["### Communication per rank", "", *out,
+            "Exposed comm is the share of the profiled window's step in which a collective ran "
+            "with no other device work beside it (on a CPU: gloo's work time, waits for peers "
+            "included); it is measured inside one window, so it never exceeds 100%. Overlap is "
+            "the share of the collectives' time with other device work beside them. Collective "
+            "kernel time sums NCCL kernel durations, which include spinning while a peer is "
+            "late: it can exceed the step and is not a share of it.", ""]
 
 
 def _problems(run: RunResult) -> list[str]:

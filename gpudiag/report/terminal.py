@@ -34,13 +34,14 @@ def _natural_width(table: Table) -> int:
 
 
 def _build(run: RunResult, columns: list[Column], rows: list[list[str]]) -> Table:
-    table = Table(title=_title(run), title_justify="left", header_style="bold",
+    table = Table(title=Text(_title(run)), title_justify="left", header_style="bold",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for column in columns:
         table.add_column(column.short, justify="left" if column.key == "stage" else "right",
                          no_wrap=column.key == "stage")
     for stage, cells in zip(run.stages, rows, strict=True):
-        table.add_row(*cells, style=_STATUS_STYLE.get(stage.status, ""))
+        # Cells are text, not markup: a stage named train.py[rank0] keeps its brackets.
+        table.add_row(*(Text(cell) for cell in cells), style=_STATUS_STYLE.get(stage.status, ""))
     return table
 
 

@@ -4,10 +4,13 @@ still all-reduces every micro-step (SEEDS.md section 1: two GPUs slower than one
 from __future__ import annotations
 
 import math
+import re
+from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.results import RunResult, StageResult
+from gpudiag.results import Evidence, RunResult, StageResult, bus_bandwidth_factor
 from gpudiag.rules.common import pct
 from gpudiag.rules.registry import Draft, Threshold, rule, severity_for
 
@@ -16,6 +19,7 @@ CRITICAL_EFFICIENCY = 0.50  # below this, N devices barely beat one (two: slower
 COMM_EXPLAINS = 0.5  # communication explains the loss when it is at least half the added time
 NO_OVERLAP = 0.3  # NCCL time beside compute below this share: the all-reduce is not hidden
 SMALL_STEP_MS = 25.0  # a single-device step this short is dominated by fixed per-step costs
+STRAGGLER_RATIO = 1.10  # a rank whose own work takes this much longer than the fastest's
 TARGET_EFFICIENCY = 0.9
 
 
@@ -46,7 +50,7 @@ def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, d
     accum = info.get("accum") or 1
     added = max(0.0, step - single * accum)
     transfer = info.get("transfer_ms_per_step")
-    exposed = info.get("collective_exposed_ms_per_step")
+    exposed = info.get("exposed_comm_ms_per_step")
     overlap = info.get("collective_overlap_fraction")
     comm = exposed if exposed is not None else transfer
     probe = info.get("allreduce_probe") or {}
@@ -55,10 +59,11 @@ def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, d
                 "added_ms_per_step": round(added, 2),
                 "grad_bytes_per_round": grad,
                 "transfer_ms_per_step": None if transfer is None else round(transfer, 2),
-                "collective_exposed_ms_per_step": None if exposed is None else round(exposed, 2),
+                "exposed_comm_ms_per_step": None if exposed is None else round(exposed, 2),
                 "collective_overlap_fraction": None if overlap is None else round(overlap, 3),
                 "busbw_gbps": None if not probe else round(probe["busbw_gbps"], 2),
-                "comm_share": None if comm is None or not step else round(comm / step, 3)}
+                "exposed_comm_share": None if comm is None or not step
+                else round(min(1.0, comm / step), 3)}
     straggler = info.get("straggler") or {}
     if straggler.get("is_straggler"):
         return ("a straggler", (
@@ -194,48 +199,226 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
 
 
 COMM_BOUND_SHARE = 0.30
+COMM_CRITICAL_SHARE = 0.50
+LINK_BOUND = 0.5  # effective bus bandwidth at least this share of the probe's: the link limits
+_RANK_NAME = re.compile(r"^(?P<job>.*)\[rank(?P<rank>\d+)\]$")
 
 
-@rule(
-    "GD803", "collective-bound-step", concern="ddp",
-    summary="Collectives (DDP's all-reduce) take a large share of each step of a profiled run.",
-    why=("Without a single-device baseline (a profiled script), the profiler window still shows "
-         "how much of the step the gradient all-reduce holds the step: NCCL time with no "
-         "compute beside it on a GPU, the process group's work time on a CPU. A large share "
-         "means the per-device batch is too small for the link, or the link is slow."),
-    fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
-         "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables)."),
-    thresholds=(Threshold("share", COMM_BOUND_SHARE, "collective time over the step"),),
-    references=("https://pytorch.org/docs/stable/ddp_comm_hooks.html",),
-)
-def collective_bound_step(run: RunResult) -> Iterator[Draft]:
-    """Stages with profiler evidence but no ddp-stage details (those get ddp-poor-scaling):
-    exposed NCCL time (GPU) or gloo work time (CPU, which includes waiting for peers) over the
-    timed step; warning from 30%."""
+@dataclass
+class _Rank:
+    rank: int
+    stage: StageResult
+    evidence: Evidence
+
+    @property
+    def held_ms(self) -> float:
+        """Collective time per step with nothing else on the device (GPU), or gloo's work time
+        (CPU): device-side, so the window's host instrumentation does not stretch it."""
+        ev = self.evidence
+        held = (ev.collective_exposed_ms_per_step if ev.backend == "cuda"
+                else ev.collective_wall_ms_per_step)
+        return held or 0.0
+
+
+@dataclass
+class _Job:
+    """The ranks of one profiled DDP job. A collective ends when the last rank arrives, so the
+    rank holding it the least shows the communication itself; the others' extra is waiting."""
+
+    ranks: list[_Rank]
+
+    @property
+    def transfer(self) -> _Rank:
+        return min(self.ranks, key=lambda r: r.held_ms)
+
+    @property
+    def step_ms(self) -> float:
+        return max(r.stage.ms_per_iter or 0.0 for r in self.ranks)
+
+    @property
+    def comm_ms(self) -> float:
+        return self.transfer.held_ms
+
+    @property
+    def share(self) -> float:
+        """Exposed communication over the timed step: in [0, 1] (device time held alone cannot
+        exceed the step it is part of; clamped against the window's residual jitter)."""
+        return min(1.0, self.comm_ms / self.step_ms) if self.step_ms else 0.0
+
+    def waits(self) -> dict[int, float]:
+        return {r.rank: round(r.held_ms - self.comm_ms, 2) for r in self.ranks}
+
+
+def _profiled_jobs(run: RunResult) -> dict[str, _Job]:
+    """Profiled processes that issued collectives, grouped by job (`train.py[rank1]` is rank 1
+    of `train.py`); ddp-stage results are GD801's."""
+    jobs: dict[str, list[_Rank]] = defaultdict(list)
     for stage in run.ok_stages():
         ev = stage.evidence
         if ev is None or _ddp(stage) is not None or not ev.collective_calls_per_step:
             continue
-        step = stage.ms_per_iter or ev.step_ms
-        comm = (ev.collective_exposed_ms_per_step if ev.backend == "cuda"
-                else ev.collective_ms_per_step)
-        if not comm or not step or comm / step < COMM_BOUND_SHARE:
+        match = _RANK_NAME.match(stage.name)
+        job, rank = (match["job"], int(match["rank"])) if match else (stage.name, 0)
+        jobs[job].append(_Rank(rank, stage, ev))
+    return {job: _Job(sorted(ranks, key=lambda r: r.rank)) for job, ranks in jobs.items()}
+
+
+def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
+    """(slow rank, fastest rank, ratio) when one rank's own device work is >= 10% longer and
+    the difference explains at least half of the fastest rank's exposed communication: that
+    rank's all-reduce is waiting, not transferring."""
+    timed = [r for r in ranks if r.evidence.compute_busy_ms_per_step]
+    if len(timed) < 2:
+        return None
+    slow = max(timed, key=lambda r: r.evidence.compute_busy_ms_per_step or 0.0)
+    fast = min(timed, key=lambda r: r.evidence.compute_busy_ms_per_step or 0.0)
+    slow_ms = slow.evidence.compute_busy_ms_per_step or 0.0
+    fast_ms = fast.evidence.compute_busy_ms_per_step or 0.0
+    ratio = slow_ms / fast_ms if fast_ms > 0 else 1.0
+    waited = (fast.evidence.collective_exposed_ms_per_step or 0.0)
+    if ratio < STRAGGLER_RATIO or slow_ms - fast_ms < COMM_EXPLAINS * waited or waited <= 0:
+        return None
+    return slow, fast, ratio
+
+
+@rule(
+    "GD804", "ddp-straggler", concern="ddp",
+    summary="One rank's own work is slower and every other rank waits for it in the all-reduce.",
+    why=("A collective finishes when the last rank arrives. A rank whose own compute is slower "
+         "(another process on its GPU, throttling, extra work such as logging or evaluation "
+         "on rank 0) makes every other rank spin inside the all-reduce: their profile shows "
+         "communication, but the network is idle. Faster links do not help; the slow rank's "
+         "problem does."),
+    fix=("Find what the slow rank does more: rank-0-only work (logging, evaluation, checkpoint "
+         "saves) moved off the step or spread over ranks, its GPU's clocks and neighbours "
+         "(nvidia-smi), its data loading."),
+    thresholds=(Threshold("straggler_ratio", STRAGGLER_RATIO,
+                          "slowest rank's device work over the fastest's"),
+                Threshold("explains", COMM_EXPLAINS,
+                          "share of the fastest rank's exposed collective time the difference "
+                          "must explain")),
+    references=("https://pytorch.org/docs/stable/notes/ddp.html",),
+)
+def ddp_straggler(run: RunResult) -> Iterator[Draft]:
+    """Profiled ranks of one job (GPU): per rank, the union of its non-collective device work
+    in the window. The slowest against the fastest: a ratio >= 1.10 whose difference covers at
+    least half of the fastest rank's exposed collective time names the slow rank."""
+    for job in _profiled_jobs(run).values():
+        found = _straggler_of(job.ranks)
+        if found is None:
             continue
-        share = min(1.0, comm / step)
-        measured = ("NCCL time with no compute beside it" if ev.backend == "cuda" else
-                    "the process group's work time, waits for peers included")
+        slow, fast, ratio = found
+        slow_ms = slow.evidence.compute_busy_ms_per_step or 0.0
+        fast_ms = fast.evidence.compute_busy_ms_per_step or 0.0
+        lost = min(1.0, (slow_ms - fast_ms) / (job.step_ms or slow.evidence.window_step_ms))
         yield Draft(
-            severity="warning", stage=stage.name,
-            title=(f"Collectives take {share:.0%} of each step ({comm:.1f} of {step:.1f} ms, "
-                   f"{ev.collective_calls_per_step:.0f} calls per step): communication-bound"),
-            evidence={"collective_ms_per_step": round(comm, 2), "step_ms": round(step, 2),
-                      "share": round(share, 3),
+            severity=severity_for(lost, warning=0.05, critical=COMM_CRITICAL_SHARE),
+            stage=slow.stage.name,
+            title=(f"rank {slow.rank} is a straggler: its own device work takes {ratio:.2f}x "
+                   f"rank {fast.rank}'s ({slow_ms:.1f} vs {fast_ms:.1f} ms per step), and "
+                   f"rank {fast.rank} waits for it inside the all-reduce"),
+            evidence={"slow_rank": slow.rank, "fast_rank": fast.rank,
+                      "compute_ratio": round(ratio, 3),
+                      "slow_compute_ms_per_step": round(slow_ms, 2),
+                      "fast_compute_ms_per_step": round(fast_ms, 2),
+                      "fast_rank_waits_ms_per_step": job.waits()[fast.rank],
+                      "share_of_step_lost": round(lost, 3)},
+            impact=min(1.0, lost),
+            fix=(f"Rank {fast.rank}'s communication time is waiting, not transfer: a faster "
+                 f"link would not help. Find what rank {slow.rank} does more (work only it "
+                 "does, such as logging, evaluation or saves; its GPU's clocks or another "
+                 "process on it; its input pipeline) and even it out."))
+
+
+def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
+    """What the link did: gradient bytes, effective bus bandwidth of the rank that did not wait,
+    against the probe's. The bool: the link is the limit (effective >= half the probe's)."""
+    lead = job.transfer
+    facts_of = lead.stage.details.get("ddp_job") or {}
+    grad, world = facts_of.get("grad_bytes"), facts_of.get("world_size") or len(job.ranks)
+    probe = (facts_of.get("allreduce_probe") or {}).get("busbw_gbps")
+    wall = lead.evidence.collective_wall_ms_per_step
+    rounds = lead.evidence.microsteps_with_collectives_per_step or 1.0
+    effective = (grad * rounds * bus_bandwidth_factor(world) / (wall / 1e3) / 1e9
+                 if grad and wall and world > 1 else None)
+    facts = {"grad_bytes_per_step": grad, "bucket_mb": facts_of.get("bucket_mb"),
+             "effective_busbw_gbps": None if effective is None else round(effective, 2),
+             "probe_busbw_gbps": None if probe is None else round(probe, 2)}
+    if not grad:
+        return "", facts, True
+    text = f"{_mb(grad * rounds)} of gradients per step"
+    if effective is not None:
+        text += f" moved at {effective:.1f} GB/s bus bandwidth"
+    if probe:
+        text += f" (the link measured {probe:.1f} GB/s)"
+    return text + ".", facts, effective is None or not probe or effective >= LINK_BOUND * probe
+
+
+@rule(
+    "GD803", "collective-bound-step", concern="ddp",
+    summary="A profiled DDP job whose steps wait on the gradient all-reduce.",
+    why=("Without a single-device baseline (a profiled script), the ranks' own profiler windows "
+         "still show how long the all-reduce holds each step with nothing else on the device. "
+         "The rank that holds it least is the last to arrive: its time is the transfer, the "
+         "others' extra is waiting for it. That time over the step, the step without it, and "
+         "the bandwidth the link reached against its measured bandwidth say whether the job "
+         "is communication-bound and which remedy fits."),
+    fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
+         "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables)."),
+    thresholds=(Threshold("share", COMM_BOUND_SHARE,
+                          "exposed collective time over the timed step: warning"),
+                Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),
+                Threshold("link_bound", LINK_BOUND,
+                          "effective over probed bus bandwidth above which the link is named")),
+    references=("https://pytorch.org/docs/stable/ddp_comm_hooks.html",
+                "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md"),
+)
+def collective_bound_step(run: RunResult) -> Iterator[Draft]:
+    """Per job: the least exposed collective time any rank saw in its window (GPU: the union
+    of NCCL kernels minus other device work; CPU: gloo's work time), device time, over the
+    timed step (so the share never exceeds 1); warning from 30%, critical from 50%. Jobs with
+    a straggler finding are left to GD804."""
+    for job in _profiled_jobs(run).values():
+        if _straggler_of(job.ranks) is not None or job.share < COMM_BOUND_SHARE:
+            continue
+        lead, step = job.transfer, job.step_ms
+        link, facts, link_bound = _link_line(job)
+        without = step - job.comm_ms
+        k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY)
+                             * job.comm_ms / max(without, 1e-6)))
+        batch = lead.stage.samples_per_step
+        now = f" (now {batch})" if batch else ""
+        cure = (f"Move fewer bytes per sample: raise the per-device batch{now}, or "
+                f"accumulate >= {k} "
+                "micro-steps per optimizer step with model.no_sync() around forward and "
+                "backward of all but the last; compress gradients with register_comm_hook("
+                "None, default_hooks.fp16_compress_hook); use a faster interconnect (NVLink, "
+                "InfiniBand; check NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_IB_DISABLE)."
+                if link_bound else
+                "The all-reduce runs well below the link's bandwidth: it is latency-bound "
+                "(many small buckets) or waits: raise bucket_cap_mb (now "
+                f"{facts.get('bucket_mb') or 'unknown'} MB), and give each all-reduce more "
+                f"work (a larger per-device batch, or >= {k} micro-steps under no_sync()).")
+        measured = ("with nothing else on the GPU" if lead.evidence.backend == "cuda" else
+                    "by gloo's work time")
+        ev = lead.evidence
+        yield Draft(
+            severity=severity_for(job.share, warning=COMM_BOUND_SHARE,
+                                  critical=COMM_CRITICAL_SHARE),
+            stage=lead.stage.name,
+            title=(f"Communication-bound: the all-reduce holds {job.share:.0%} of each step "
+                   f"({job.comm_ms:.1f} of {step:.1f} ms) {measured}; perfect overlap would "
+                   f"bring the step to no less than {without:.1f} ms"),
+            evidence={"exposed_share": round(job.share, 3),
+                      "exposed_ms_per_step": round(job.comm_ms, 2),
+                      "step_ms": round(step, 2),
+                      "step_without_exposed_ms": round(without, 2),
+                      "collective_kernel_ms_per_step": round(ev.collective_ms_per_step, 2),
+                      "collective_overlap_fraction": None
+                      if ev.collective_overlap_fraction is None
+                      else round(ev.collective_overlap_fraction, 3),
                       "collective_calls_per_step": ev.collective_calls_per_step,
-                      "measured_as": measured,
-                      "samples_per_step": stage.samples_per_step},
-            impact=share,
-            fix=("Give each all-reduce more work: raise the per-device batch (now "
-                 f"{stage.samples_per_step or 'unknown'}), or accumulate micro-steps with "
-                 "model.no_sync() around forward and backward of all but the last; compress "
-                 "gradients with register_comm_hook(None, default_hooks.fp16_compress_hook); "
-                 "check the interconnect (NVLink/InfiniBand, NCCL_P2P_DISABLE/SHM_DISABLE)."))
+                      "rank_waits_ms_per_step": job.waits(),
+                      "samples_per_step": lead.stage.samples_per_step, **facts},
+            impact=job.share,
+            fix=f"{link} {cure}".strip())

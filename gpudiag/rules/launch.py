@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from gpudiag.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
@@ -283,6 +284,14 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
         )
 
 
+SMALL_MAX_COLLECTIVE_SHARE = 0.3
+
+
+def _larger_batch(run: RunResult, stage: StageResult) -> str:
+    batch = stage.samples_per_step or run.config.get("batch_size")
+    return f"a larger batch than {batch}" if batch else "a larger batch"
+
+
 SMALL_WORK_THRESHOLDS = (
     Threshold("min_kernels_per_step", SMALL_MIN_KERNELS,
               "enough launches for their overhead to add up"),
@@ -291,6 +300,8 @@ SMALL_WORK_THRESHOLDS = (
     Threshold("max_sm_active_pct", SMALL_MAX_SM,
               "GPM SM activity this low while kernels run nearly all the time: too little "
               "work per kernel to fill the SMs"),
+    Threshold("max_collective_share", SMALL_MAX_COLLECTIVE_SHARE,
+              "... unless collectives hold this share of the device's busy time"),
 )
 
 
@@ -327,18 +338,22 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
                           "top_ops_by_count": ev.top_ops_by_count[:5]},
                 fix=("Fuse the small ops (torch.compile), capture the step in a CUDA graph "
                      "(torch.cuda.graphs / mode='reduce-overhead'), or give each kernel more "
-                     f"work: a larger batch than {run.config.get('batch_size')}."),
+                     f"work: {_larger_batch(run, stage)}."),
             )
         sm = stage.telemetry.gpm.get("sm_active_pct")
         active = stage.telemetry.kernel_active_pct
-        if sm is not None and active is not None and active >= 80 and sm < SMALL_MAX_SM:
+        # NCCL kernels occupy a few SMs while they wait for data: kernel-active time with low SM
+        # activity is then the all-reduce (the DDP rules' concern), not small kernels.
+        collectives = ev.collective_wall_ms_per_step / (ev.device_busy_ms_per_step or math.inf)
+        if (sm is not None and active is not None and active >= 80 and sm < SMALL_MAX_SM
+                and collectives < SMALL_MAX_COLLECTIVE_SHARE):
             yield Draft(
                 severity="warning", stage=stage.name,
                 title=(f"Kernels run {active:.0f}% of the time but keep only {sm:.0f}% of SMs "
                        "busy: too little work per kernel"),
                 impact=max(0.0, 1 - sm / 100) * 0.5,  # at most half recoverable, a rough bound
                 evidence={"kernel_active_pct": active, "sm_active_pct": sm,
-                          "batch_size": run.config.get("batch_size")},
-                fix=(f"Increase the batch (now {run.config.get('batch_size')}) or sequence "
+                          "batch_size": stage.samples_per_step or run.config.get("batch_size")},
+                fix=(f"Increase the batch ({_larger_batch(run, stage)}) or sequence "
                      "length per step, or fuse ops so each kernel does more work."),
             )
