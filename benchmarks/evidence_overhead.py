@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from gpudiag.config import build_config
-from gpudiag.evidence import collect_evidence
-from gpudiag.models import resolve_model
-from gpudiag.stages import StageContext, get_stage
-from gpudiag.timing import PhaseRecorder, time_steps
+from gpudiag.measure.evidence import collect_evidence
+from gpudiag.measure.models import resolve_model
+from gpudiag.measure.plan import build_config
+from gpudiag.measure.stages import StageContext, get_stage
+from gpudiag.measure.timing import PhaseRecorder, time_steps
 
 
 def main() -> int:

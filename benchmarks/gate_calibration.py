@@ -21,9 +21,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from gpudiag.compare import GATE_ALPHA, compare_runs, decide
-from gpudiag.results import RunResult, load_run
-from gpudiag.trials import merge_trials
+from gpudiag.diagnose.compare import GATE_ALPHA, compare_runs, decide
+from gpudiag.diagnose.trials import merge_trials
+from gpudiag.model.results import RunResult, load_run
 
 SLOWDOWNS = (0.02, 0.03, 0.05, 0.08, 0.10, 0.15, 0.20, 0.25)
 DETECTION_RATE = 0.9

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from gpudiag.env import device_identity
-from gpudiag.telemetry import TelemetryUnavailable
-from gpudiag.telemetry.nvml import _FAST_READERS, open_gpu
+from gpudiag.measure.env import device_identity
+from gpudiag.measure.telemetry import TelemetryUnavailable
+from gpudiag.measure.telemetry.nvml import _FAST_READERS, open_gpu
 
 
 def _cost_us(call: Callable[[], object], repeats: int) -> dict[str, float]:

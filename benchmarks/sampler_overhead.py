@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpudiag.config import build_config
-from gpudiag.env import device_identity
-from gpudiag.models import resolve_model
-from gpudiag.stages import StageContext, get_stage
-from gpudiag.telemetry import open_sampler
-from gpudiag.timing import PhaseRecorder, synchronize, time_steps
+from gpudiag.measure.env import device_identity
+from gpudiag.measure.models import resolve_model
+from gpudiag.measure.plan import build_config
+from gpudiag.measure.stages import StageContext, get_stage
+from gpudiag.measure.telemetry import open_sampler
+from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
 
 
 def measure(args: argparse.Namespace) -> dict[str, object]:

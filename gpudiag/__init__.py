@@ -10,33 +10,35 @@ The Python API, for notebooks and scripts:
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpudiag._version import __version__
-from gpudiag.results import Finding, RunResult, StageResult, load_run, save_run
+from gpudiag.model.results import Finding, RunResult, StageResult, load_run, save_run
 
 if TYPE_CHECKING:
-    from gpudiag.config import RunConfig, build_config
-    from gpudiag.models import ModelBundle, ModelOptions, ModelSpec, register_model
-    from gpudiag.runner import RunOutput, run_stages
+    from gpudiag.measure.models import ModelBundle, ModelOptions, ModelSpec, register_model
+    from gpudiag.measure.plan import build_config
+    from gpudiag.measure.runner import RunOutput, run_stages
+    from gpudiag.model.config import RunConfig
 
 # Names that pull in torch are imported on first use, so `import gpudiag` (and the CLI's
 # --help) stays fast and reading a run.json works without torch.
 _LAZY = {
-    "RunConfig": "gpudiag.config", "build_config": "gpudiag.config",
-    "ModelBundle": "gpudiag.models", "ModelOptions": "gpudiag.models",
-    "ModelSpec": "gpudiag.models", "register_model": "gpudiag.models",
-    "RunOutput": "gpudiag.runner", "run_stages": "gpudiag.runner",
+    "RunConfig": "gpudiag.measure.plan", "build_config": "gpudiag.measure.plan",
+    "ModelBundle": "gpudiag.measure.models", "ModelOptions": "gpudiag.measure.models",
+    "ModelSpec": "gpudiag.measure.models", "register_model": "gpudiag.measure.models",
+    "RunOutput": "gpudiag.measure.runner", "run_stages": "gpudiag.measure.runner",
 }
 
 
 def step() -> None:
     """Mark the end of a training step for `gpudiag profile`, for loops without an optimizer
     (or with several). A no-op when the script is not being profiled."""
-    recorder = sys.modules.get("gpudiag.profiling.recorder")
+    recorder = sys.modules.get("gpudiag.measure.profile.recorder")
     if recorder is not None and recorder.RECORDER is not None:
         recorder.RECORDER.manual_step()
 
@@ -50,8 +52,6 @@ def watch() -> Iterator[None]:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'gpudiag' has no attribute {name!r}")
 

@@ -29,10 +29,11 @@ from rich.table import Column as ProgressColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from gpudiag.config import RunConfig
+    from gpudiag.model.config import RunConfig
 
-from gpudiag.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, GpudiagError
-from gpudiag.results import RunFileError, RunResult, StageResult, to_jsonable
+from gpudiag.diagnose import evaluate
+from gpudiag.model.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, GpudiagError
+from gpudiag.model.results import RunFileError, RunResult, StageResult, to_jsonable
 
 # Logs and pipes get the whole table; an interactive terminal gets what fits its width.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -182,13 +183,13 @@ def run(
                                              "mistake, to see what it costs).")] = "correct",
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
-    from gpudiag.config import build_config
-    from gpudiag.report import (
+    from gpudiag.measure.plan import build_config
+    from gpudiag.measure.runner import RunOutput, run_stages
+    from gpudiag.present import (
         default_run_dir,
         prepare_run_dir,
         write_run_dir,
     )
-    from gpudiag.runner import RunOutput, run_stages
 
     if trials < 1:
         raise BadInput(f"--trials must be positive (got {trials})")
@@ -208,19 +209,23 @@ def run(
             stderr.print(f"[yellow]note:[/] {note}", soft_wrap=True)
 
     def save(output: RunOutput, *, final: bool = False) -> None:
-        # Plots take a second or two: only the last write draws them, so a Ctrl-C lands in a
-        # stage (and is recorded there), not inside a partial save.
+        # Partial writes (after each stage) keep what was measured; the final one, on a
+        # finished or interrupted run, carries the diagnosis. Plots take a second or two: only
+        # the last write draws them, so a Ctrl-C lands in a stage, not inside a partial save.
+        if final:
+            output.run.findings = evaluate(output.run)
         write_run_dir(run_dir, output.run, output.samples, plots=final)
 
     if trials > 1:
-        from gpudiag.rules import evaluate
-        from gpudiag.trialrun import run_trials
+        from gpudiag.diagnose.trials import merge_trials
+        from gpudiag.measure.trialrun import run_trials
 
         args = _run_args(config)
-        merged = run_trials(args, run_dir, trials, evidence_steps=config.evidence_steps,
-                            on_trial=lambda k, n: stderr.print(f"trial {k}/{n}"))
-        merged.run.findings = evaluate(merged.run)
-        output = RunOutput(merged.run, merged.samples)
+        done = run_trials(args, run_dir, trials, evidence_steps=config.evidence_steps,
+                          on_trial=lambda k, n: stderr.print(f"trial {k}/{n}"))
+        merged = merge_trials(done.runs)
+        merged.interrupted = merged.interrupted or done.interrupted
+        output = RunOutput(merged, done.samples)
     elif quiet:
         output = run_stages(config, notes=notes, on_stage_done=save, trace_dir=run_dir)
     else:
@@ -247,7 +252,7 @@ def run(
 
 def _print_run(run: RunResult) -> None:
     """The terminal view of a run: the stage table, stages that did not run, the diagnosis."""
-    from gpudiag.report import findings_panel, problems, stage_table
+    from gpudiag.present import findings_panel, problems, stage_table
 
     stdout.print(stage_table(run, width=stdout.width))
     for line in problems(run):
@@ -276,7 +281,7 @@ def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],
                                             dict[tuple[str | None, str], float]]:
     """`5` sets the default throughput limit, `stage=3` one stage's, `energy=10` or
     `memory=10` a metric's for every stage, `stage:energy=8` one stage's (percent)."""
-    from gpudiag.compare import GATED_METRICS
+    from gpudiag.diagnose.compare import GATED_METRICS
 
     default, per_stage, per_metric = 5.0, {}, {}
     for value in values:
@@ -298,7 +303,7 @@ def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],
 
 
 def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
-    from gpudiag.trials import load_run_set
+    from gpudiag.diagnose.trials import load_run_set
 
     return load_run_set(before), load_run_set(after)
 
@@ -317,8 +322,8 @@ def profile(
                                            "GPM), basic (NVML only) or off.")] = "full",
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
-    from gpudiag.profiling.session import profile_command
-    from gpudiag.report import (
+    from gpudiag.measure.profile.session import profile_command
+    from gpudiag.present import (
         default_run_dir,
         prepare_run_dir,
         write_run_dir,
@@ -333,6 +338,7 @@ def profile(
     run_dir = prepare_run_dir(out or default_run_dir("profile"))
     output = profile_command(command, run_dir, warmup=warmup, timed=timed, steps=steps,
                              telemetry=telemetry)
+    output.run.findings = evaluate(output.run)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import pandas as pd
 
@@ -352,11 +358,16 @@ def report(
                                         "(and save the findings into run.json).")] = False,
 ) -> None:
     """Re-render a saved run: the terminal view and report.md."""
-    from gpudiag.report import rerender_run_dir
+    from gpudiag.model.results import load_run
+    from gpudiag.present import rerender_run_dir
 
     if not (run_dir / "run.json").is_file():
         raise BadInput(f"{run_dir}: no run.json there")
-    _print_run(rerender_run_dir(run_dir, reevaluate=rules))
+    run = load_run(run_dir)
+    if rules:
+        run.findings = evaluate(run)
+    rerender_run_dir(run_dir, run, save=rules)
+    _print_run(run)
     stderr.print(f"Report: {run_dir / 'report.md'}", soft_wrap=True)
 
 
@@ -371,8 +382,8 @@ def compare(
     = False,
 ) -> None:
     """Compare two runs stage by stage: ratios with intervals, verdicts, findings."""
-    from gpudiag.compare import compare_runs
-    from gpudiag.report.compare import comparison_markdown, comparison_table, grouped_notes
+    from gpudiag.diagnose.compare import compare_runs
+    from gpudiag.present.compare import comparison_markdown, comparison_table, grouped_notes
 
     a, b = _load_pair(before, after)
     comparison = compare_runs(a, b, before_label=str(before), after_label=str(after))
@@ -411,8 +422,8 @@ def gate(
     """CI gate: exit 1 on a real regression, 0 on pass, 3 when more trials are needed."""
     import os
 
-    from gpudiag.compare import GATE_ALPHA, compare_runs, decide
-    from gpudiag.report.compare import gate_lines, gate_markdown
+    from gpudiag.diagnose.compare import GATE_ALPHA, compare_runs, decide
+    from gpudiag.present.compare import gate_lines, gate_markdown
 
     default, per_stage, per_metric = _parse_limits(max_regression or [])
     a, b = _load_pair(baseline, current)
@@ -453,8 +464,8 @@ def baseline_save(
     = Path(".gpudiag/baselines"),
 ) -> None:
     """Save a small, stable copy of a run (no traces, no evidence) as a gate baseline."""
-    from gpudiag.results import save_run
-    from gpudiag.trials import baseline_of, load_run_set
+    from gpudiag.diagnose.trials import baseline_of, load_run_set
+    from gpudiag.model.results import save_run
 
     if not name or "/" in name or name.startswith("."):
         raise BadInput(f"--name {name!r}: use a plain file name")
@@ -471,10 +482,11 @@ def env(
     """Show what gpudiag sees: GPU, driver, CUDA, torch, power limit, NVML/GPM, TF32 flags."""
     import dataclasses
 
-    from gpudiag.env import describe_environment
-    from gpudiag.report import env_table
+    from gpudiag.measure.env import describe_environment
+    from gpudiag.measure.plan import resolve_device
+    from gpudiag.present import env_table
 
-    environment = describe_environment(device)
+    environment = describe_environment(resolve_device(device))
     if as_json:
         stdout.print_json(json.dumps(dataclasses.asdict(environment)))
     else:
@@ -488,8 +500,8 @@ def rules(
                                            "documentation as markdown (docs/rules.md).")] = False,
 ) -> None:
     """List the diagnosis rules, or explain one: what it detects, thresholds, why, fix."""
-    from gpudiag.report import rule_panel, rules_markdown, rules_table
-    from gpudiag.rules import all_rules, find_rule
+    from gpudiag.diagnose import all_rules, find_rule
+    from gpudiag.present import rule_panel, rules_markdown, rules_table
 
     if markdown:
         typer.echo(rules_markdown(all_rules()), nl=False)
@@ -506,7 +518,7 @@ def rules(
 @app.command()
 def models() -> None:
     """List the models `gpudiag run --model` accepts."""
-    from gpudiag.models import model_specs
+    from gpudiag.measure.models import model_specs
 
     table = Table(title="Models", title_justify="left", header_style="bold")
     for column in ("name", "variants", "summary", "source"):

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
-from gpudiag.config import RunConfig, build_config
-from gpudiag.runner import RunOutput, run_stages
-from gpudiag.stages import DEFAULT_LADDER
-from gpudiag.telemetry.fake import fake_spec
+from gpudiag.measure.plan import build_config
+from gpudiag.measure.runner import RunOutput, run_stages
+from gpudiag.measure.stages import DEFAULT_LADDER
+from gpudiag.measure.telemetry.fake import fake_spec
+from gpudiag.model.config import RunConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 

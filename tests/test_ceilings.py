@@ -9,10 +9,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gpudiag.ceilings import compute_dtype, count_flops, datasheet_tflops, utilisation
 from gpudiag.cli import app
-from gpudiag.config import cpu_bf16_native
-from gpudiag.results import Env, RunResult, StageResult, load_run
+from gpudiag.diagnose.ceilings import compute_dtype, utilisation
+from gpudiag.measure.flops import count_flops
+from gpudiag.measure.plan import cpu_bf16_native
+from gpudiag.model.hardware import datasheet_tflops
+from gpudiag.model.results import Env, RunResult, StageResult, load_run
 
 runner = CliRunner()
 

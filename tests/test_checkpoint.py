@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.results import Env, RunResult, StageResult, load_run
-from gpudiag.rules import evaluate
-from gpudiag.spikes import detect_period, find_spikes, lost_share
+from gpudiag.diagnose import evaluate
+from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
+from gpudiag.model.results import Env, RunResult, StageResult, load_run
 
 runner = CliRunner()
 
@@ -213,7 +213,7 @@ def test_async_checkpoint_reads_back_as_the_training_state(tmp_path: Path) -> No
     fresh model and optimizer."""
     import torch
 
-    from gpudiag.stages.checkpoint import AsyncCheckpointer, load_flat_checkpoint
+    from gpudiag.measure.stages.checkpoint import AsyncCheckpointer, load_flat_checkpoint
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))

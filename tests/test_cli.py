@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.errors import EXIT_BAD_INPUT
+from gpudiag.model.errors import EXIT_BAD_INPUT
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]

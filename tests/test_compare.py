@@ -11,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.compare import compare_runs, decide
-from gpudiag.results import (
+from gpudiag.diagnose.compare import compare_runs, decide
+from gpudiag.diagnose.trials import merge_trials, steady_state
+from gpudiag.model.results import (
     Env,
     Finding,
     RunResult,
@@ -21,7 +22,6 @@ from gpudiag.results import (
     load_run,
     save_run,
 )
-from gpudiag.trials import merge_trials, steady_state
 
 runner = CliRunner()
 BATCH = 128

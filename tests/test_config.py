@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpudiag.config import PRESETS, build_config, cpu_bf16_native
-from gpudiag.errors import BadInput
-from gpudiag.stages import DEFAULT_LADDER
+from gpudiag.measure.plan import build_config, cpu_bf16_native
+from gpudiag.measure.stages import DEFAULT_LADDER
+from gpudiag.model.config import PRESETS
+from gpudiag.model.errors import BadInput
 
 
 def test_cpu_defaults_to_tiny_and_says_so() -> None:
@@ -24,7 +25,7 @@ def test_cpu_defaults_to_tiny_and_says_so() -> None:
 def test_cpu_mixed_precision_follows_native_bf16(monkeypatch: pytest.MonkeyPatch,
                                                  native: bool) -> None:
     """Each branch forced, whatever CPU runs the tests."""
-    monkeypatch.setattr("gpudiag.config.cpu_bf16_native", lambda: native)
+    monkeypatch.setattr("gpudiag.measure.plan.cpu_bf16_native", lambda: native)
     config, notes = build_config(model="dgca", device="cpu")
     assert config.amp_dtype == ("bf16" if native else "fp32")
     assert any("no native bf16" in n for n in notes) != native

@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.config import build_config
-from gpudiag.distributed.launch import _failure_line, launch_command, merge_parts
-from gpudiag.results import Env, Evidence, RunResult, StageResult, load_run
-from gpudiag.rules import evaluate
+from gpudiag.diagnose import evaluate
+from gpudiag.measure.plan import build_config
+from gpudiag.measure.stages.ddp.launch import _failure_line, launch_command, merge_parts
+from gpudiag.model.results import Env, Evidence, RunResult, StageResult, load_run
 
 runner = CliRunner()
 PARTS = Path(__file__).resolve().parent / "data" / "ddp-cpu-parts.json"
@@ -68,7 +68,7 @@ def test_straggler_is_the_rank_with_slow_compute() -> None:
 def test_launch_command_is_torchrun() -> None:
     single = launch_command(_config(), Path("c.json"), Path("out"))
     assert single[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"]
-    assert "--standalone" in single and single[-5:-4] == ["gpudiag.distributed.worker"]
+    assert "--standalone" in single and single[-5:-4] == ["gpudiag.measure.stages.ddp.worker"]
     multi = launch_command(_config(nnodes=2, node_rank=1, rdzv_endpoint="host:29400"),
                            Path("c.json"), Path("out"))
     assert multi[multi.index("--rdzv-endpoint") + 1] == "host:29400"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.errors import EXIT_INTERRUPTED
+from gpudiag.model.errors import EXIT_INTERRUPTED
 
 pytestmark = pytest.mark.slow
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from gpudiag.report import render_markdown, write_run_dir
-from gpudiag.results import load_run
-from gpudiag.runner import RunOutput, run_stages
-from gpudiag.stages import DEFAULT_LADDER
-from gpudiag.telemetry.fake import fake_spec
+from gpudiag.measure.runner import RunOutput, run_stages
+from gpudiag.measure.stages import DEFAULT_LADDER
+from gpudiag.measure.telemetry.fake import fake_spec
+from gpudiag.model.results import load_run
+from gpudiag.present import render_markdown, write_run_dir
 
 TRAINING_STAGES = ("train", "train-fp16", "data-train", "full-loop", "full-vectorized")
 
@@ -90,7 +90,7 @@ def test_bert_has_no_prompt_variants() -> None:
 
 FAILING_MODEL = '''
 import torch
-from gpudiag.models import ModelBundle
+from gpudiag.measure.models import ModelBundle
 
 class Exploding(torch.nn.Module):
     def __init__(self, error):

@@ -8,16 +8,17 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from gpudiag.config import TINY_SHAPE, cpu_bf16_native
-from gpudiag.errors import BadInput
-from gpudiag.models import ModelBundle, ModelOptions, model_specs, resolve_model
-from gpudiag.models.bert import CLS_ID, IGNORE_INDEX, MASK_ID, SEP_ID
-from gpudiag.models.dgca import (
+from gpudiag.measure.models import ModelBundle, ModelOptions, model_specs, resolve_model
+from gpudiag.measure.models.bert import CLS_ID, IGNORE_INDEX, MASK_ID, SEP_ID
+from gpudiag.measure.models.dgca import (
     apply_prompt_loop,
     apply_prompt_vectorized,
     relm_example,
     source_length_range,
 )
+from gpudiag.measure.plan import cpu_bf16_native
+from gpudiag.model.config import TINY_SHAPE
+from gpudiag.model.errors import BadInput
 
 OPTIONS = ModelOptions(shape=TINY_SHAPE, seq_len=64, prompt_length=3)
 
@@ -139,7 +140,7 @@ def test_bundle_loss_accepts_common_outputs() -> None:
 
 USER_MODEL = '''
 import torch
-from gpudiag.models import ModelBundle
+from gpudiag.measure.models import ModelBundle
 
 def factory(options):
     """A two-layer MLP regressor."""

@@ -12,10 +12,10 @@ from unittest.mock import MagicMock, create_autospec
 import pynvml
 import pytest
 
-from gpudiag.telemetry import nvml, reader
-from gpudiag.telemetry.nvml import open_gpu
-from gpudiag.telemetry.reader import TelemetryUnavailable
-from gpudiag.telemetry.readers import open_reader
+from gpudiag.measure.telemetry import nvml, reader
+from gpudiag.measure.telemetry.nvml import open_gpu
+from gpudiag.measure.telemetry.reader import TelemetryUnavailable
+from gpudiag.measure.telemetry.readers import open_reader
 
 HANDLE = object()  # an opaque device handle, as NVML gives
 MIB = 1024 * 1024

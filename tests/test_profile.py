@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.results import RunResult, load_run
+from gpudiag.model.results import RunResult, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -9,9 +9,9 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.report.files import read_samples
-from gpudiag.report.trace import build_trace
-from gpudiag.results import load_run
+from gpudiag.model.results import load_run
+from gpudiag.present.files import read_samples
+from gpudiag.present.trace import build_trace
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 runner = CliRunner()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.results import (
+from gpudiag.model.results import (
     SCHEMA_VERSION,
     Env,
     Finding,

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.errors import EXIT_BAD_INPUT
-from gpudiag.report import rules_markdown
-from gpudiag.rules import Rule, all_rules
+from gpudiag.diagnose import Rule, all_rules
+from gpudiag.model.errors import EXIT_BAD_INPUT
+from gpudiag.present import rules_markdown
 
 RULES_MD = Path(__file__).resolve().parent.parent / "docs" / "rules.md"
 SECTIONS = ("What it detects", "Thresholds", "Why it matters", "How to fix")

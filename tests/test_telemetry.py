@@ -18,10 +18,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpudiag.results import TelemetrySummary
-from gpudiag.telemetry import GPM_METRICS, Sampler, open_sampler, summarize_window
-from gpudiag.telemetry.fake import DEFAULT_GPM, fake_spec
-from gpudiag.telemetry.reader import THROTTLE_BITS
+from gpudiag.measure.telemetry import GPM_METRICS, Sampler, open_sampler, summarize_window
+from gpudiag.measure.telemetry.fake import DEFAULT_GPM, fake_spec
+from gpudiag.measure.telemetry.reader import THROTTLE_BITS
+from gpudiag.model.results import TelemetrySummary
 
 PERIOD_S = 0.02
 GPM_PERIOD_S = 0.1

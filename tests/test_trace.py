@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from gpudiag.evidence import analyze, capture_trace
-from gpudiag.evidence.source import annotation
-from gpudiag.evidence.trace import memcpy_kind
-from gpudiag.results import Evidence, SourceLine
+from gpudiag.measure.evidence import analyze, capture_trace
+from gpudiag.measure.evidence.source import annotation
+from gpudiag.measure.evidence.trace import memcpy_kind
+from gpudiag.model.results import Evidence, SourceLine
 
 Event = dict[str, Any]
 HOST_TID = 1

@@ -1,0 +1,38 @@
+"""Small readings of a run that several rules share."""
+
+from __future__ import annotations
+
+import statistics
+
+from gpudiag.model.results import RunResult, SourceLine, StageResult
+
+# The ladder's compute-bound rung: the ceiling other training stages are held against.
+REFERENCE_STAGE = "train-fp16"
+
+
+def reference_stage(run: RunResult, stage: StageResult) -> StageResult | None:
+    """train-fp16 when it ran (and is not `stage`), else the highest-power training stage."""
+    ref = run.stage(REFERENCE_STAGE)
+    if ref is not None and ref.ok and ref.name != stage.name:
+        return ref
+    others = [s for s in run.ok_stages() if s.name != stage.name
+              and s.telemetry.power_mean_w is not None and s.details.get("precision")]
+    return max(others, key=lambda s: s.telemetry.power_mean_w or 0.0, default=None)
+
+
+def data_wait_share(stage: StageResult) -> float:
+    waits = stage.phases_ms.get("data_wait")
+    if not waits or not stage.ms_per_iter:
+        return 0.0
+    return statistics.median(waits) / stage.ms_per_iter
+
+
+def device_ops(line: SourceLine, backend: str) -> float:
+    """Device work per step from a line: kernels and copies on a GPU, operator calls on a CPU."""
+    if backend == "cuda":
+        return line.kernels_per_step + line.memcpys_per_step
+    return line.ops_per_step
+
+
+def pct(value: float) -> str:
+    return f"{value:.0%}"

@@ -1,0 +1,359 @@
+"""The host feeding the GPU: Python loops of tiny ops, starved GPUs, syncs, small kernels."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from gpudiag.diagnose.common import data_wait_share, device_ops, pct, reference_stage
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
+
+LOOP_MIN_CALLS, LOOP_MIN_OPS, LOOP_WARNING, LOOP_CRITICAL = 64, 100, 0.10, 0.40
+IDLE_WARNING, IDLE_CRITICAL, MAX_DATA_WAIT = 0.25, 0.50, 0.10
+SYNC_MIN, SYNC_WARNING, SYNC_CRITICAL = 4, 0.05, 0.30
+SMALL_MIN_KERNELS, SMALL_SHORT_SHARE, SMALL_IDLE, SMALL_MAX_SM = 500, 0.5, 0.20, 40
+
+LOOP_RULE_THRESHOLDS = (
+    Threshold("min_direct_calls_per_step", LOOP_MIN_CALLS,
+              "a per-layer loop of a 12-48 layer model calls each line 12-48 times per step; a "
+              "loop over batch elements calls it batch-size times or more"),
+    Threshold("min_device_ops_per_step", LOOP_MIN_OPS,
+              "below a hundred launches a line costs at most about a millisecond of host time"),
+    Threshold("warning_share", LOOP_WARNING, "a tenth of the step is worth a code change"),
+    Threshold("critical_share", LOOP_CRITICAL,
+              "the loop costs more than the rest of the step's host work"),
+)
+
+
+def loop_line(stage: StageResult) -> SourceLine | None:
+    """The line a per-element Python loop issues its device work from, if there is one."""
+    if stage.evidence is None:
+        return None
+    backend = stage.evidence.backend
+    candidates = [
+        s for s in stage.evidence.source_lines
+        if s.in_loop
+        and s.direct_calls_per_step >= LOOP_MIN_CALLS
+        and device_ops(s, backend) >= LOOP_MIN_OPS
+    ]
+    return max(candidates, key=lambda s: device_ops(s, backend), default=None)
+
+
+@rule(
+    "GD101", "python-loop-launches", concern="launch",
+    summary="Many tiny device ops issued per step from one line inside a Python loop.",
+    why=("Every eager op costs microseconds of host time to launch, and indexing with a device "
+         "tensor as a Python index reads it back (a blocking sync). A loop over batch elements "
+         "turns one op into thousands, and the GPU waits for the host: the seed report's "
+         "DGCA-ReLM lost 2.2x this way in `_apply_prompt`."),
+    fix=("Replace the loop with one indexed op over the whole batch (masked_scatter, "
+         "index_put/advanced indexing with index tensors, scatter_, masked_fill); where shapes "
+         "are static, torch.compile or CUDA graphs remove the remaining launch overhead."),
+    thresholds=LOOP_RULE_THRESHOLDS,
+    references=("SEEDS.md section 1 (DGCA-ReLM _apply_prompt)",
+                "https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs"),
+)
+def python_loop_launches(run: RunResult) -> Iterator[Draft]:
+    """A line inside a for/while loop that calls torch itself at least 64 times per step and
+    issues at least 100 device ops (kernels and copies; operator calls on a CPU)."""
+    for stage in run.stages_with_evidence():
+        line = loop_line(stage)
+        if line is None:
+            continue
+        ev = stage.evidence
+        assert ev is not None
+        cuda = ev.backend == "cuda"
+        ops = device_ops(line, ev.backend)
+        share = line.share_of_step_time
+        impact, twin = loop_price(run, stage, line)
+        evidence: dict[str, object] = {
+            "function": line.function,
+            "torch_calls_per_step": round(line.direct_calls_per_step, 1),
+            "device_ops_per_step": round(ops, 1),
+            "operators_per_step": round(line.ops_per_step, 1),
+            "host_syncs_per_step": round(line.syncs_per_step, 1),
+            "share_of_step_time": round(share, 3),
+            "step_device_ops": round(ev.kernels_per_step + sum(ev.memcpy_per_step.values())
+                                     if cuda else ev.ops_per_step, 1),
+            "speedup_if_removed": round(1 / (1 - min(share, 0.95)), 2),
+        }
+        if line.median_kernel_us is not None:
+            evidence["median_kernel_us"] = round(line.median_kernel_us, 2)
+        price = f"{pct(share)} of the profiled step"
+        if twin is not None:
+            speedup = sustained_ms(stage) / sustained_ms(twin)
+            evidence.update(counterfactual_stage=twin.name,
+                            counterfactual_speedup=round(speedup, 2),
+                            counterfactual_device_ops_per_step=round(_device_ops(twin), 1))
+            price = (f"{twin.name} runs {speedup:.1f}x faster with "
+                     f"{_device_ops(twin):,.0f} device ops per step")
+        what = (f"{ops:,.0f} device ops and {line.syncs_per_step:,.0f} host syncs per step"
+                if cuda else f"{ops:,.0f} operator calls per step "
+                             f"({line.syncs_per_step:,.0f} would block the host on a GPU)")
+        yield Draft(
+            severity=loop_severity(impact),
+            stage=stage.name,
+            title=(f"{what} come from one line inside a Python loop in {line.function}(); "
+                   f"{price}"),
+            location=line.location,
+            impact=impact,
+            evidence=evidence,
+            fix=(f"Vectorize the loop in {line.function}(): write all elements with one op, e.g. "
+                 "x = x.masked_scatter(mask[..., None], values.expand(batch, -1, -1)) or "
+                 "x[rows, cols] = values with index tensors, instead of one assignment per "
+                 "element; never use a 0-dim device tensor as a Python index (each use is a "
+                 "blocking device-to-host read). With static shapes, torch.compile or CUDA "
+                 "graphs also remove per-op launch cost."),
+        )
+
+
+def loop_price(run: RunResult, stage: StageResult,
+               line: SourceLine) -> tuple[float, StageResult | None]:
+    """What the loop costs (share of the step at stake) and the twin that measured it. A
+    measured counterfactual beats the in-window share, which profiler overhead on every other
+    call dilutes."""
+    twin = _counterfactual(run, stage)
+    if twin is None or twin.evidence is None:
+        return line.share_of_step_time, None
+    return max(0.0, 1 - sustained_ms(twin) / sustained_ms(stage)), twin
+
+
+def sustained_ms(stage: StageResult) -> float:
+    """Lower-quartile step time: robust to host interference, which only ever adds time."""
+    return stage.timing.p25_ms if stage.timing else stage.ms_per_iter or 0.0
+
+
+def loop_severity(impact: float) -> Severity:
+    return severity_for(impact, warning=LOOP_WARNING, critical=LOOP_CRITICAL)
+
+
+def _counterfactual(run: RunResult, stage: StageResult) -> StageResult | None:
+    """The stage's declared twin without the problem (full-loop: full-vectorized), if it ran."""
+    name = stage.details.get("counterfactual")
+    twin = run.stage(name) if isinstance(name, str) else None
+    if twin is None or not twin.ok or not twin.ms_per_iter or not stage.ms_per_iter:
+        return None
+    return twin
+
+
+def _device_ops(stage: StageResult) -> float:
+    ev = stage.evidence
+    if ev is None:
+        return 0.0
+    if ev.backend == "cuda":
+        return ev.kernels_per_step + sum(ev.memcpy_per_step.values())
+    return ev.ops_per_step
+
+
+STARVED_THRESHOLDS = (
+    Threshold("warning_idle_fraction", IDLE_WARNING,
+              "a quarter of the step with nothing running on the GPU, beyond what the run's "
+              "reference stage idles, is not launch jitter"),
+    Threshold("critical_idle_fraction", IDLE_CRITICAL, "the GPU waits more than it works"),
+    Threshold("max_data_wait_share", MAX_DATA_WAIT,
+              "above this the input-pipeline rule explains the idle time instead"),
+)
+
+
+@rule(
+    "GD102", "gpu-starved", concern="launch",
+    summary="The GPU sits idle for much of each step while the host prepares work.",
+    why=("Power far below the ceiling that the same run's compute-bound stage reached, and "
+         "device idle time inside the step, mean the host (Python, launches, syncs) sets the "
+         "pace. NVML's utilization does not show it: it counts any kernel as busy."),
+    fix=("Remove host work from the step: the loop and sync findings name the lines; batch "
+         "small ops, avoid per-step .item()/.cpu(), use CUDA graphs or torch.compile."),
+    thresholds=STARVED_THRESHOLDS,
+    references=("SEEDS.md section 1 (stage 6 vs stage 3)", "REFERENCE.md stage ladder"),
+)
+def gpu_starved(run: RunResult) -> Iterator[Draft]:
+    """GPU idle (no kernel or copy running) for a quarter of the timed step more than the run's
+    reference stage (train-fp16: the same training recipe, compute-bound), from the profiled
+    window's device timeline, when data loading does not explain it. A Python loop finding on
+    the same stage is the cause, so this finding then never ranks above it."""
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        idle = ev.idle_fraction
+        if idle is None or data_wait_share(stage) >= MAX_DATA_WAIT:
+            continue
+        ref = reference_stage(run, stage)
+        ref_idle = (ref.evidence.idle_fraction if ref is not None and ref.evidence is not None
+                    else None) or 0.0
+        excess = idle - ref_idle
+        if excess < IDLE_WARNING:
+            continue
+        evidence: dict[str, object] = {"idle_fraction": round(idle, 3),
+                                       "idle_beyond_reference": round(excess, 3),
+                                       "kernel_active_pct": stage.telemetry.kernel_active_pct,
+                                       "sm_active_pct": stage.telemetry.gpm.get("sm_active_pct"),
+                                       "power_mean_w": stage.telemetry.power_mean_w,
+                                       "launches_per_step": round(ev.launches_per_step, 1),
+                                       "syncs_per_step": round(ev.syncs_per_step, 1)}
+        title = f"GPU idle {pct(idle)} of each step: the host, not the GPU, sets the pace"
+        if ref is not None and ref.ms_per_iter and stage.ms_per_iter:
+            slowdown = stage.ms_per_iter / ref.ms_per_iter
+            evidence.update(reference_stage=ref.name, slowdown_vs_reference=round(slowdown, 2))
+            gap = None
+            if ref.telemetry.power_mean_w and stage.telemetry.power_mean_w:
+                gap = ref.telemetry.power_mean_w - stage.telemetry.power_mean_w
+                evidence.update(reference_power_w=ref.telemetry.power_mean_w,
+                                power_gap_w=round(gap, 1))
+            power = f" at {gap:.0f} W less" if gap is not None and gap > 0 else ""
+            title = (f"{stage.name} is {slowdown:.1f}x slower than {ref.name}{power}, GPU idle "
+                     f"{pct(idle)} of each step: the host, not the data, is the bottleneck")
+        severity = severity_for(excess, warning=IDLE_WARNING, critical=IDLE_CRITICAL)
+        impact = excess
+        loop = loop_line(stage)
+        if loop is not None:
+            # The loop is the cause: this symptom never ranks above its finding.
+            loop_impact, _ = loop_price(run, stage, loop)
+            title += f"; the Python loop at {loop.location} is why (see GD101)"
+            impact = min(excess, loop_impact)
+            severity = min(severity, loop_severity(loop_impact), key=SEVERITY_RANK.__getitem__)
+        yield Draft(
+            severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
+            fix=("Look at this stage's loop and sync findings first: they name the lines that "
+                 "keep the host busy. Then batch small ops, remove per-step host syncs, and "
+                 "capture the step with CUDA graphs or torch.compile where shapes are static."),
+        )
+
+
+SYNC_THRESHOLDS = (
+    Threshold("min_syncs_per_step", SYNC_MIN,
+              "GradScaler's inf check and one logged loss.item() are 1-2 syncs per step"),
+    Threshold("warning_idle_share", SYNC_WARNING,
+              "the GPU idles 5% of the step after syncs, waiting for the host to refill its "
+              "queue (host time blocked while the GPU works costs nothing)"),
+    Threshold("critical_idle_share", SYNC_CRITICAL, "the step mostly idles after syncs"),
+)
+
+
+@rule(
+    "GD103", "host-syncs", concern="launch",
+    summary="Host-device synchronisations every step (.item(), .cpu(), nonzero, bool(tensor)).",
+    why=("A sync drains the GPU's queue: the host stops queueing work ahead and the GPU idles "
+         "while the host catches up. One per step is cheap; many per step serialise host and "
+         "device."),
+    fix=("Keep values on the device (accumulate losses and metrics as tensors, read them every "
+         "N steps); replace data-dependent Python control flow with torch.where / masked ops; "
+         "avoid .nonzero() and boolean indexing in the step."),
+    thresholds=SYNC_THRESHOLDS,
+    references=("https://pytorch.org/docs/stable/generated/torch.cuda.set_sync_debug_mode.html",),
+)
+def host_syncs(run: RunResult) -> Iterator[Draft]:
+    """At least 4 syncs per step that a Python loop finding does not already account for. On a
+    CPU run the count is what would block on a GPU, reported as information only."""
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        cuda = ev.backend == "cuda"
+        loop = loop_line(stage)
+        # On a CPU, operators that would sync on a GPU are counted; library internals (e.g. a
+        # single-tensor optimizer's step counters) would not sync there, so only lines that call
+        # torch themselves count.
+        lines = sorted((s for s in ev.source_lines if s.syncs_per_step > 0 and s is not loop
+                        and (cuda or s.direct_calls_per_step > 0)),
+                       key=lambda s: s.syncs_per_step, reverse=True)
+        remaining = (ev.syncs_per_step - (loop.syncs_per_step if loop else 0.0) if cuda
+                     else sum(s.syncs_per_step for s in lines))
+        if remaining < SYNC_MIN or not lines:
+            continue
+        # What syncs cost is the device idle they leave behind, as a share of the profiled step
+        # (instrumentation slows the host's refill and the step alike).
+        idle = sum(s.sync_idle_ms_per_step for s in lines)
+        cost = idle / ev.step_ms if cuda and ev.step_ms else 0.0
+        top = lines[0]
+        yield Draft(
+            severity=severity_for(cost, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
+                                  cap="critical" if cuda else "info"),
+            stage=stage.name,
+            title=(f"{remaining:.0f} host-device syncs per step"
+                   + (f" leave the GPU idle {pct(cost)} of the step" if cuda else "")
+                   + f"; most from {top.function} ({top.syncs_per_step:.0f}/step)"),
+            location=top.location,
+            impact=min(cost, 1.0),
+            evidence={"syncs_per_step": round(remaining, 1),
+                      "blocked_ms_per_step": round(ev.sync_ms_per_step, 2),
+                      "idle_after_syncs_ms_per_step": round(idle, 2),
+                      "lines": {s.location: round(s.syncs_per_step, 1) for s in lines[:5]}},
+            fix=(f"At {top.location}: keep the value on the device instead of reading it back "
+                 "every step (log every N steps; use torch.where or masks instead of Python "
+                 "branches on tensors; avoid .item(), .cpu(), .nonzero())."),
+        )
+
+
+SMALL_MAX_COLLECTIVE_SHARE = 0.3
+
+
+def _larger_batch(run: RunResult, stage: StageResult) -> str:
+    batch = stage.samples_per_step or run.config.get("batch_size")
+    return f"a larger batch than {batch}" if batch else "a larger batch"
+
+
+SMALL_WORK_THRESHOLDS = (
+    Threshold("min_kernels_per_step", SMALL_MIN_KERNELS,
+              "enough launches for their overhead to add up"),
+    Threshold("min_short_kernel_share", SMALL_SHORT_SHARE, "most kernels shorter than 10 us"),
+    Threshold("min_idle_fraction", SMALL_IDLE, "the GPU idles between those kernels"),
+    Threshold("max_sm_active_pct", SMALL_MAX_SM,
+              "GPM SM activity this low while kernels run nearly all the time: too little "
+              "work per kernel to fill the SMs"),
+    Threshold("max_collective_share", SMALL_MAX_COLLECTIVE_SHARE,
+              "... unless collectives hold this share of the device's busy time"),
+)
+
+
+@rule(
+    "GD104", "small-work-per-launch", concern="launch",
+    summary="Kernels too short or too small to keep the GPU busy (launch-bound, small batch).",
+    why=("A kernel launch costs several microseconds of host time; kernels shorter than that "
+         "leave the GPU waiting between launches, and kernels too small to fill the SMs leave "
+         "most of the chip idle even when NVML says 'utilized'."),
+    fix=("Raise the work per kernel: larger batch (or gradient accumulation over a larger "
+         "micro-batch), fused ops, torch.compile, CUDA graphs for static shapes."),
+    thresholds=SMALL_WORK_THRESHOLDS,
+)
+def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
+    """Either many short kernels with the GPU idle between them (not explained by a Python
+    loop finding), or kernels running nearly all the time with GPM SM activity under 40%."""
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        if ev.backend != "cuda" or loop_line(stage) is not None:
+            continue
+        idle = ev.idle_fraction or 0.0
+        short = ev.short_kernels_per_step / ev.kernels_per_step if ev.kernels_per_step else 0.0
+        if (ev.kernels_per_step >= SMALL_MIN_KERNELS and short >= SMALL_SHORT_SHARE
+                and idle >= SMALL_IDLE):
+            yield Draft(
+                severity=severity_for(idle, warning=SMALL_IDLE, critical=IDLE_CRITICAL),
+                stage=stage.name,
+                title=(f"{ev.kernels_per_step:,.0f} kernels per step, {pct(short)} shorter than "
+                       f"10 us, GPU idle {pct(idle)}: launch-bound"),
+                impact=idle,
+                evidence={"kernels_per_step": round(ev.kernels_per_step, 1),
+                          "short_kernel_share": round(short, 3), "idle_fraction": round(idle, 3),
+                          "top_ops_by_count": ev.top_ops_by_count[:5]},
+                fix=("Fuse the small ops (torch.compile), capture the step in a CUDA graph "
+                     "(torch.cuda.graphs / mode='reduce-overhead'), or give each kernel more "
+                     f"work: {_larger_batch(run, stage)}."),
+            )
+        sm = stage.telemetry.gpm.get("sm_active_pct")
+        active = stage.telemetry.kernel_active_pct
+        # NCCL kernels occupy a few SMs while they wait for data: kernel-active time with low SM
+        # activity is then the all-reduce (the DDP rules' concern), not small kernels.
+        collectives = ev.collective_wall_ms_per_step / (ev.device_busy_ms_per_step or math.inf)
+        if (sm is not None and active is not None and active >= 80 and sm < SMALL_MAX_SM
+                and collectives < SMALL_MAX_COLLECTIVE_SHARE):
+            yield Draft(
+                severity="warning", stage=stage.name,
+                title=(f"Kernels run {active:.0f}% of the time but keep only {sm:.0f}% of SMs "
+                       "busy: too little work per kernel"),
+                impact=max(0.0, 1 - sm / 100) * 0.5,  # at most half recoverable, a rough bound
+                evidence={"kernel_active_pct": active, "sm_active_pct": sm,
+                          "batch_size": stage.samples_per_step or run.config.get("batch_size")},
+                fix=(f"Increase the batch ({_larger_batch(run, stage)}) or sequence "
+                     "length per step, or fuse ops so each kernel does more work."),
+            )

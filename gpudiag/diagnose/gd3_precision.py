@@ -1,0 +1,158 @@
+"""Precision: fp32 matmuls without TF32, fp32 fallbacks inside autocast, idle tensor pipes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.diagnose.common import REFERENCE_STAGE, pct
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.results import RunResult, StageResult
+
+# fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper
+# (67 vs 495 TFLOP/s dense, TELEMETRY.md); what TF32/autocast can win is most of their time.
+RECOVERABLE_FP32_MATMUL = 0.8
+FP32_MIN_SHARE, FP32_WARNING = 0.30, 0.10
+FALLBACK_MIN_SHARE, FALLBACK_WARNING = 0.10, 0.05
+TENSOR_MAX_PCT, TENSOR_MIN_MATMUL, TENSOR_MAX_IDLE = 10, 0.30, 0.25
+
+
+def _matmul_share(stage: StageResult, dtype: str) -> tuple[float, float]:
+    """(ms of `dtype` matmuls per step, their share of all kernel time)."""
+    ev = stage.evidence
+    if ev is None or not ev.device_ms_per_step:
+        return 0.0, 0.0
+    ms = ev.matmul_ms_by_dtype.get(dtype, 0.0)
+    return ms, ms / ev.device_ms_per_step
+
+
+def _tensor_core_gpu(run: RunResult) -> bool:
+    cc = run.env.compute_capability
+    return cc is not None and float(cc) >= 8.0
+
+
+@rule(
+    "GD301", "fp32-matmul", concern="precision",
+    summary="fp32 matmuls with TF32 off and no autocast on a tensor-core GPU.",
+    why=("Ampere and newer GPUs run fp32 matmuls on the matrix units only as TF32 (or in "
+         "fp16/bf16 under autocast); with TF32 off they use the far slower fp32 pipes: on an "
+         "H100, 67 against 495 (TF32) or 989 (bf16) dense TFLOP/s."),
+    fix=("torch.backends.cuda.matmul.allow_tf32 = True (or "
+         "torch.set_float32_matmul_precision('high')) and torch.backends.cudnn.allow_tf32 = "
+         "True; better, train under torch.autocast with bf16 or fp16."),
+    thresholds=(Threshold("min_fp32_matmul_share", FP32_MIN_SHARE,
+                          "fp32 matmuls take at least 30% of kernel time"),),
+    references=("https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices",),
+)
+def fp32_matmul(run: RunResult) -> Iterator[Draft]:
+    """On compute capability 8.0+, with TF32 matmul off, fp32 matmuls take 30%+ of kernel time
+    in a stage without autocast. The ladder's deliberate fp32 rungs get information only."""
+    if not _tensor_core_gpu(run) or run.env.tf32_matmul:
+        return
+    for stage in run.stages_with_evidence():
+        if stage.details.get("precision") not in (None, "fp32"):
+            continue
+        ms, share = _matmul_share(stage, "fp32")
+        if share < FP32_MIN_SHARE:
+            continue
+        impact = share * RECOVERABLE_FP32_MATMUL
+        evidence: dict[str, object] = {"fp32_matmul_ms_per_step": round(ms, 2),
+                                       "share_of_kernel_time": round(share, 3),
+                                       "tf32_matmul": run.env.tf32_matmul}
+        ref = run.stage(REFERENCE_STAGE)
+        note = ""
+        if (ref is not None and ref.ok and ref.ms_per_iter and stage.ms_per_iter
+                and stage.details.get("mode") != "inference"):
+            evidence["mixed_precision_speedup_in_this_run"] = round(
+                stage.ms_per_iter / ref.ms_per_iter, 2)
+            note = f"; {ref.name} runs {stage.ms_per_iter / ref.ms_per_iter:.1f}x faster here"
+        deliberate = bool(stage.details.get("deliberate_fp32"))
+        yield Draft(
+            severity="info" if deliberate else severity_for(impact, warning=FP32_WARNING),
+            stage=stage.name,
+            title=(f"fp32 matmuls with TF32 off take {pct(share)} of kernel time{note}"
+                   + (" (the ladder's fp32 rung, by design)" if deliberate else "")),
+            impact=impact,
+            evidence=evidence,
+            fix=("Enable TF32 (torch.backends.cuda.matmul.allow_tf32 = True; "
+                 "torch.backends.cudnn.allow_tf32 = True) or train under "
+                 "torch.autocast('cuda', dtype=torch.bfloat16)."),
+        )
+
+
+@rule(
+    "GD302", "autocast-fp32-fallback", concern="precision",
+    summary="Matmuls that still run in fp32 inside an autocast region.",
+    why=("autocast casts matmul inputs to fp16/bf16, unless they are computed outside the region, "
+         "in a custom op, or on inputs autocast does not touch; such matmuls lose the matrix "
+         "units' rate."),
+    fix=("Find the fp32 matmuls (the profiler's top ops) and run them inside the autocast "
+         "region, or cast their inputs explicitly."),
+    thresholds=(Threshold("min_fp32_share_of_matmul", FALLBACK_MIN_SHARE,
+                          "a tenth of matmul time left in fp32"),),
+)
+def autocast_fp32_fallback(run: RunResult) -> Iterator[Draft]:
+    """On a tensor-core GPU, in an autocast stage, fp32 matmuls are 10%+ of matmul time."""
+    if not _tensor_core_gpu(run):
+        return
+    for stage in run.stages_with_evidence():
+        precision = stage.details.get("precision", "")
+        if not str(precision).endswith("autocast") or stage.evidence is None:
+            continue
+        by_dtype = stage.evidence.matmul_ms_by_dtype
+        total = sum(by_dtype.values())
+        fp32 = by_dtype.get("fp32", 0.0)
+        if not total or fp32 / total < FALLBACK_MIN_SHARE:
+            continue
+        _, kernel_share = _matmul_share(stage, "fp32")
+        yield Draft(
+            severity=severity_for(kernel_share, warning=FALLBACK_WARNING),
+            stage=stage.name,
+            title=(f"{pct(fp32 / total)} of matmul time still runs in fp32 under {precision}"),
+            impact=kernel_share * RECOVERABLE_FP32_MATMUL,
+            evidence={"matmul_ms_by_dtype": {k: round(v, 3) for k, v in by_dtype.items()}},
+            fix=("Move those matmuls inside torch.autocast, or cast their inputs to "
+                 f"{str(precision).split('-')[0]} explicitly."),
+        )
+
+
+@rule(
+    "GD303", "low-tensor-activity", concern="precision",
+    summary="Matmul-heavy mixed-precision stage with the tensor pipes mostly idle (GPM).",
+    why=("GPM's tensor-pipe activity says how much of the time the matrix units worked; when "
+         "matmuls dominate the kernels but this stays low, they are too small or memory-bound."),
+    fix="Larger matmuls (batch, hidden sizes multiple of 64), fused attention, fewer reshapes.",
+    thresholds=(Threshold("max_tensor_active_pct", TENSOR_MAX_PCT,
+                          "tensor pipes busy under 10% of the time"),
+                Threshold("min_matmul_share", TENSOR_MIN_MATMUL, "matmuls are 30%+ of kernel time"),
+                Threshold("max_idle_fraction", TENSOR_MAX_IDLE,
+                          "a starved GPU idles its tensor pipes for other reasons")),
+)
+def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
+    """GPM tensor activity under 10% in an autocast stage where matmuls take 30%+ of kernel
+    time and the GPU is not starved (idle under 25%): information, with the stage's MFU
+    against the measured (peak stage) or datasheet ceiling when FLOPs were counted."""
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        tensor = stage.telemetry.gpm.get("tensor_active_pct")
+        if (ev is None or tensor is None or tensor >= TENSOR_MAX_PCT
+                or not str(stage.details.get("precision", "")).endswith("autocast")
+                or (ev.idle_fraction or 0.0) >= TENSOR_MAX_IDLE or not ev.device_ms_per_step):
+            continue
+        share = sum(ev.matmul_ms_by_dtype.values()) / ev.device_ms_per_step
+        if share < TENSOR_MIN_MATMUL:
+            continue
+        use = utilisation(run, stage)
+        mfu = use["mfu"] if use else None
+        ceiling = (f"; the stage runs at {mfu:.0%} of {use['ceiling']} {use['dtype']} peak"
+                   if use and mfu is not None else "")
+        yield Draft(
+            severity="info", stage=stage.name,
+            title=(f"Tensor pipes active {tensor:.0f}% while matmuls are {pct(share)} of "
+                   f"kernels{ceiling}"),
+            impact=0.0,
+            evidence={"tensor_active_pct": tensor, "matmul_share": round(share, 3),
+                      "mfu": None if mfu is None else round(mfu, 3),
+                      "achieved_tflops": None if use is None else round(use["tflops"], 1)},
+            fix="Make matmuls larger (batch, sequence) and dimensions multiples of 64.",
+        )

@@ -1,0 +1,50 @@
+"""GD6xx, the measurement itself: timings too unstable to compare."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+
+from gpudiag.diagnose.registry import Draft, Threshold, rule
+from gpudiag.model.results import RunResult
+
+SHIFT_LIMIT = 1.25
+MIN_STEPS_FOR_SHIFT = 20
+
+
+@rule(
+    "GD601", "unstable-timing", concern="measurement",
+    summary="Step times shifted within a stage: its figures are not one steady measurement.",
+    why=("A level shift in step times with steady clocks means something outside the workload "
+         "(another process, CPU steal on a shared host, a background job) took the host or GPU "
+         "for a while. Medians and ratios from such a stage describe the interference too."),
+    fix=("Rerun on a quiet machine, or with --trials N so that comparisons rest on several "
+         "fresh processes; look for other jobs on the host (nvidia-smi, top)."),
+    thresholds=(Threshold("max_block_shift", SHIFT_LIMIT,
+                          "the slowest block of 5 steps' median over the fastest's"),
+                Threshold("min_steps", MIN_STEPS_FOR_SHIFT, "enough steps to form blocks")),
+)
+def unstable_timing(run: RunResult) -> Iterator[Draft]:
+    """Blocks of 5 consecutive timed steps whose medians differ by more than 25%, in a stage of
+    at least 20 steps whose clocks did not throttle (throttling has its own rule) and whose
+    steps are not bursty by nature (a prefetching DataLoader). Information: it is about the
+    measurement, not time the code loses; compare and gate read it through their intervals."""
+    for stage in run.ok_stages():
+        times = stage.iter_ms
+        if (len(times) < MIN_STEPS_FOR_SHIFT or stage.telemetry.throttle_share.get("hw_thermal")
+                or stage.details.get("ms_per_iter_statistic") == "mean"):
+            continue
+        blocks = [statistics.median(times[i:i + 5]) for i in range(0, len(times) - 4, 5)]
+        fast, slow = min(blocks), max(blocks)
+        if fast <= 0 or slow / fast <= SHIFT_LIMIT:
+            continue
+        yield Draft(
+            severity="info", stage=stage.name,
+            title=(f"Step times shifted from {fast:.1f} to {slow:.1f} ms within the stage: "
+                   "outside interference; its figures are not one steady measurement"),
+            impact=0.0,
+            evidence={"fastest_block_ms": round(fast, 2), "slowest_block_ms": round(slow, 2),
+                      "shift": round(slow / fast, 2), "steps": len(times),
+                      "sm_clock_mhz_min": stage.telemetry.sm_clock_mhz_min},
+            fix="Rerun on a quiet machine, or with --trials N before comparing this stage.",
+        )

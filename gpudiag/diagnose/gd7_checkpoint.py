@@ -1,0 +1,281 @@
+"""Checkpoint rules: saves that stall training, and asynchronous saves that still get in its way
+(SEEDS.md section 4)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gpudiag.diagnose.common import pct, reference_stage
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
+from gpudiag.model.results import RunResult, StageResult
+
+MIN_STEPS = 20
+INFO_LOST = 0.01  # below 1% of wall time a stall is not worth a line
+WARNING_LOST = 0.05
+CRITICAL_LOST = 0.20
+TARGET_OVERHEAD = 0.03  # the checkpoint overhead the advised interval aims for
+CONTENTION_SLOWDOWN = 0.10  # steps during a write this much slower than steps without one
+MIN_STEPS_PER_SIDE = 3
+WAIT_NOISE_MS = 1.0  # waits shorter than this are bookkeeping, not a queue
+
+
+@dataclass
+class Save:
+    step: int
+    blocking_ms: float
+    waited_ms: float
+    total_ms: float | None
+    bytes: int | None
+    write_gbps: float | None
+
+
+def _saves(stage: StageResult) -> tuple[str | None, int | None, list[Save]]:
+    """(mode, every, saves) from the stage's save records, if it has them."""
+    info: dict[str, Any] = stage.details.get("checkpoint") or {}
+    saves = [Save(step=int(r["step"]), blocking_ms=float(r["blocking_ms"]),
+                  waited_ms=float(r.get("waited_ms") or 0.0), total_ms=r.get("total_ms"),
+                  bytes=r.get("bytes"), write_gbps=r.get("write_gbps"))
+             for r in info.get("saves", []) if 0 <= int(r["step"]) < len(stage.iter_ms)]
+    return info.get("mode"), info.get("every"), saves
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+@dataclass
+class Stalls:
+    source: str  # "save records" or "step times alone"
+    period_steps: int | None
+    saves: int
+    baseline_ms: float  # the step without a save
+    stall_ms: float  # extra time per save, on the steps the save held up
+    lost: float  # that extra time over the time steady steps would take
+    checkfreq_lost: float  # CheckFreq's overhead over the stage's median: all slow steps
+
+    @property
+    def interval_for_target(self) -> int:
+        """Steps between saves that would keep the overhead at TARGET_OVERHEAD."""
+        return max(1, math.ceil(self.stall_ms / (TARGET_OVERHEAD * self.baseline_ms)))
+
+
+def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
+    """With save records: the excess of the saving steps over the median step without a save
+    (signed, so noise cancels). For async saves no more than the time the training thread was
+    held in the save call: the rest of what an async writer costs (the GIL, cores, copies
+    competing with training) is contention, priced by checkpoint-async-contention. Without
+    records: the excess of spikes that recur with one period over the median step."""
+    times = stage.iter_ms
+    mode, every, saves = _saves(stage)
+    if saves:
+        held = {s.step for s in saves}
+        baseline = _median([t for i, t in enumerate(times) if i not in held])
+        if baseline is None:  # a save every step: hold it against the same model's step
+            ref = reference_stage(run, stage)
+            baseline = ref.ms_per_iter if ref is not None else None
+        if not baseline:
+            return None
+        excess = sum(times[i] - baseline for i in held)
+        if mode == "async":
+            excess = min(excess, sum(s.blocking_ms for s in saves))
+        return Stalls("save records", every, len(saves), baseline, excess / len(saves),
+                      excess / (baseline * len(times)), lost_share(times))
+    if stage.details.get("ms_per_iter_statistic") == "mean":
+        return None  # bursty by nature (a prefetching DataLoader): its spikes are not saves
+    waits = stage.phases_ms.get("data_wait", [])
+    if len(waits) == len(times):  # periodic data stalls belong to the input rules
+        times = [t - w for t, w in zip(times, waits, strict=True)]
+    spikes = find_spikes(times)
+    period = detect_period(spikes.indices, len(times))
+    if period is None:
+        return None
+    excess = sum(e for i, e in zip(spikes.indices, spikes.excess_ms, strict=True)
+                 if i % period.steps == period.phase)
+    return Stalls("step times alone", period.steps, period.hits, spikes.median_ms,
+                  excess / period.hits, excess / (spikes.median_ms * len(times)),
+                  lost_share(times))
+
+
+@rule(
+    "GD701", "checkpoint-stall", concern="checkpoint",
+    summary="Periodic step-time spikes at checkpoint saves: training waits for its saves.",
+    why=("A blocking save copies the whole training state to the host and writes it while the "
+         "GPU idles. Per save it looks cheap; over a run the stalls add up, and a save that is "
+         "made faster but still blocks (or runs too often) can lower throughput further "
+         "(SEEDS.md section 4: 277 -> 64 ms per save, yet 121 -> 83 samples/s)."),
+    fix=("Save asynchronously: stage a device-to-pinned-host copy on a side stream and write from "
+         "a background thread or process (torch.distributed.checkpoint.async_save), with one "
+         "save in flight; save on one rank (or sharded with DCP); and space saves so that the "
+         "overhead stays within 3-5%."),
+    thresholds=(Threshold("min_steps", MIN_STEPS, "steps needed to see a period"),
+                Threshold("spike_mads", 5.0, "a spike is above median + 5 MAD (and +20%)"),
+                Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
+                Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
+                Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical"),
+                Threshold("target_overhead", TARGET_OVERHEAD,
+                          "overhead the advised save interval aims for")),
+    references=("CheckFreq (FAST '21): checkpoint overhead = (sum(t) - median * n) / "
+                "(median * n)", "https://pytorch.org/docs/stable/distributed.checkpoint.html"),
+)
+def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
+    """For each stage of at least 20 steps: with save records, the excess of the steps saves
+    held up over the median step without a save; without them, spikes that recur with one
+    period (random spikes are not stalls). Severity by that time lost as a share of the
+    steady time; CheckFreq's overhead over all slow steps is reported beside it."""
+    for stage in run.ok_stages():
+        if len(stage.iter_ms) < MIN_STEPS:
+            continue
+        stalls = measure_stalls(run, stage)
+        if stalls is None or stalls.lost < INFO_LOST:
+            continue
+        mode, _, saves = _saves(stage)
+        share = stalls.lost / (1 + stalls.lost)  # of wall time
+        every = (f"every {stalls.period_steps} steps" if stalls.period_steps
+                 else f"{stalls.saves} times")
+        evidence: dict[str, Any] = {
+            "source": stalls.source, "period_steps": stalls.period_steps,
+            "saves": stalls.saves, "stall_ms_per_save": round(stalls.stall_ms, 1),
+            "baseline_step_ms": round(stalls.baseline_ms, 2),
+            "lost_share": round(stalls.lost, 4), "wall_share": round(share, 4),
+            "checkfreq_overhead": round(stalls.checkfreq_lost, 4),
+            "interval_for_3pct": stalls.interval_for_target,
+        }
+        if saves:
+            blocking = statistics.median(s.blocking_ms for s in saves)
+            totals = [s.total_ms for s in saves if s.total_ms is not None]
+            rates = [s.write_gbps for s in saves if s.write_gbps]
+            evidence.update({
+                "mode": mode, "blocking_ms_median": round(blocking, 1),
+                "save_total_ms_median": round(statistics.median(totals), 1) if totals else None,
+                "bytes_per_save": max((s.bytes or 0) for s in saves) or None,
+                "write_gb_per_s": round(statistics.median(rates), 2) if rates else None,
+            })
+        interval = stalls.interval_for_target
+        what = ("Checkpoint stalls" if saves else
+                "Periodic stalls, as checkpoint saves make them")
+        if mode == "async":
+            fix = (f"The saves are asynchronous yet still cost {stalls.stall_ms:.0f} ms each: "
+                   "see checkpoint-async-contention for where that time goes; keep one save in "
+                   f"flight and save every >= {interval} steps to stay within 3%.")
+        else:
+            fix = (f"Save asynchronously (pinned-host staging on a side stream, a background "
+                   "writer, one save in flight: torch.distributed.checkpoint.async_save, or "
+                   "gpudiag's checkpoint-async stage as a template), only on rank 0 or sharded "
+                   f"with DCP; at {stalls.stall_ms:.0f} ms per save, a 3% overhead needs a save "
+                   f"every >= {interval} steps (now {every}).")
+        yield Draft(
+            severity=severity_for(stalls.lost, warning=WARNING_LOST, critical=CRITICAL_LOST),
+            stage=stage.name,
+            title=(f"{what}: {stalls.stall_ms:.0f} ms lost per save {every} "
+                   f"({pct(share)} of wall time, step {stalls.baseline_ms:.1f} ms without a "
+                   "save)"),
+            evidence=evidence, impact=min(1.0, share), fix=fix)
+
+
+def _in_flight_steps(times: list[float], saves: list[Save]) -> set[int]:
+    """Steps that started while an asynchronous write was still running (the step that
+    started the save excluded)."""
+    starts = [0.0, *itertools.accumulate(times)]
+    busy: set[int] = set()
+    for save in saves:
+        if save.total_ms is None:
+            continue
+        begin = starts[save.step + 1]
+        last = bisect.bisect_left(starts, begin + save.total_ms, lo=save.step + 1)
+        busy.update(range(save.step + 1, min(last, len(times))))
+    return busy
+
+
+@rule(
+    "GD702", "checkpoint-async-contention", concern="checkpoint",
+    summary="Asynchronous saves that queue behind each other or slow the steps they overlap.",
+    why=("Async saving only hides a save if it finishes before the next one starts and does not "
+         "compete with training for host cores, the GIL, PCIe or memory bandwidth. Saves that "
+         "take longer than the interval between them queue up, and a writer that competes "
+         "slows every step it overlaps (SEEDS.md section 4: 3 chunks behind max_async=2 queued "
+         "for ~180 ms; GPU->CPU copies competed with training)."),
+    fix=("Keep exactly one save in flight and space saves wider than a save takes; make the "
+         "write cheaper (a faster local disk, several writer threads with DCP) or move it out of "
+         "the training process; give the writer spare cores or fewer intra-op threads to "
+         "training."),
+    thresholds=(Threshold("slowdown", CONTENTION_SLOWDOWN,
+                          "steps during a write slower than steps without one"),
+                Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
+                Threshold("wait_noise_ms", WAIT_NOISE_MS, "shorter waits are not a queue")),
+    references=("SEEDS.md section 4 (PCCheck: pipelined writes that blocked and queued)",),
+)
+def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
+    """Stages that save asynchronously (save records with mode "async"): the time saves spent
+    waiting for the previous save, and the mean step a write overlapped (the saving step less
+    its blocking call, and the steps that started while the write ran) against the mean step
+    with no save activity; losses as shares of the stage's steady time (median idle step)."""
+    for stage in run.ok_stages():
+        mode, every, saves = _saves(stage)
+        if mode != "async" or not saves or len(stage.iter_ms) < MIN_STEPS:
+            continue
+        times = stage.iter_ms
+        busy = _in_flight_steps(times, saves)
+        blocking = {s.step: s.blocking_ms for s in saves}
+        idle = [t for i, t in enumerate(times) if i not in busy and i not in blocking]
+        # A write starts inside the saving step: that step, less the time the save call held
+        # it (checkpoint-stall's share), overlaps the write too.
+        during = [times[i] - blocking.get(i, 0.0) for i in sorted(busy | set(blocking))]
+        baseline = _median(idle) or statistics.median(times)
+        steady_total = baseline * len(times)
+        waits = [s.waited_ms for s in saves if s.waited_ms > WAIT_NOISE_MS]
+        wait_lost = sum(waits) / steady_total
+        slowdown, contention_lost = 0.0, 0.0
+        if len(idle) >= MIN_STEPS_PER_SIDE and len(during) >= MIN_STEPS_PER_SIDE:
+            # Means, not medians: a writer that stalls a few steps for hundreds of ms (seen on
+            # an H100 host) costs as much as one that slows every step a little.
+            slowdown = statistics.fmean(during) / statistics.fmean(idle) - 1
+            contention_lost = max(0.0, sum(during) - baseline * len(during)) / steady_total
+        queued = bool(waits) and wait_lost >= INFO_LOST
+        competing = slowdown >= CONTENTION_SLOWDOWN and contention_lost >= INFO_LOST
+        if not (queued or competing):
+            continue
+        lost = wait_lost + (contention_lost if competing else 0.0)
+        totals = [s.total_ms for s in saves if s.total_ms is not None]
+        save_ms = statistics.median(totals) if totals else None
+        interval_ms = (every or 0) * baseline
+        parts, fixes = [], []
+        if queued:
+            parts.append(f"{len(waits)} of {len(saves)} saves waited "
+                         f"{statistics.median(waits):.0f} ms for the previous one")
+            needed = math.ceil((save_ms or 0) / baseline) + 1
+            fixes.append(f"a save takes {save_ms or 0:.0f} ms but saves start every {every} "
+                         f"steps ({interval_ms:.0f} ms): save every >= {needed} steps, or write "
+                         "faster (local NVMe, DCP with several writer threads)")
+        if competing:
+            parts.append(f"steps during a write run {pct(slowdown)} slower on average "
+                         f"({statistics.fmean(during):.1f} vs {statistics.fmean(idle):.1f} ms, "
+                         f"worst {max(during):.0f} ms)")
+            fixes.append("the writer competes with training: give it spare cores (fewer "
+                         "torch intra-op threads), write from a separate process, or stage "
+                         "less often")
+        yield Draft(
+            severity=severity_for(lost, warning=WARNING_LOST, critical=CRITICAL_LOST,
+                                  cap="warning"),
+            stage=stage.name,
+            title=f"Async checkpointing still costs {pct(lost)} of steady time: "
+                  + "; ".join(parts),
+            evidence={"saves": len(saves), "saves_waited": len(waits),
+                      "wait_ms_median": round(statistics.median(waits), 1) if waits else 0.0,
+                      "save_total_ms_median": None if save_ms is None else round(save_ms, 1),
+                      "interval_ms": round(interval_ms, 1), "steps_during_write": len(during),
+                      "step_ms_during_write": round(statistics.fmean(during), 2)
+                      if during else None,
+                      "worst_step_ms_during_write": round(max(during), 1) if during else None,
+                      "step_ms_without_save": round(statistics.fmean(idle), 2)
+                      if idle else None,
+                      "slowdown_during_write": round(slowdown, 4),
+                      "lost_share": round(lost, 4)},
+            impact=min(1.0, lost / (1 + lost)),
+            fix="; ".join(fixes) + "; keep exactly one save in flight.")

@@ -1,0 +1,424 @@
+"""DDP rules: scaling that falls short, with its measured cause, and gradient accumulation that
+still all-reduces every micro-step (SEEDS.md section 1: two GPUs slower than one)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.results import Evidence, RunResult, StageResult, bus_bandwidth_factor
+
+POOR_EFFICIENCY = 0.80
+CRITICAL_EFFICIENCY = 0.50  # below this, N devices barely beat one (two: slower than one)
+COMM_EXPLAINS = 0.5  # communication explains the loss when it is at least half the added time
+NO_OVERLAP = 0.3  # NCCL time beside compute below this share: the all-reduce is not hidden
+SMALL_STEP_MS = 25.0  # a single-device step this short is dominated by fixed per-step costs
+STRAGGLER_RATIO = 1.10  # a rank whose own work takes this much longer than the fastest's
+TARGET_EFFICIENCY = 0.9
+
+
+def _ddp(stage: StageResult) -> dict[str, Any] | None:
+    info = stage.details.get("ddp")
+    return info if isinstance(info, dict) else None
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
+
+
+def _sweep_line(info: dict[str, Any]) -> str:
+    rows = [r for r in info.get("sweep", [])[1:] if r.get("scaling_efficiency") is not None]
+    if not rows:
+        return ""
+    best = max(rows, key=lambda r: r["scaling_efficiency"])
+    measured = ", ".join(f"{r['name']} {r['scaling_efficiency']:.0%}" for r in rows)
+    return f" The sweep measured: {measured}; best: {best['name']}."
+
+
+def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """(cause, fix, evidence) for a stage whose scaling fell short, from what its ranks
+    measured: a straggler, communication the link cannot hide, or a step too short for
+    fixed per-step costs; otherwise the added time is reported as unexplained."""
+    step = stage.ms_per_iter or 0.0
+    single = (info.get("single_device") or {}).get("ms_per_iter") or 0.0
+    accum = info.get("accum") or 1
+    added = max(0.0, step - single * accum)
+    transfer = info.get("transfer_ms_per_step")
+    exposed = info.get("exposed_comm_ms_per_step")
+    overlap = info.get("collective_overlap_fraction")
+    comm = exposed if exposed is not None else transfer
+    probe = info.get("allreduce_probe") or {}
+    grad = info.get("grad_bytes_per_round") or 0
+    evidence = {"step_ms": round(step, 2), "single_device_step_ms": round(single, 2),
+                "added_ms_per_step": round(added, 2),
+                "grad_bytes_per_round": grad,
+                "transfer_ms_per_step": None if transfer is None else round(transfer, 2),
+                "exposed_comm_ms_per_step": None if exposed is None else round(exposed, 2),
+                "collective_overlap_fraction": None if overlap is None else round(overlap, 3),
+                "busbw_gbps": None if not probe else round(probe["busbw_gbps"], 2),
+                "exposed_comm_share": None if comm is None or not step
+                else round(min(1.0, comm / step), 3)}
+    straggler = info.get("straggler") or {}
+    if straggler.get("is_straggler"):
+        return ("a straggler", (
+            f"rank {straggler['rank']} computes {straggler['ratio']:.2f}x slower than the "
+            "fastest rank and every all-reduce waits for it: check that rank's GPU (clocks, "
+            "throttling, another process on it), its data loading, and any work only it does "
+            "(evaluation, logging, checkpoint saves on rank 0: move them off the step, or make "
+            "the others do useful work meanwhile)."), {**evidence, "straggler": straggler})
+    if comm is not None and added > 0 and comm >= COMM_EXPLAINS * added:
+        compute = max(step - comm, 1e-6)
+        # Accumulating k micro-steps under no_sync shares one all-reduce among k batches.
+        k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY) * comm / compute))
+        link = (f"{_mb(grad)} of gradients per step over a link measured at "
+                f"{probe.get('busbw_gbps', 0):.1f} GB/s bus bandwidth take {comm:.1f} ms")
+        hidden = ("" if overlap is None or overlap >= NO_OVERLAP else
+                  f"; only {overlap:.0%} of the all-reduce runs beside compute (bucket_cap_mb "
+                  "smaller to start reducing earlier, or static_graph=True)")
+        return ("communication", (
+            f"{link} of a {step:.1f} ms step{hidden}. Move fewer bytes per sample: raise the "
+            f"per-GPU batch, or accumulate >= {k} micro-steps per optimizer step with "
+            "model.no_sync() around forward and backward of all but the last; compress "
+            "gradients to fp16/bf16 with a DDP comm hook (register_comm_hook(None, "
+            "default_hooks.fp16_compress_hook)); use a faster interconnect (NVLink, "
+            "InfiniBand; check NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_IB_DISABLE are unset)."
+            + _sweep_line(info)), evidence)
+    if single and single < SMALL_STEP_MS:
+        return ("per-device batch too small", (
+            f"a {single:.1f} ms single-device step at per-device batch "
+            f"{info.get('per_device_batch')} is too short for the fixed costs of each "
+            f"distributed step ({added:.1f} ms added: all-reduce latency, synchronisation, "
+            "host work): raise the per-device batch, or accumulate micro-steps under "
+            "model.no_sync() (forward and backward inside)." + _sweep_line(info)), evidence)
+    return ("unexplained overhead", (
+        f"{added:.1f} ms per step are added by going distributed and neither communication "
+        "nor a straggler explains them: look at host contention (ranks sharing CPU cores, "
+        "OMP_NUM_THREADS), find_unused_parameters=True (a graph walk every step), and "
+        "whether the ranks' GPUs share a PCIe switch." + _sweep_line(info)), evidence)
+
+
+@rule(
+    "GD801", "ddp-poor-scaling", concern="ddp",
+    summary="DDP throughput falls short of N x one device's, with the measured cause.",
+    why=("Data parallelism pays when each device's compute hides the gradient all-reduce. "
+         "When the link is slow for the gradient bytes, the per-device batch is small, or one "
+         "rank lags, adding devices adds little or even slows training (SEEDS.md section 1: "
+         "two GPUs at 1.5 it/s against one at 2.2)."),
+    fix=("Fix the measured cause: fewer bytes per sample (larger per-device batch, "
+         "accumulation under no_sync, fp16 gradient compression), a faster interconnect, or "
+         "the straggler's problem."),
+    thresholds=(Threshold("poor_efficiency", POOR_EFFICIENCY, "scaling efficiency: warning"),
+                Threshold("critical_efficiency", CRITICAL_EFFICIENCY,
+                          "scaling efficiency: critical"),
+                Threshold("comm_explains", COMM_EXPLAINS,
+                          "communication's share of the added time that names it the cause"),
+                Threshold("small_step_ms", SMALL_STEP_MS,
+                          "single-device step below which fixed costs dominate")),
+    references=("https://pytorch.org/docs/stable/notes/ddp.html",
+                "REFERENCE.md: BERT-base fp16 on two H200s, 91% over NVLink, 25% over sockets"),
+)
+def ddp_poor_scaling(run: RunResult) -> Iterator[Draft]:
+    """Efficiency = throughput(N) / (N x single-device throughput), the baseline timed by rank
+    0 alone at the same per-device batch. Under 80% it names the cause, in order: a rank
+    whose own compute is >= 10% slower; communication (exposed NCCL time, or on CPUs the time
+    the measured all-reduce bandwidth needs for the gradients) covering half the added time; a
+    single-device step under 25 ms; else the overhead is reported as unexplained."""
+    for stage in run.ok_stages():
+        info = _ddp(stage)
+        if info is None or info.get("world_size", 1) < 2:
+            continue
+        efficiency = info.get("scaling_efficiency")
+        if efficiency is None or efficiency >= POOR_EFFICIENCY:
+            continue
+        cause, fix, evidence = scaling_cause(stage, info)
+        world = info["world_size"]
+        single_sps = (info.get("single_device") or {}).get("samples_per_s") or 0.0
+        yield Draft(
+            severity="critical" if efficiency < CRITICAL_EFFICIENCY else "warning",
+            stage=stage.name,
+            title=(f"{world} devices reach {efficiency:.0%} scaling efficiency "
+                   f"({stage.samples_per_s or 0:,.0f} samples/s vs {world} x "
+                   f"{single_sps:,.0f}): {cause}"),
+            evidence={"scaling_efficiency": round(efficiency, 3), "world_size": world,
+                      "cause": cause, **evidence},
+            impact=min(1.0, 1 - efficiency), fix=fix)
+
+
+@rule(
+    "GD802", "ddp-no-sync-misuse", concern="ddp",
+    summary="Gradient accumulation that all-reduces on every micro-step, not once per update.",
+    why=("DDP decides in forward whether the coming backward all-reduces. `no_sync()` around "
+         "the backward alone (or not at all) leaves every micro-step reducing the full "
+         "gradients, multiplying communication by the accumulation factor; the seed's project "
+         "did exactly this."),
+    fix=("Put forward and backward of every micro-step but the last inside model.no_sync(): "
+         "`ctx = model.no_sync() if not last else nullcontext(); with ctx: loss = ...; "
+         "loss.backward()`."),
+    thresholds=(Threshold("max_rounds_per_update", 1, "all-reduce rounds per optimizer step"),),
+    references=("https://pytorch.org/docs/stable/generated/"
+                "torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel."
+                "DistributedDataParallel.no_sync",),
+)
+def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
+    """From the profiler window: accumulation micro-steps per optimizer step (ranges marked
+    gpudiag.microstep) and how many of them issued a collective. More than one reducing
+    micro-step per update is the misuse; its price is the extra rounds' transfer time."""
+    for stage in run.ok_stages():
+        ev = stage.evidence
+        if ev is None or ev.microsteps_per_step <= 1:
+            continue
+        rounds = ev.microsteps_with_collectives_per_step
+        if rounds <= 1:
+            continue
+        info = _ddp(stage) or {}
+        transfer = info.get("transfer_ms_per_step")
+        step = stage.ms_per_iter or ev.step_ms
+        wasted = transfer * (rounds - 1) / rounds if transfer else None
+        share = min(1.0, wasted / step) if wasted and step else (rounds - 1) / rounds * 0.1
+        yield Draft(
+            severity=severity_for(share, warning=0.0), stage=stage.name,
+            title=(f"Gradient accumulation all-reduces on {rounds:.0f} of "
+                   f"{ev.microsteps_per_step:.0f} micro-steps per optimizer step: no_sync is "
+                   "missing or wraps only the backward"),
+            evidence={"microsteps_per_step": ev.microsteps_per_step,
+                      "reducing_microsteps_per_step": rounds,
+                      "collective_calls_per_step": ev.collective_calls_per_step,
+                      "wasted_transfer_ms_per_step": None if wasted is None
+                      else round(wasted, 2),
+                      "no_sync": info.get("no_sync")},
+            impact=share,
+            fix=("Wrap forward and backward of all micro-steps but the last in "
+                 "model.no_sync(); one all-reduce per optimizer step then carries the "
+                 f"accumulated gradients ({pct(1 - 1 / rounds)} fewer rounds)."))
+
+
+COMM_BOUND_SHARE = 0.30
+COMM_CRITICAL_SHARE = 0.50
+LINK_BOUND = 0.5  # effective bus bandwidth at least this share of the probe's: the link limits
+_RANK_NAME = re.compile(r"^(?P<job>.*)\[rank(?P<rank>\d+)\]$")
+
+
+@dataclass
+class _Rank:
+    rank: int
+    stage: StageResult
+    evidence: Evidence
+
+    @property
+    def held_ms(self) -> float:
+        """Collective time per step with nothing else on the device (GPU), or gloo's work time
+        (CPU): device-side, so the window's host instrumentation does not stretch it."""
+        ev = self.evidence
+        held = (ev.collective_exposed_ms_per_step if ev.backend == "cuda"
+                else ev.collective_wall_ms_per_step)
+        return held or 0.0
+
+
+@dataclass
+class _Job:
+    """The ranks of one profiled DDP job. A collective ends when the last rank arrives, so the
+    rank holding it the least shows the communication itself; the others' extra is waiting."""
+
+    ranks: list[_Rank]
+
+    @property
+    def transfer(self) -> _Rank:
+        return min(self.ranks, key=lambda r: r.held_ms)
+
+    @property
+    def step_ms(self) -> float:
+        return max(r.stage.ms_per_iter or 0.0 for r in self.ranks)
+
+    @property
+    def comm_ms(self) -> float:
+        return self.transfer.held_ms
+
+    @property
+    def share(self) -> float:
+        """Exposed communication over the timed step: in [0, 1] (device time held alone cannot
+        exceed the step it is part of; clamped against the window's residual jitter)."""
+        return min(1.0, self.comm_ms / self.step_ms) if self.step_ms else 0.0
+
+    def waits(self) -> dict[int, float]:
+        return {r.rank: round(r.held_ms - self.comm_ms, 2) for r in self.ranks}
+
+
+def _profiled_jobs(run: RunResult) -> dict[str, _Job]:
+    """Profiled processes that issued collectives, grouped by job (`train.py[rank1]` is rank 1
+    of `train.py`); ddp-stage results are GD801's."""
+    jobs: dict[str, list[_Rank]] = defaultdict(list)
+    for stage in run.ok_stages():
+        ev = stage.evidence
+        if ev is None or _ddp(stage) is not None or not ev.collective_calls_per_step:
+            continue
+        match = _RANK_NAME.match(stage.name)
+        job, rank = (match["job"], int(match["rank"])) if match else (stage.name, 0)
+        jobs[job].append(_Rank(rank, stage, ev))
+    return {job: _Job(sorted(ranks, key=lambda r: r.rank)) for job, ranks in jobs.items()}
+
+
+def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
+    """(slow rank, fastest rank, ratio) when one rank's own device work is >= 10% longer and
+    the difference explains at least half of the fastest rank's exposed communication: that
+    rank's all-reduce is waiting, not transferring."""
+    timed = [r for r in ranks if r.evidence.compute_busy_ms_per_step]
+    if len(timed) < 2:
+        return None
+    slow = max(timed, key=lambda r: r.evidence.compute_busy_ms_per_step or 0.0)
+    fast = min(timed, key=lambda r: r.evidence.compute_busy_ms_per_step or 0.0)
+    slow_ms = slow.evidence.compute_busy_ms_per_step or 0.0
+    fast_ms = fast.evidence.compute_busy_ms_per_step or 0.0
+    ratio = slow_ms / fast_ms if fast_ms > 0 else 1.0
+    waited = (fast.evidence.collective_exposed_ms_per_step or 0.0)
+    if ratio < STRAGGLER_RATIO or slow_ms - fast_ms < COMM_EXPLAINS * waited or waited <= 0:
+        return None
+    return slow, fast, ratio
+
+
+@rule(
+    "GD804", "ddp-straggler", concern="ddp",
+    summary="One rank's own work is slower and every other rank waits for it in the all-reduce.",
+    why=("A collective finishes when the last rank arrives. A rank whose own compute is slower "
+         "(another process on its GPU, throttling, extra work such as logging or evaluation "
+         "on rank 0) makes every other rank spin inside the all-reduce: their profile shows "
+         "communication, but the network is idle. Faster links do not help; the slow rank's "
+         "problem does."),
+    fix=("Find what the slow rank does more: rank-0-only work (logging, evaluation, checkpoint "
+         "saves) moved off the step or spread over ranks, its GPU's clocks and neighbours "
+         "(nvidia-smi), its data loading."),
+    thresholds=(Threshold("straggler_ratio", STRAGGLER_RATIO,
+                          "slowest rank's device work over the fastest's"),
+                Threshold("explains", COMM_EXPLAINS,
+                          "share of the fastest rank's exposed collective time the difference "
+                          "must explain")),
+    references=("https://pytorch.org/docs/stable/notes/ddp.html",),
+)
+def ddp_straggler(run: RunResult) -> Iterator[Draft]:
+    """Profiled ranks of one job (GPU): per rank, the union of its non-collective device work
+    in the window. The slowest against the fastest: a ratio >= 1.10 whose difference covers at
+    least half of the fastest rank's exposed collective time names the slow rank."""
+    for job in _profiled_jobs(run).values():
+        found = _straggler_of(job.ranks)
+        if found is None:
+            continue
+        slow, fast, ratio = found
+        slow_ms = slow.evidence.compute_busy_ms_per_step or 0.0
+        fast_ms = fast.evidence.compute_busy_ms_per_step or 0.0
+        lost = min(1.0, (slow_ms - fast_ms) / (job.step_ms or slow.evidence.window_step_ms))
+        yield Draft(
+            severity=severity_for(lost, warning=0.05, critical=COMM_CRITICAL_SHARE),
+            stage=slow.stage.name,
+            title=(f"rank {slow.rank} is a straggler: its own device work takes {ratio:.2f}x "
+                   f"rank {fast.rank}'s ({slow_ms:.1f} vs {fast_ms:.1f} ms per step), and "
+                   f"rank {fast.rank} waits for it inside the all-reduce"),
+            evidence={"slow_rank": slow.rank, "fast_rank": fast.rank,
+                      "compute_ratio": round(ratio, 3),
+                      "slow_compute_ms_per_step": round(slow_ms, 2),
+                      "fast_compute_ms_per_step": round(fast_ms, 2),
+                      "fast_rank_waits_ms_per_step": job.waits()[fast.rank],
+                      "share_of_step_lost": round(lost, 3)},
+            impact=min(1.0, lost),
+            fix=(f"Rank {fast.rank}'s communication time is waiting, not transfer: a faster "
+                 f"link would not help. Find what rank {slow.rank} does more (work only it "
+                 "does, such as logging, evaluation or saves; its GPU's clocks or another "
+                 "process on it; its input pipeline) and even it out."))
+
+
+def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
+    """What the link did: gradient bytes, effective bus bandwidth of the rank that did not wait,
+    against the probe's. The bool: the link is the limit (effective >= half the probe's)."""
+    lead = job.transfer
+    facts_of = lead.stage.details.get("ddp_job") or {}
+    grad, world = facts_of.get("grad_bytes"), facts_of.get("world_size") or len(job.ranks)
+    probe = (facts_of.get("allreduce_probe") or {}).get("busbw_gbps")
+    wall = lead.evidence.collective_wall_ms_per_step
+    rounds = lead.evidence.microsteps_with_collectives_per_step or 1.0
+    effective = (grad * rounds * bus_bandwidth_factor(world) / (wall / 1e3) / 1e9
+                 if grad and wall and world > 1 else None)
+    facts = {"grad_bytes_per_step": grad, "bucket_mb": facts_of.get("bucket_mb"),
+             "effective_busbw_gbps": None if effective is None else round(effective, 2),
+             "probe_busbw_gbps": None if probe is None else round(probe, 2)}
+    if not grad:
+        return "", facts, True
+    text = f"{_mb(grad * rounds)} of gradients per step"
+    if effective is not None:
+        text += f" moved at {effective:.1f} GB/s bus bandwidth"
+    if probe:
+        text += f" (the link measured {probe:.1f} GB/s)"
+    return text + ".", facts, effective is None or not probe or effective >= LINK_BOUND * probe
+
+
+@rule(
+    "GD803", "collective-bound-step", concern="ddp",
+    summary="A profiled DDP job whose steps wait on the gradient all-reduce.",
+    why=("Without a single-device baseline (a profiled script), the ranks' own profiler windows "
+         "still show how long the all-reduce holds each step with nothing else on the device. "
+         "The rank that holds it least is the last to arrive: its time is the transfer, the "
+         "others' extra is waiting for it. That time over the step, the step without it, and "
+         "the bandwidth the link reached against its measured bandwidth say whether the job "
+         "is communication-bound and which remedy fits."),
+    fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
+         "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables)."),
+    thresholds=(Threshold("share", COMM_BOUND_SHARE,
+                          "exposed collective time over the timed step: warning"),
+                Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),
+                Threshold("link_bound", LINK_BOUND,
+                          "effective over probed bus bandwidth above which the link is named")),
+    references=("https://pytorch.org/docs/stable/ddp_comm_hooks.html",
+                "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md"),
+)
+def collective_bound_step(run: RunResult) -> Iterator[Draft]:
+    """Per job: the least exposed collective time any rank saw in its window (GPU: the union
+    of NCCL kernels minus other device work; CPU: gloo's work time), device time, over the
+    timed step (so the share never exceeds 1); warning from 30%, critical from 50%. Jobs with
+    a straggler finding are left to GD804."""
+    for job in _profiled_jobs(run).values():
+        if _straggler_of(job.ranks) is not None or job.share < COMM_BOUND_SHARE:
+            continue
+        lead, step = job.transfer, job.step_ms
+        link, facts, link_bound = _link_line(job)
+        without = step - job.comm_ms
+        k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY)
+                             * job.comm_ms / max(without, 1e-6)))
+        batch = lead.stage.samples_per_step
+        now = f" (now {batch})" if batch else ""
+        cure = (f"Move fewer bytes per sample: raise the per-device batch{now}, or "
+                f"accumulate >= {k} "
+                "micro-steps per optimizer step with model.no_sync() around forward and "
+                "backward of all but the last; compress gradients with register_comm_hook("
+                "None, default_hooks.fp16_compress_hook); use a faster interconnect (NVLink, "
+                "InfiniBand; check NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_IB_DISABLE)."
+                if link_bound else
+                "The all-reduce runs well below the link's bandwidth: it is latency-bound "
+                "(many small buckets) or waits: raise bucket_cap_mb (now "
+                f"{facts.get('bucket_mb') or 'unknown'} MB), and give each all-reduce more "
+                f"work (a larger per-device batch, or >= {k} micro-steps under no_sync()).")
+        measured = ("with nothing else on the GPU" if lead.evidence.backend == "cuda" else
+                    "by gloo's work time")
+        ev = lead.evidence
+        yield Draft(
+            severity=severity_for(job.share, warning=COMM_BOUND_SHARE,
+                                  critical=COMM_CRITICAL_SHARE),
+            stage=lead.stage.name,
+            title=(f"Communication-bound: the all-reduce holds {job.share:.0%} of each step "
+                   f"({job.comm_ms:.1f} of {step:.1f} ms) {measured}; perfect overlap would "
+                   f"bring the step to no less than {without:.1f} ms"),
+            evidence={"exposed_share": round(job.share, 3),
+                      "exposed_ms_per_step": round(job.comm_ms, 2),
+                      "step_ms": round(step, 2),
+                      "step_without_exposed_ms": round(without, 2),
+                      "collective_kernel_ms_per_step": round(ev.collective_ms_per_step, 2),
+                      "collective_overlap_fraction": None
+                      if ev.collective_overlap_fraction is None
+                      else round(ev.collective_overlap_fraction, 3),
+                      "collective_calls_per_step": ev.collective_calls_per_step,
+                      "rank_waits_ms_per_step": job.waits(),
+                      "samples_per_step": lead.stage.samples_per_step, **facts},
+            impact=job.share,
+            fix=f"{link} {cure}".strip())

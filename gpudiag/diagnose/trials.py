@@ -1,0 +1,140 @@
+"""Trials: one fresh process's measurement of a stage, and the samples comparisons are made of.
+
+Consecutive step times are autocorrelated (0.3-0.8 on an H100), so steps are not independent
+samples; fresh processes are. A trial's score is its throughput from the median of its
+steady-state steps. With one trial per side, medians of contiguous blocks of steps stand in,
+and anything built on them is marked optimistic.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpudiag.model.results import RunFileError, RunResult, StageResult, Trial, load_run
+
+SETTLE_REL = 0.02  # a step within 2% (or 3 MADs) of the steady median counts as settled
+SETTLE_RUN = 3  # ... for this many steps in a row
+MAX_TRIM = 0.5  # never discard more than half of a stage's steps as warm-up
+BLOCK_STEPS = 5  # steps per block when one trial must be split into blocks
+MAX_BLOCKS = 8
+# Throttle reasons that make a trial's timing depend on the room, not the code.
+INVALIDATING_THROTTLE = ("sw_thermal", "hw_thermal", "hw_slowdown", "power_brake")
+INVALID_THROTTLE_SHARE = 0.05
+
+
+def steady_state(times_ms: list[float]) -> list[float]:
+    """The steps after times settle: leading steps far from the second half's median go."""
+    if len(times_ms) < 2 * SETTLE_RUN:
+        return list(times_ms)
+    tail = times_ms[len(times_ms) // 2:]
+    median = statistics.median(tail)
+    mad = statistics.median(abs(t - median) for t in tail)
+    tolerance = max(3 * mad, SETTLE_REL * median)
+    limit = int(len(times_ms) * MAX_TRIM)
+    for start in range(limit + 1):
+        window = times_ms[start:start + SETTLE_RUN]
+        if all(abs(t - median) <= tolerance for t in window):
+            return times_ms[start:]
+    return times_ms[limit:]
+
+
+def throttled(stage: StageResult) -> bool:
+    shares = stage.telemetry.throttle_share
+    return any(shares.get(r, 0.0) > INVALID_THROTTLE_SHARE for r in INVALIDATING_THROTTLE)
+
+
+def trial_of(stage: StageResult) -> Trial | None:
+    """The stage's score as one trial, or None if it did not run."""
+    if not stage.ok or not stage.iter_ms or not stage.samples_per_step:
+        return None
+    steady = steady_state(stage.iter_ms)
+    # Bursty stages (a prefetching DataLoader) are scored by their mean, as everywhere else.
+    bursty = stage.details.get("ms_per_iter_statistic") == "mean"
+    ms = statistics.fmean(steady) if bursty else statistics.median(steady)
+    return Trial(samples_per_s=stage.samples_per_step / ms * 1e3, ms_per_iter=ms,
+                 iters=len(steady), throttled=throttled(stage),
+                 energy_per_sample_j=stage.energy_per_sample_j)
+
+
+def block_scores(stage: StageResult) -> list[float]:
+    """Throughput of contiguous blocks of steady-state steps (for a single trial)."""
+    steady = steady_state(stage.iter_ms)
+    blocks = min(MAX_BLOCKS, len(steady) // BLOCK_STEPS)
+    if blocks < 2 or not stage.samples_per_step:
+        return []
+    size = len(steady) // blocks
+    return [stage.samples_per_step / statistics.median(steady[i * size:(i + 1) * size]) * 1e3
+            for i in range(blocks)]
+
+
+@dataclass
+class StageSamples:
+    """What a comparison sees of one stage on one side."""
+
+    scores: list[float]  # throughput samples, samples/s
+    kind: str  # "trials" or "blocks" (blocks: one trial split up; intervals are optimistic)
+    invalid: int  # trials dropped because the GPU throttled
+    iters: int  # timed steps behind the scores (steady state, summed over trials)
+
+
+def stage_samples(stage: StageResult) -> StageSamples:
+    valid = [t for t in stage.trials if not t.throttled]
+    if len(stage.trials) >= 2:
+        return StageSamples(scores=[t.samples_per_s for t in valid], kind="trials",
+                            invalid=len(stage.trials) - len(valid),
+                            iters=sum(t.iters for t in valid))
+    trial = trial_of(stage)
+    invalid = int(trial is not None and trial.throttled)
+    return StageSamples(scores=[] if invalid else block_scores(stage), kind="blocks",
+                        invalid=invalid, iters=trial.iters if trial else 0)
+
+
+def merge_trials(runs: list[RunResult]) -> RunResult:
+    """One run from several runs of the same configuration (fresh processes): each stage keeps
+    the first run's details and telemetry, the first evidence any trial recorded, and one Trial
+    per run; ms/iter and throughput become the median over trials."""
+    if not runs:
+        raise ValueError("no runs to merge")
+    merged = copy.deepcopy(runs[0])
+    for stage in merged.stages:
+        same = [s for run in runs if (s := run.stage(stage.name)) is not None]
+        trials = [t for s in same for t in ([*s.trials] if s.trials else [trial_of(s)])
+                  if t is not None]
+        stage.trials = trials
+        stage.evidence = next((s.evidence for s in same if s.evidence is not None), None)
+        if stage.ok and trials:
+            stage.ms_per_iter = statistics.median(t.ms_per_iter for t in trials)
+            stage.samples_per_s = statistics.median(t.samples_per_s for t in trials)
+            if stage.tokens_per_step:
+                stage.tokens_per_s = stage.tokens_per_step / stage.ms_per_iter * 1e3
+    merged.notes.append(f"{len(runs)} trials, each a fresh process; per-stage figures are "
+                        "medians over trials.")
+    merged.interrupted = any(r.interrupted for r in runs)
+    return merged
+
+
+def load_run_set(path: Path) -> RunResult:
+    """A run directory (its run.json, merged trials included), a run.json file, or a folder of
+    run directories taken as trials of one configuration (e.g. interleaved A/B runs)."""
+    if path.is_file() or (path / "run.json").is_file():
+        return load_run(path)
+    if path.is_dir():
+        runs = [load_run(p) for p in sorted(path.iterdir()) if (p / "run.json").is_file()]
+        if runs:
+            return merge_trials(runs)
+    raise RunFileError(f"{path}: neither a run.json, a run directory, nor a folder of runs")
+
+
+def baseline_of(run: RunResult) -> RunResult:
+    """A small, stable copy of a run for a repository: what compare and gate read, no evidence,
+    traces or per-step phases."""
+    small = copy.deepcopy(run)
+    for stage in small.stages:
+        stage.evidence = None
+        stage.traceback = None
+        stage.phases_ms = {}
+        stage.warmup_ms = []
+    return small

@@ -1,1 +1,0 @@
-"""The ddp stage's processes: the launcher (torch.distributed.run) and one rank's program."""

@@ -1,0 +1,548 @@
+"""Turn a profiler trace (Chrome trace JSON events) into per-step evidence. Pure: tested on
+recorded traces without a GPU.
+
+Attribution, in order of preference:
+- host events (operators, CUDA runtime calls) inside a source annotation belong to its line;
+- backward work belongs to the line of the forward operator that created its autograd node
+  (matched by the autograd sequence number the profiler records on both);
+- device events (kernels, copies, memsets) belong to the runtime call that launched them
+  (matched by the CUDA correlation id).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.measure.evidence.source import in_loop, parse_annotation
+from gpudiag.model.results import Evidence, SourceLine
+
+SHORT_KERNEL_US = 10.0  # kernels shorter than this are dominated by launch overhead
+TOP_N = 10
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel", "cudaGraphLaunch"}
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"}
+# Operators that force a device-to-host synchronisation on CUDA: counted as syncs on the CPU,
+# where there is no runtime to observe.
+SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero"}
+EMPTY_CACHE_CALLS = {"cudaFree"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+              "aten::_addmm_activation", "aten::_scaled_mm", "aten::convolution",
+              "aten::_convolution", "aten::cudnn_convolution"}
+BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+STEP_RANGE = "gpudiag.step"  # the capture names each profiled step so
+MICROSTEP_RANGE = "gpudiag.microstep"  # a gradient-accumulation micro-step, where marked
+# Collectives: c10d ops on the calling thread (one per DDP bucket), and the process group's
+# own work ranges on its thread (gloo/ucc/mpi on CPUs; NCCL's work is its kernels).
+COLLECTIVE_OP = re.compile(r"^c10d::(all_?reduce|allgather|reduce_scatter|broadcast|all_to_all)")
+COLLECTIVE_WORK = re.compile(r"^(gloo|ucc|mpi):")
+# Gradient reduction alone (DDP also broadcasts buffers in some forwards: not a reduction).
+ALLREDUCE_OP = re.compile(r"^c10d::all_?reduce")
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
+
+
+@dataclass
+class _Line:
+    location: str
+    function: str
+    ops: int = 0
+    kernels: int = 0
+    syncs: int = 0
+    memcpys: int = 0
+    direct_calls: int = 0
+    calls: int = 0
+    host_us: float = 0.0
+    device_us: float = 0.0
+    kernel_us: list[float] = field(default_factory=list)
+
+
+def _end(e: dict[str, Any]) -> float:
+    end = e.get("_end")
+    if end is None:
+        end = e["_end"] = float(e["ts"]) + float(e.get("dur", 0.0))
+    return end
+
+
+def _enclosing(events: list[dict[str, Any]], ranges: list[dict[str, Any]],
+               key: str) -> None:
+    """Store on each event (under `key`) the innermost range of `ranges` that contains it on the
+    same host thread. Both lists are scanned once, in time order."""
+    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for r in ranges:
+        by_thread[r["tid"]].append(r)
+    for thread_ranges in by_thread.values():
+        thread_ranges.sort(key=lambda r: (r["ts"], -_end(r)))
+    for tid, items in _group(events).items():
+        pending = by_thread.get(tid, [])
+        stack: list[dict[str, Any]] = []
+        i = 0
+        for e in items:
+            while i < len(pending) and pending[i]["ts"] <= e["ts"]:
+                # Ranges nest: drop those that ended before this one starts, so the stack is
+                # always a chain of ranges each inside the one below it.
+                while stack and _end(stack[-1]) < pending[i]["ts"]:
+                    stack.pop()
+                stack.append(pending[i])
+                i += 1
+            while stack and _end(stack[-1]) < e["ts"]:
+                stack.pop()
+            for candidate in reversed(stack):
+                if candidate is not e and _end(candidate) >= _end(e):
+                    e[key] = candidate
+                    break
+
+
+def _group(events: Iterable[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
+    groups: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        groups[e["tid"]].append(e)
+    for items in groups.values():
+        items.sort(key=lambda e: (e["ts"], -_end(e)))
+    return groups
+
+
+def _top_level(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Operators not nested inside another operator on the same thread."""
+    top = []
+    for items in _group(ops).values():
+        open_until = -1.0
+        for e in items:
+            if e["ts"] >= open_until:
+                top.append(e)
+                open_until = _end(e)
+    return top
+
+
+def _link_backward(events: list[dict[str, Any]], ops: list[dict[str, Any]],
+                   backward_nodes: list[dict[str, Any]],
+                   annotations: list[dict[str, Any]]) -> None:
+    """Set `_forward_line` on backward nodes: the annotation around the forward op that created
+    the node. The profiler's forward->backward flow events say which op that was, in-place
+    writes into views (CopySlices) included; traces without them fall back to the autograd
+    sequence number, taking the last forward op that recorded it (the one that made the node).
+    """
+    starts = {f["id"]: {"ts": float(f["ts"]), "dur": 0.0, "tid": f["tid"], "name": ""}
+              for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "s"}
+    finishes = [{"ts": float(f["ts"]), "dur": 0.0, "tid": f["tid"], "name": "", "id": f["id"]}
+                for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "f"
+                and f["id"] in starts]
+    _enclosing(list(starts.values()), annotations, "_line")
+    _enclosing(finishes, backward_nodes, "_backward")
+    for finish in finishes:
+        node, start = finish.get("_backward"), starts[finish["id"]]
+        if node is not None and start.get("_line") is not None:
+            node["_forward_line"] = start["_line"]
+    forward_by_seq: dict[Any, dict[str, Any]] = {}
+    for o in sorted(ops, key=lambda o: o["ts"]):
+        seq = o.get("args", {}).get("Sequence number")
+        # Ops running inside a backward node carry its sequence number too; skip them.
+        if (seq is not None and "_backward" not in o
+                and not o["name"].startswith(BACKWARD_PREFIX)):
+            forward_by_seq[seq] = o
+    for node in backward_nodes:
+        if "_forward_line" in node:
+            continue
+        forward = forward_by_seq.get(node.get("args", {}).get("Sequence number"))
+        if forward is not None and forward.get("_line") is not None:
+            node["_forward_line"] = forward["_line"]
+
+
+def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of (start, end) intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def memcpy_kind(name: str) -> str:
+    """'HtoD', 'DtoH', 'DtoD'..., with '-pageable' when host memory was not pinned."""
+    match = _MEMCPY.search(name)
+    if not match:
+        return "other"
+    kind = match["kind"]
+    pageable = "Pageable" in (match["src"] or "", match["dst"] or "")
+    return f"{kind}-pageable" if pageable else kind
+
+
+def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend: str,
+            timed_step_ms: float | None = None) -> Evidence:
+    """Per-step evidence from the trace events of `steps` profiled steps."""
+    by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    steps_ranges = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP_RANGE]
+    first = min((float(s["ts"]) for s in steps_ranges), default=-math.inf)
+    last = max((_end(s) for s in steps_ranges), default=math.inf)
+    for e in events:
+        # Host work outside the profiled steps (the window's own final sync) is not the step's.
+        if e.get("ph") == "X" and (e.get("cat") in DEVICE_CATS
+                                   or first <= float(e["ts"]) <= last):
+            by_cat[e.get("cat", "")].append(e)
+    annotations = [a for a in by_cat["user_annotation"] if parse_annotation(a["name"])]
+    ops = by_cat["cpu_op"]
+    runtime = by_cat["cuda_runtime"] + by_cat["cuda_driver"]
+    device = by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"]
+
+    backward_nodes = [o for o in ops if o["name"].startswith(BACKWARD_PREFIX)]
+    matmuls = [o for o in ops if o["name"] in MATMUL_OPS]
+    host = ops + runtime
+    _enclosing(host, annotations, "_line")
+    _enclosing(host, backward_nodes, "_backward")
+    _enclosing(runtime, matmuls, "_matmul")
+    _link_backward(events, ops, backward_nodes, annotations)
+
+    def line_of(e: dict[str, Any]) -> dict[str, Any] | None:
+        # Backward work inside `loss.backward()` belongs to the forward line that created its
+        # autograd node, not to the line that called backward.
+        node = e if e["name"].startswith(BACKWARD_PREFIX) else e.get("_backward")
+        if node is not None and node.get("_forward_line") is not None:
+            return node["_forward_line"]
+        return e.get("_line")
+
+    lines: dict[str, _Line] = {}
+
+    def stats(annotation_event: dict[str, Any]) -> _Line:
+        location, function, _, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
+        if location not in lines:
+            lines[location] = _Line(location=location, function=function)
+        return lines[location]
+
+    for a in annotations:
+        line = stats(a)
+        line.calls += 1
+        line.direct_calls += int(parse_annotation(a["name"])[2])  # type: ignore[index]
+        line.host_us += float(a.get("dur", 0.0))
+    for node in backward_nodes:
+        if node.get("_forward_line") is not None:  # unmapped nodes are inside their backward()
+            stats(node["_forward_line"]).host_us += float(node.get("dur", 0.0))  # annotation
+
+    top_ops = _top_level(ops)
+    for o in top_ops:
+        owner = line_of(o)
+        if owner is not None:
+            stats(owner).ops += 1
+    syncs = 0
+    if backend != "cuda":
+        for o in ops:
+            if o["name"] in SYNCING_OPS:
+                syncs += 1
+                owner = line_of(o)
+                if owner is not None:
+                    stats(owner).syncs += 1
+
+    launches = 0
+    empty_cache = 0
+    sync_us = free_us = 0.0
+    sync_ends: list[float] = []
+    line_sync_ends: dict[str, list[float]] = defaultdict(list)
+    runtime_by_correlation: dict[Any, dict[str, Any]] = {}
+    for r in runtime:
+        name = r["name"]
+        corr = r.get("args", {}).get("correlation")
+        if corr is not None:
+            runtime_by_correlation[corr] = r
+        owner = line_of(r)
+        if name in LAUNCH_CALLS:
+            launches += 1
+        elif name in SYNC_CALLS:
+            syncs += 1
+            sync_us += float(r.get("dur", 0.0))
+            sync_ends.append(_end(r))
+            if owner is not None:
+                stats(owner).syncs += 1
+                line_sync_ends[stats(owner).location].append(_end(r))
+        elif name in EMPTY_CACHE_CALLS:
+            empty_cache += 1
+            free_us += float(r.get("dur", 0.0))
+
+    memcpy: Counter[str] = Counter()
+    memcpy_us: Counter[str] = Counter()
+    matmul_us: Counter[str] = Counter()
+    kernel_time: Counter[str] = Counter()
+    kernel_count = short = 0
+    kernel_us = 0.0
+    for d in device:
+        cat, dur = d.get("cat"), float(d.get("dur", 0.0))
+        corr = d.get("args", {}).get("correlation")
+        launcher = runtime_by_correlation.get(corr)
+        owner = line_of(launcher) if launcher is not None else None
+        if cat == "kernel":
+            kernel_count += 1
+            kernel_us += dur
+            short += dur < SHORT_KERNEL_US
+            kernel_time[d["name"]] += dur
+            if launcher is not None and "_matmul" in launcher:
+                matmul_us[_dtype(owner)] += dur
+        elif cat == "gpu_memcpy":
+            memcpy[memcpy_kind(d["name"])] += 1
+            memcpy_us[memcpy_kind(d["name"])] += dur
+        if owner is not None:
+            line = stats(owner)
+            line.device_us += dur
+            if cat == "kernel":
+                line.kernels += 1
+                line.kernel_us.append(dur)
+            elif cat == "gpu_memcpy":
+                line.memcpys += 1
+
+    busy_ms = (sum(b - a for a, b in _merge((float(d["ts"]), _end(d)) for d in device)) / 1e3
+               if device else None)
+    if backend != "cuda":
+        # No kernels: matmul work is the host time of the outermost matmul operators.
+        for o in _top_level(matmuls):
+            matmul_us[_dtype(line_of(o))] += float(o.get("dur", 0.0))
+    htod = [d for d in by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
+    overlap = _overlap_fraction(htod, by_cat["kernel"])
+    window = (first, last) if steps_ranges else (
+        min((float(e["ts"]) for e in host), default=0.0),
+        max((_end(e) for e in host), default=0.0))
+    launched_at = {corr: float(r["ts"]) for corr, r in runtime_by_correlation.items()}
+    collectives = _collectives(events, ops, by_cat, backend, window, launched_at)
+    op_counts = Counter(o["name"] for o in top_ops)
+    per = 1.0 / steps
+    step_us = step_ms * 1e3
+    source_lines = [
+        SourceLine(
+            location=line.location,
+            function=line.function,
+            calls_per_step=line.calls * per,
+            direct_calls_per_step=line.direct_calls * per,
+            ops_per_step=line.ops * per,
+            kernels_per_step=line.kernels * per,
+            syncs_per_step=line.syncs * per,
+            memcpys_per_step=line.memcpys * per,
+            host_ms_per_step=line.host_us * per / 1e3,
+            device_ms_per_step=line.device_us * per / 1e3,
+            median_kernel_us=statistics.median(line.kernel_us) if line.kernel_us else None,
+            sync_idle_ms_per_step=_idle_after(line_sync_ends[line.location], device) * per / 1e3,
+            share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
+            in_loop=in_loop(line.location),
+        )
+        for line in lines.values()
+    ]
+    source_lines.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
+                      reverse=True)
+    return Evidence(
+        steps=steps,
+        step_ms=step_ms,
+        backend=backend,
+        kernels_per_step=kernel_count * per,
+        launches_per_step=launches * per,
+        ops_per_step=len(top_ops) * per,
+        syncs_per_step=syncs * per,
+        memcpy_per_step={k: v * per for k, v in sorted(memcpy.items())},
+        memcpy_ms_per_step={k: v * per / 1e3 for k, v in sorted(memcpy_us.items())},
+        htod_overlap_fraction=overlap,
+        memset_per_step=len(by_cat["gpu_memset"]) * per,
+        sync_ms_per_step=sync_us * per / 1e3,
+        sync_idle_ms_per_step=_idle_after(sync_ends, device) * per / 1e3,
+        matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(matmul_us.items())},
+        device_ms_per_step=kernel_us * per / 1e3,
+        empty_cache_per_step=empty_cache * per,
+        empty_cache_ms_per_step=free_us * per / 1e3,
+        device_busy_ms_per_step=busy_ms * per if busy_ms is not None else None,
+        # Device busy time is what the kernels took; the instrumented window's host overhead
+        # would inflate idle time, so idleness is judged against the timed step when known.
+        idle_fraction=(max(0.0, 1.0 - busy_ms * per / (timed_step_ms or step_ms))
+                       if busy_ms is not None and (timed_step_ms or step_ms) else None),
+        short_kernels_per_step=short * per,
+        collective_ms_per_step=collectives.raw_us * per / 1e3,
+        collective_wall_ms_per_step=collectives.wall_us * per / 1e3,
+        collective_calls_per_step=collectives.calls * per,
+        collective_overlap_fraction=collectives.overlap,
+        collective_exposed_ms_per_step=(None if collectives.exposed_us is None
+                                        else collectives.exposed_us * per / 1e3),
+        compute_busy_ms_per_step=(None if collectives.compute_us is None
+                                  else collectives.compute_us * per / 1e3),
+        window_step_ms=collectives.window_us * per / 1e3,
+        microsteps_per_step=collectives.microsteps * per,
+        microsteps_with_collectives_per_step=collectives.microsteps_reduced * per,
+        top_ops_by_count=[{"name": n, "per_step": c * per}
+                          for n, c in op_counts.most_common(TOP_N)],
+        top_ops_by_time=_top_by_time(kernel_time, top_ops, per),
+        source_lines=source_lines[:TOP_N],
+        window_overhead=step_ms / timed_step_ms if timed_step_ms else None,
+    )
+
+
+def _dtype(annotation_event: dict[str, Any] | None) -> str:
+    """The matmul dtype the source annotator recorded for the call that issued this work."""
+    parsed = parse_annotation(annotation_event["name"]) if annotation_event else None
+    return parsed[3] if parsed and parsed[3] else "unknown"
+
+
+def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
+    """Device idle time from each moment to the next device activity (the queue a sync drained
+    stays empty until the host issues more work). Moments with the device busy cost nothing."""
+    if not moments or not device:
+        return 0.0
+    busy = _merge((float(d["ts"]), _end(d)) for d in device)
+    starts = [a for a, _ in busy]
+    gaps = []
+    for t in moments:
+        i = bisect.bisect_right(starts, t)
+        if i > 0 and busy[i - 1][1] > t:
+            continue  # still busy with earlier work
+        if i < len(busy):
+            gaps.append((t, busy[i][0]))
+    return sum(b - a for a, b in _merge(gaps))  # two syncs in one gap idle it once
+
+
+@dataclass
+class _Collectives:
+    calls: int
+    raw_us: float  # NCCL kernel durations summed (GPU) or gloo work ranges summed (CPU)
+    wall_us: float  # their union, clipped to the window
+    exposed_us: float | None  # the union's part with no compute beside it (GPU only)
+    compute_us: float | None  # union of the non-collective device work (GPU only)
+    window_us: float  # the window's length: shares of it never exceed 1
+    microsteps: int
+    microsteps_reduced: int
+
+    @property
+    def overlap(self) -> float | None:
+        if self.exposed_us is None or self.wall_us <= 0:
+            return None
+        return 1.0 - self.exposed_us / self.wall_us
+
+
+def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
+                 by_cat: dict[str, list[dict[str, Any]]], backend: str,
+                 host_window: tuple[float, float],
+                 launched_at: dict[Any, float]) -> _Collectives:
+    """Collective calls and their time, all measured inside one window: raw (summed), wall
+    (union), exposed (see _blocking) and the window they are shares of; and how many
+    accumulation micro-steps issued any collective (more than one per optimizer step means the
+    reduction ran on every micro-step: no_sync missing or wrapping only the backward).
+
+    A collective kernel starts when its bucket is ready and spins until every peer arrives, so
+    its raw time includes waiting for slower ranks and can exceed the step; only exposed time
+    holds the step back, and it never exceeds the window."""
+    calls = [o for o in ops if COLLECTIVE_OP.match(o["name"])]
+    reductions = sorted(float(o["ts"]) for o in calls if ALLREDUCE_OP.match(o["name"]))
+    if backend == "cuda":
+        device = [d for d in by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"]]
+        comm = [k for k in by_cat["kernel"] if "nccl" in k["name"].lower()]
+        other = [d for d in device if "nccl" not in d["name"].lower()]
+        span = _merge((float(d["ts"]), _end(d)) for d in device)
+        device_window = (span[0][0], span[-1][1]) if span else host_window
+        window = (min(host_window[0], device_window[0]), max(host_window[1], device_window[1]))
+    else:
+        comm = [a for a in by_cat["user_annotation"] if COLLECTIVE_WORK.match(a["name"])]
+        other, window = [], host_window
+    wall = _clip(_merge((float(c["ts"]), _end(c)) for c in comm), window)
+    compute = _merge((float(d["ts"]), _end(d)) for d in other)
+    exposed = compute_us = None
+    if backend == "cuda":
+        exposed = _blocking(wall, other, launched_at)
+        compute_us = _length(_clip(compute, window))
+    micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE]
+    reduced = 0
+    for m in micro:
+        i = bisect.bisect_left(reductions, float(m["ts"]))
+        reduced += i < len(reductions) and reductions[i] <= _end(m)
+    return _Collectives(
+        calls=len(calls), raw_us=sum(float(c.get("dur", 0.0)) for c in comm),
+        wall_us=_length(wall), exposed_us=exposed, compute_us=compute_us,
+        window_us=max(0.0, window[1] - window[0]), microsteps=len(micro),
+        microsteps_reduced=reduced)
+
+
+def _blocking(comm: list[tuple[float, float]], other: list[dict[str, Any]],
+              launched_at: dict[Any, float]) -> float:
+    """Collective time that held the device's other work back: moments a collective ran with
+    no other device work beside it *and* the next other work had already been queued by the
+    host (its launch call had happened). A gap the host had not filled yet is the host's, not
+    the link's: under the profiler's slower host that distinction keeps idle gaps from being
+    blamed on communication. Work whose launch is not in the trace counts as queued."""
+    busy = _merge((float(d["ts"]), _end(d)) for d in other)
+    starts = sorted((float(d["ts"]), launched_at.get(d.get("args", {}).get("correlation"),
+                                                      -math.inf)) for d in other)
+    start_times = [t for t, _ in starts]
+    total = 0.0
+    for lo, hi in _subtract(comm, busy):
+        i = bisect.bisect_left(start_times, hi)
+        queued = starts[i][1] if i < len(starts) else math.inf  # nothing after: the step's end
+        total += max(0.0, hi - max(lo, queued))
+    return total
+
+
+def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]],
+              ) -> list[tuple[float, float]]:
+    """Parts of the sorted, disjoint intervals `a` that no interval of `b` covers."""
+    out = []
+    for lo, hi in a:
+        start = lo
+        for blo, bhi in _intersect([(lo, hi)], b):
+            if blo > start:
+                out.append((start, blo))
+            start = max(start, bhi)
+        if hi > start:
+            out.append((start, hi))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _clip(spans: list[tuple[float, float]], window: tuple[float, float],
+          ) -> list[tuple[float, float]]:
+    lo, hi = window
+    return [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]],
+               ) -> list[tuple[float, float]]:
+    """Intersection of two sorted, disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _overlap_fraction(copies: list[dict[str, Any]],
+                      kernels: list[dict[str, Any]]) -> float | None:
+    """Share of the copies' time during which some kernel was running."""
+    total = sum(float(c.get("dur", 0.0)) for c in copies)
+    if not copies or total <= 0:
+        return None
+    busy = _merge((float(k["ts"]), _end(k)) for k in kernels)
+    starts = [a for a, _ in busy]
+    covered = 0.0
+    for c in copies:
+        start, end = float(c["ts"]), _end(c)
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while i < len(busy) and busy[i][0] < end:
+            covered += max(0.0, min(end, busy[i][1]) - max(start, busy[i][0]))
+            i += 1
+    return covered / total
+
+
+def _top_by_time(kernel_time: Counter[str], top_ops: list[dict[str, Any]],
+                 per: float) -> list[dict[str, Any]]:
+    """Kernels by device time on a GPU; operators by host time where there are no kernels."""
+    if kernel_time:
+        ranked = kernel_time.most_common(TOP_N)
+    else:
+        host: Counter[str] = Counter()
+        for o in top_ops:
+            host[o["name"]] += float(o.get("dur", 0.0))
+        ranked = host.most_common(TOP_N)
+    return [{"name": n, "ms_per_step": us * per / 1e3} for n, us in ranked]

@@ -1,0 +1,26 @@
+"""Loaded by every Python process `gpudiag profile` starts (this folder leads PYTHONPATH).
+
+Installs gpudiag's recorder when GPUDIAG_PROFILE_OUT is set, then runs the sitecustomize this
+one shadows, if there is one further along the path."""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("GPUDIAG_PROFILE_OUT"):
+    try:
+        from gpudiag.measure.profile.recorder import install
+
+        install()
+    except Exception as exc:  # never break the user's program
+        print(f"gpudiag profile: instrumentation not installed ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+
+_here = Path(__file__).resolve().parent
+_rest = [p for p in sys.path if Path(p or ".").resolve() != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _rest)
+if _spec is not None and _spec.loader is not None:
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)

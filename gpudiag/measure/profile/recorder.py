@@ -1,0 +1,371 @@
+"""Inside a profiled script: step boundaries, step times, data wait, saves, telemetry and one
+profiler window, written as a stage when the process exits.
+
+Installed at interpreter start-up by the bootstrap's sitecustomize (see session.py). Steps end
+at each `optimizer.step()` of the first optimizer that steps (a global post-hook), or at each
+`gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Steps are split:
+warm-up [0, W), timed [W, W+T), profiled [W+T, W+T+K); later steps are kept but not used, since
+the profiler slows what follows it on some GPUs (pytorch/pytorch#144455).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nvtx
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from gpudiag.measure.env import device_identity
+from gpudiag.measure.evidence.source import SourceAnnotator
+from gpudiag.measure.evidence.trace import STEP_RANGE, analyze
+from gpudiag.measure.stages.ddp.probe import allreduce_probe
+from gpudiag.measure.telemetry import open_sampler
+from gpudiag.model.results import StageResult, TimingStats, to_jsonable
+
+ENV_OUT = "GPUDIAG_PROFILE_OUT"
+ENV_WARMUP = "GPUDIAG_PROFILE_WARMUP"
+ENV_TIMED = "GPUDIAG_PROFILE_TIMED"
+ENV_STEPS = "GPUDIAG_PROFILE_STEPS"
+ENV_PARENT = "GPUDIAG_PROFILE_PARENT"
+ENV_TELEMETRY = "GPUDIAG_PROFILE_TELEMETRY"  # full, basic (no GPM) or off
+NO_GPM_PERIOD_S = 1e9
+MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
+
+
+class Recorder:
+    def __init__(self, out: Path, warmup: int, timed: int, profiled: int) -> None:
+        self.out, self.warmup, self.timed, self.profiled = out, warmup, timed, profiled
+        self.host_marks: list[float] = [time.perf_counter()]
+        self.events: list[Any] = []
+        self.cuda: bool | None = None  # decided at the first step
+        self.clock: int | None = None  # id of the optimizer whose steps are the step clock
+        self.manual = False
+        self.data_wait: dict[int, float] = defaultdict(float)
+        self.batch_size: int | None = None
+        self.saves: list[dict[str, Any]] = []
+        self.sampler: Any = None
+        self.telemetry: Any = None
+        self.profiler: Any = None
+        self.annotator: SourceAnnotator | None = None
+        self.step_range: Any = None
+        self.evidence: Any = None
+        self.window_host_ms: list[float] = []
+        self.nvtx_range: Any = None
+        self.finished = False
+        self.error: str | None = None
+        self.ddp: dict[str, Any] | None = None  # what a DistributedDataParallel wrap told us
+
+    @property
+    def steps(self) -> int:
+        return len(self.host_marks) - 1
+
+    # --- step boundaries ---------------------------------------------------------------
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self.manual:
+            return
+        if self.clock is None:
+            self.clock = id(optimizer)
+        if id(optimizer) == self.clock:
+            self.boundary()
+
+    def manual_step(self) -> None:
+        self.manual = True
+        self.boundary()
+
+    def boundary(self) -> None:
+        if self.finished or self.steps >= MAX_STEPS:
+            return
+        if self.cuda is None:
+            self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self._open_telemetry()
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        self.host_marks.append(time.perf_counter())
+        done = self.steps
+        if self.nvtx_range is not None:
+            nvtx.end_range(self.nvtx_range)
+        self.nvtx_range = nvtx.start_range(f"step {done}", domain="gpudiag")
+        try:
+            self._windows(done)
+        except Exception as exc:  # evidence is optional; the script must go on
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._stop_profiler(keep=False)
+
+    def _windows(self, done: int) -> None:
+        start_profile = self.warmup + self.timed
+        if done == self.warmup and self.sampler is not None:
+            self.sampler.begin("timed")
+        if done == start_profile:
+            if self.sampler is not None and self.telemetry is None:
+                self.telemetry = self.sampler.end()
+            if self.profiled:
+                self._start_profiler()
+        elif self.profiler is not None and start_profile < done <= start_profile + self.profiled:
+            self.window_host_ms.append((self.host_marks[-1] - self.host_marks[-2]) * 1e3)
+            self.step_range.__exit__(None, None, None)
+            if done == start_profile + self.profiled:
+                self._stop_profiler(keep=True)
+                self._probe_link()
+            else:
+                self.step_range = torch.profiler.record_function(STEP_RANGE)
+                self.step_range.__enter__()
+
+    def _start_profiler(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+        self.annotator = SourceAnnotator()
+        self.annotator.__enter__()
+        self.step_range = torch.profiler.record_function(STEP_RANGE)
+        self.step_range.__enter__()
+
+    def _stop_profiler(self, keep: bool) -> None:
+        if self.profiler is None:
+            return
+        profiler, self.profiler = self.profiler, None
+        if self.annotator is not None:
+            self.annotator.__exit__(None, None, None)
+            self.annotator = None
+        if self.cuda:
+            torch.cuda.synchronize()
+        profiler.__exit__(None, None, None)
+        if not keep or not self.window_host_ms:
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            profiler.export_chrome_trace(str(path))
+            events = json.loads(path.read_text()).get("traceEvents", [])
+        timed = self._step_ms()[self.warmup:self.warmup + self.timed]
+        self.evidence = analyze(
+            events, steps=len(self.window_host_ms), step_ms=statistics.fmean(self.window_host_ms),
+            backend="cuda" if self.cuda else "cpu",
+            timed_step_ms=TimingStats.of(timed).p25_ms if timed else None)
+
+    # --- DDP: gradient bytes and the link ------------------------------------------------
+
+    def ddp_wrapped(self, model: Any) -> None:
+        """A DistributedDataParallel was built: note the bytes it all-reduces per step."""
+
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        cap = getattr(model, "bucket_bytes_cap", None)
+        self.ddp = {"grad_bytes": sum(p.numel() * p.element_size() for p in params),
+                    "bucket_mb": cap / 2**20 if cap else None,
+                    "world_size": dist.get_world_size(), "backend": str(dist.get_backend()),
+                    "allreduce_probe": None}
+
+    def _probe_link(self) -> None:
+        """Every rank closes its window at the same optimizer step (DDP keeps them in step),
+        so each can join one all-reduce probe there: the link's bandwidth for this job."""
+        if self.ddp is None or self.ddp["world_size"] < 2:
+            return
+
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if self.ddp["backend"] == "nccl" else torch.device("cpu"))
+        self.ddp["allreduce_probe"] = allreduce_probe(self.ddp["grad_bytes"], device)
+
+    # --- data, saves, telemetry ----------------------------------------------------------
+
+    def data_waited(self, ms: float, batch: Any) -> None:
+        self.data_wait[self.steps] += ms
+        if self.batch_size is None:
+            self.batch_size = _batch_size(batch)
+
+    def saved(self, blocking_ms: float, path: Any, mode: str) -> None:
+        size = None
+        if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
+            size = Path(path).stat().st_size
+        self.saves.append({"step": self.steps, "blocking_ms": blocking_ms, "waited_ms": 0.0,
+                           "total_ms": blocking_ms if mode == "sync" else None,
+                           "bytes": size, "mode": mode,
+                           "write_gbps": size / blocking_ms / 1e6 if size and blocking_ms
+                           else None})
+
+    def _open_telemetry(self) -> None:
+        mode = os.environ.get(ENV_TELEMETRY, "full")
+        if not self.cuda or mode == "off":
+            return
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+            uuid, index = device_identity(device)
+            self.sampler = open_sampler("cuda", uuid, index, period_s=0.05,
+                                        gpm_period_s=NO_GPM_PERIOD_S if mode == "basic" else 0.2)
+            self.sampler.__enter__()
+        except Exception as exc:
+            self.sampler, self.error = None, f"telemetry: {type(exc).__name__}: {exc}"
+
+    # --- the result ----------------------------------------------------------------------
+
+    def _step_ms(self) -> list[float]:
+        if self.cuda and self.events:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in itertools.pairwise(self.events)]
+        return [(b - a) * 1e3 for a, b in itertools.pairwise(self.host_marks)]
+
+    def stage(self) -> StageResult:
+        all_ms = self._step_ms()
+        # CUDA events start at the first boundary: step i's time is events[i-1] -> events[i].
+        offset = 1 if self.cuda else 0
+        first = max(self.warmup, offset)
+        timed = all_ms[first - offset:self.warmup + self.timed - offset]
+        name = Path(sys.argv[0]).name or "script"
+        rank = os.environ.get("RANK")
+        if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            name = f"{name}[rank{rank}]"
+        result = StageResult(name=name, status="ok", title=" ".join(sys.argv),
+                             workload=f"{' '.join(sys.argv)} (profiled)")
+        if not timed:
+            result.status = "error"
+            result.error = (f"no timed steps: the script made {self.steps} step(s); gpudiag "
+                            f"times steps {self.warmup}..{self.warmup + self.timed - 1}")
+            result.advice = ("lower --warmup, or mark steps: call gpudiag.step() once per "
+                             "step, or wrap the loop body in `with gpudiag.watch():`")
+            return result
+        stats = TimingStats.of(timed)
+        result.iter_ms, result.timing, result.ms_per_iter = timed, stats, stats.median_ms
+        result.warmup_ms = all_ms[:first - offset]
+        result.timer = "cuda-events" if self.cuda else "host-clock"
+        if self.batch_size:
+            result.samples_per_step = self.batch_size
+            result.samples_per_s = self.batch_size / stats.median_ms * 1e3
+        steps = range(first, first + len(timed))
+        if self.data_wait:
+            result.phases_ms["data_wait"] = [self.data_wait.get(i, 0.0) for i in steps]
+        saves = [dict(s, step=s["step"] - first) for s in self.saves if s["step"] in steps]
+        if saves:
+            gaps = [b["step"] - a["step"] for a, b in itertools.pairwise(saves)]
+            result.details["checkpoint"] = {
+                "mode": saves[0]["mode"], "every": statistics.mode(gaps) if gaps else None,
+                "saves": saves}
+        if self.telemetry is not None:
+            result.telemetry = self.telemetry
+        result.evidence = self.evidence
+        if self.ddp is not None:
+            result.details["ddp_job"] = self.ddp
+        result.details.update({"profiled_steps": self.steps, "warmup": self.warmup,
+                               "timed": len(timed), "step_clock": "gpudiag.step()"
+                               if self.manual else "optimizer.step()"})
+        if self.evidence is None and self.profiled:
+            result.details["evidence_note"] = (
+                f"the script ended after {self.steps} steps, before the profiler window at "
+                f"step {self.warmup + self.timed}" if self.steps <= self.warmup + self.timed
+                else self.error or "no profiler window")
+        if self.cuda:
+            result.details["device"] = torch.cuda.get_device_name()
+        return result
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self._stop_profiler(keep=True)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        if self.sampler is not None:
+            try:
+                if self.telemetry is None and self.steps > self.warmup:
+                    self.telemetry = self.sampler.end()
+                self.sampler.__exit__(None, None, None)
+            except Exception as exc:
+                self.error = f"telemetry: {type(exc).__name__}: {exc}"
+        root = os.environ.get(ENV_PARENT) == str(os.getppid())
+        if self.steps == 0 and not root:
+            return  # a helper process (torchrun's agent, a spawned worker): nothing to say
+        part = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "steps": self.steps,
+                "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
+                "stage": to_jsonable(self.stage()) if self.steps else None}
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"part-{os.getpid()}.json").write_text(json.dumps(part))
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return None
+
+
+RECORDER: Recorder | None = None
+
+
+def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
+          ) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "__gpudiag__", False):
+        return
+    wrapped = around(original)
+    wrapped.__gpudiag__ = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
+
+
+def install() -> Recorder:
+    """Hook the running interpreter (idempotent)."""
+    global RECORDER  # noqa: PLW0603  (one recorder per interpreter, found by gpudiag.step())
+    if RECORDER is not None:
+        return RECORDER
+    recorder = RECORDER = Recorder(
+        Path(os.environ[ENV_OUT]), int(os.environ.get(ENV_WARMUP, "5")),
+        int(os.environ.get(ENV_TIMED, "30")), int(os.environ.get(ENV_STEPS, "3")))
+    register_optimizer_step_post_hook(recorder.optimizer_stepped)
+
+    def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __next__(self: Any) -> Any:
+            start = time.perf_counter()
+            batch = original(self)
+            recorder.data_waited((time.perf_counter() - start) * 1e3, batch)
+            return batch
+        return __next__
+
+    _wrap(_BaseDataLoaderIter, "__next__", timed_next)
+
+    def timed_save(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(obj, f, *args, **kwargs)
+            finally:
+                recorder.saved((time.perf_counter() - start) * 1e3, f, "sync")
+        return save
+
+    _wrap(torch, "save", timed_save)
+
+    def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            recorder.ddp_wrapped(self)
+        return __init__
+
+
+    _wrap(DistributedDataParallel, "__init__", noted_ddp)
+    atexit.register(recorder.finish)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # torchrun stops the other ranks with SIGTERM when one fails: exit through atexit.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    return recorder

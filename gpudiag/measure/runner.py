@@ -1,0 +1,283 @@
+"""Runs a list of stages: build, warm up, timed steps under telemetry, errors kept per stage.
+
+Two passes. First every stage is timed; then each is rebuilt for its evidence window (a few
+profiled steps). Never the other way round: Kineto leaves CUPTI attached after a profiler
+window (pytorch/pytorch#144455), and on an H100 every stage timed after one ran 12-30% slower.
+
+The runner never prints and never exits: it reports progress to a listener and hands the growing
+RunResult to `on_stage_done` after every stage and every evidence window, so the caller can write
+partial results. Ctrl-C stops at once; what was measured before is kept and the run is marked
+interrupted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import nvtx
+import pandas as pd
+import torch
+
+from gpudiag._version import __version__
+from gpudiag.measure.env import collect_env, device_identity
+from gpudiag.measure.evidence import collect_evidence
+from gpudiag.measure.flops import count_flops
+from gpudiag.measure.models import resolve_model
+from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
+from gpudiag.measure.telemetry import Sampler, open_sampler
+from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
+from gpudiag.model.config import RunConfig
+from gpudiag.model.results import MemoryStats, RunResult, StageResult, TimingStats
+
+_MIB = 2**20
+
+
+class ProgressListener(Protocol):
+    def stage_started(self, name: str, title: str, planned_steps: int) -> None: ...
+    def step_done(self, name: str, done: int) -> None: ...
+    def stage_finished(self, result: StageResult) -> None: ...
+    def evidence_started(self, name: str) -> None: ...
+    def evidence_finished(self, name: str) -> None: ...
+
+
+@dataclass
+class RunOutput:
+    run: RunResult
+    samples: pd.DataFrame  # the telemetry timeline, one row per sampler tick
+
+
+def run_stages(
+    config: RunConfig,
+    *,
+    notes: list[str] | None = None,
+    listener: ProgressListener | None = None,
+    on_stage_done: Callable[[RunOutput], None] | None = None,
+    telemetry_spec: dict[str, Any] | None = None,
+    trace_dir: Path | None = None,
+) -> RunOutput:
+    """Time every stage, then profile each; `trace_dir` keeps each profiler window's trace
+    there as profile-<stage>.json.gz."""
+    started = time.perf_counter()
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # an explicit index for set_device
+        torch.cuda.set_device(device)
+    spec = resolve_model(config.model)
+    uuid, index = device_identity(device) if device.type == "cuda" else (None, 0)
+    sampler = open_sampler(device.type, uuid, index, period_s=config.sample_period_s,
+                           gpm_period_s=config.gpm_period_s, spec=telemetry_spec)
+    run = RunResult(
+        tool_version=__version__,
+        env=collect_env(device, sampler.reader, sampler.unavailable_reason),
+        config=config.to_dict(),
+        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        notes=list(notes or []),
+    )
+    ctx = StageContext(config=config, device=device, spec=spec, phases=PhaseRecorder(device))
+
+    def checkpoint() -> None:
+        run.duration_s = time.perf_counter() - started
+        if on_stage_done is not None:
+            on_stage_done(RunOutput(run, sampler.samples()))
+
+    profiled: list[StageResult] = []
+    with sampler:
+        sampler.wait_ready()
+        for name in config.stages:
+            definition = get_stage(name)
+            if run.interrupted:
+                run.stages.append(StageResult(name=name, status="skipped",
+                                              title=definition.title, error="run interrupted"))
+                continue
+            try:
+                if definition.launch is not None:
+                    result, host_only = _launch_stage(definition, ctx, listener), True
+                else:
+                    result, host_only = _run_stage(definition, ctx, sampler, listener)
+            except KeyboardInterrupt:
+                run.interrupted = True
+                result, host_only = StageResult(
+                    name=name, status="error", title=definition.title,
+                    error="interrupted (Ctrl-C) before the stage finished"), True
+            run.stages.append(result)
+            if result.ok and not host_only and config.evidence_steps:
+                profiled.append(result)
+            if listener is not None:
+                listener.stage_finished(result)
+            checkpoint()
+        for result in profiled:
+            if run.interrupted:
+                break
+            if listener is not None:
+                listener.evidence_started(result.name)
+            try:
+                _add_evidence(get_stage(result.name), ctx, result, trace_dir)
+            except KeyboardInterrupt:
+                run.interrupted = True
+            if listener is not None:
+                listener.evidence_finished(result.name)
+            checkpoint()
+        samples = sampler.samples()
+    run.duration_s = time.perf_counter() - started
+    return RunOutput(run, samples)
+
+
+def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
+                  trace_dir: Path | None = None) -> None:
+    """Rebuild the stage's workload and record a profiled window of it on `result`. A failure
+    here is noted on the stage; its timings stand."""
+    workload: Workload | None = None
+    try:
+        with nvtx.annotate(f"evidence {definition.name}", domain="gpudiag"):
+            ctx.phases.clear()
+            assert definition.build is not None
+            workload = definition.build(ctx)
+            time_steps(workload.step, device=ctx.device, iters=min(ctx.config.warmup, 2))
+            if not workload.host_only:
+                result.details["flops_per_step"] = count_flops(workload.step)
+            trace_file = (trace_dir / f"profile-{definition.name}.json.gz"
+                          if trace_dir is not None else None)
+            # The lower quartile is the pace the stage sustains: interference on a shared host
+            # only ever adds time, and would otherwise pass for GPU idleness.
+            result.evidence = collect_evidence(workload.step, device=ctx.device,
+                                               steps=ctx.config.evidence_steps,
+                                               timed_step_ms=result.timing.p25_ms
+                                               if result.timing else result.ms_per_iter,
+                                               save_to=trace_file)
+    except Exception as exc:
+        result.details["evidence_error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
+    finally:
+        ctx.phases.clear()
+        if workload is not None:
+            workload.close()
+        del workload
+        _release_memory(ctx.device)
+
+
+def _launch_stage(definition: StageDef, ctx: StageContext,
+                  listener: ProgressListener | None) -> StageResult:
+    """A stage that runs in its own processes (its ranks time, sample and profile themselves,
+    so it needs no evidence pass here). Errors are kept on the stage, as for any stage."""
+    assert definition.launch is not None
+    if listener is not None:
+        listener.stage_started(definition.name, definition.title, 1)
+    try:
+        with nvtx.annotate(f"stage {definition.name}", domain="gpudiag"):
+            return definition.launch(ctx)
+    except StageSkipped as exc:
+        return StageResult(name=definition.name, status="skipped", title=definition.title,
+                           error=str(exc))
+    except Exception as exc:
+        return StageResult(name=definition.name, status="error", title=definition.title,
+                           error=f"{type(exc).__name__}: {_first_line(str(exc))}",
+                           advice="the full traceback is in run.json (stages[].traceback)",
+                           traceback=traceback.format_exc())
+
+
+def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
+               listener: ProgressListener | None) -> tuple[StageResult, bool]:
+    """The stage's timed result, and whether it is host-only (nothing to profile)."""
+    config, device = ctx.config, ctx.device
+    name = definition.name
+    result = StageResult(name=name, status="ok", title=definition.title)
+    if listener is not None:
+        listener.stage_started(name, definition.title, config.warmup + config.iters)
+    on_step = (lambda done: listener.step_done(name, done)) if listener is not None else None
+    workload: Workload | None = None
+    host_only = False
+    try:
+        with nvtx.annotate(f"stage {name}", domain="gpudiag"):
+            ctx.phases.clear()
+            assert definition.build is not None
+            workload = definition.build(ctx)
+            host_only = workload.host_only
+            result.workload = workload.description
+            result.details = dict(workload.details)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            warm = time_steps(workload.step, device=device, iters=config.warmup,
+                              host_only=workload.host_only, label=f"{name} warm-up",
+                              on_step=on_step)
+            synchronize(device)
+            ctx.phases.clear()
+            workload.on_timed_start()
+            sampler.begin(name)
+            try:
+                timed = time_steps(
+                    workload.step, device=device, iters=max(config.iters, workload.min_iters),
+                    min_seconds=config.min_seconds, host_only=workload.host_only, label=name,
+                    on_step=None if on_step is None else lambda d: on_step(config.warmup + d))
+            finally:
+                synchronize(device)
+                result.telemetry = sampler.end()
+            _record_times(result, workload, warm.iter_ms, timed.iter_ms)
+            result.details.update(workload.timed_details())
+            result.timer, result.wall_s = timed.timer, timed.wall_s
+            result.phases_ms = ctx.phases.collect()
+            result.memory = _memory(device)
+    except StageSkipped as exc:
+        result.status, result.error = "skipped", str(exc)
+    except torch.OutOfMemoryError as exc:
+        result.status = "error"
+        result.error = f"out of device memory: {_first_sentences(str(exc))}"
+        result.advice = (f"lower --batch-size (now {config.batch_size}) or --seq-len "
+                         f"(now {config.seq_len}), or run this stage alone with --stages {name}")
+        result.traceback = traceback.format_exc()
+    except Exception as exc:
+        result.status = "error"
+        result.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        result.advice = "the full traceback is in run.json (stages[].traceback)"
+        result.traceback = traceback.format_exc()
+    finally:
+        if workload is not None:
+            workload.close()
+        del workload
+        _release_memory(device)
+    return result, host_only
+
+
+def _record_times(result: StageResult, workload: Workload, warmup_ms: list[float],
+                  iter_ms: list[float]) -> None:
+    stats = TimingStats.of(iter_ms)
+    result.iter_ms, result.warmup_ms, result.timing = iter_ms, warmup_ms, stats
+    result.ms_per_iter = stats.mean_ms if workload.bursty else stats.median_ms
+    result.details["ms_per_iter_statistic"] = "mean" if workload.bursty else "median"
+    result.samples_per_step = workload.samples_per_step
+    result.tokens_per_step = workload.tokens_per_step
+    if result.ms_per_iter > 0:
+        result.samples_per_s = workload.samples_per_step / result.ms_per_iter * 1e3
+        result.tokens_per_s = workload.tokens_per_step / result.ms_per_iter * 1e3
+
+
+def _memory(device: torch.device) -> MemoryStats | None:
+    if device.type != "cuda":
+        return None
+    return MemoryStats(
+        peak_allocated_mib=torch.cuda.max_memory_allocated(device) / _MIB,
+        peak_reserved_mib=torch.cuda.max_memory_reserved(device) / _MIB,
+        device_total_mib=torch.cuda.get_device_properties(device).total_memory / _MIB,
+    )
+
+
+def _release_memory(device: torch.device) -> None:
+    # Stages must not inherit each other's cached blocks: peak-memory figures and OOM
+    # behaviour of a stage should not depend on which stage ran before it.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(no message)"
+
+
+def _first_sentences(text: str, limit: int = 2) -> str:
+    sentences = _first_line(text).split(". ")
+    return ". ".join(sentences[:limit]).rstrip(".")

@@ -1,0 +1,175 @@
+"""A stage is a named function that builds a workload; the runner owns timing and telemetry."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gpudiag.measure.models import Example, ModelBundle, ModelOptions, ModelSpec
+from gpudiag.measure.timing import PhaseRecorder
+from gpudiag.model.config import RunConfig
+from gpudiag.model.results import StageResult
+
+# Enough examples that no stage runs out (a map-style dataset of this length allocates nothing).
+DATASET_LENGTH = 10_000_000
+PREFETCH_FACTOR = 2
+POOL_BATCHES = 4  # distinct batches a preloaded dataset holds
+
+
+class StageSkipped(Exception):
+    """Raised by a stage that does not apply to this model or machine; the message says why."""
+
+
+@dataclass
+class Workload:
+    """One step function and what a step processes."""
+
+    step: Callable[[], None]
+    samples_per_step: int
+    tokens_per_step: int
+    description: str
+    host_only: bool = False  # no device work: time with the host clock
+    # Steps served from a prefetching queue arrive in bursts (most instant, some long): their
+    # time per step is total time over steps, not the median step.
+    bursty: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+    min_iters: int = 0  # timed steps the stage needs whatever --iters says (e.g. several saves)
+    # Called once warm-up is over, and after the timed steps for what they recorded (merged
+    # into the stage's details): per-step records that only the timed window should hold.
+    on_timed_start: Callable[[], None] = lambda: None
+    timed_details: Callable[[], dict[str, Any]] = dict
+
+
+@dataclass
+class StageContext:
+    config: RunConfig
+    device: torch.device
+    spec: ModelSpec
+    phases: PhaseRecorder
+
+    @property
+    def options(self) -> ModelOptions:
+        c = self.config
+        return ModelOptions(shape=c.shape, seq_len=c.seq_len, prompt_length=c.prompt_length,
+                            candidates=c.candidates, seed=c.seed)
+
+    @property
+    def amp_dtype(self) -> torch.dtype:
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.config.amp_dtype,
+                                                                   torch.float32)
+
+    def bundle(self, variant: str | None = None, *, weights: bool = True) -> ModelBundle:
+        """Build the model (a variant of it, for the full-* stages) with reproducible weights.
+
+        `weights=False` builds on the meta device: for stages that only need the data.
+        """
+        if variant is None:
+            factory = self.spec.build
+        elif variant in self.spec.variants:
+            factory = self.spec.variants[variant]
+        else:
+            raise StageSkipped(f"model {self.spec.name!r} has no {variant!r} variant")
+        torch.manual_seed(self.config.seed)
+        with torch.device(self.device if weights else "meta"):
+            bundle = factory(self.options)
+        if weights:
+            bundle.model.to(self.device)
+        return bundle
+
+    def batch(self, bundle: ModelBundle, keys: tuple[str, ...] | None = None) -> Example:
+        """One synthetic batch on the device, reused by every step (no data-loading cost)."""
+        examples = [bundle.make_example(i) for i in range(self.config.batch_size)]
+        batch = torch.utils.data.default_collate(examples)
+        return {k: v.to(self.device) for k, v in batch.items() if keys is None or k in keys}
+
+    def loader(self, bundle: ModelBundle) -> DataLoader[Example]:
+        """A real DataLoader over the model's synthetic examples, configured as we advise."""
+        workers = self.config.loader_workers
+        return DataLoader(
+            _PreloadedDataset(bundle.make_example, POOL_BATCHES * self.config.batch_size),
+            batch_size=self.config.batch_size,
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            drop_last=True,
+            persistent_workers=workers > 0,
+            prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+            worker_init_fn=_ignore_sigint if workers > 0 else None,
+        )
+
+    def autocast(self, enabled: bool = True) -> AbstractContextManager[Any]:
+        if not enabled or self.config.amp_dtype == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def to_device(self, batch: Example) -> Example:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+class _PreloadedDataset(Dataset[Example]):
+    """Tokenised examples held in memory, as the seed's `--preload_data` fix did: items are row
+    views, so the loader's cost is batching, collation and pinning, not example generation."""
+
+    def __init__(self, make_example: Callable[[int], Example], pool_size: int) -> None:
+        examples = [make_example(i) for i in range(pool_size)]
+        self.pool = torch.utils.data.default_collate(examples)
+        self.pool_size = pool_size
+
+    def __len__(self) -> int:
+        return DATASET_LENGTH
+
+    def __getitem__(self, index: int) -> Example:
+        row = index % self.pool_size
+        return {k: v[row] for k, v in self.pool.items()}
+
+
+def _ignore_sigint(_worker_id: int) -> None:
+    # Ctrl-C goes to the whole process group; the main process shuts workers down, so workers
+    # must not raise KeyboardInterrupt themselves (the seed's traceback storm, SEEDS.md 5).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+StageFunction = Callable[[StageContext], Workload]
+# A stage that runs itself elsewhere (the ddp stage's ranks) and returns its finished result.
+LaunchFunction = Callable[[StageContext], StageResult]
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    title: str
+    build: StageFunction | None = None
+    launch: LaunchFunction | None = None
+
+
+_STAGES: dict[str, StageDef] = {}
+
+
+def stage(name: str, title: str) -> Callable[[StageFunction], StageFunction]:
+    """Register a stage under `name`; registration order is the ladder's order."""
+
+    def register(fn: StageFunction) -> StageFunction:
+        _STAGES[name] = StageDef(name=name, title=title, build=fn)
+        return fn
+
+    return register
+
+
+def launched_stage(name: str, title: str) -> Callable[[LaunchFunction], LaunchFunction]:
+    """Register a stage that runs in its own processes and times itself (see StageDef)."""
+
+    def register(fn: LaunchFunction) -> LaunchFunction:
+        _STAGES[name] = StageDef(name=name, title=title, launch=fn)
+        return fn
+
+    return register
+
+
+def registered_stages() -> Iterator[StageDef]:
+    return iter(_STAGES.values())

@@ -1,0 +1,58 @@
+"""`gpudiag run --trials N`: the same run in N fresh processes (merged by the command layer).
+
+Fresh processes are the unit of evidence for comparisons (see gpudiag.diagnose.trials). Each
+trial is a plain `gpudiag run` writing its own directory (trial-1, trial-2, ...); the evidence
+window runs in the last trial only, since it never affects timings and costs wall time.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from gpudiag.model.errors import EXIT_INTERRUPTED
+from gpudiag.model.results import RunResult, load_run
+
+
+@dataclass
+class TrialsOutput:
+    runs: list[RunResult]  # one per finished (or interrupted) trial, in order
+    samples: pd.DataFrame  # every trial's telemetry, with a `trial` column
+    interrupted: bool
+
+
+def run_trials(run_args: Sequence[str], out_dir: Path, trials: int, *, evidence_steps: int,
+               on_trial: Callable[[int, int], None] | None = None) -> TrialsOutput:
+    """Run `gpudiag run <run_args>` `trials` times, each in a fresh process; the caller merges
+    them (gpudiag.diagnose.trials.merge_trials)."""
+    runs: list[RunResult] = []
+    frames: list[pd.DataFrame] = []
+    interrupted = False
+    for k in range(1, trials + 1):
+        if on_trial is not None:
+            on_trial(k, trials)
+        trial_dir = out_dir / f"trial-{k}"
+        steps = evidence_steps if k == trials else 0
+        command = [sys.executable, "-m", "gpudiag", "run", *run_args, "--out", str(trial_dir),
+                   "--evidence-steps", str(steps), "--quiet"]
+        try:
+            code = subprocess.call(command)
+        except KeyboardInterrupt:  # the child got Ctrl-C too and writes its partial run
+            code = EXIT_INTERRUPTED
+        if (trial_dir / "run.json").is_file():
+            runs.append(load_run(trial_dir))
+            samples = trial_dir / "samples.csv"
+            if samples.is_file() and samples.stat().st_size > 1:
+                frames.append(pd.read_csv(samples).assign(trial=k))
+        if code == EXIT_INTERRUPTED:
+            interrupted = True
+            break
+    if not runs:
+        raise RuntimeError("no trial produced a run.json")
+    return TrialsOutput(runs=runs, samples=pd.concat(frames) if frames else pd.DataFrame(),
+                        interrupted=interrupted)

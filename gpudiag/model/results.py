@@ -1,0 +1,417 @@
+"""The results gpudiag produces, and `run.json` reading and writing.
+
+This module is the contract between measuring (runner, stages, telemetry) and everything that
+reads measurements (rules, compare, reports). It imports nothing from gpudiag, so that a recorded
+`run.json` can be analysed anywhere without torch or a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+SCHEMA_VERSION = 1
+
+StageStatus = Literal["ok", "error", "skipped"]
+Severity = Literal["info", "warning", "critical"]
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+
+class RunFileError(Exception):
+    """A run.json that cannot be read: missing, not JSON, or from an incompatible schema."""
+
+
+@dataclass
+class TimingStats:
+    """Robust summary of per-iteration times, in milliseconds."""
+
+    n: int
+    median_ms: float
+    p25_ms: float
+    p75_ms: float
+    mad_ms: float
+    mean_ms: float
+    min_ms: float
+    max_ms: float
+
+    @property
+    def iqr_ms(self) -> float:
+        return self.p75_ms - self.p25_ms
+
+    @classmethod
+    def of(cls, times_ms: list[float]) -> TimingStats:
+        if not times_ms:
+            raise ValueError("no iteration times to summarise")
+        median = statistics.median(times_ms)
+        if len(times_ms) >= 2:
+            p25, _, p75 = statistics.quantiles(times_ms, n=4, method="inclusive")
+        else:
+            p25 = p75 = median
+        mad = statistics.median(abs(t - median) for t in times_ms)
+        return cls(
+            n=len(times_ms),
+            median_ms=median,
+            p25_ms=p25,
+            p75_ms=p75,
+            mad_ms=mad,
+            mean_ms=statistics.fmean(times_ms),
+            min_ms=min(times_ms),
+            max_ms=max(times_ms),
+        )
+
+
+@dataclass
+class MemoryStats:
+    """Device memory seen by the caching allocator during a stage (warm-up and timed steps)."""
+
+    peak_allocated_mib: float
+    peak_reserved_mib: float
+    device_total_mib: float | None = None
+
+
+@dataclass
+class TelemetrySummary:
+    """What the GPU reported while a stage's timed iterations ran.
+
+    `available` is False on machines without NVML; `reason` then says why. Individual metrics a
+    GPU refuses are None, with the refusal in `unavailable_metrics`.
+    """
+
+    available: bool
+    reason: str | None = None
+    sample_count: int = 0
+    period_s: float | None = None
+    window_s: float | None = None
+    energy_j: float | None = None
+    energy_source: str | None = None  # "counter" (NVML total-energy) or "power-integral"
+    power_mean_w: float | None = None  # energy / window
+    power_max_w: float | None = None  # highest instantaneous sample
+    power_limit_w: float | None = None
+    kernel_active_pct: float | None = None  # NVML "utilization.gpu": any kernel running
+    memory_busy_pct: float | None = None  # NVML "utilization.memory": DRAM controller busy
+    sm_clock_mhz_mean: float | None = None
+    sm_clock_mhz_min: float | None = None
+    temperature_max_c: float | None = None
+    memory_used_max_mib: float | None = None
+    throttle_share: dict[str, float] = field(default_factory=dict)  # reason -> share of samples
+    gpm: dict[str, float] = field(default_factory=dict)  # GPM metric -> % over the window
+    unavailable_metrics: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def unavailable(cls, reason: str) -> TelemetrySummary:
+        return cls(available=False, reason=reason)
+
+
+@dataclass
+class SourceLine:
+    """Work charged to one line of user code during the evidence window, per step."""
+
+    location: str  # "path:line"
+    function: str
+    calls_per_step: float = 0.0  # torch calls made from this line
+    direct_calls_per_step: float = 0.0  # ... by the line itself, not through a library
+    ops_per_step: float = 0.0  # top-level operators, forward and their backward
+    kernels_per_step: float = 0.0
+    syncs_per_step: float = 0.0
+    sync_idle_ms_per_step: float = 0.0  # device idle after this line's syncs
+    memcpys_per_step: float = 0.0
+    host_ms_per_step: float = 0.0
+    device_ms_per_step: float = 0.0
+    median_kernel_us: float | None = None
+    share_of_step_time: float = 0.0  # host time in this line's calls / profiled step time
+    in_loop: bool = False  # the line sits inside a for/while loop or comprehension
+
+
+@dataclass
+class Evidence:
+    """Per-step counts from a short profiler window, run after (not among) the timed steps."""
+
+    steps: int
+    step_ms: float  # profiled step time, host clock, instrumentation included
+    backend: str  # "cuda" (kernels measured) or "cpu" (operator calls counted)
+    kernels_per_step: float = 0.0
+    launches_per_step: float = 0.0
+    ops_per_step: float = 0.0
+    syncs_per_step: float = 0.0
+    memcpy_per_step: dict[str, float] = field(default_factory=dict)  # "HtoD-pageable": n
+    memcpy_ms_per_step: dict[str, float] = field(default_factory=dict)
+    htod_overlap_fraction: float | None = None  # share of HtoD copy time with a kernel running
+    memset_per_step: float = 0.0
+    sync_ms_per_step: float = 0.0  # host time blocked in synchronising runtime calls
+    # Device idle right after syncs (until the host's next work starts): what syncs cost.
+    sync_idle_ms_per_step: float = 0.0
+    matmul_ms_by_dtype: dict[str, float] = field(default_factory=dict)  # "fp32": ms per step
+    device_ms_per_step: float = 0.0  # kernel time, summed over kernels
+    empty_cache_per_step: float = 0.0  # cudaFree calls: the caching allocator giving back
+    empty_cache_ms_per_step: float = 0.0
+    device_busy_ms_per_step: float | None = None
+    idle_fraction: float | None = None  # share of the step with no kernel or copy running
+    short_kernels_per_step: float = 0.0
+    # Collectives, all within the window. Raw time is NCCL kernel durations summed (gloo's work
+    # ranges on a CPU): it includes spinning while a peer is late, so it can exceed the step.
+    collective_ms_per_step: float = 0.0
+    collective_wall_ms_per_step: float = 0.0  # the union of those intervals
+    collective_calls_per_step: float = 0.0  # c10d collective calls (a DDP bucket each)
+    collective_overlap_fraction: float | None = None  # share of the union beside other work
+    collective_exposed_ms_per_step: float | None = None  # the union minus other device work
+    compute_busy_ms_per_step: float | None = None  # union of non-collective device work
+    window_step_ms: float = 0.0  # the window's span per step (host and device clocks)
+    microsteps_per_step: float = 0.0  # gradient-accumulation micro-steps (gpudiag.microstep)
+    microsteps_with_collectives_per_step: float = 0.0  # of which all-reduced
+    top_ops_by_count: list[dict[str, Any]] = field(default_factory=list)
+    top_ops_by_time: list[dict[str, Any]] = field(default_factory=list)
+    source_lines: list[SourceLine] = field(default_factory=list)
+    window_overhead: float | None = None  # profiled step time / timed median step time
+
+    def hottest_source_line(self) -> SourceLine | None:
+        return self.source_lines[0] if self.source_lines else None
+
+    @property
+    def collective_share(self) -> float | None:
+        """The share of the window's step that collectives held the step back: exposed time on
+        a GPU; on a CPU their wall time (gloo cannot tell transfer from waiting for a peer).
+        Both are parts of the window, so the share is in [0, 1]."""
+        held = (self.collective_exposed_ms_per_step if self.backend == "cuda"
+                else self.collective_wall_ms_per_step)
+        if held is None or self.window_step_ms <= 0:
+            return None
+        return min(1.0, held / self.window_step_ms)
+
+
+def bus_bandwidth_factor(world: int) -> float:
+    """Bytes a ring all-reduce moves over each rank's link per byte reduced, 2(n-1)/n: the
+    factor nccl-tests apply to turn algorithm bandwidth into bus bandwidth
+    (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)."""
+    return 2 * (world - 1) / world
+
+
+@dataclass
+class Trial:
+    """One fresh process's score for a stage (see gpudiag.diagnose.trials)."""
+
+    samples_per_s: float  # from the median steady-state step time
+    ms_per_iter: float
+    iters: int  # steady-state steps behind the score
+    throttled: bool = False  # thermal/hardware slowdown: not valid for a gate
+    energy_per_sample_j: float | None = None
+
+
+@dataclass
+class StageResult:
+    """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations), or
+    their mean for bursty stages such as a prefetching DataLoader (`details`
+    ["ms_per_iter_statistic"] says which)."""
+
+    name: str
+    status: StageStatus
+    title: str = ""
+    workload: str = ""  # what ran, e.g. "dgca (prompt: loop)"
+    ms_per_iter: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_step: int | None = None
+    tokens_per_step: int | None = None
+    iter_ms: list[float] = field(default_factory=list)
+    warmup_ms: list[float] = field(default_factory=list)
+    timing: TimingStats | None = None
+    timer: str | None = None  # how iter_ms was measured
+    wall_s: float | None = None
+    memory: MemoryStats | None = None
+    telemetry: TelemetrySummary = field(
+        default_factory=lambda: TelemetrySummary.unavailable("not measured")
+    )
+    phases_ms: dict[str, list[float]] = field(default_factory=dict)  # e.g. data_wait per step
+    details: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence | None = None
+    trials: list[Trial] = field(default_factory=list)  # filled when runs are merged
+    error: str | None = None  # one line; for skipped stages the reason
+    advice: str | None = None
+    traceback: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def energy_per_sample_j(self) -> float | None:
+        energy = self.telemetry.energy_j
+        if energy is None or not self.samples_per_step or not self.iter_ms:
+            return None
+        return energy / (self.samples_per_step * len(self.iter_ms))
+
+
+@dataclass
+class Finding:
+    """One diagnosis: what was seen, where, what it costs (`impact`, 0..1) and the fix."""
+
+    id: str
+    rule: str
+    severity: Severity
+    stage: str | None
+    title: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    impact: float = 0.0
+    location: str | None = None
+    fix: str = ""
+
+
+@dataclass
+class Env:
+    """The machine a run measured. Fields that do not apply (no GPU) are None."""
+
+    device: str
+    gpu_name: str | None = None
+    gpu_count: int = 0
+    driver_version: str | None = None
+    cuda_runtime: str | None = None  # what torch was built against
+    cuda_driver: str | None = None  # what the driver supports
+    compute_capability: str | None = None
+    gpu_memory_mib: float | None = None
+    power_limit_w: float | None = None
+    torch_version: str = ""
+    transformers_version: str | None = None
+    python_version: str = ""
+    platform: str = ""
+    hostname: str = ""
+    cpu_model: str | None = None
+    cpu_count: int | None = None
+    nvml: str = "unavailable"  # "available" or "unavailable: <reason>"
+    gpm: str = "unavailable"
+    telemetry_metrics: dict[str, str] = field(default_factory=dict)  # metric -> "ok" or reason
+    tf32_matmul: bool | None = None
+    tf32_cudnn: bool | None = None
+    cudnn_benchmark: bool | None = None
+    cudnn_version: int | None = None
+
+
+@dataclass
+class RunResult:
+    """A whole run: what was measured, on what, how, and what the rules concluded."""
+
+    tool_version: str
+    env: Env
+    config: dict[str, Any]
+    stages: list[StageResult] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    created_utc: str = ""
+    duration_s: float | None = None
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def stage(self, name: str) -> StageResult | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    def ok_stages(self) -> Iterator[StageResult]:
+        return (s for s in self.stages if s.ok)
+
+    def stages_with_evidence(self) -> Iterator[StageResult]:
+        return (s for s in self.stages if s.ok and s.evidence is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise RunFileError(
+                f"run.json schema_version {version!r} is not {SCHEMA_VERSION} "
+                "(written by a different gpudiag)"
+            )
+        return from_jsonable(cls, data)
+
+
+# Derived values written into run.json for readers that do not use this module.
+_DERIVED = {StageResult: ("energy_per_sample_j",), TimingStats: ("iqr_ms",),
+            Evidence: ("collective_share",)}
+
+
+def to_jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        for name in _DERIVED.get(type(value), ()):
+            out[name] = to_jsonable(getattr(value, name))
+        return out
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf; a missing number reads as null
+    return value
+
+
+T = TypeVar("T")
+
+
+def from_jsonable(cls: type[T], data: Any) -> T:
+    """Build dataclass `cls` from parsed JSON, ignoring unknown keys (forward compatible)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {k: _convert(hints[k], v) for k, v in data.items() if k in names}
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(inner[0], value) if len(inner) == 1 else value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return [_convert(item, v) for v in value]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        return {k: _convert(item, v) for k, v in value.items()}
+    if dataclasses.is_dataclass(hint):
+        return from_jsonable(hint, value)  # type: ignore[arg-type]
+    return value
+
+
+def save_run(run: RunResult, path: Path) -> None:
+    """Write run.json atomically, so an interrupted write never leaves half a file."""
+    text = json.dumps(run.to_dict(), indent=1, allow_nan=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".run-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text + "\n")
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_run(path: Path) -> RunResult:
+    """Read a run from a run directory or a run.json file."""
+    path = Path(path)
+    file = path / "run.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise RunFileError(f"{file}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunFileError(f"{file}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise RunFileError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise RunFileError(f"{file}: not a gpudiag run (top level is not an object)")
+    try:
+        return RunResult.from_dict(data)
+    except RunFileError as exc:
+        raise RunFileError(f"{file}: {exc}") from None
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise RunFileError(f"{file}: not a gpudiag run ({exc})") from None

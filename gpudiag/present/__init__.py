@@ -1,0 +1,31 @@
+"""Renderers: pure functions of a RunResult (terminal tables, markdown) and the run directory."""
+
+from gpudiag.present.files import (
+    default_run_dir,
+    prepare_run_dir,
+    rerender_run_dir,
+    write_run_dir,
+)
+from gpudiag.present.findings import (
+    findings_panel,
+    rule_panel,
+    rules_markdown,
+    rules_table,
+)
+from gpudiag.present.markdown import render_markdown
+from gpudiag.present.terminal import env_table, problems, stage_table
+
+__all__ = [
+    "default_run_dir",
+    "env_table",
+    "findings_panel",
+    "prepare_run_dir",
+    "problems",
+    "render_markdown",
+    "rerender_run_dir",
+    "rule_panel",
+    "rules_markdown",
+    "rules_table",
+    "stage_table",
+    "write_run_dir",
+]

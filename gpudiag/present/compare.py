@@ -1,0 +1,132 @@
+"""Renderers for comparisons and gate decisions: a rich table, markdown for pull requests."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from gpudiag.diagnose.compare import Comparison, GateDecision, MetricChange, StageComparison
+from gpudiag.model.results import Finding
+from gpudiag.present.rows import DASH, fmt
+
+_VERDICT_STYLE = {"faster": "green", "slower": "red", "no significant change": "",
+                  "inconclusive": "yellow"}
+_SHOWN_METRICS = ("ms/iter", "power", "energy/sample", "kernel-active", "peak memory")
+
+
+def _pair(metric: MetricChange) -> str:
+    if metric.before is None and metric.after is None:
+        return DASH
+    spec = ".3f" if metric.unit == "J" else ".0f" if metric.unit in ("MiB", "%", "W") else ".1f"
+    text = f"{fmt(metric.before, spec)} -> {fmt(metric.after, spec)}"
+    return text + (f" ({metric.ratio - 1:+.0%})" if metric.ratio is not None else "")
+
+
+def _ratio_cells(s: StageComparison) -> list[str]:
+    e = s.throughput
+    if e is None:
+        return [DASH, DASH, DASH]
+    return [f"{e.ratio:.3f}x", f"{e.low:.3f} .. {e.high:.3f}" + ("*" if e.optimistic else ""),
+            f"{e.min_detectable:.1%}"]
+
+
+def _samples_per_s(s: StageComparison) -> list[str]:
+    return [fmt(s.before.samples_per_s if s.before else None, ",.1f"),
+            fmt(s.after.samples_per_s if s.after else None, ",.1f")]
+
+
+def _header(c: Comparison) -> list[str]:
+    return ["stage", "before samples/s", "after samples/s", "throughput ratio",
+            f"{c.confidence:.0%} CI", "detectable", "verdict", *_SHOWN_METRICS]
+
+
+def _row(s: StageComparison) -> list[str]:
+    metrics = {m.name: m for m in s.metrics}
+    return [s.stage, *_samples_per_s(s), *_ratio_cells(s), s.verdict,
+            *[_pair(metrics[name]) for name in _SHOWN_METRICS]]
+
+
+def comparison_table(c: Comparison) -> Table:
+    table = Table(title=f"{c.before_label} -> {c.after_label}", title_justify="left",
+                  header_style="bold", box=box.SIMPLE_HEAD)
+    for i, header in enumerate(_header(c)):
+        table.add_column(header, justify="left" if i in (0, 6) else "right")
+    for s in c.stages:
+        table.add_row(*_row(s), style=_VERDICT_STYLE.get(s.verdict, ""))
+    return table
+
+
+def _differences(c: Comparison) -> list[str]:
+    lines = []
+    if c.env_differences or c.config_differences:
+        lines += ["> **The runs differ in their setup** (ratios may reflect it, not the code):",
+                  ">"]
+        lines += [f"> - {name}: `{a}` vs `{b}`"
+                  for name, a, b in [*c.env_differences, *c.config_differences]]
+        lines.append("")
+    return lines
+
+
+def grouped_notes(c: Comparison) -> list[str]:
+    """Per-stage notes, one line per distinct note ("all stages" when it applies to each)."""
+    by_note: dict[str, list[str]] = {}
+    for s in c.stages:
+        if s.note:
+            by_note.setdefault(s.note, []).append(s.stage)
+    return [f"{'all stages' if len(names) == len(c.stages) > 1 else ', '.join(names)}: {note}"
+            for note, names in by_note.items()]
+
+
+def _finding_lines(title: str, findings: list[Finding]) -> list[str]:
+    if not findings:
+        return []
+    lines = [f"**{title}** ({len(findings)})", ""]
+    lines += [f"- {f.severity} {f.id} {f.stage}: {f.title}"
+              + (f" (`{f.location}`)" if f.location else "") for f in findings]
+    return [*lines, ""]
+
+
+def comparison_markdown(c: Comparison) -> str:
+    out = [f"## gpudiag compare: {c.before_label} -> {c.after_label}", ""]
+    out += _differences(c)
+    out += ["| " + " | ".join(_header(c)) + " |",
+            "| " + " | ".join(["---"] + ["---:"] * 5 + ["---"] + ["---:"] * 5) + " |"]
+    out += ["| " + " | ".join(_row(s)) + " |" for s in c.stages]
+    out.append("")
+    out.append("Throughput ratio is after over before (above 1: faster), with its "
+               f"{c.confidence:.0%} interval; "
+               "*detectable* is the smallest change this data could detect (80% power). "
+               "An interval marked * comes from blocks of steps of a single trial per side: "
+               "steps are autocorrelated, so it is optimistic; compare runs made with "
+               "`--trials` for a trustworthy one.")
+    notes = grouped_notes(c)
+    if notes:
+        out += ["", *[f"- {line}" for line in notes]]
+    out.append("")
+    out += _finding_lines("Findings resolved", c.findings_resolved)
+    out += _finding_lines("New findings", c.findings_new)
+    out += _finding_lines("Findings persisting", c.findings_persisting)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def gate_lines(decision: GateDecision) -> list[str]:
+    """The gate's verdict as plain lines: what regressed, by how much, with what confidence."""
+    head = {"pass": "PASS: no stage regressed beyond its limit.",
+            "regression": "REGRESSION: at least one stage got slower beyond its limit.",
+            "inconclusive": "INCONCLUSIVE: the data cannot tell; more trials needed."}
+    lines = [head[decision.outcome]]
+    for g in decision.stages:
+        more = f" (about {g.trials_needed} trials per side would tell)" if g.trials_needed else ""
+        lines.append(f"  {g.outcome:>12}  {g.stage}: {g.reason}{more}")
+    if decision.new_findings:
+        lines.append("New findings since the baseline (likely causes):")
+        lines += [f"  {f.severity} {f.id} {f.stage}: {f.title}"
+                  + (f" at {f.location}" if f.location else "") for f in decision.new_findings]
+    return lines
+
+
+def gate_markdown(decision: GateDecision, c: Comparison) -> str:
+    icon = {"pass": "PASS", "regression": "REGRESSION", "inconclusive": "INCONCLUSIVE"}
+    out = [f"## gpudiag gate: {icon[decision.outcome]}", "", "```", *gate_lines(decision), "```",
+           ""]
+    return "\n".join(out) + comparison_markdown(c)

@@ -1,0 +1,129 @@
+"""Findings and rule documentation, rendered for markdown and the terminal. Pure functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from gpudiag.diagnose import Rule
+from gpudiag.model.results import Finding, RunResult
+
+_STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
+
+
+def _at_stake(finding: Finding) -> str:
+    return f"{finding.impact:.0%} of the step" if finding.impact > 0 else "risk, not time"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    return str(value)
+
+
+def headline(run: RunResult) -> str | None:
+    """The top finding in one sentence, or None when nothing material was found."""
+    top = next((f for f in run.findings if f.severity != "info"), None)
+    if top is None:
+        return None
+    where = f" at `{top.location}`" if top.location else ""
+    return f"**{top.stage}: {top.title}**{where}. {top.fix}"
+
+
+def diagnosis_markdown(run: RunResult) -> list[str]:
+    lines = ["## Diagnosis", ""]
+    material = [f for f in run.findings if f.severity != "info"]
+    observations = [f for f in run.findings if f.severity == "info"]
+    top = headline(run)
+    if top is None:
+        lines += ["No warning-level finding: no rule saw a material cost in these stages.", ""]
+    else:
+        lines += [top, ""]
+    for i, f in enumerate(material, 1):
+        lines.append(f"### {i}. {f.severity}: {f.id} {f.rule} ({f.stage})")
+        lines += ["", f.title, ""]
+        if f.location:
+            lines.append(f"- Where: `{f.location}`")
+        lines.append(f"- At stake: {_at_stake(f)}")
+        lines.append("- Evidence: " + "; ".join(f"{k} = {_value(v)}"
+                                               for k, v in f.evidence.items()))
+        lines += [f"- Fix: {f.fix}", ""]
+    if observations:
+        lines += ["Observations (information, no action needed):", ""]
+        lines += [f"- {f.id} {f.rule} ({f.stage}): {f.title}"
+                  + (f" at `{f.location}`" if f.location else "") for f in observations]
+        lines.append("")
+    lines.append("`gpudiag rules CODE` explains a rule: what it detects, thresholds, why, fix.")
+    lines.append("")
+    return lines
+
+
+def findings_panel(run: RunResult) -> Panel:
+    parts: list[Any] = []
+    material = [f for f in run.findings if f.severity != "info"]
+    for f in material:
+        text = Text()
+        text.append(f"{f.severity} {f.id} ", style=_STYLE[f.severity])
+        text.append(f"{f.stage}: ", style="bold")
+        text.append(f.title)
+        where = f"at {f.location} · " if f.location else ""
+        text.append(f"\n   {where}{_at_stake(f)}", style="cyan")
+        text.append(f"\n   fix: {f.fix}", style="green")
+        parts.append(text)
+    info = [f for f in run.findings if f.severity == "info"]
+    if not material:
+        parts.append(Text("No warning-level findings.", style="green"))
+    if info:
+        parts.append(Text(f"{len(info)} observation(s) at information level in report.md.",
+                          style="dim"))
+    return Panel(Group(*parts), title="Diagnosis", title_align="left")
+
+
+def rules_table(rules: list[Rule]) -> Table:
+    table = Table(title="Rules", title_justify="left", header_style="bold")
+    for column in ("code", "name", "concern", "detects"):
+        table.add_column(column)
+    for r in rules:
+        table.add_row(r.code, r.name, r.concern, r.summary)
+    return table
+
+
+def rule_sections(r: Rule) -> list[tuple[str, str]]:
+    """A rule's documentation as (heading, text) sections, for every renderer."""
+    thresholds = "\n".join(f"- {t.name} = {t.value:g}: {t.why}" for t in r.thresholds)
+    detects = " ".join((r.check.__doc__ or r.summary).split())
+    sections = [("What it detects", detects), ("Thresholds", thresholds or "-"),
+                ("Why it matters", r.why), ("How to fix", r.fix)]
+    if r.references:
+        sections.append(("References", "\n".join(f"- {ref}" for ref in r.references)))
+    return sections
+
+
+def rule_panel(r: Rule) -> Panel:
+    body = Text()
+    for heading, text in rule_sections(r):
+        body.append(f"{heading}\n", style="bold")
+        body.append(f"{text}\n\n")
+    return Panel(body, title=f"{r.code} {r.name} ({r.concern})", title_align="left")
+
+
+def rules_markdown(rules: list[Rule]) -> str:
+    out = ["# gpudiag rules", "",
+           "Generated from the rule registry by `gpudiag rules --markdown`; a test fails when "
+           "this file is stale.", "", "| code | name | concern | detects |",
+           "| --- | --- | --- | --- |"]
+    out += [f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.concern} | {r.summary} |"
+            for r in rules]
+    for r in rules:
+        out += ["", f"## {r.code} {r.name}", "", f"Concern: {r.concern}. {r.summary}"]
+        for heading, text in rule_sections(r):
+            out += ["", f"### {heading}", "", text]
+    return "\n".join(out) + "\n"

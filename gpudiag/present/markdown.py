@@ -1,0 +1,261 @@
+"""report.md: the stage table like the seed's, the environment, and how it was measured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.model.hardware import PEAK_STAGE
+from gpudiag.model.results import RunResult, StageResult
+from gpudiag.present.findings import diagnosis_markdown
+from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
+from gpudiag.present.terminal import env_rows
+
+PHASE_ORDER = ("data_wait", "h2d_copy", "forward", "backward", "optimizer")
+
+
+def _table(header: list[str], rows: list[list[str]], right_from: int = 1) -> list[str]:
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return lines
+
+
+PLOT_CAPTIONS = {"throughput.png": "Throughput and mean power per stage",
+                 "timeline.png": "Power and SM/tensor activity over the run",
+                 "step-times.png": "Step-time distribution per stage"}
+
+
+def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> str:
+    c = run.config
+    env = run.env
+    gpu = env.gpu_name or env.device
+    subject, setting = run_subject(run)
+    out = [f"# gpudiag: `{subject}` on {gpu}", ""]
+    if c.get("mode") == "profile":
+        head = f"{run.created_utc} · gpudiag {run.tool_version} · {setting}"
+    else:
+        head = (f"{run.created_utc} · gpudiag {run.tool_version} · preset `{c.get('preset')}` "
+                f"(batch {c.get('batch_size')}, seq {c.get('seq_len')}) · "
+                f"mixed precision {c.get('amp_dtype')}")
+    out.append(head + (f" · power limit {env.power_limit_w:.0f} W" if env.power_limit_w
+                       else ""))
+    out.append("")
+    if run.interrupted:
+        out += ["> **Interrupted (Ctrl-C):** the stages below are what was measured before.", ""]
+    out += [f"> {note}" for note in run.notes]
+    if run.notes:
+        out.append("")
+
+    out += diagnosis_markdown(run)
+    out += ["## Stages", ""]
+    columns, rows = table_cells(run, terminal=False)
+    out += _table([col.header for col in columns], rows)
+    out.append("")
+    out += [f"- **{col.header}**: {col.help}" for col in COLUMNS if col.help]
+    out.append("")
+    out += _ceilings(run)
+    if plots:
+        out += ["### Plots", ""]
+        out += [f"![{PLOT_CAPTIONS.get(p, p)}]({p})" for p in plots]
+        out.append("")
+    out += _what_ran(run)
+    out += _phases(run)
+    out += _evidence(run)
+    out += _distributed(run)
+    out += _problems(run)
+    out += ["The timeline (stages, steps, power and SM/tensor activity, findings) is in "
+            "[trace.json](trace.json), and each stage's profiler window (kernels, copies, the "
+            "source-line ranges) in profile-<stage>.json.gz beside it: open them in "
+            "https://ui.perfetto.dev or chrome://tracing.", ""]
+    out += ["## Environment", ""]
+    out += _table(["", ""], [[k, v] for k, v in env_rows(env)], right_from=2)
+    out.append("")
+    out += _method(run)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _ceilings(run: RunResult) -> list[str]:
+    """The peak stage's measurements and each stage's share of its ceiling, in words."""
+    lines = []
+    peak = run.stage(PEAK_STAGE)
+    if peak is not None and peak.ok:
+        rates = peak.details.get("matmul_tflops", {})
+        sheet = peak.details.get("datasheet_tflops", {})
+        measured = ", ".join(
+            f"{k} {v:,.1f}" + (f" (datasheet {sheet[k]:,.0f})" if sheet.get(k) else "")
+            for k, v in rates.items())
+        lines.append(f"- Measured ceilings ({peak.details.get('matmul_n')}^2 matmuls, TFLOP/s): "
+                     f"{measured}; device copy {peak.details.get('copy_gbps', 0):,.0f} GB/s.")
+    for stage in run.ok_stages():
+        use = utilisation(run, stage)
+        if use and use["mfu"] is not None:
+            lines.append(f"- {stage.name} runs at {use['mfu']:.0%} of {use['ceiling']} "
+                         f"{use['dtype']} peak ({use['tflops']:,.1f} of "
+                         f"{use['ceiling_tflops']:,.0f} TFLOP/s).")
+    return ["### Against this GPU's ceilings", "", *lines, ""] if lines else []
+
+
+def _what_ran(run: RunResult) -> list[str]:
+    rows = [[s.name, s.title, s.workload or "-"] for s in run.stages]
+    return ["### What each stage runs", "", *_table(["stage", "what", "workload"], rows, 3), ""]
+
+
+def _phases(run: RunResult) -> list[str]:
+    rows = []
+    for stage in run.ok_stages():
+        medians = phase_medians(stage)
+        if medians:
+            rows.append([stage.name, fmt(stage.ms_per_iter, ".1f")]
+                        + [fmt(medians.get(p), ".2f") for p in PHASE_ORDER])
+    if not rows:
+        return []
+    header = ["stage", "step", *[p.replace("_", " ") for p in PHASE_ORDER]]
+    return ["### Where a step's time goes (median ms)", "",
+            "Device phases are CUDA-event gaps on the GPU timeline; data wait is host time "
+            "blocked on the DataLoader.", "", *_table(header, rows), ""]
+
+
+def _evidence(run: RunResult) -> list[str]:
+    rows = []
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        hot = ev.hottest_source_line()
+        copies = sum(ev.memcpy_per_step.values())
+        rows.append([
+            stage.name, fmt(ev.kernels_per_step, ",.0f") if ev.backend == "cuda" else "-",
+            fmt(ev.launches_per_step, ",.0f") if ev.backend == "cuda" else "-",
+            fmt(ev.ops_per_step, ",.0f"), fmt(ev.syncs_per_step, ",.0f"), fmt(copies, ",.0f"),
+            fmt(ev.idle_fraction * 100 if ev.idle_fraction is not None else None, ".0f"),
+            f"`{hot.location}` ({hot.ops_per_step:,.0f} ops)" if hot else "-",
+            fmt(ev.window_overhead, ".2f", "x"),
+        ])
+    if not rows:
+        return []
+    header = ["stage", "kernels", "launches", "operators", "host syncs", "copies", "GPU idle %",
+              "busiest source line", "window cost"]
+    return ["### Evidence per step (profiler window, after the timed steps)", "",
+            *_table(header, rows), "",
+            "Operators are top-level ATen calls, forward and backward; GPU idle is the share of "
+            "the timed step with no kernel or copy running; window cost is the profiled step "
+            "time over the timed one (instrumentation overhead, excluded from the timings).", ""]
+
+
+def _pct(value: float | None) -> str:
+    return fmt(None if value is None else value * 100, ".0f")
+
+
+def _ddp_stage_lines(stage: StageResult, info: dict[str, Any]) -> list[str]:
+    single = info.get("single_device") or {}
+    probe = info.get("allreduce_probe") or {}
+    efficiency = info.get("scaling_efficiency")
+    lines = [f"- `{stage.name}`: {info.get('world_size')} ranks ({info.get('backend')}), "
+             f"{fmt(stage.samples_per_s, ',.0f')} samples/s against "
+             f"{info.get('world_size')} x {fmt(single.get('samples_per_s'), ',.0f')} on one "
+             f"device: scaling efficiency {_pct(efficiency)}%. Gradients "
+             f"{fmt((info.get('grad_bytes_per_round') or 0) / 1e6, ',.0f')} MB per round; "
+             f"all-reduce probe {fmt(probe.get('busbw_gbps'), ',.1f')} GB/s bus bandwidth.", ""]
+    rows = [[str(r["rank"]), r.get("gpu_name") or r.get("device") or "-",
+             fmt(r.get("ms_per_iter"), ".1f"), _pct(r.get("exposed_comm_share")),
+             _pct(r.get("collective_overlap_fraction")),
+             fmt(r.get("collective_kernel_ms_per_step"), ".1f"),
+             fmt(r.get("compute_busy_ms_per_step"), ".1f"), fmt(r.get("power_mean_w"), ".0f")]
+            for r in info.get("ranks", [])]
+    lines += _table(["rank", "device", "ms/iter", "exposed comm % of step", "overlap %",
+                     "collective kernel ms/step", "own device work ms/step", "power W"], rows)
+    sweep = info.get("sweep") or []
+    if sweep:
+        lines += ["", *_table(["DDP variant", "ms/iter", "samples/s", "scaling efficiency %"],
+                              [[r["name"], fmt(r.get("ms_per_iter"), ".1f"),
+                                fmt(r.get("samples_per_s"), ",.0f"),
+                                _pct(r.get("scaling_efficiency"))] for r in sweep])]
+    return [*lines, ""]
+
+
+def _profiled_rank_lines(stages: list[StageResult]) -> list[str]:
+    rows = []
+    for stage in stages:
+        ev = stage.evidence
+        assert ev is not None
+        job = stage.details.get("ddp_job") or {}
+        probe = (job.get("allreduce_probe") or {}).get("busbw_gbps")
+        rows.append([stage.name, fmt(stage.ms_per_iter, ".1f"), _pct(ev.collective_share),
+                     _pct(ev.collective_overlap_fraction), fmt(ev.collective_ms_per_step, ".1f"),
+                     fmt(ev.compute_busy_ms_per_step, ".1f"),
+                     fmt((job.get("grad_bytes") or 0) / 1e6 or None, ",.0f"),
+                     fmt(probe, ",.1f")])
+    return [*_table(["process", "ms/iter", "exposed comm % of step", "overlap %",
+                     "collective kernel ms/step", "own device work ms/step", "gradient MB",
+                     "probe GB/s"], rows), ""]
+
+
+def _distributed(run: RunResult) -> list[str]:
+    """Communication per rank, each figure named for what it is (see the note below)."""
+    out: list[str] = []
+    for stage in run.ok_stages():
+        info = stage.details.get("ddp")
+        if isinstance(info, dict):
+            out += _ddp_stage_lines(stage, info)
+    profiled = [s for s in run.stages_with_evidence()
+                if "ddp" not in s.details and s.evidence and s.evidence.collective_calls_per_step]
+    if profiled:
+        out += _profiled_rank_lines(profiled)
+    if not out:
+        return []
+    return ["### Communication per rank", "", *out,
+            "Exposed comm is the share of the profiled window's step in which a collective ran "
+            "with no other device work beside it (on a CPU: gloo's work time, waits for peers "
+            "included); it is measured inside one window, so it never exceeds 100%. Overlap is "
+            "the share of the collectives' time with other device work beside them. Collective "
+            "kernel time sums NCCL kernel durations, which include spinning while a peer is "
+            "late: it can exceed the step and is not a share of it.", ""]
+
+
+def _problems(run: RunResult) -> list[str]:
+    bad = [s for s in run.stages if not s.ok]
+    if not bad:
+        return []
+    lines = ["### Stages that did not run", ""]
+    for stage in bad:
+        advice = f" Advice: {stage.advice}." if stage.advice else ""
+        lines.append(f"- `{stage.name}` **{stage.status}**: {stage.error}.{advice}")
+    return [*lines, ""]
+
+
+def _method(run: RunResult) -> list[str]:
+    c = run.config
+    timers = sorted({s.timer for s in run.ok_stages() if s.timer})
+    lines = ["## How it was measured", ""]
+    lines.append(f"- Each stage builds its workload, runs {c.get('warmup')} warm-up steps, then "
+                 f"at least {c.get('iters')} timed steps"
+                 + (f" and at least {c.get('min_seconds'):g} s" if c.get("min_seconds") else "")
+                 + ". Every timed step's time is kept in run.json (`iter_ms`); the table shows "
+                   "medians and interquartile ranges.")
+    if "cuda-events" in timers:
+        lines.append("- Step times are gaps between CUDA events recorded after every step on "
+                     "the compute stream, with no synchronisation between steps (the host queues "
+                     "ahead as in real training); one synchronisation reads them at the end.")
+    if "host-clock" in timers:
+        lines.append("- Host-only stages (and every stage on the CPU) use the host's monotonic "
+                     "clock.")
+    if run.env.nvml == "available":
+        lines.append(
+            f"- Telemetry: NVML sampled every {c.get('sample_period_s', 0) * 1e3:.0f} ms in a "
+            "background thread: instantaneous power (field 186), the driver's 1-second average "
+            "power, utilization.gpu (reported as *kernel-active time*: the share of time any "
+            "kernel ran, not how much of the chip worked), SM clock, temperature, throttle "
+            "reasons and memory in use. Stage energy is the total-energy counter read at the "
+            "window's edges after a device synchronisation; mean power is that energy over the "
+            "window.")
+        if run.env.gpm == "available":
+            lines.append(f"- GPM (SM activity, occupancy, tensor-pipe activity, DRAM bandwidth) "
+                         f"over each stage's whole window, and every "
+                         f"{c.get('gpm_period_s', 0) * 1e3:.0f} ms for the timeline.")
+        else:
+            lines.append(f"- GPM: {run.env.gpm}.")
+    else:
+        lines.append(f"- Telemetry: {run.env.nvml}.")
+    lines.append("- Files: `run.json` (everything above, every step time), `samples.csv` (the "
+                 "telemetry timeline with stage labels).")
+    return lines

@@ -1,0 +1,128 @@
+"""Plots for the run directory (PNG, linked from report.md by relative paths).
+
+Three pictures: throughput per stage with mean power on a second axis; the whole run's power and
+SM/tensor activity over time with each stage's window shaded and named; and each stage's
+step-time distribution, where spikes (checkpoint saves, stalls) show. White cards with dark
+text and mid-tone colours, so they read in dark and light viewers alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from gpudiag.model.results import RunResult
+
+PLOTS = {"throughput": "throughput.png", "timeline": "timeline.png",
+         "steps": "step-times.png"}
+BLUE, ORANGE, GREEN, GREY = "#1f77b4", "#d9730d", "#2a9d4b", "#888888"
+DPI = 110
+
+
+def _figure(width: float = 9.0, height: float = 4.0):  # type: ignore[no-untyped-def]
+    import matplotlib  # noqa: PLC0415 (optional at run time: the GPU machine may lack it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (after the backend is chosen)
+
+    fig, ax = plt.subplots(figsize=(width, height), facecolor="white")
+    ax.set_facecolor("white")
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> None:  # type: ignore[no-untyped-def]
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, facecolor="white")
+    plt.close(fig)
+
+
+def throughput_plot(run: RunResult, path: Path) -> bool:
+    stages = [s for s in run.ok_stages() if s.samples_per_s and s.name != "dataloader"]
+    if not stages:
+        return False
+    plt, fig, ax = _figure()
+    names = [s.name for s in stages]
+    ax.bar(names, [s.samples_per_s for s in stages], color=BLUE)
+    ax.set_ylabel("throughput (samples/s)", color=BLUE)
+    ax.set_title(f"Throughput and power per stage - {run.env.gpu_name or run.env.device}")
+    ax.tick_params(axis="x", rotation=30)
+    powers = [s.telemetry.power_mean_w for s in stages]
+    if any(p is not None for p in powers):
+        power_ax = ax.twinx()
+        power_ax.plot(names, [p if p is not None else float("nan") for p in powers], "o-",
+                      color=ORANGE)
+        power_ax.set_ylabel("mean power (W)", color=ORANGE)
+        limit = next((s.telemetry.power_limit_w for s in stages if s.telemetry.power_limit_w),
+                     None)
+        if limit:
+            power_ax.axhline(limit, color=ORANGE, linestyle=":", linewidth=1)
+            power_ax.set_ylim(0, limit * 1.1)
+    _save(plt, fig, path)
+    return True
+
+
+def timeline_plot(run: RunResult, samples: pd.DataFrame, path: Path) -> bool:
+    if samples.empty or "t_s" not in samples or "power_instant_w" not in samples:
+        return False
+    plt, fig, ax = _figure(10.0, 4.2)
+    ax.plot(samples["t_s"], samples["power_instant_w"], color=ORANGE, linewidth=1)
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("power (W)", color=ORANGE)
+    activity = ax.twinx()
+    for column, colour, label in (("sm_active_pct", BLUE, "SM active %"),
+                                  ("tensor_active_pct", GREEN, "tensor %")):
+        if column in samples and samples[column].notna().any():
+            points = samples[["t_s", column]].dropna()  # GPM ticks are sparser than power's
+            activity.plot(points["t_s"], points[column], color=colour, linewidth=1,
+                          label=label)
+    activity.set_ylim(0, 105)
+    activity.set_ylabel("activity (%)")
+    if activity.get_legend_handles_labels()[0]:
+        activity.legend(loc="upper right", fontsize=8)
+    if "stage" in samples:
+        top = ax.get_ylim()[1]
+        for k, (name, rows) in enumerate(samples.dropna(subset=["stage"]).groupby(
+                "stage", sort=False)):
+            start, end = float(rows["t_s"].min()), float(rows["t_s"].max())
+            ax.axvspan(start, end, color=GREY, alpha=0.12 if k % 2 else 0.22, linewidth=0)
+            ax.text((start + end) / 2, top * 0.97, str(name), ha="center", va="top",
+                    fontsize=7, rotation=90)
+    ax.set_title("Power and activity over the run (shaded: each stage's timed window; "
+                 "after them, the profiler windows)")
+    _save(plt, fig, path)
+    return True
+
+
+def steps_plot(run: RunResult, path: Path) -> bool:
+    stages = [s for s in run.ok_stages() if len(s.iter_ms) >= 3]
+    if not stages:
+        return False
+    plt, fig, ax = _figure(9.0, 0.5 + 0.45 * len(stages) + 1.5)
+    ax.boxplot([s.iter_ms for s in stages], orientation="horizontal", whis=(0, 100),
+               tick_labels=[s.name for s in stages],
+               medianprops={"color": ORANGE}, boxprops={"color": BLUE})
+    for row, stage in enumerate(stages, start=1):  # every step as a dot: spikes show as dots
+        offsets = [0.25 * (((i * 37) % 11) / 10 - 0.5) for i in range(len(stage.iter_ms))]
+        ax.scatter(stage.iter_ms, [row + o for o in offsets], s=6, color=GREY, alpha=0.6,
+                   zorder=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("step time (ms, log scale; dots: every timed step)")
+    ax.set_title("Step-time distribution per stage")
+    _save(plt, fig, path)
+    return True
+
+
+def write_plots(path: Path, run: RunResult, samples: pd.DataFrame) -> list[str]:
+    """Write what can be drawn; the file names written. Without matplotlib, nothing."""
+    try:
+        import matplotlib  # noqa: F401, PLC0415 (optional at run time)
+    except ImportError:
+        return []
+    written = []
+    for key, ok in (("throughput", throughput_plot(run, path / PLOTS["throughput"])),
+                    ("timeline", timeline_plot(run, samples, path / PLOTS["timeline"])),
+                    ("steps", steps_plot(run, path / PLOTS["steps"]))):
+        if ok:
+            written.append(PLOTS[key])
+    return written

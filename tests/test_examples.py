@@ -1,0 +1,50 @@
+"""Every run committed under reports/examples/ stays readable by today's gpudiag: it loads,
+compares with itself, and re-renders to the committed report.md (the renderers are pure)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpudiag.cli import app
+from gpudiag.diagnose.compare import compare_runs
+from gpudiag.model.results import load_run
+from gpudiag.present.markdown import PLOT_CAPTIONS, render_markdown
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
+RUNS = sorted(p.parent for p in EXAMPLES.rglob("run.json"))
+runner = CliRunner()
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(EXAMPLES))
+
+
+def test_the_examples_are_there() -> None:
+    assert len(RUNS) >= 10
+
+
+@pytest.mark.parametrize("run_dir", RUNS, ids=_id)
+def test_example_loads_and_compares_with_itself(run_dir: Path) -> None:
+    run = load_run(run_dir)
+    assert run.stages
+    comparison = compare_runs(run, run)
+    assert not comparison.mismatches
+
+
+@pytest.mark.parametrize("run_dir", [r for r in RUNS if (r / "report.md").is_file()], ids=_id)
+def test_example_report_re_renders_as_committed(run_dir: Path) -> None:
+    plots = [p for p in PLOT_CAPTIONS if (run_dir / p).is_file()]
+    assert render_markdown(load_run(run_dir), plots) == (run_dir / "report.md").read_text()
+
+
+def test_gpudiag_report_re_renders_a_committed_run(tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(EXAMPLES / "h100-dgca", copy)
+    result = runner.invoke(app, ["report", str(copy)])
+    assert result.exit_code == 0, result.output
+    text = (copy / "report.md").read_text()
+    assert "**full-loop: " in text and "| full-vectorized |" in text
