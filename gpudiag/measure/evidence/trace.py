@@ -307,7 +307,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         min((float(e["ts"]) for e in host), default=0.0),
         max((_end(e) for e in host), default=0.0))
     launched_at = {corr: float(r["ts"]) for corr, r in runtime_by_correlation.items()}
-    collectives = _collectives(events, ops, by_cat, backend, window, launched_at)
+    collectives = _collectives(events, ops, by_cat, device, backend, window, launched_at)
     op_counts = Counter(o["name"] for o in top_ops)
     per = 1.0 / steps
     step_us = step_ms * 1e3
@@ -417,7 +417,8 @@ class _Collectives:
 
 
 def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
-                 by_cat: dict[str, list[dict[str, Any]]], backend: str,
+                 by_cat: dict[str, list[dict[str, Any]]], device: list[dict[str, Any]],
+                 backend: str,
                  host_window: tuple[float, float],
                  launched_at: dict[Any, float]) -> _Collectives:
     """Collective calls and their time, all measured inside one window: raw (summed), wall
@@ -431,7 +432,6 @@ def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
     calls = [o for o in ops if COLLECTIVE_OP.match(o["name"])]
     reductions = sorted(float(o["ts"]) for o in calls if ALLREDUCE_OP.match(o["name"]))
     if backend == "cuda":
-        device = [d for d in by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"]]
         comm = [k for k in by_cat["kernel"] if "nccl" in k["name"].lower()]
         other = [d for d in device if "nccl" not in d["name"].lower()]
         span = _merge((float(d["ts"]), _end(d)) for d in device)
@@ -444,7 +444,7 @@ def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
     compute = _merge((float(d["ts"]), _end(d)) for d in other)
     exposed = compute_us = None
     if backend == "cuda":
-        exposed = _blocking(wall, other, launched_at)
+        exposed = _blocking(wall, compute, other, launched_at)
         compute_us = _length(_clip(compute, window))
     micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE]
     reduced = 0
@@ -458,14 +458,14 @@ def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
         microsteps_reduced=reduced)
 
 
-def _blocking(comm: list[tuple[float, float]], other: list[dict[str, Any]],
-              launched_at: dict[Any, float]) -> float:
-    """Collective time that held the device's other work back: moments a collective ran with
-    no other device work beside it *and* the next other work had already been queued by the
-    host (its launch call had happened). A gap the host had not filled yet is the host's, not
-    the link's: under the profiler's slower host that distinction keeps idle gaps from being
-    blamed on communication. Work whose launch is not in the trace counts as queued."""
-    busy = _merge((float(d["ts"]), _end(d)) for d in other)
+def _blocking(comm: list[tuple[float, float]], busy: list[tuple[float, float]],
+              other: list[dict[str, Any]], launched_at: dict[Any, float]) -> float:
+    """Collective time that held the device's other work back (`busy`: the union of `other`):
+    moments a collective ran with no other device work beside it *and* the next other work had
+    already been queued by the host (its launch call had happened). A gap the host had not
+    filled yet is the host's, not the link's: under the profiler's slower host that distinction
+    keeps idle gaps from being blamed on communication. Work whose launch is not in the trace
+    counts as queued."""
     starts = sorted((float(d["ts"]), launched_at.get(d.get("args", {}).get("correlation"),
                                                       -math.inf)) for d in other)
     start_times = [t for t, _ in starts]
@@ -479,14 +479,18 @@ def _blocking(comm: list[tuple[float, float]], other: list[dict[str, Any]],
 
 def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]],
               ) -> list[tuple[float, float]]:
-    """Parts of the sorted, disjoint intervals `a` that no interval of `b` covers."""
-    out = []
+    """Parts of the sorted, disjoint intervals `a` that no interval of the sorted, disjoint `b`
+    covers: one sweep over both."""
+    out, j = [], 0
     for lo, hi in a:
-        start = lo
-        for blo, bhi in _intersect([(lo, hi)], b):
-            if blo > start:
-                out.append((start, blo))
-            start = max(start, bhi)
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        start, k = lo, j
+        while k < len(b) and b[k][0] < hi:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
         if hi > start:
             out.append((start, hi))
     return out
@@ -500,21 +504,6 @@ def _clip(spans: list[tuple[float, float]], window: tuple[float, float],
           ) -> list[tuple[float, float]]:
     lo, hi = window
     return [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
-
-
-def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]],
-               ) -> list[tuple[float, float]]:
-    """Intersection of two sorted, disjoint interval lists."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            out.append((lo, hi))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
 
 
 def _overlap_fraction(copies: list[dict[str, Any]],
