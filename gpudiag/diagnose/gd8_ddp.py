@@ -65,7 +65,7 @@ def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, d
                 "exposed_comm_share": None if comm is None or not step
                 else round(min(1.0, comm / step), 3)}
     straggler = info.get("straggler") or {}
-    if straggler.get("is_straggler"):
+    if straggler.get("ratio", 1.0) >= STRAGGLER_RATIO:
         return ("a straggler", (
             f"rank {straggler['rank']} computes {straggler['ratio']:.2f}x slower than the "
             "fastest rank and every all-reduce waits for it: check that rank's GPU (clocks, "
@@ -118,6 +118,8 @@ def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, d
                           "scaling efficiency: critical"),
                 Threshold("comm_explains", COMM_EXPLAINS,
                           "communication's share of the added time that names it the cause"),
+                Threshold("straggler_ratio", STRAGGLER_RATIO,
+                          "a rank's compute phases over the fastest rank's that name it"),
                 Threshold("small_step_ms", SMALL_STEP_MS,
                           "single-device step below which fixed costs dominate")),
     references=("https://pytorch.org/docs/stable/notes/ddp.html",
