@@ -13,6 +13,7 @@ from gpudiag.cli import app
 from gpudiag.diagnose.ceilings import compute_dtype, utilisation
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.plan import cpu_bf16_native
+from gpudiag.model.facts import PeakFacts, StageFacts
 from gpudiag.model.hardware import datasheet_tflops
 from gpudiag.model.results import Env, RunResult, StageResult, load_run
 
@@ -44,11 +45,11 @@ def test_flops_of_a_two_layer_mlp_step() -> None:
 def _run(gpu: str | None, flops: float, ms: float, precision: str,
          peak: dict[str, float] | None = None) -> RunResult:
     stage = StageResult(name="train-fp16", status="ok", ms_per_iter=ms,
-                        details={"flops_per_step": flops, "precision": precision})
+                        facts=StageFacts(flops_per_step=flops, precision=precision))
     stages = [stage]
     if peak is not None:
-        stages.append(StageResult(name="peak", status="ok",
-                                  details={"matmul_tflops": peak}))
+        stages.append(StageResult(name="peak", status="ok", facts=StageFacts(peak=PeakFacts(
+            matmul_n=8192, matmul_tflops=peak, copy_gbps=3000.0, copy_bytes=2**30))))
     return RunResult(tool_version="t", env=Env(device="cuda", gpu_name=gpu, tf32_matmul=False),
                      config={}, created_utc="2026-11-23T00:00:00+00:00", stages=stages)
 
@@ -68,9 +69,9 @@ def test_mfu_against_measured_then_datasheet_peaks() -> None:
 
 
 def test_compute_dtype_and_datasheet() -> None:
-    assert compute_dtype({"precision": "bf16-autocast"}, tf32=False) == "bf16"
-    assert compute_dtype({"precision": "fp32"}, tf32=True) == "tf32"
-    assert compute_dtype({}, tf32=False) == "fp32"
+    assert compute_dtype("bf16-autocast", tf32=False) == "bf16"
+    assert compute_dtype("fp32", tf32=True) == "tf32"
+    assert compute_dtype(None, tf32=False) == "fp32"
     assert datasheet_tflops("NVIDIA H200", "tf32") == 495.0
     assert datasheet_tflops(None, "fp16") is None
 
@@ -84,11 +85,12 @@ def test_peak_stage_and_mfu_on_a_cpu_run(tmp_path: Path) -> None:
     run = load_run(tmp_path)
     peak = run.stage("peak")
     assert peak is not None and peak.ok
-    rates = peak.details["matmul_tflops"]
+    assert peak.facts.peak is not None
+    rates = peak.facts.peak.matmul_tflops
     assert set(rates) == {"fp32", "tf32", "fp16", "bf16"} and all(v > 0 for v in rates.values())
-    assert peak.details["copy_gbps"] > 0
+    assert peak.facts.peak.copy_gbps > 0
     train = run.stage("train-fp16")
-    assert train is not None and train.details["flops_per_step"] > 0
+    assert train is not None and (train.facts.flops_per_step or 0) > 0
     use = utilisation(run, train)
     dtype = "bf16" if cpu_bf16_native() else "fp32"  # the CPU's mixed precision
     assert use is not None and use["ceiling"] == "measured" and use["dtype"] == dtype

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from gpudiag.cli import app
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
+from gpudiag.model.facts import CheckpointFacts, SaveRecord
 from gpudiag.model.results import Env, RunResult, StageResult, load_run
 
 runner = CliRunner()
@@ -70,12 +71,12 @@ def test_lost_share_is_checkfreq_overhead() -> None:
 # --- Rules on hand-built runs --------------------------------------------------------------
 
 
-def _stage(name: str, times: list[float], checkpoint: dict[str, object] | None = None,
+def _stage(name: str, times: list[float], checkpoint: CheckpointFacts | None = None,
            ) -> StageResult:
     stage = StageResult(name=name, status="ok", iter_ms=times, samples_per_step=128,
                         ms_per_iter=float(np.mean(times)))
     if checkpoint is not None:
-        stage.details["checkpoint"] = checkpoint
+        stage.facts.checkpoint = checkpoint
     return stage
 
 
@@ -111,11 +112,11 @@ def test_random_spikes_and_steady_steps_are_not_stalls() -> None:
 
 
 def _records(times: list[float], every: int, blocking: float, total: float, mode: str,
-             waited: float = 0.0) -> dict[str, object]:
-    return {"mode": mode, "every": every, "saves": [
-        {"step": i, "blocking_ms": blocking, "waited_ms": waited, "total_ms": total,
-         "bytes": 1_300_000_000, "write_gbps": 1.3e9 / total / 1e6}
-        for i in range(every - 1, len(times), every)]}
+             waited: float = 0.0) -> CheckpointFacts:
+    return CheckpointFacts(mode=mode, every=every, saves=[
+        SaveRecord(step=i, blocking_ms=blocking, waited_ms=waited, total_ms=total,
+                   bytes=1_300_000_000, write_gbps=1.3e9 / total / 1e6)
+        for i in range(every - 1, len(times), every)])
 
 
 def test_sync_stage_priced_from_its_save_records() -> None:
@@ -182,10 +183,10 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
     for name, mode in (("checkpoint-sync", "sync"), ("checkpoint-async", "async")):
         stage = run.stage(name)
         assert stage is not None and stage.ok and len(stage.iter_ms) >= 60
-        info = stage.details["checkpoint"]
-        assert info["mode"] == mode and info["every"] == 3
-        assert [s["step"] for s in info["saves"]] == list(range(2, len(stage.iter_ms), 3))
-        assert all(s["bytes"] > 1_000_000 and s["total_ms"] > 0 for s in info["saves"])
+        info = stage.facts.checkpoint
+        assert info is not None and info.mode == mode and info.every == 3
+        assert [s.step for s in info.saves] == list(range(2, len(stage.iter_ms), 3))
+        assert all((s.bytes or 0) > 1_000_000 and (s.total_ms or 0) > 0 for s in info.saves)
     sync_stalls = [f for f in run.findings if f.id == "GD701" and f.stage == "checkpoint-sync"]
     assert sync_stalls and sync_stalls[0].severity in ("warning", "critical")
     assert not [f for f in run.findings if f.id == "GD701" and f.stage == "checkpoint-async"

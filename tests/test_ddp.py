@@ -16,6 +16,15 @@ from gpudiag.cli import app
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.stages.ddp.launch import _failure_line, launch_command, merge_parts
+from gpudiag.model.facts import (
+    DdpFacts,
+    DdpJobFacts,
+    DdpVariant,
+    LinkProbe,
+    SingleDevice,
+    StageFacts,
+    Straggler,
+)
 from gpudiag.model.results import Env, Evidence, RunResult, StageResult, load_run
 
 runner = CliRunner()
@@ -33,36 +42,46 @@ def _parts() -> list[dict[str, Any]]:
     return json.loads(PARTS.read_text())
 
 
+def _info(stage: StageResult) -> DdpFacts:
+    assert stage.facts.ddp is not None
+    return stage.facts.ddp
+
+
 def test_merge_recorded_parts() -> None:
     """Two gloo ranks of a tiny BERT with the sweep, recorded on the CPU."""
     stage = merge_parts(_parts(), _config(ddp_sweep=True), "ddp", "title")
-    info = stage.details["ddp"]
-    assert info["world_size"] == 2 and info["backend"] == "gloo"
-    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    info = _info(stage)
+    assert info.world_size == 2 and info.backend == "gloo"
+    assert [r.rank for r in info.ranks] == [0, 1]
     parts = _parts()
     # The job's step is, step by step, the slower rank's.
     expected = [max(a, b) for a, b in zip(parts[0]["variants"][0]["iter_ms"],
                                           parts[1]["variants"][0]["iter_ms"], strict=True)]
     assert stage.iter_ms == expected
     assert stage.samples_per_step == 2 * 8
-    single = info["single_device"]["samples_per_s"]
-    assert info["scaling_efficiency"] == pytest.approx(stage.samples_per_s / (2 * single))
-    assert info["allreduce_probe"]["busbw_gbps"] > 0
-    assert info["transfer_ms_per_step"] > 0 and info["allreduce_rounds_per_step"] == 1
+    assert info.single_device is not None and stage.samples_per_s is not None
+    single = info.single_device.samples_per_s
+    assert info.scaling_efficiency == pytest.approx(stage.samples_per_s / (2 * single))
+    assert info.allreduce_probe is not None and info.allreduce_probe.busbw_gbps > 0
+    assert (info.transfer_ms_per_step or 0) > 0 and info.allreduce_rounds_per_step == 1
     assert stage.evidence is not None and stage.evidence.collective_calls_per_step >= 1
-    names = [row["name"] for row in info["sweep"]]
+    names = [row.name for row in info.sweep]
     assert names == ["default", "bucket 100 MB", "accumulate x4 (no_sync)",
                      "gradient_as_bucket_view", "static_graph"]
-    assert info["sweep"][2]["accum"] == 4
+    assert info.sweep[2].accum == 4
 
 
 def test_straggler_is_the_rank_with_slow_compute() -> None:
     parts = _parts()
     slow = copy.deepcopy(parts)
     slow[1]["variants"][0]["phases_ms"]["forward"] *= 2
-    info = merge_parts(slow, _config(), "ddp", "t").details["ddp"]
-    assert info["straggler"]["rank"] == 1 and info["straggler"]["is_straggler"]
-    assert info["straggler"]["ratio"] >= 1.8
+    straggler = _info(merge_parts(slow, _config(), "ddp", "t")).straggler
+    assert straggler is not None and straggler.rank == 1 and straggler.ratio >= 1.8
+    # ... and GD801 names it: the rule's own threshold decides, not a flag in the facts.
+    run = RunResult(tool_version="t", env=Env(device="cpu"), config={},
+                    stages=[merge_parts(slow, _config(), "ddp", "t")])
+    run.stages[0].facts.ddp.scaling_efficiency = 0.5  # type: ignore[union-attr]
+    assert _one(run, "GD801")[0].evidence["cause"] == "a straggler"
 
 
 def test_launch_command_is_torchrun() -> None:
@@ -89,22 +108,18 @@ def _stage(*, step: float, single: float, efficiency: float, transfer: float | N
            exposed: float | None = None, overlap: float | None = None,
            straggler_ratio: float = 1.0, sweep: list[dict[str, Any]] | None = None,
            evidence: Evidence | None = None) -> RunResult:
-    info: dict[str, Any] = {
-        "world_size": 2, "per_device_batch": 64, "accum": 1, "no_sync": "correct",
-        "grad_bytes_per_round": 440_000_000, "scaling_efficiency": efficiency,
-        "single_device": {"ms_per_iter": single, "samples_per_s": 64 / single * 1e3},
-        "allreduce_probe": {"bytes": 268435456, "ms": 70.0, "algbw_gbps": 3.8,
-                            "busbw_gbps": 3.8},
-        "transfer_ms_per_step": transfer, "exposed_comm_ms_per_step": exposed,
-        "collective_overlap_fraction": overlap,
-        "straggler": {"rank": 1, "ratio": straggler_ratio, "compute_ms": 30.0,
-                      "fastest_compute_ms": 30.0 / straggler_ratio,
-                      "is_straggler": straggler_ratio >= 1.1},
-    }
-    if sweep:
-        info["sweep"] = sweep
+    info = DdpFacts(
+        world_size=2, per_device_batch=64, accum=1, no_sync="correct",
+        grad_bytes_per_round=440_000_000, scaling_efficiency=efficiency,
+        single_device=SingleDevice(ms_per_iter=single, samples_per_s=64 / single * 1e3),
+        allreduce_probe=LinkProbe(bytes=268435456, ms=70.0, algbw_gbps=3.8, busbw_gbps=3.8),
+        transfer_ms_per_step=transfer, exposed_comm_ms_per_step=exposed,
+        collective_overlap_fraction=overlap,
+        straggler=Straggler(rank=1, ratio=straggler_ratio, compute_ms=30.0,
+                            fastest_compute_ms=30.0 / straggler_ratio),
+        sweep=[DdpVariant(**row) for row in sweep or []])
     stage = StageResult(name="ddp", status="ok", ms_per_iter=step, samples_per_s=128 / step * 1e3,
-                        iter_ms=[step] * 10, details={"ddp": info}, evidence=evidence)
+                        iter_ms=[step] * 10, facts=StageFacts(ddp=info), evidence=evidence)
     return RunResult(tool_version="t", env=Env(device="cuda"), config={},
                      created_utc="2026-11-23T00:00:00+00:00", stages=[stage])
 
@@ -144,7 +159,7 @@ def test_small_batch_and_unexplained_causes() -> None:
 def test_good_scaling_and_one_rank_are_quiet() -> None:
     assert not _one(_stage(step=36.0, single=33.0, efficiency=0.91, transfer=1.0), "GD801")
     run = _stage(step=36.0, single=33.0, efficiency=0.5, transfer=1.0)
-    run.stages[0].details["ddp"]["world_size"] = 1
+    _info(run.stages[0]).world_size = 1
     assert not _one(run, "GD801")
 
 
@@ -172,10 +187,10 @@ def test_real_two_rank_gloo_run(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     stage = load_run(tmp_path).stages[0]
     assert stage.ok, (stage.error, stage.traceback)
-    info = stage.details["ddp"]
-    assert info["world_size"] == 2 and len(info["ranks"]) == 2
-    assert 0 < info["scaling_efficiency"] < 2
-    assert info["allreduce_rounds_per_step"] == 1
+    info = _info(stage)
+    assert info.world_size == 2 and len(info.ranks) == 2
+    assert 0 < (info.scaling_efficiency or 0) < 2
+    assert info.allreduce_rounds_per_step == 1
     assert "ddp" in (tmp_path / "report.md").read_text()
 
 
@@ -189,7 +204,7 @@ def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -
     assert result.exit_code == 0, result.output
     run = load_run(tmp_path)
     assert run.stages[0].ok, (run.stages[0].error, run.stages[0].traceback)
-    assert run.stages[0].details["ddp"]["allreduce_rounds_per_step"] == (3 if misuse else 1)
+    assert _info(run.stages[0]).allreduce_rounds_per_step == (3 if misuse else 1)
     assert bool([f for f in run.findings if f.id == "GD802"]) == misuse
 
 
@@ -212,11 +227,13 @@ def _rank(rank: int, *, step: float, exposed: float, compute: float, window: flo
                         collective_wall_ms_per_step=exposed + 5.0,
                         collective_exposed_ms_per_step=exposed,
                         collective_overlap_fraction=0.1, compute_busy_ms_per_step=compute)
-    job = {"grad_bytes": grad, "bucket_mb": 25.0, "world_size": 2, "backend": "nccl",
-           "allreduce_probe": None if probe is None else {"busbw_gbps": probe}}
+    job = DdpJobFacts(grad_bytes=grad, bucket_mb=25.0, world_size=2, backend="nccl",
+                      allreduce_probe=None if probe is None else LinkProbe(
+                          bytes=grad, ms=grad / probe / 1e6, algbw_gbps=probe,
+                          busbw_gbps=probe))
     return StageResult(name=f"train.py[rank{rank}]", status="ok", ms_per_iter=step,
                        iter_ms=[step] * 10, samples_per_step=2, evidence=evidence,
-                       details={"ddp_job": job})
+                       facts=StageFacts(ddp_job=job))
 
 
 def _job(*ranks: StageResult) -> RunResult:
@@ -277,10 +294,10 @@ def test_merged_ddp_stage_takes_the_least_exposed_rank_and_no_share_exceeds_one(
     for part, exposed in zip(parts, (90.0, 20.0), strict=True):
         ev = part["variants"][0]["evidence"]
         ev.update(backend="cuda", collective_exposed_ms_per_step=exposed, window_step_ms=100.0)
-    info = merge_parts(parts, _config(), "ddp", "t").details["ddp"]
-    assert info["exposed_comm_ms_per_step"] == 20.0
-    assert 0 <= info["exposed_comm_share"] <= 1
-    assert [r["collective_exposed_ms_per_step"] for r in info["ranks"]] == [90.0, 20.0]
+    info = _info(merge_parts(parts, _config(), "ddp", "t"))
+    assert info.exposed_comm_ms_per_step == 20.0
+    assert info.exposed_comm_share is not None and 0 <= info.exposed_comm_share <= 1
+    assert [r.collective_exposed_ms_per_step for r in info.ranks] == [90.0, 20.0]
 
 
 # --- The recorded two-H200 runs (reports/examples/h200x2-ddp, benchmarks/ddp_two_gpus.sh) ----
@@ -308,8 +325,8 @@ def test_recorded_two_gpu_ddp_runs(name: str, efficiency: float) -> None:
     run = load_run(H200X2 / name)
     stage = run.stage("ddp")
     assert stage is not None and stage.ok and "H200" in (run.env.gpu_name or "")
-    info = stage.details["ddp"]
-    assert info["world_size"] == 2 and abs(info["scaling_efficiency"] - efficiency) <= 0.10
+    info = _info(stage)
+    assert info.world_size == 2 and abs((info.scaling_efficiency or 0) - efficiency) <= 0.10
     findings = evaluate(run)
     material = [f for f in findings if f.severity != "info"]
     if name == "sockets":

@@ -43,8 +43,9 @@ def test_training_stages_split_their_steps(tiny_ladder: RunOutput) -> None:
 def test_dataloader_stage_reports_its_configuration(tiny_ladder: RunOutput) -> None:
     stage = tiny_ladder.run.stage("dataloader")
     assert stage is not None
-    assert stage.details["num_workers"] == 1 and stage.details["pin_memory"] is False
-    assert stage.details["ms_per_iter_statistic"] == "mean"
+    assert stage.facts.loader is not None
+    assert stage.facts.loader.num_workers == 1 and stage.facts.loader.pin_memory is False
+    assert stage.facts.step_statistic == "mean"
 
 
 def test_stages_carry_fake_gpu_telemetry(tiny_ladder: RunOutput) -> None:

@@ -89,9 +89,10 @@ def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
         assert run.findings[0] is comm[0], run.findings
     # The DDP wrap was seen: 8 Linear(1024, 1024) layers of fp32 gradients, and every rank
     # joined the link probe at the window's end.
-    job = run.stages[0].details["ddp_job"]
-    assert job["grad_bytes"] == 8 * (1024 * 1024 + 1024) * 4 and job["world_size"] == 2
-    assert job["allreduce_probe"]["busbw_gbps"] > 0
+    job = run.stages[0].facts.ddp_job
+    assert job is not None
+    assert job.grad_bytes == 8 * (1024 * 1024 + 1024) * 4 and job.world_size == 2
+    assert job.allreduce_probe is not None and job.allreduce_probe.busbw_gbps > 0
     for f in run.findings:
         for key, value in f.evidence.items():
             if "share" in key and isinstance(value, float):
@@ -150,7 +151,8 @@ def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
                 torch.randn(64, 64) @ torch.randn(64, 64)
     """), timed=10)
     assert code == 0, output
-    assert run.stages[0].details["step_clock"] == "gpudiag.step()"
+    assert run.stages[0].facts.script is not None
+    assert run.stages[0].facts.script.step_clock == "gpudiag.step()"
     assert len(run.stages[0].iter_ms) == 10
 
 

@@ -14,6 +14,15 @@ import pytest
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.measure.runner import RunOutput
+from gpudiag.model.facts import (
+    CheckpointFacts,
+    DdpFacts,
+    LinkProbe,
+    LoaderFacts,
+    SaveRecord,
+    SingleDevice,
+    StageFacts,
+)
 from gpudiag.model.results import (
     SEVERITY_RANK,
     Env,
@@ -133,6 +142,10 @@ def test_tiny_ladder_clean_stages_have_no_material_finding(tiny_ladder: RunOutpu
 STEP_MS = 100.0
 
 
+def autocast() -> StageFacts:
+    return StageFacts(precision="fp16-autocast")
+
+
 def limit(code: str, name: str) -> float:
     rule = find_rule(code)
     assert rule is not None
@@ -148,7 +161,7 @@ def make_run(*stages: StageResult, compute_capability: str | None = "9.0",
 
 
 def make_stage(name: str, *, ms: float = STEP_MS, evidence: Evidence | None = None,
-               details: dict[str, Any] | None = None, power_w: float | None = None,
+               facts: StageFacts | None = None, power_w: float | None = None,
                gpm: dict[str, float] | None = None, kernel_active_pct: float | None = None,
                throttle: dict[str, float] | None = None, memory: MemoryStats | None = None,
                data_wait_ms: float | None = None) -> StageResult:
@@ -158,7 +171,7 @@ def make_stage(name: str, *, ms: float = STEP_MS, evidence: Evidence | None = No
     phases = {"data_wait": [data_wait_ms] * 5} if data_wait_ms is not None else {}
     return StageResult(name=name, status="ok", ms_per_iter=ms, iter_ms=[ms] * 5,
                        samples_per_step=8, telemetry=telemetry, memory=memory,
-                       phases_ms=phases, details=details or {}, evidence=evidence)
+                       phases_ms=phases, facts=facts or StageFacts(), evidence=evidence)
 
 
 def make_evidence(*, backend: str = "cuda", **fields: Any) -> Evidence:
@@ -185,8 +198,7 @@ def gd101(*, calls: float | None = None, ops: float | None = None, share: float 
 
 def gd102(*, excess: float, data_wait: float = 0.0) -> RunResult:
     ref_idle = 0.125
-    ref = make_stage("train-fp16", ms=50.0, power_w=500.0,
-                     details={"precision": "fp16-autocast"},
+    ref = make_stage("train-fp16", ms=50.0, power_w=500.0, facts=autocast(),
                      evidence=make_evidence(idle_fraction=ref_idle))
     starved = make_stage("full-loop", ms=200.0, power_w=300.0, data_wait_ms=data_wait * 200.0,
                          evidence=make_evidence(idle_fraction=ref_idle + excess,
@@ -215,7 +227,8 @@ def gd104(*, kernels: float, idle: float = limit("GD104", "min_idle_fraction"),
 
 def gd201(*, share: float) -> RunResult:
     return make_run(make_stage("data-train", data_wait_ms=share * STEP_MS,
-                               details={"num_workers": 1}))
+                               facts=StageFacts(loader=LoaderFacts(num_workers=1,
+                                                                   pin_memory=True))))
 
 
 def gd202(*, share: float, count: float = 2.0) -> RunResult:
@@ -233,19 +246,16 @@ def gd203(*, copy_share: float, overlap: float) -> RunResult:
 
 def gd301(*, share: float, compute_capability: str = "9.0", tf32: bool = False,
           deliberate: bool = False) -> RunResult:
-    details: dict[str, Any] = {"precision": "fp32"}
-    if deliberate:
-        details["deliberate_fp32"] = True
+    facts = StageFacts(precision="fp32", deliberate_fp32=deliberate)
     ev = make_evidence(device_ms_per_step=80.0, matmul_ms_by_dtype={"fp32": share * 80.0})
-    return make_run(make_stage("train", evidence=ev, details=details),
+    return make_run(make_stage("train", evidence=ev, facts=facts),
                     compute_capability=compute_capability, tf32=tf32)
 
 
 def gd302(*, fp16: float, fp32: float = 10.0) -> RunResult:
     ev = make_evidence(device_ms_per_step=STEP_MS, matmul_ms_by_dtype={"fp16": fp16,
                                                                        "fp32": fp32})
-    return make_run(make_stage("train-fp16", evidence=ev,
-                               details={"precision": "fp16-autocast"}))
+    return make_run(make_stage("train-fp16", evidence=ev, facts=autocast()))
 
 
 def gd303(*, tensor: float, matmul_share: float = limit("GD303", "min_matmul_share"),
@@ -253,7 +263,7 @@ def gd303(*, tensor: float, matmul_share: float = limit("GD303", "min_matmul_sha
     ev = make_evidence(device_ms_per_step=STEP_MS, idle_fraction=idle,
                        matmul_ms_by_dtype={"fp16": matmul_share * STEP_MS})
     return make_run(make_stage("train-fp16", evidence=ev, gpm={"tensor_active_pct": tensor},
-                               details={"precision": "fp16-autocast"}))
+                               facts=autocast()))
 
 
 def gd401(*, reserved_mib: float, allocated_mib: float = 8000.0) -> RunResult:
@@ -291,25 +301,26 @@ def gd701(*, stall: float) -> RunResult:
 
 def gd702(*, wait: float) -> RunResult:
     stage = _saving_stage("checkpoint-async", wait + 1.0)
-    stage.details["checkpoint"] = {"mode": "async", "every": 10, "saves": [
-        {"step": i, "blocking_ms": wait + 1.0, "waited_ms": wait, "total_ms": 600.0}
-        for i in range(9, 100, 10)]}
+    stage.facts.checkpoint = CheckpointFacts(mode="async", every=10, saves=[
+        SaveRecord(step=i, blocking_ms=wait + 1.0, waited_ms=wait, total_ms=600.0)
+        for i in range(9, 100, 10)])
     return make_run(stage)
 
 
 def gd801(*, efficiency: float) -> RunResult:
-    stage = make_stage("ddp", ms=50.0, details={"ddp": {
-        "world_size": 2, "per_device_batch": 64, "accum": 1, "scaling_efficiency": efficiency,
-        "single_device": {"ms_per_iter": 40.0, "samples_per_s": 1600.0},
-        "grad_bytes_per_round": 440_000_000, "transfer_ms_per_step": 9.0,
-        "allreduce_probe": {"busbw_gbps": 48.0}}})
+    stage = make_stage("ddp", ms=50.0, facts=StageFacts(ddp=DdpFacts(
+        world_size=2, per_device_batch=64, accum=1, scaling_efficiency=efficiency,
+        single_device=SingleDevice(ms_per_iter=40.0, samples_per_s=1600.0),
+        grad_bytes_per_round=440_000_000, transfer_ms_per_step=9.0,
+        allreduce_probe=LinkProbe(bytes=2**28, ms=11.2, algbw_gbps=24.0, busbw_gbps=48.0))))
     return make_run(stage)
 
 
 def gd802(*, rounds: float) -> RunResult:
     evidence = make_evidence(microsteps_per_step=4.0, microsteps_with_collectives_per_step=rounds)
     stage = make_stage("ddp", ms=100.0, evidence=evidence,
-                       details={"ddp": {"transfer_ms_per_step": 40.0 * rounds}})
+                       facts=StageFacts(ddp=DdpFacts(world_size=2,
+                                                     transfer_ms_per_step=40.0 * rounds)))
     return make_run(stage)
 
 
@@ -479,7 +490,7 @@ def test_loop_is_priced_by_its_counterfactual_twin() -> None:
     run = gd101(share=0.05)
     loop = run.stages[0]
     loop.ms_per_iter = 300.0
-    loop.details["counterfactual"] = "full-vectorized"
+    loop.facts.counterfactual = "full-vectorized"
     twin_ev = make_evidence(kernels_per_step=1000.0, memcpy_per_step={"HtoD": 7.0})
     run.stages.append(make_stage("full-vectorized", ms=100.0, evidence=twin_ev))
     (f,) = findings_of("GD101", run)
@@ -518,7 +529,7 @@ def test_starved_gpu_never_outranks_its_loop_finding_with_a_counterfactual() -> 
     loop = run.stages[1]
     loop.evidence.source_lines = [  # type: ignore[union-attr]
         loop_source_line(calls=100, ops=500, share=0.3)]
-    loop.details["counterfactual"] = "full-vectorized"
+    loop.facts.counterfactual = "full-vectorized"
     run.stages.append(make_stage("full-vectorized", ms=190.0,
                                  evidence=make_evidence(kernels_per_step=800.0)))
     ranked = [f.id for f in evaluate(run) if f.stage == "full-loop"]
@@ -634,7 +645,7 @@ def test_evaluate_ranks_by_severity_then_impact() -> None:
 def test_every_stage_of_a_clean_run_is_silent() -> None:
     ev = make_evidence(kernels_per_step=200.0, idle_fraction=0.05, device_ms_per_step=90.0,
                        matmul_ms_by_dtype={"fp16": 60.0}, syncs_per_step=1.0)
-    stage = make_stage("train-fp16", evidence=ev, details={"precision": "fp16-autocast"},
+    stage = make_stage("train-fp16", evidence=ev, facts=autocast(),
                        power_w=600.0, gpm={"tensor_active_pct": 40.0, "sm_active_pct": 80.0},
                        kernel_active_pct=99.0,
                        memory=MemoryStats(4000.0, 4500.0, 80_000.0), data_wait_ms=1.0)

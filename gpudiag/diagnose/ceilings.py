@@ -15,10 +15,10 @@ if TYPE_CHECKING:
     from gpudiag.model.results import RunResult, StageResult
 
 
-def compute_dtype(details: dict[str, Any], tf32: bool) -> str:
+def compute_dtype(precision: str | None, tf32: bool) -> str:
     """The matmul dtype a stage's precision implies: bf16/fp16 under autocast, else fp32 or
     tf32 (when TF32 matmuls are allowed)."""
-    precision = str(details.get("precision") or "fp32")
+    precision = precision or "fp32"
     if precision.startswith(("fp16", "bf16")):
         return precision[:4]
     return "tf32" if tf32 else "fp32"
@@ -27,8 +27,8 @@ def compute_dtype(details: dict[str, Any], tf32: bool) -> str:
 def ceiling(run: RunResult, dtype: str) -> tuple[float | None, str | None]:
     """(TFLOP/s, where it comes from) for `dtype`: measured by the peak stage, else datasheet."""
     peak = run.stage(PEAK_STAGE)
-    if peak is not None and peak.ok:
-        measured = peak.details.get("matmul_tflops", {}).get(dtype)
+    if peak is not None and peak.ok and peak.facts.peak is not None:
+        measured = peak.facts.peak.matmul_tflops.get(dtype)
         if measured:
             return float(measured), "measured"
     sheet = datasheet_tflops(run.env.gpu_name, dtype)
@@ -37,11 +37,11 @@ def ceiling(run: RunResult, dtype: str) -> tuple[float | None, str | None]:
 
 def utilisation(run: RunResult, stage: StageResult) -> dict[str, Any] | None:
     """Achieved TFLOP/s of a timed stage and its MFU against the ceiling, or None."""
-    flops = stage.details.get("flops_per_step")
+    flops = stage.facts.flops_per_step
     if not flops or not stage.ms_per_iter:
         return None
     achieved = flops / (stage.ms_per_iter / 1e3) / 1e12
-    dtype = compute_dtype(stage.details, bool(run.env.tf32_matmul))
+    dtype = compute_dtype(stage.facts.precision, bool(run.env.tf32_matmul))
     peak, source = ceiling(run, dtype)
     return {"tflops": achieved, "dtype": dtype, "ceiling_tflops": peak, "ceiling": source,
             "mfu": achieved / peak if peak else None}

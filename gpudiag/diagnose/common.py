@@ -16,7 +16,7 @@ def reference_stage(run: RunResult, stage: StageResult) -> StageResult | None:
     if ref is not None and ref.ok and ref.name != stage.name:
         return ref
     others = [s for s in run.ok_stages() if s.name != stage.name
-              and s.telemetry.power_mean_w is not None and s.details.get("precision")]
+              and s.telemetry.power_mean_w is not None and s.facts.precision]
     return max(others, key=lambda s: s.telemetry.power_mean_w or 0.0, default=None)
 
 

@@ -130,8 +130,8 @@ def loop_severity(impact: float) -> Severity:
 
 def _counterfactual(run: RunResult, stage: StageResult) -> StageResult | None:
     """The stage's declared twin without the problem (full-loop: full-vectorized), if it ran."""
-    name = stage.details.get("counterfactual")
-    twin = run.stage(name) if isinstance(name, str) else None
+    name = stage.facts.counterfactual
+    twin = run.stage(name) if name is not None else None
     if twin is None or not twin.ok or not twin.ms_per_iter or not stage.ms_per_iter:
         return None
     return twin

@@ -33,7 +33,8 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
         if share < WAIT_WARNING:
             continue
         wait = statistics.median(stage.phases_ms["data_wait"])
-        workers = stage.details.get("num_workers")
+        loader = stage.facts.loader
+        workers = None if loader is None else loader.num_workers
         yield Draft(
             severity=severity_for(share, warning=WAIT_WARNING, critical=WAIT_CRITICAL),
             stage=stage.name,
@@ -41,8 +42,8 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
             impact=share,
             evidence={"data_wait_ms": round(wait, 2), "step_ms": stage.ms_per_iter,
                       "share": round(share, 3), "num_workers": workers,
-                      "pin_memory": stage.details.get("pin_memory"),
-                      "prefetch_factor": stage.details.get("prefetch_factor")},
+                      "pin_memory": None if loader is None else loader.pin_memory,
+                      "prefetch_factor": None if loader is None else loader.prefetch_factor},
             fix=(f"Give the DataLoader more workers (now {workers}), pin_memory=True, "
                  "persistent_workers=True and prefetch_factor>=2; preload tokenised data; do "
                  "per-sample masking and padding on the GPU as batched ops."),

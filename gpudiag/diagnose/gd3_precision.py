@@ -50,7 +50,7 @@ def fp32_matmul(run: RunResult) -> Iterator[Draft]:
     if not _tensor_core_gpu(run) or run.env.tf32_matmul:
         return
     for stage in run.stages_with_evidence():
-        if stage.details.get("precision") not in (None, "fp32"):
+        if stage.facts.precision not in (None, "fp32"):
             continue
         ms, share = _matmul_share(stage, "fp32")
         if share < FP32_MIN_SHARE:
@@ -62,11 +62,11 @@ def fp32_matmul(run: RunResult) -> Iterator[Draft]:
         ref = run.stage(REFERENCE_STAGE)
         note = ""
         if (ref is not None and ref.ok and ref.ms_per_iter and stage.ms_per_iter
-                and stage.details.get("mode") != "inference"):
+                and not stage.facts.inference):
             evidence["mixed_precision_speedup_in_this_run"] = round(
                 stage.ms_per_iter / ref.ms_per_iter, 2)
             note = f"; {ref.name} runs {stage.ms_per_iter / ref.ms_per_iter:.1f}x faster here"
-        deliberate = bool(stage.details.get("deliberate_fp32"))
+        deliberate = stage.facts.deliberate_fp32
         yield Draft(
             severity="info" if deliberate else severity_for(impact, warning=FP32_WARNING),
             stage=stage.name,
@@ -96,8 +96,8 @@ def autocast_fp32_fallback(run: RunResult) -> Iterator[Draft]:
     if not _tensor_core_gpu(run):
         return
     for stage in run.stages_with_evidence():
-        precision = stage.details.get("precision", "")
-        if not str(precision).endswith("autocast") or stage.evidence is None:
+        precision = stage.facts.precision or ""
+        if not precision.endswith("autocast") or stage.evidence is None:
             continue
         by_dtype = stage.evidence.matmul_ms_by_dtype
         total = sum(by_dtype.values())
@@ -112,7 +112,7 @@ def autocast_fp32_fallback(run: RunResult) -> Iterator[Draft]:
             impact=kernel_share * RECOVERABLE_FP32_MATMUL,
             evidence={"matmul_ms_by_dtype": {k: round(v, 3) for k, v in by_dtype.items()}},
             fix=("Move those matmuls inside torch.autocast, or cast their inputs to "
-                 f"{str(precision).split('-')[0]} explicitly."),
+                 f"{precision.split('-')[0]} explicitly."),
         )
 
 
@@ -136,7 +136,7 @@ def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
         ev = stage.evidence
         tensor = stage.telemetry.gpm.get("tensor_active_pct")
         if (ev is None or tensor is None or tensor >= TENSOR_MAX_PCT
-                or not str(stage.details.get("precision", "")).endswith("autocast")
+                or not (stage.facts.precision or "").endswith("autocast")
                 or (ev.idle_fraction or 0.0) >= TENSOR_MAX_IDLE or not ev.device_ms_per_step):
             continue
         share = sum(ev.matmul_ms_by_dtype.values()) / ev.device_ms_per_step

@@ -32,7 +32,7 @@ def unstable_timing(run: RunResult) -> Iterator[Draft]:
     for stage in run.ok_stages():
         times = stage.iter_ms
         if (len(times) < MIN_STEPS_FOR_SHIFT or stage.telemetry.throttle_share.get("hw_thermal")
-                or stage.details.get("ms_per_iter_statistic") == "mean"):
+                or stage.facts.bursty):
             continue
         blocks = [statistics.median(times[i:i + 5]) for i in range(0, len(times) - 4, 5)]
         fast, slow = min(blocks), max(blocks)

@@ -14,6 +14,7 @@ from typing import Any
 from gpudiag.diagnose.common import pct, reference_stage
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
+from gpudiag.model.facts import SaveRecord
 from gpudiag.model.results import RunResult, StageResult
 
 MIN_STEPS = 20
@@ -26,24 +27,13 @@ MIN_STEPS_PER_SIDE = 3
 WAIT_NOISE_MS = 1.0  # waits shorter than this are bookkeeping, not a queue
 
 
-@dataclass
-class Save:
-    step: int
-    blocking_ms: float
-    waited_ms: float
-    total_ms: float | None
-    bytes: int | None
-    write_gbps: float | None
-
-
-def _saves(stage: StageResult) -> tuple[str | None, int | None, list[Save]]:
+def _saves(stage: StageResult) -> tuple[str | None, int | None, list[SaveRecord]]:
     """(mode, every, saves) from the stage's save records, if it has them."""
-    info: dict[str, Any] = stage.details.get("checkpoint") or {}
-    saves = [Save(step=int(r["step"]), blocking_ms=float(r["blocking_ms"]),
-                  waited_ms=float(r.get("waited_ms") or 0.0), total_ms=r.get("total_ms"),
-                  bytes=r.get("bytes"), write_gbps=r.get("write_gbps"))
-             for r in info.get("saves", []) if 0 <= int(r["step"]) < len(stage.iter_ms)]
-    return info.get("mode"), info.get("every"), saves
+    info = stage.facts.checkpoint
+    if info is None:
+        return None, None, []
+    saves = [r for r in info.saves if 0 <= r.step < len(stage.iter_ms)]
+    return info.mode, info.every, saves
 
 
 def _median(values: list[float]) -> float | None:
@@ -87,7 +77,7 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
             excess = min(excess, sum(s.blocking_ms for s in saves))
         return Stalls("save records", every, len(saves), baseline, excess / len(saves),
                       excess / (baseline * len(times)), lost_share(times))
-    if stage.details.get("ms_per_iter_statistic") == "mean":
+    if stage.facts.bursty:
         return None  # bursty by nature (a prefetching DataLoader): its spikes are not saves
     waits = stage.phases_ms.get("data_wait", [])
     if len(waits) == len(times):  # periodic data stalls belong to the input rules
@@ -179,7 +169,7 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
             evidence=evidence, impact=min(1.0, share), fix=fix)
 
 
-def _in_flight_steps(times: list[float], saves: list[Save]) -> set[int]:
+def _in_flight_steps(times: list[float], saves: list[SaveRecord]) -> set[int]:
     """Steps that started while an asynchronous write was still running (the step that
     started the save excluded)."""
     starts = [0.0, *itertools.accumulate(times)]

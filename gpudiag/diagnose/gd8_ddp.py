@@ -3,6 +3,7 @@ still all-reduces every micro-step (SEEDS.md section 1: two GPUs slower than one
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import defaultdict
@@ -12,6 +13,7 @@ from typing import Any
 
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import Evidence, RunResult, StageResult, bus_bandwidth_factor
 
 POOR_EFFICIENCY = 0.80
@@ -23,61 +25,60 @@ STRAGGLER_RATIO = 1.10  # a rank whose own work takes this much longer than the 
 TARGET_EFFICIENCY = 0.9
 
 
-def _ddp(stage: StageResult) -> dict[str, Any] | None:
-    info = stage.details.get("ddp")
-    return info if isinstance(info, dict) else None
+def _ddp(stage: StageResult) -> DdpFacts | None:
+    return stage.facts.ddp
 
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:,.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
 
 
-def _sweep_line(info: dict[str, Any]) -> str:
-    rows = [r for r in info.get("sweep", [])[1:] if r.get("scaling_efficiency") is not None]
+def _sweep_line(info: DdpFacts) -> str:
+    rows = [(r.name, r.scaling_efficiency) for r in info.sweep[1:]
+            if r.scaling_efficiency is not None]
     if not rows:
         return ""
-    best = max(rows, key=lambda r: r["scaling_efficiency"])
-    measured = ", ".join(f"{r['name']} {r['scaling_efficiency']:.0%}" for r in rows)
-    return f" The sweep measured: {measured}; best: {best['name']}."
+    best = max(rows, key=lambda r: r[1])
+    measured = ", ".join(f"{name} {eff:.0%}" for name, eff in rows)
+    return f" The sweep measured: {measured}; best: {best[0]}."
 
 
-def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[str, Any]]:
     """(cause, fix, evidence) for a stage whose scaling fell short, from what its ranks
     measured: a straggler, communication the link cannot hide, or a step too short for
     fixed per-step costs; otherwise the added time is reported as unexplained."""
     step = stage.ms_per_iter or 0.0
-    single = (info.get("single_device") or {}).get("ms_per_iter") or 0.0
-    accum = info.get("accum") or 1
-    added = max(0.0, step - single * accum)
-    transfer = info.get("transfer_ms_per_step")
-    exposed = info.get("exposed_comm_ms_per_step")
-    overlap = info.get("collective_overlap_fraction")
+    single = info.single_device.ms_per_iter if info.single_device else 0.0
+    added = max(0.0, step - single * (info.accum or 1))
+    transfer, exposed = info.transfer_ms_per_step, info.exposed_comm_ms_per_step
+    overlap = info.collective_overlap_fraction
     comm = exposed if exposed is not None else transfer
-    probe = info.get("allreduce_probe") or {}
-    grad = info.get("grad_bytes_per_round") or 0
+    probe = info.allreduce_probe
+    grad = info.grad_bytes_per_round or 0
     evidence = {"step_ms": round(step, 2), "single_device_step_ms": round(single, 2),
                 "added_ms_per_step": round(added, 2),
                 "grad_bytes_per_round": grad,
                 "transfer_ms_per_step": None if transfer is None else round(transfer, 2),
                 "exposed_comm_ms_per_step": None if exposed is None else round(exposed, 2),
                 "collective_overlap_fraction": None if overlap is None else round(overlap, 3),
-                "busbw_gbps": None if not probe else round(probe["busbw_gbps"], 2),
+                "busbw_gbps": None if probe is None else round(probe.busbw_gbps, 2),
                 "exposed_comm_share": None if comm is None or not step
                 else round(min(1.0, comm / step), 3)}
-    straggler = info.get("straggler") or {}
-    if straggler.get("ratio", 1.0) >= STRAGGLER_RATIO:
+    straggler = info.straggler
+    if straggler is not None and straggler.ratio >= STRAGGLER_RATIO:
         return ("a straggler", (
-            f"rank {straggler['rank']} computes {straggler['ratio']:.2f}x slower than the "
+            f"rank {straggler.rank} computes {straggler.ratio:.2f}x slower than the "
             "fastest rank and every all-reduce waits for it: check that rank's GPU (clocks, "
             "throttling, another process on it), its data loading, and any work only it does "
             "(evaluation, logging, checkpoint saves on rank 0: move them off the step, or make "
-            "the others do useful work meanwhile)."), {**evidence, "straggler": straggler})
+            "the others do useful work meanwhile)."),
+            {**evidence, "straggler": dataclasses.asdict(straggler)})
     if comm is not None and added > 0 and comm >= COMM_EXPLAINS * added:
         compute = max(step - comm, 1e-6)
         # Accumulating k micro-steps under no_sync shares one all-reduce among k batches.
         k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY) * comm / compute))
         link = (f"{_mb(grad)} of gradients per step over a link measured at "
-                f"{probe.get('busbw_gbps', 0):.1f} GB/s bus bandwidth take {comm:.1f} ms")
+                f"{probe.busbw_gbps if probe else 0:.1f} GB/s bus bandwidth take {comm:.1f} ms")
         hidden = ("" if overlap is None or overlap >= NO_OVERLAP else
                   f"; only {overlap:.0%} of the all-reduce runs beside compute (bucket_cap_mb "
                   "smaller to start reducing earlier, or static_graph=True)")
@@ -92,7 +93,7 @@ def scaling_cause(stage: StageResult, info: dict[str, Any]) -> tuple[str, str, d
     if single and single < SMALL_STEP_MS:
         return ("per-device batch too small", (
             f"a {single:.1f} ms single-device step at per-device batch "
-            f"{info.get('per_device_batch')} is too short for the fixed costs of each "
+            f"{info.per_device_batch} is too short for the fixed costs of each "
             f"distributed step ({added:.1f} ms added: all-reduce latency, synchronisation, "
             "host work): raise the per-device batch, or accumulate micro-steps under "
             "model.no_sync() (forward and backward inside)." + _sweep_line(info)), evidence)
@@ -133,14 +134,14 @@ def ddp_poor_scaling(run: RunResult) -> Iterator[Draft]:
     single-device step under 25 ms; else the overhead is reported as unexplained."""
     for stage in run.ok_stages():
         info = _ddp(stage)
-        if info is None or info.get("world_size", 1) < 2:
+        if info is None or info.world_size < 2:
             continue
-        efficiency = info.get("scaling_efficiency")
+        efficiency = info.scaling_efficiency
         if efficiency is None or efficiency >= POOR_EFFICIENCY:
             continue
         cause, fix, evidence = scaling_cause(stage, info)
-        world = info["world_size"]
-        single_sps = (info.get("single_device") or {}).get("samples_per_s") or 0.0
+        world = info.world_size
+        single_sps = info.single_device.samples_per_s if info.single_device else 0.0
         yield Draft(
             severity="critical" if efficiency < CRITICAL_EFFICIENCY else "warning",
             stage=stage.name,
@@ -178,8 +179,8 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
         rounds = ev.microsteps_with_collectives_per_step
         if rounds <= 1:
             continue
-        info = _ddp(stage) or {}
-        transfer = info.get("transfer_ms_per_step")
+        info = _ddp(stage)
+        transfer = None if info is None else info.transfer_ms_per_step
         step = stage.ms_per_iter or ev.step_ms
         wasted = transfer * (rounds - 1) / rounds if transfer else None
         share = min(1.0, wasted / step) if wasted and step else (rounds - 1) / rounds * 0.1
@@ -193,7 +194,7 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
                       "collective_calls_per_step": ev.collective_calls_per_step,
                       "wasted_transfer_ms_per_step": None if wasted is None
                       else round(wasted, 2),
-                      "no_sync": info.get("no_sync")},
+                      "no_sync": None if info is None else info.no_sync},
             impact=share,
             fix=("Wrap forward and backward of all micro-steps but the last in "
                  "model.no_sync(); one all-reduce per optimizer step then carries the "
@@ -336,14 +337,16 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
     """What the link did: gradient bytes, effective bus bandwidth of the rank that did not wait,
     against the probe's. The bool: the link is the limit (effective >= half the probe's)."""
     lead = job.transfer
-    facts_of = lead.stage.details.get("ddp_job") or {}
-    grad, world = facts_of.get("grad_bytes"), facts_of.get("world_size") or len(job.ranks)
-    probe = (facts_of.get("allreduce_probe") or {}).get("busbw_gbps")
+    known = lead.stage.facts.ddp_job
+    grad = None if known is None else known.grad_bytes
+    world = known.world_size if known is not None else len(job.ranks)
+    probe = (known.allreduce_probe.busbw_gbps
+             if known is not None and known.allreduce_probe is not None else None)
     wall = lead.evidence.collective_wall_ms_per_step
     rounds = lead.evidence.microsteps_with_collectives_per_step or 1.0
     effective = (grad * rounds * bus_bandwidth_factor(world) / (wall / 1e3) / 1e9
                  if grad and wall and world > 1 else None)
-    facts = {"grad_bytes_per_step": grad, "bucket_mb": facts_of.get("bucket_mb"),
+    facts = {"grad_bytes_per_step": grad, "bucket_mb": None if known is None else known.bucket_mb,
              "effective_busbw_gbps": None if effective is None else round(effective, 2),
              "probe_busbw_gbps": None if probe is None else round(probe, 2)}
     if not grad:

@@ -52,8 +52,7 @@ def trial_of(stage: StageResult) -> Trial | None:
         return None
     steady = steady_state(stage.iter_ms)
     # Bursty stages (a prefetching DataLoader) are scored by their mean, as everywhere else.
-    bursty = stage.details.get("ms_per_iter_statistic") == "mean"
-    ms = statistics.fmean(steady) if bursty else statistics.median(steady)
+    ms = statistics.fmean(steady) if stage.facts.bursty else statistics.median(steady)
     return Trial(samples_per_s=stage.samples_per_step / ms * 1e3, ms_per_iter=ms,
                  iters=len(steady), throttled=throttled(stage),
                  energy_per_sample_j=stage.energy_per_sample_j)
@@ -94,7 +93,7 @@ def stage_samples(stage: StageResult) -> StageSamples:
 
 def merge_trials(runs: list[RunResult]) -> RunResult:
     """One run from several runs of the same configuration (fresh processes): each stage keeps
-    the first run's details and telemetry, the first evidence any trial recorded, and one Trial
+    the first run's facts and telemetry, the first evidence any trial recorded, and one Trial
     per run; ms/iter and throughput become the median over trials."""
     if not runs:
         raise ValueError("no runs to merge")

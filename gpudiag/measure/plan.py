@@ -3,16 +3,21 @@ everything a run needs decided before it starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import DEFAULT_LADDER, stage_names
-from gpudiag.model.config import AMP_DTYPES, PRESETS, RunConfig
+from gpudiag.model.config import AMP_DTYPES, DEFAULT_EVIDENCE_STEPS, PRESETS, RunConfig
 from gpudiag.model.errors import BadInput
+from gpudiag.model.options import RunOptions, check_ranges
+
+T = TypeVar("T")
 
 
 def resolve_device(requested: str | None) -> str:
@@ -40,114 +45,75 @@ def resolve_device(requested: str | None) -> str:
     raise BadInput(f"--device {requested}: expected cpu, cuda or cuda:N")
 
 
-def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and value <= 0:
-        raise BadInput(f"{name} must be positive (got {value})")
-
-
-def build_config(
-    *,
-    model: str,
-    preset: str | None = None,
-    device: str | None = None,
-    stages: Sequence[str] | None = None,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    iters: int | None = None,
-    warmup: int | None = None,
-    min_seconds: float | None = None,
-    amp_dtype: str | None = None,
-    loader_workers: int | None = None,
-    prompt_length: int = 3,
-    evidence_steps: int | None = None,
-    checkpoint_every: int = 10,
-    checkpoint_dir: str | None = None,
-    keep_checkpoints: bool = False,
-    nproc: int | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    ddp_sweep: bool = False,
-    ddp_accum: int = 1,
-    ddp_no_sync: str = "correct",
-) -> tuple[RunConfig, list[str]]:
-    """Validate the user's choices into a RunConfig; return it with notes worth showing."""
-
+def build_config(options: RunOptions | None = None, /,
+                 **given: Any) -> tuple[RunConfig, list[str]]:
+    """Validate the user's choices (`RunOptions`, or its fields as keywords) into a RunConfig;
+    return it with notes worth showing."""
+    options = options if options is not None else RunOptions(**given)
     notes: list[str] = []
-    resolve_model(model)  # fail early on an unknown model, before any device work
-    resolved_device = resolve_device(device)
+    resolve_model(options.model)  # fail early on an unknown model, before any device work
+    device = resolve_device(options.device)
+    preset = options.preset
     if preset is None:
-        preset = "full" if resolved_device.startswith("cuda") else "tiny"
+        preset = "full" if device.startswith("cuda") else "tiny"
         if preset == "tiny":
             notes.append("No CUDA device: running the small 'tiny' preset on the CPU "
                          "(--preset full to override).")
     if preset not in PRESETS:
         raise BadInput(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+    check_ranges(options)
     chosen = PRESETS[preset]
-    for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len),
-                        ("--iters", iters), ("--prompt-length", prompt_length),
-                        ("--checkpoint-every", checkpoint_every), ("--nproc", nproc),
-                        ("--nnodes", nnodes), ("--ddp-accum", ddp_accum)):
-        _positive(name, value)
-    if warmup is not None and warmup < 0:
-        raise BadInput(f"--warmup must be zero or more (got {warmup})")
-    if min_seconds is not None and min_seconds < 0:
-        raise BadInput(f"--min-seconds must be zero or more (got {min_seconds})")
-    if evidence_steps is not None and evidence_steps < 0:
-        raise BadInput(f"--evidence-steps must be zero or more (got {evidence_steps})")
-    if loader_workers is not None and loader_workers < 0:
-        raise BadInput(f"--workers must be zero or more (got {loader_workers})")
-    if amp_dtype is None:
-        amp_dtype = default_amp_dtype(resolved_device, notes)
+    amp_dtype = options.amp_dtype or default_amp_dtype(device, notes)
     if amp_dtype not in AMP_DTYPES:
         raise BadInput(f"--amp-dtype must be fp16, bf16 or fp32 (got {amp_dtype!r})")
-    seq = seq_len or chosen.seq_len
-    if seq > chosen.shape.max_positions:
-        raise BadInput(f"--seq-len {seq} exceeds the model's {chosen.shape.max_positions} "
-                       "positions")
+    seq = options.seq_len or chosen.seq_len
+    _check_sequence(seq, chosen.shape.max_positions, options.prompt_length)
+    _check_distributed(options, device)
+    given_values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    config = RunConfig(**{
+        **given_values, "preset": preset, "device": device, "stages": _stages(options.stages),
+        "shape": chosen.shape, "batch_size": options.batch_size or chosen.batch_size,
+        "seq_len": seq, "iters": options.iters or chosen.iters,
+        "warmup": _or(options.warmup, chosen.warmup),
+        "min_seconds": _or(options.min_seconds, chosen.min_seconds), "amp_dtype": amp_dtype,
+        "loader_workers": _or(options.loader_workers, default_loader_workers()),
+        "evidence_steps": _or(options.evidence_steps, DEFAULT_EVIDENCE_STEPS)})
+    return config, notes
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _check_sequence(seq: int, max_positions: int, prompt_length: int) -> None:
+    if seq > max_positions:
+        raise BadInput(f"--seq-len {seq} exceeds the model's {max_positions} positions")
     if seq < 2 * prompt_length + 2:
         raise BadInput(f"--seq-len {seq} leaves no room for 2x{prompt_length} prompt slots and "
                        "a source sentence")
 
-    if not 0 <= node_rank < nnodes:
-        raise BadInput(f"--node-rank {node_rank} must be in 0..{nnodes - 1} for --nnodes "
-                       f"{nnodes}")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise BadInput("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-    if ddp_no_sync not in ("correct", "backward-only"):
-        raise BadInput(f"--ddp-no-sync must be correct or backward-only (got {ddp_no_sync!r})")
-    if (resolved_device.startswith("cuda") and nproc is not None
-            and nproc > torch.cuda.device_count()):
-        raise BadInput(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA device(s) "
-                       "visible")
 
-    selected = tuple(stages) if stages else DEFAULT_LADDER
+def _check_distributed(options: RunOptions, device: str) -> None:
+    if not options.node_rank < options.nnodes:
+        raise BadInput(f"--node-rank {options.node_rank} must be in 0..{options.nnodes - 1} "
+                       f"for --nnodes {options.nnodes}")
+    if options.nnodes > 1 and not options.rdzv_endpoint:
+        raise BadInput("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    if options.ddp_no_sync not in ("correct", "backward-only"):
+        raise BadInput("--ddp-no-sync must be correct or backward-only "
+                       f"(got {options.ddp_no_sync!r})")
+    if (device.startswith("cuda") and options.nproc is not None
+            and options.nproc > torch.cuda.device_count()):
+        raise BadInput(f"--nproc {options.nproc}: only {torch.cuda.device_count()} CUDA "
+                       "device(s) visible")
+
+
+def _stages(requested: Sequence[str] | None) -> tuple[str, ...]:
+    selected = tuple(requested) if requested else DEFAULT_LADDER
     unknown = [s for s in selected if s not in stage_names()]
     if unknown:
         raise BadInput(f"unknown stage {unknown[0]!r} (known: {', '.join(stage_names())})")
-
-    config = RunConfig(
-        model=model,
-        preset=preset,
-        device=resolved_device,
-        stages=tuple(dict.fromkeys(selected)),
-        shape=chosen.shape,
-        batch_size=batch_size or chosen.batch_size,
-        seq_len=seq,
-        iters=iters or chosen.iters,
-        warmup=chosen.warmup if warmup is None else warmup,
-        min_seconds=chosen.min_seconds if min_seconds is None else min_seconds,
-        amp_dtype=amp_dtype,  # type: ignore[arg-type]
-        loader_workers=default_loader_workers() if loader_workers is None else loader_workers,
-        prompt_length=prompt_length,
-        evidence_steps=2 if evidence_steps is None else evidence_steps,
-        checkpoint_every=checkpoint_every,
-        checkpoint_dir=checkpoint_dir,
-        keep_checkpoints=keep_checkpoints,
-        nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-        ddp_sweep=ddp_sweep, ddp_accum=ddp_accum, ddp_no_sync=ddp_no_sync,
-    )
-    return config, notes
+    return tuple(dict.fromkeys(selected))
 
 
 def default_amp_dtype(device: str, notes: list[str]) -> str:

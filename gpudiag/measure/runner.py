@@ -32,11 +32,10 @@ from gpudiag.measure.flops import count_flops
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
-from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
+from gpudiag.measure.timing import PhaseRecorder, time_steps
+from gpudiag.measure.window import fill_timed, measure_window
 from gpudiag.model.config import RunConfig
-from gpudiag.model.results import MemoryStats, RunResult, StageResult, TimingStats
-
-_MIB = 2**20
+from gpudiag.model.results import RunResult, StageResult
 
 
 class ProgressListener(Protocol):
@@ -141,7 +140,7 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
             workload = definition.build(ctx)
             time_steps(workload.step, device=ctx.device, iters=min(ctx.config.warmup, 2))
             if not workload.host_only:
-                result.details["flops_per_step"] = count_flops(workload.step)
+                result.facts.flops_per_step = count_flops(workload.step)
             trace_file = (trace_dir / f"profile-{definition.name}.json.gz"
                           if trace_dir is not None else None)
             # The lower quartile is the pace the stage sustains: interference on a shared host
@@ -152,7 +151,8 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
                                                if result.timing else result.ms_per_iter,
                                                save_to=trace_file)
     except Exception as exc:
-        result.details["evidence_error"] = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        result.facts.evidence_missing = (f"the profiler window failed: {type(exc).__name__}: "
+                                         f"{_first_line(str(exc))}")
     finally:
         ctx.phases.clear()
         if workload is not None:
@@ -184,44 +184,26 @@ def _launch_stage(definition: StageDef, ctx: StageContext,
 def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
                listener: ProgressListener | None) -> tuple[StageResult, bool]:
     """The stage's timed result, and whether it is host-only (nothing to profile)."""
-    config, device = ctx.config, ctx.device
-    name = definition.name
+    config, name = ctx.config, definition.name
     result = StageResult(name=name, status="ok", title=definition.title)
     if listener is not None:
         listener.stage_started(name, definition.title, config.warmup + config.iters)
-    on_step = (lambda done: listener.step_done(name, done)) if listener is not None else None
     workload: Workload | None = None
-    host_only = False
     try:
         with nvtx.annotate(f"stage {name}", domain="gpudiag"):
             ctx.phases.clear()
             assert definition.build is not None
             workload = definition.build(ctx)
-            host_only = workload.host_only
-            result.workload = workload.description
-            result.details = dict(workload.details)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            warm = time_steps(workload.step, device=device, iters=config.warmup,
-                              host_only=workload.host_only, label=f"{name} warm-up",
-                              on_step=on_step)
-            synchronize(device)
-            ctx.phases.clear()
-            workload.on_timed_start()
-            sampler.begin(name)
-            try:
-                timed = time_steps(
-                    workload.step, device=device, iters=max(config.iters, workload.min_iters),
-                    min_seconds=config.min_seconds, host_only=workload.host_only, label=name,
-                    on_step=None if on_step is None else lambda d: on_step(config.warmup + d))
-            finally:
-                synchronize(device)
-                result.telemetry = sampler.end()
-            _record_times(result, workload, warm.iter_ms, timed.iter_ms)
-            result.details.update(workload.timed_details())
-            result.timer, result.wall_s = timed.timer, timed.wall_s
-            result.phases_ms = ctx.phases.collect()
-            result.memory = _memory(device)
+            result.workload, result.facts = workload.description, workload.facts
+            window = measure_window(
+                workload.step, device=ctx.device, sampler=sampler, phases=ctx.phases,
+                label=name, warmup=config.warmup, iters=max(config.iters, workload.min_iters),
+                min_seconds=config.min_seconds, host_only=workload.host_only,
+                on_step=None if listener is None else lambda d: listener.step_done(name, d),
+                on_timed_start=workload.on_timed_start)
+            fill_timed(result, window, samples_per_step=workload.samples_per_step,
+                       tokens_per_step=workload.tokens_per_step)
+            workload.record_timed(result.facts)
     except StageSkipped as exc:
         result.status, result.error = "skipped", str(exc)
     except torch.OutOfMemoryError as exc:
@@ -236,34 +218,12 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
         result.advice = "the full traceback is in run.json (stages[].traceback)"
         result.traceback = traceback.format_exc()
     finally:
+        host_only = workload is not None and workload.host_only
         if workload is not None:
             workload.close()
         del workload
-        _release_memory(device)
+        _release_memory(ctx.device)
     return result, host_only
-
-
-def _record_times(result: StageResult, workload: Workload, warmup_ms: list[float],
-                  iter_ms: list[float]) -> None:
-    stats = TimingStats.of(iter_ms)
-    result.iter_ms, result.warmup_ms, result.timing = iter_ms, warmup_ms, stats
-    result.ms_per_iter = stats.mean_ms if workload.bursty else stats.median_ms
-    result.details["ms_per_iter_statistic"] = "mean" if workload.bursty else "median"
-    result.samples_per_step = workload.samples_per_step
-    result.tokens_per_step = workload.tokens_per_step
-    if result.ms_per_iter > 0:
-        result.samples_per_s = workload.samples_per_step / result.ms_per_iter * 1e3
-        result.tokens_per_s = workload.tokens_per_step / result.ms_per_iter * 1e3
-
-
-def _memory(device: torch.device) -> MemoryStats | None:
-    if device.type != "cuda":
-        return None
-    return MemoryStats(
-        peak_allocated_mib=torch.cuda.max_memory_allocated(device) / _MIB,
-        peak_reserved_mib=torch.cuda.max_memory_reserved(device) / _MIB,
-        device_total_mib=torch.cuda.get_device_properties(device).total_memory / _MIB,
-    )
 
 
 def _release_memory(device: torch.device) -> None:

@@ -12,6 +12,13 @@ AmpDtype = Literal["fp16", "bf16", "fp32"]
 AMP_DTYPES = ("fp16", "bf16", "fp32")
 
 
+# Telemetry sampling: fast NVML metrics every 50 ms, GPM every 200 ms (GPM needs a window of
+# at least 100 ms: gpudiag/measure/telemetry/sampler.py).
+SAMPLE_PERIOD_S = 0.05
+GPM_PERIOD_S = 0.2
+DEFAULT_EVIDENCE_STEPS = 2  # profiled steps per stage, after all timing (0: no evidence)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Transformer dimensions shared by the built-in models."""
@@ -82,9 +89,9 @@ class RunConfig:
     loader_workers: int = 4
     prompt_length: int = 3
     candidates: int = 16
-    evidence_steps: int = 2  # profiled steps per stage, after all timing (0: no evidence)
-    sample_period_s: float = 0.05
-    gpm_period_s: float = 0.2
+    evidence_steps: int = DEFAULT_EVIDENCE_STEPS  # profiled steps per stage, after all timing
+    sample_period_s: float = SAMPLE_PERIOD_S
+    gpm_period_s: float = GPM_PERIOD_S
     seed: int = 0
     checkpoint_every: int = 10  # steps between saves in the checkpoint-* stages
     checkpoint_dir: str | None = None  # None: <run dir>/checkpoints

@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-SCHEMA_VERSION = 1
+from gpudiag.model.facts import StageFacts, facts_from_details
+
+# 2: stages[].facts (typed, gpudiag.model.facts) replaced stages[].details (an untyped dict).
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 
 StageStatus = Literal["ok", "error", "skipped"]
 Severity = Literal["info", "warning", "critical"]
@@ -209,8 +213,7 @@ class Trial:
 @dataclass
 class StageResult:
     """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations), or
-    their mean for bursty stages such as a prefetching DataLoader (`details`
-    ["ms_per_iter_statistic"] says which)."""
+    their mean for bursty stages such as a prefetching DataLoader (`facts.bursty`)."""
 
     name: str
     status: StageStatus
@@ -231,7 +234,7 @@ class StageResult:
         default_factory=lambda: TelemetrySummary.unavailable("not measured")
     )
     phases_ms: dict[str, list[float]] = field(default_factory=dict)  # e.g. data_wait per step
-    details: dict[str, Any] = field(default_factory=dict)
+    facts: StageFacts = field(default_factory=StageFacts)
     evidence: Evidence | None = None
     trials: list[Trial] = field(default_factory=list)  # filled when runs are merged
     error: str | None = None  # one line; for skipped stages the reason
@@ -324,17 +327,25 @@ class RunResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMAS or isinstance(version, bool):
             raise RunFileError(
-                f"run.json schema_version {version!r} is not {SCHEMA_VERSION} "
+                f"run.json schema_version {version!r} is not one of {READABLE_SCHEMAS} "
                 "(written by a different gpudiag)"
             )
+        if version == 1:
+            data = _upgrade_from_1(data)
         return from_jsonable(cls, data)
+
+
+def _upgrade_from_1(data: dict[str, Any]) -> dict[str, Any]:
+    stages = [dict(s, facts=facts_from_details(s.get("details") or {}))
+              if isinstance(s, dict) else s for s in data.get("stages") or []]
+    return {**data, "stages": stages, "schema_version": SCHEMA_VERSION}
 
 
 # Derived values written into run.json for readers that do not use this module.
 _DERIVED = {StageResult: ("energy_per_sample_j",), TimingStats: ("iqr_ms",),
-            Evidence: ("collective_share",)}
+            Evidence: ("collective_share",), StageFacts: ("step_statistic",)}
 
 
 def to_jsonable(value: Any) -> Any:

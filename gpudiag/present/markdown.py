@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.model.facts import DdpFacts
 from gpudiag.model.hardware import PEAK_STAGE
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
@@ -79,14 +78,14 @@ def _ceilings(run: RunResult) -> list[str]:
     """The peak stage's measurements and each stage's share of its ceiling, in words."""
     lines = []
     peak = run.stage(PEAK_STAGE)
-    if peak is not None and peak.ok:
-        rates = peak.details.get("matmul_tflops", {})
-        sheet = peak.details.get("datasheet_tflops", {})
+    facts = peak.facts.peak if peak is not None and peak.ok else None
+    if facts is not None:
+        sheet = facts.datasheet_tflops
         measured = ", ".join(
             f"{k} {v:,.1f}" + (f" (datasheet {sheet[k]:,.0f})" if sheet.get(k) else "")
-            for k, v in rates.items())
-        lines.append(f"- Measured ceilings ({peak.details.get('matmul_n')}^2 matmuls, TFLOP/s): "
-                     f"{measured}; device copy {peak.details.get('copy_gbps', 0):,.0f} GB/s.")
+            for k, v in facts.matmul_tflops.items())
+        lines.append(f"- Measured ceilings ({facts.matmul_n}^2 matmuls, TFLOP/s): "
+                     f"{measured}; device copy {facts.copy_gbps:,.0f} GB/s.")
     for stage in run.ok_stages():
         use = utilisation(run, stage)
         if use and use["mfu"] is not None:
@@ -146,30 +145,25 @@ def _pct(value: float | None) -> str:
     return fmt(None if value is None else value * 100, ".0f")
 
 
-def _ddp_stage_lines(stage: StageResult, info: dict[str, Any]) -> list[str]:
-    single = info.get("single_device") or {}
-    probe = info.get("allreduce_probe") or {}
-    efficiency = info.get("scaling_efficiency")
-    lines = [f"- `{stage.name}`: {info.get('world_size')} ranks ({info.get('backend')}), "
+def _ddp_stage_lines(stage: StageResult, info: DdpFacts) -> list[str]:
+    single_sps = info.single_device.samples_per_s if info.single_device else None
+    busbw = info.allreduce_probe.busbw_gbps if info.allreduce_probe else None
+    lines = [f"- `{stage.name}`: {info.world_size} ranks ({info.backend}), "
              f"{fmt(stage.samples_per_s, ',.0f')} samples/s against "
-             f"{info.get('world_size')} x {fmt(single.get('samples_per_s'), ',.0f')} on one "
-             f"device: scaling efficiency {_pct(efficiency)}%. Gradients "
-             f"{fmt((info.get('grad_bytes_per_round') or 0) / 1e6, ',.0f')} MB per round; "
-             f"all-reduce probe {fmt(probe.get('busbw_gbps'), ',.1f')} GB/s bus bandwidth.", ""]
-    rows = [[str(r["rank"]), r.get("gpu_name") or r.get("device") or "-",
-             fmt(r.get("ms_per_iter"), ".1f"), _pct(r.get("exposed_comm_share")),
-             _pct(r.get("collective_overlap_fraction")),
-             fmt(r.get("collective_kernel_ms_per_step"), ".1f"),
-             fmt(r.get("compute_busy_ms_per_step"), ".1f"), fmt(r.get("power_mean_w"), ".0f")]
-            for r in info.get("ranks", [])]
+             f"{info.world_size} x {fmt(single_sps, ',.0f')} on one "
+             f"device: scaling efficiency {_pct(info.scaling_efficiency)}%. Gradients "
+             f"{fmt((info.grad_bytes_per_round or 0) / 1e6, ',.0f')} MB per round; "
+             f"all-reduce probe {fmt(busbw, ',.1f')} GB/s bus bandwidth.", ""]
+    rows = [[str(r.rank), r.gpu_name or r.device or "-", fmt(r.ms_per_iter, ".1f"),
+             _pct(r.exposed_comm_share), _pct(r.collective_overlap_fraction),
+             fmt(r.collective_kernel_ms_per_step, ".1f"), fmt(r.compute_busy_ms_per_step, ".1f"),
+             fmt(r.power_mean_w, ".0f")] for r in info.ranks]
     lines += _table(["rank", "device", "ms/iter", "exposed comm % of step", "overlap %",
                      "collective kernel ms/step", "own device work ms/step", "power W"], rows)
-    sweep = info.get("sweep") or []
-    if sweep:
+    if info.sweep:
         lines += ["", *_table(["DDP variant", "ms/iter", "samples/s", "scaling efficiency %"],
-                              [[r["name"], fmt(r.get("ms_per_iter"), ".1f"),
-                                fmt(r.get("samples_per_s"), ",.0f"),
-                                _pct(r.get("scaling_efficiency"))] for r in sweep])]
+                              [[r.name, fmt(r.ms_per_iter, ".1f"), fmt(r.samples_per_s, ",.0f"),
+                                _pct(r.scaling_efficiency)] for r in info.sweep])]
     return [*lines, ""]
 
 
@@ -178,12 +172,14 @@ def _profiled_rank_lines(stages: list[StageResult]) -> list[str]:
     for stage in stages:
         ev = stage.evidence
         assert ev is not None
-        job = stage.details.get("ddp_job") or {}
-        probe = (job.get("allreduce_probe") or {}).get("busbw_gbps")
+        job = stage.facts.ddp_job
+        probe = (job.allreduce_probe.busbw_gbps
+                 if job is not None and job.allreduce_probe is not None else None)
         rows.append([stage.name, fmt(stage.ms_per_iter, ".1f"), _pct(ev.collective_share),
                      _pct(ev.collective_overlap_fraction), fmt(ev.collective_ms_per_step, ".1f"),
                      fmt(ev.compute_busy_ms_per_step, ".1f"),
-                     fmt((job.get("grad_bytes") or 0) / 1e6 or None, ",.0f"),
+                     fmt(job.grad_bytes / 1e6 if job is not None and job.grad_bytes else None,
+                         ",.0f"),
                      fmt(probe, ",.1f")])
     return [*_table(["process", "ms/iter", "exposed comm % of step", "overlap %",
                      "collective kernel ms/step", "own device work ms/step", "gradient MB",
@@ -194,11 +190,10 @@ def _distributed(run: RunResult) -> list[str]:
     """Communication per rank, each figure named for what it is (see the note below)."""
     out: list[str] = []
     for stage in run.ok_stages():
-        info = stage.details.get("ddp")
-        if isinstance(info, dict):
-            out += _ddp_stage_lines(stage, info)
-    profiled = [s for s in run.stages_with_evidence()
-                if "ddp" not in s.details and s.evidence and s.evidence.collective_calls_per_step]
+        if stage.facts.ddp is not None:
+            out += _ddp_stage_lines(stage, stage.facts.ddp)
+    profiled = [s for s in run.stages_with_evidence() if s.facts.ddp is None
+                and s.evidence and s.evidence.collective_calls_per_step]
     if profiled:
         out += _profiled_rank_lines(profiled)
     if not out:

@@ -176,9 +176,39 @@ def memcpy_kind(name: str) -> str:
     return f"{kind}-pageable" if pageable else kind
 
 
-def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend: str,
-            timed_step_ms: float | None = None) -> Evidence:
-    """Per-step evidence from the trace events of `steps` profiled steps."""
+@dataclass
+class _Window:
+    """The profiled steps' events, by kind, with each host event marked with its source line
+    (`_line`), enclosing backward node (`_backward`) and matmul operator (`_matmul`)."""
+
+    by_cat: dict[str, list[dict[str, Any]]]
+    span: tuple[float, float]  # first step's start to last step's end (or the host events')
+    annotations: list[dict[str, Any]]
+    ops: list[dict[str, Any]]
+    runtime: list[dict[str, Any]]
+    device: list[dict[str, Any]]
+    backward_nodes: list[dict[str, Any]]
+    matmuls: list[dict[str, Any]]
+    lines: dict[str, _Line] = field(default_factory=dict)
+
+    def line_of(self, e: dict[str, Any]) -> dict[str, Any] | None:
+        """The source annotation `e` belongs to. Backward work inside `loss.backward()` belongs
+        to the forward line that created its autograd node, not to the line that called
+        backward."""
+        node = e if e["name"].startswith(BACKWARD_PREFIX) else e.get("_backward")
+        if node is not None and node.get("_forward_line") is not None:
+            return node["_forward_line"]
+        return e.get("_line")
+
+    def stats(self, annotation_event: dict[str, Any]) -> _Line:
+        location, function, _, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
+        if location not in self.lines:
+            self.lines[location] = _Line(location=location, function=function)
+        return self.lines[location]
+
+
+def _select(events: list[dict[str, Any]]) -> _Window:
+    """Sort the window's complete events by kind and mark their attribution."""
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
     steps_ranges = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP_RANGE]
     first = min((float(s["ts"]) for s in steps_ranges), default=-math.inf)
@@ -188,189 +218,202 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         if e.get("ph") == "X" and (e.get("cat") in DEVICE_CATS
                                    or first <= float(e["ts"]) <= last):
             by_cat[e.get("cat", "")].append(e)
-    annotations = [a for a in by_cat["user_annotation"] if parse_annotation(a["name"])]
-    ops = by_cat["cpu_op"]
-    runtime = by_cat["cuda_runtime"] + by_cat["cuda_driver"]
-    device = by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"]
-
-    backward_nodes = [o for o in ops if o["name"].startswith(BACKWARD_PREFIX)]
-    matmuls = [o for o in ops if o["name"] in MATMUL_OPS]
+    ops, runtime = by_cat["cpu_op"], by_cat["cuda_runtime"] + by_cat["cuda_driver"]
     host = ops + runtime
-    _enclosing(host, annotations, "_line")
-    _enclosing(host, backward_nodes, "_backward")
-    _enclosing(runtime, matmuls, "_matmul")
-    _link_backward(events, ops, backward_nodes, annotations)
+    span = (first, last) if steps_ranges else (min((float(e["ts"]) for e in host), default=0.0),
+                                               max((_end(e) for e in host), default=0.0))
+    window = _Window(
+        by_cat=by_cat, span=span,
+        annotations=[a for a in by_cat["user_annotation"] if parse_annotation(a["name"])],
+        ops=ops, runtime=runtime,
+        device=by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"],
+        backward_nodes=[o for o in ops if o["name"].startswith(BACKWARD_PREFIX)],
+        matmuls=[o for o in ops if o["name"] in MATMUL_OPS])
+    _enclosing(host, window.annotations, "_line")
+    _enclosing(host, window.backward_nodes, "_backward")
+    _enclosing(runtime, window.matmuls, "_matmul")
+    _link_backward(events, ops, window.backward_nodes, window.annotations)
+    return window
 
-    def line_of(e: dict[str, Any]) -> dict[str, Any] | None:
-        # Backward work inside `loss.backward()` belongs to the forward line that created its
-        # autograd node, not to the line that called backward.
-        node = e if e["name"].startswith(BACKWARD_PREFIX) else e.get("_backward")
-        if node is not None and node.get("_forward_line") is not None:
-            return node["_forward_line"]
-        return e.get("_line")
 
-    lines: dict[str, _Line] = {}
-
-    def stats(annotation_event: dict[str, Any]) -> _Line:
-        location, function, _, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
-        if location not in lines:
-            lines[location] = _Line(location=location, function=function)
-        return lines[location]
-
-    for a in annotations:
-        line = stats(a)
+def _count_host(w: _Window, backend: str) -> tuple[list[dict[str, Any]], int]:
+    """Per line: calls, host time, top-level operators (and syncing operators on a CPU, where
+    no runtime shows syncs). Returns the top-level operators and those CPU syncs."""
+    for a in w.annotations:
+        line = w.stats(a)
         line.calls += 1
         line.direct_calls += int(parse_annotation(a["name"])[2])  # type: ignore[index]
         line.host_us += float(a.get("dur", 0.0))
-    for node in backward_nodes:
+    for node in w.backward_nodes:
         if node.get("_forward_line") is not None:  # unmapped nodes are inside their backward()
-            stats(node["_forward_line"]).host_us += float(node.get("dur", 0.0))  # annotation
-
-    top_ops = _top_level(ops)
+            w.stats(node["_forward_line"]).host_us += float(node.get("dur", 0.0))
+    top_ops = _top_level(w.ops)
     for o in top_ops:
-        owner = line_of(o)
+        owner = w.line_of(o)
         if owner is not None:
-            stats(owner).ops += 1
+            w.stats(owner).ops += 1
     syncs = 0
     if backend != "cuda":
-        for o in ops:
+        for o in w.ops:
             if o["name"] in SYNCING_OPS:
                 syncs += 1
-                owner = line_of(o)
+                owner = w.line_of(o)
                 if owner is not None:
-                    stats(owner).syncs += 1
+                    w.stats(owner).syncs += 1
+    return top_ops, syncs
 
-    launches = 0
-    empty_cache = 0
-    sync_us = free_us = 0.0
-    sync_ends: list[float] = []
-    line_sync_ends: dict[str, list[float]] = defaultdict(list)
-    runtime_by_correlation: dict[Any, dict[str, Any]] = {}
-    for r in runtime:
+
+@dataclass
+class _Runtime:
+    """CUDA runtime calls: launches, syncs and frees, and each call by correlation id."""
+
+    launches: int = 0
+    syncs: int = 0
+    sync_us: float = 0.0
+    empty_cache: int = 0
+    free_us: float = 0.0
+    sync_ends: list[float] = field(default_factory=list)
+    line_sync_ends: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    by_correlation: dict[Any, dict[str, Any]] = field(default_factory=dict)
+
+
+def _count_runtime(w: _Window) -> _Runtime:
+    counts = _Runtime()
+    for r in w.runtime:
         name = r["name"]
         corr = r.get("args", {}).get("correlation")
         if corr is not None:
-            runtime_by_correlation[corr] = r
-        owner = line_of(r)
+            counts.by_correlation[corr] = r
         if name in LAUNCH_CALLS:
-            launches += 1
+            counts.launches += 1
         elif name in SYNC_CALLS:
-            syncs += 1
-            sync_us += float(r.get("dur", 0.0))
-            sync_ends.append(_end(r))
+            counts.syncs += 1
+            counts.sync_us += float(r.get("dur", 0.0))
+            counts.sync_ends.append(_end(r))
+            owner = w.line_of(r)
             if owner is not None:
-                stats(owner).syncs += 1
-                line_sync_ends[stats(owner).location].append(_end(r))
+                w.stats(owner).syncs += 1
+                counts.line_sync_ends[w.stats(owner).location].append(_end(r))
         elif name in EMPTY_CACHE_CALLS:
-            empty_cache += 1
-            free_us += float(r.get("dur", 0.0))
+            counts.empty_cache += 1
+            counts.free_us += float(r.get("dur", 0.0))
+    return counts
 
-    memcpy: Counter[str] = Counter()
-    memcpy_us: Counter[str] = Counter()
-    matmul_us: Counter[str] = Counter()
-    kernel_time: Counter[str] = Counter()
-    kernel_count = short = 0
-    kernel_us = 0.0
-    for d in device:
+
+@dataclass
+class _Device:
+    """Kernels, copies and matmul time, each charged to the line whose call launched it."""
+
+    kernels: int = 0
+    short: int = 0
+    kernel_us: float = 0.0
+    memcpy: Counter[str] = field(default_factory=Counter)
+    memcpy_us: Counter[str] = field(default_factory=Counter)
+    matmul_us: Counter[str] = field(default_factory=Counter)
+    kernel_time: Counter[str] = field(default_factory=Counter)
+
+
+def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
+    counts = _Device()
+    for d in w.device:
         cat, dur = d.get("cat"), float(d.get("dur", 0.0))
-        corr = d.get("args", {}).get("correlation")
-        launcher = runtime_by_correlation.get(corr)
-        owner = line_of(launcher) if launcher is not None else None
+        launcher = runtime.by_correlation.get(d.get("args", {}).get("correlation"))
+        owner = w.line_of(launcher) if launcher is not None else None
         if cat == "kernel":
-            kernel_count += 1
-            kernel_us += dur
-            short += dur < SHORT_KERNEL_US
-            kernel_time[d["name"]] += dur
+            counts.kernels += 1
+            counts.kernel_us += dur
+            counts.short += dur < SHORT_KERNEL_US
+            counts.kernel_time[d["name"]] += dur
             if launcher is not None and "_matmul" in launcher:
-                matmul_us[_dtype(owner)] += dur
+                counts.matmul_us[_dtype(owner)] += dur
         elif cat == "gpu_memcpy":
-            memcpy[memcpy_kind(d["name"])] += 1
-            memcpy_us[memcpy_kind(d["name"])] += dur
+            counts.memcpy[memcpy_kind(d["name"])] += 1
+            counts.memcpy_us[memcpy_kind(d["name"])] += dur
         if owner is not None:
-            line = stats(owner)
+            line = w.stats(owner)
             line.device_us += dur
             if cat == "kernel":
                 line.kernels += 1
                 line.kernel_us.append(dur)
             elif cat == "gpu_memcpy":
                 line.memcpys += 1
-
-    busy_ms = (sum(b - a for a, b in _merge((float(d["ts"]), _end(d)) for d in device)) / 1e3
-               if device else None)
     if backend != "cuda":
         # No kernels: matmul work is the host time of the outermost matmul operators.
-        for o in _top_level(matmuls):
-            matmul_us[_dtype(line_of(o))] += float(o.get("dur", 0.0))
-    htod = [d for d in by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
-    overlap = _overlap_fraction(htod, by_cat["kernel"])
-    window = (first, last) if steps_ranges else (
-        min((float(e["ts"]) for e in host), default=0.0),
-        max((_end(e) for e in host), default=0.0))
-    launched_at = {corr: float(r["ts"]) for corr, r in runtime_by_correlation.items()}
-    collectives = _collectives(events, ops, by_cat, device, backend, window, launched_at)
-    op_counts = Counter(o["name"] for o in top_ops)
-    per = 1.0 / steps
+        for o in _top_level(w.matmuls):
+            counts.matmul_us[_dtype(w.line_of(o))] += float(o.get("dur", 0.0))
+    return counts
+
+
+def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> list[SourceLine]:
+    """The busiest lines (device ops, kernels and copies per step), at most TOP_N."""
     step_us = step_ms * 1e3
-    source_lines = [
+    found = [
         SourceLine(
-            location=line.location,
-            function=line.function,
-            calls_per_step=line.calls * per,
-            direct_calls_per_step=line.direct_calls * per,
-            ops_per_step=line.ops * per,
-            kernels_per_step=line.kernels * per,
-            syncs_per_step=line.syncs * per,
-            memcpys_per_step=line.memcpys * per,
-            host_ms_per_step=line.host_us * per / 1e3,
+            location=line.location, function=line.function, calls_per_step=line.calls * per,
+            direct_calls_per_step=line.direct_calls * per, ops_per_step=line.ops * per,
+            kernels_per_step=line.kernels * per, syncs_per_step=line.syncs * per,
+            memcpys_per_step=line.memcpys * per, host_ms_per_step=line.host_us * per / 1e3,
             device_ms_per_step=line.device_us * per / 1e3,
             median_kernel_us=statistics.median(line.kernel_us) if line.kernel_us else None,
-            sync_idle_ms_per_step=_idle_after(line_sync_ends[line.location], device) * per / 1e3,
+            sync_idle_ms_per_step=_idle_after(runtime.line_sync_ends[line.location],
+                                              w.device) * per / 1e3,
             share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
-            in_loop=in_loop(line.location),
-        )
-        for line in lines.values()
-    ]
-    source_lines.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
-                      reverse=True)
+            in_loop=in_loop(line.location))
+        for line in w.lines.values()]
+    found.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
+               reverse=True)
+    return found[:TOP_N]
+
+
+def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend: str,
+            timed_step_ms: float | None = None) -> Evidence:
+    """Per-step evidence from the trace events of `steps` profiled steps."""
+    w = _select(events)
+    top_ops, cpu_syncs = _count_host(w, backend)
+    runtime = _count_runtime(w)
+    device = _count_device(w, runtime, backend)
+    busy_ms = (_length(_merge((float(d["ts"]), _end(d)) for d in w.device)) / 1e3
+               if w.device else None)
+    htod = [d for d in w.by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
+    launched_at = {corr: float(r["ts"]) for corr, r in runtime.by_correlation.items()}
+    coll = _collectives(events, w.ops, w.by_cat, w.device, backend, w.span, launched_at)
+    per = 1.0 / steps
+    pace = timed_step_ms or step_ms
     return Evidence(
-        steps=steps,
-        step_ms=step_ms,
-        backend=backend,
-        kernels_per_step=kernel_count * per,
-        launches_per_step=launches * per,
-        ops_per_step=len(top_ops) * per,
-        syncs_per_step=syncs * per,
-        memcpy_per_step={k: v * per for k, v in sorted(memcpy.items())},
-        memcpy_ms_per_step={k: v * per / 1e3 for k, v in sorted(memcpy_us.items())},
-        htod_overlap_fraction=overlap,
-        memset_per_step=len(by_cat["gpu_memset"]) * per,
-        sync_ms_per_step=sync_us * per / 1e3,
-        sync_idle_ms_per_step=_idle_after(sync_ends, device) * per / 1e3,
-        matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(matmul_us.items())},
-        device_ms_per_step=kernel_us * per / 1e3,
-        empty_cache_per_step=empty_cache * per,
-        empty_cache_ms_per_step=free_us * per / 1e3,
+        steps=steps, step_ms=step_ms, backend=backend,
+        kernels_per_step=device.kernels * per, launches_per_step=runtime.launches * per,
+        ops_per_step=len(top_ops) * per, syncs_per_step=(runtime.syncs + cpu_syncs) * per,
+        memcpy_per_step={k: v * per for k, v in sorted(device.memcpy.items())},
+        memcpy_ms_per_step={k: v * per / 1e3 for k, v in sorted(device.memcpy_us.items())},
+        htod_overlap_fraction=_overlap_fraction(htod, w.by_cat["kernel"]),
+        memset_per_step=len(w.by_cat["gpu_memset"]) * per,
+        sync_ms_per_step=runtime.sync_us * per / 1e3,
+        sync_idle_ms_per_step=_idle_after(runtime.sync_ends, w.device) * per / 1e3,
+        matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(device.matmul_us.items())},
+        device_ms_per_step=device.kernel_us * per / 1e3,
+        empty_cache_per_step=runtime.empty_cache * per,
+        empty_cache_ms_per_step=runtime.free_us * per / 1e3,
         device_busy_ms_per_step=busy_ms * per if busy_ms is not None else None,
         # Device busy time is what the kernels took; the instrumented window's host overhead
         # would inflate idle time, so idleness is judged against the timed step when known.
-        idle_fraction=(max(0.0, 1.0 - busy_ms * per / (timed_step_ms or step_ms))
-                       if busy_ms is not None and (timed_step_ms or step_ms) else None),
-        short_kernels_per_step=short * per,
-        collective_ms_per_step=collectives.raw_us * per / 1e3,
-        collective_wall_ms_per_step=collectives.wall_us * per / 1e3,
-        collective_calls_per_step=collectives.calls * per,
-        collective_overlap_fraction=collectives.overlap,
-        collective_exposed_ms_per_step=(None if collectives.exposed_us is None
-                                        else collectives.exposed_us * per / 1e3),
-        compute_busy_ms_per_step=(None if collectives.compute_us is None
-                                  else collectives.compute_us * per / 1e3),
-        window_step_ms=collectives.window_us * per / 1e3,
-        microsteps_per_step=collectives.microsteps * per,
-        microsteps_with_collectives_per_step=collectives.microsteps_reduced * per,
-        top_ops_by_count=[{"name": n, "per_step": c * per}
-                          for n, c in op_counts.most_common(TOP_N)],
-        top_ops_by_time=_top_by_time(kernel_time, top_ops, per),
-        source_lines=source_lines[:TOP_N],
+        idle_fraction=(max(0.0, 1.0 - busy_ms * per / pace)
+                       if busy_ms is not None and pace else None),
+        short_kernels_per_step=device.short * per,
+        collective_ms_per_step=coll.raw_us * per / 1e3,
+        collective_wall_ms_per_step=coll.wall_us * per / 1e3,
+        collective_calls_per_step=coll.calls * per,
+        collective_overlap_fraction=coll.overlap,
+        collective_exposed_ms_per_step=(None if coll.exposed_us is None
+                                        else coll.exposed_us * per / 1e3),
+        compute_busy_ms_per_step=(None if coll.compute_us is None
+                                  else coll.compute_us * per / 1e3),
+        window_step_ms=coll.window_us * per / 1e3,
+        microsteps_per_step=coll.microsteps * per,
+        microsteps_with_collectives_per_step=coll.microsteps_reduced * per,
+        top_ops_by_count=[{"name": n, "per_step": c * per} for n, c in
+                          Counter(o["name"] for o in top_ops).most_common(TOP_N)],
+        top_ops_by_time=_top_by_time(device.kernel_time, top_ops, per),
+        source_lines=_source_lines(w, runtime, per, step_ms),
         window_overhead=step_ms / timed_step_ms if timed_step_ms else None,
     )
 

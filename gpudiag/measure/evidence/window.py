@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,37 +25,104 @@ from gpudiag.measure.timing import synchronize
 from gpudiag.model.results import Evidence
 
 
+class ProfilerWindow:
+    """torch.profiler over a few steps, each inside a STEP_RANGE, with every torch call charged
+    to its source line. Steps are marked from outside: `collect_evidence` calls the step
+    function itself, `gpudiag profile`'s recorder marks the script's own step boundaries."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.step_ms: list[float] = []  # host time of each closed step
+        self._profiler: profile | None = None
+        self._annotator: SourceAnnotator | None = None
+        self._range: record_function | None = None
+        self._mark = 0.0
+
+    @property
+    def open(self) -> bool:
+        return self._profiler is not None
+
+    def start(self) -> None:
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        self._annotator = SourceAnnotator()
+        self._annotator.__enter__()
+        self._open_step()
+
+    def _open_step(self) -> None:
+        self._range = record_function(STEP_RANGE)
+        self._range.__enter__()
+        self._mark = time.perf_counter()
+
+    def _close_step(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+            self.step_ms.append((time.perf_counter() - self._mark) * 1e3)
+
+    def next_step(self) -> None:
+        """A step ended and the next one begins, inside the window."""
+        self._close_step()
+        self._open_step()
+
+    def stop(self, *, closing_step: bool = True) -> list[dict[str, Any]]:
+        """Close the window (the open step counts when `closing_step`) and return the trace
+        events; the device is synchronised first so that every kernel is in the trace."""
+        if self._profiler is None:
+            return []
+        synchronize(self.device)  # the last step ends when its device work does
+        if closing_step:
+            self._close_step()
+        elif self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if self._annotator is not None:
+            self._annotator.__exit__(None, None, None)
+            self._annotator = None
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            profiler.export_chrome_trace(str(path))
+            events: list[dict[str, Any]] = json.loads(path.read_text()).get("traceEvents", [])
+        return events
+
+    def evidence(self, events: list[dict[str, Any]],
+                 timed_step_ms: float | None) -> Evidence | None:
+        """The window's evidence, against the timed steps' pace; None without a closed step."""
+        if not self.step_ms:
+            return None
+        return analyze(events, steps=len(self.step_ms), step_ms=statistics.fmean(self.step_ms),
+                       backend="cuda" if self.device.type == "cuda" else "cpu",
+                       timed_step_ms=timed_step_ms)
+
+
 def capture_trace(step: Callable[[], object], *, device: torch.device,
-                  steps: int) -> tuple[list[dict[str, Any]], float]:
-    """Profile `steps` steps; return the trace events and the mean profiled step time (ms)."""
+                  steps: int) -> tuple[ProfilerWindow, list[dict[str, Any]]]:
+    """Profile `steps` calls of `step`; return the window and its trace events."""
     with SourceAnnotator():
         step()  # one untraced step with the annotator: its caches and first-call costs
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     synchronize(device)
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            with record_function(STEP_RANGE), SourceAnnotator():
-                step()
-        synchronize(device)
-        step_ms = (time.perf_counter() - start) * 1e3 / steps
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    return events, step_ms
+    window = ProfilerWindow(device)
+    window.start()
+    for k in range(steps):
+        step()
+        if k < steps - 1:
+            window.next_step()
+    return window, window.stop()
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
                      timed_step_ms: float | None, save_to: Path | None = None) -> Evidence:
     """The window's evidence; with `save_to`, its Chrome trace too (gzipped JSON, which
     ui.perfetto.dev and chrome://tracing open as is)."""
-    events, step_ms = capture_trace(step, device=device, steps=steps)
+    window, events = capture_trace(step, device=device, steps=steps)
     if save_to is not None:
         with gzip.open(save_to, "wt") as f:
             json.dump({"traceEvents": events}, f)
-    return analyze(events, steps=steps, step_ms=step_ms,
-                   backend="cuda" if device.type == "cuda" else "cpu",
-                   timed_step_ms=timed_step_ms)
+    evidence = window.evidence(events, timed_step_ms)
+    assert evidence is not None  # steps >= 1 closed steps
+    return evidence

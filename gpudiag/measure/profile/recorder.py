@@ -11,13 +11,13 @@ the profiler slows what follows it on some GPUs (pytorch/pytorch#144455).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import json
 import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,11 +32,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpudiag.measure.env import device_identity
-from gpudiag.measure.evidence.source import SourceAnnotator
-from gpudiag.measure.evidence.trace import STEP_RANGE, analyze
+from gpudiag.measure.evidence.window import ProfilerWindow
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
-from gpudiag.model.results import StageResult, TimingStats, to_jsonable
+from gpudiag.measure.window import Window, fill_timed
+from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S
+from gpudiag.model.facts import CheckpointFacts, DdpJobFacts, SaveRecord, ScriptFacts, StageFacts
+from gpudiag.model.results import Evidence, StageResult, TimingStats, to_jsonable
 
 ENV_OUT = "GPUDIAG_PROFILE_OUT"
 ENV_WARMUP = "GPUDIAG_PROFILE_WARMUP"
@@ -61,15 +63,12 @@ class Recorder:
         self.saves: list[dict[str, Any]] = []
         self.sampler: Any = None
         self.telemetry: Any = None
-        self.profiler: Any = None
-        self.annotator: SourceAnnotator | None = None
-        self.step_range: Any = None
-        self.evidence: Any = None
-        self.window_host_ms: list[float] = []
+        self.window: ProfilerWindow | None = None
+        self.evidence: Evidence | None = None
         self.nvtx_range: Any = None
         self.finished = False
         self.error: str | None = None
-        self.ddp: dict[str, Any] | None = None  # what a DistributedDataParallel wrap told us
+        self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
 
     @property
     def steps(self) -> int:
@@ -118,49 +117,30 @@ class Recorder:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
             if self.profiled:
-                self._start_profiler()
-        elif self.profiler is not None and start_profile < done <= start_profile + self.profiled:
-            self.window_host_ms.append((self.host_marks[-1] - self.host_marks[-2]) * 1e3)
-            self.step_range.__exit__(None, None, None)
+                self.window = ProfilerWindow(self._device())
+                self.window.start()
+        elif self.window is not None and self.window.open:
             if done == start_profile + self.profiled:
                 self._stop_profiler(keep=True)
                 self._probe_link()
             else:
-                self.step_range = torch.profiler.record_function(STEP_RANGE)
-                self.step_range.__enter__()
+                self.window.next_step()
 
-    def _start_profiler(self) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities)
-        self.profiler.__enter__()
-        self.annotator = SourceAnnotator()
-        self.annotator.__enter__()
-        self.step_range = torch.profiler.record_function(STEP_RANGE)
-        self.step_range.__enter__()
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.cuda else \
+            torch.device("cpu")
 
     def _stop_profiler(self, keep: bool) -> None:
-        if self.profiler is None:
+        """Close the window; the step in progress counts only at a step boundary (`keep`):
+        when the script ends mid-window, that part-step is not a step."""
+        if self.window is None or not self.window.open:
             return
-        profiler, self.profiler = self.profiler, None
-        if self.annotator is not None:
-            self.annotator.__exit__(None, None, None)
-            self.annotator = None
-        if self.cuda:
-            torch.cuda.synchronize()
-        profiler.__exit__(None, None, None)
-        if not keep or not self.window_host_ms:
+        events = self.window.stop(closing_step=keep)
+        if not keep:
             return
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            profiler.export_chrome_trace(str(path))
-            events = json.loads(path.read_text()).get("traceEvents", [])
         timed = self._step_ms()[self.warmup:self.warmup + self.timed]
-        self.evidence = analyze(
-            events, steps=len(self.window_host_ms), step_ms=statistics.fmean(self.window_host_ms),
-            backend="cuda" if self.cuda else "cpu",
-            timed_step_ms=TimingStats.of(timed).p25_ms if timed else None)
+        self.evidence = self.window.evidence(
+            events, TimingStats.of(timed).p25_ms if timed else None)
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
@@ -169,20 +149,19 @@ class Recorder:
 
         params = [p for p in model.module.parameters() if p.requires_grad]
         cap = getattr(model, "bucket_bytes_cap", None)
-        self.ddp = {"grad_bytes": sum(p.numel() * p.element_size() for p in params),
-                    "bucket_mb": cap / 2**20 if cap else None,
-                    "world_size": dist.get_world_size(), "backend": str(dist.get_backend()),
-                    "allreduce_probe": None}
+        self.ddp = DdpJobFacts(grad_bytes=sum(p.numel() * p.element_size() for p in params),
+                               bucket_mb=cap / 2**20 if cap else None,
+                               world_size=dist.get_world_size(),
+                               backend=str(dist.get_backend()))
 
     def _probe_link(self) -> None:
         """Every rank closes its window at the same optimizer step (DDP keeps them in step),
         so each can join one all-reduce probe there: the link's bandwidth for this job."""
-        if self.ddp is None or self.ddp["world_size"] < 2:
+        if self.ddp is None or self.ddp.world_size < 2:
             return
-
         device = (torch.device("cuda", torch.cuda.current_device())
-                  if self.ddp["backend"] == "nccl" else torch.device("cpu"))
-        self.ddp["allreduce_probe"] = allreduce_probe(self.ddp["grad_bytes"], device)
+                  if self.ddp.backend == "nccl" else torch.device("cpu"))
+        self.ddp.allreduce_probe = allreduce_probe(self.ddp.grad_bytes, device)
 
     # --- data, saves, telemetry ----------------------------------------------------------
 
@@ -191,15 +170,15 @@ class Recorder:
         if self.batch_size is None:
             self.batch_size = _batch_size(batch)
 
-    def saved(self, blocking_ms: float, path: Any, mode: str) -> None:
+    def saved(self, blocking_ms: float, path: Any) -> None:
+        """A blocking torch.save returned (the script's own saves are synchronous)."""
         size = None
         if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
             size = Path(path).stat().st_size
-        self.saves.append({"step": self.steps, "blocking_ms": blocking_ms, "waited_ms": 0.0,
-                           "total_ms": blocking_ms if mode == "sync" else None,
-                           "bytes": size, "mode": mode,
-                           "write_gbps": size / blocking_ms / 1e6 if size and blocking_ms
-                           else None})
+        self.saves.append(SaveRecord(
+            step=self.steps, blocking_ms=blocking_ms,
+            total_ms=blocking_ms, bytes=size,
+            write_gbps=size / blocking_ms / 1e6 if size and blocking_ms else None))
 
     def _open_telemetry(self) -> None:
         mode = os.environ.get(ENV_TELEMETRY, "full")
@@ -208,8 +187,9 @@ class Recorder:
         try:
             device = torch.device("cuda", torch.cuda.current_device())
             uuid, index = device_identity(device)
-            self.sampler = open_sampler("cuda", uuid, index, period_s=0.05,
-                                        gpm_period_s=NO_GPM_PERIOD_S if mode == "basic" else 0.2)
+            self.sampler = open_sampler(
+                "cuda", uuid, index, period_s=SAMPLE_PERIOD_S,
+                gpm_period_s=NO_GPM_PERIOD_S if mode == "basic" else GPM_PERIOD_S)
             self.sampler.__enter__()
         except Exception as exc:
             self.sampler, self.error = None, f"telemetry: {type(exc).__name__}: {exc}"
@@ -233,7 +213,8 @@ class Recorder:
         if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             name = f"{name}[rank{rank}]"
         result = StageResult(name=name, status="ok", title=" ".join(sys.argv),
-                             workload=f"{' '.join(sys.argv)} (profiled)")
+                             workload=f"{' '.join(sys.argv)} (profiled)",
+                             facts=self._facts(len(timed)), evidence=self.evidence)
         if not timed:
             result.status = "error"
             result.error = (f"no timed steps: the script made {self.steps} step(s); gpudiag "
@@ -241,38 +222,32 @@ class Recorder:
             result.advice = ("lower --warmup, or mark steps: call gpudiag.step() once per "
                              "step, or wrap the loop body in `with gpudiag.watch():`")
             return result
-        stats = TimingStats.of(timed)
-        result.iter_ms, result.timing, result.ms_per_iter = timed, stats, stats.median_ms
-        result.warmup_ms = all_ms[:first - offset]
-        result.timer = "cuda-events" if self.cuda else "host-clock"
-        if self.batch_size:
-            result.samples_per_step = self.batch_size
-            result.samples_per_s = self.batch_size / stats.median_ms * 1e3
         steps = range(first, first + len(timed))
-        if self.data_wait:
-            result.phases_ms["data_wait"] = [self.data_wait.get(i, 0.0) for i in steps]
-        saves = [dict(s, step=s["step"] - first) for s in self.saves if s["step"] in steps]
+        phases = ({"data_wait": [self.data_wait.get(i, 0.0) for i in steps]}
+                  if self.data_wait else {})
+        window = Window(warmup_ms=all_ms[:first - offset], iter_ms=timed,
+                        timer="cuda-events" if self.cuda else "host-clock",
+                        telemetry=self.telemetry or result.telemetry, phases_ms=phases)
+        fill_timed(result, window, samples_per_step=self.batch_size)
+        saves = [dataclasses.replace(s, step=s.step - first) for s in self.saves
+                 if s.step in steps]
         if saves:
-            gaps = [b["step"] - a["step"] for a, b in itertools.pairwise(saves)]
-            result.details["checkpoint"] = {
-                "mode": saves[0]["mode"], "every": statistics.mode(gaps) if gaps else None,
-                "saves": saves}
-        if self.telemetry is not None:
-            result.telemetry = self.telemetry
-        result.evidence = self.evidence
-        if self.ddp is not None:
-            result.details["ddp_job"] = self.ddp
-        result.details.update({"profiled_steps": self.steps, "warmup": self.warmup,
-                               "timed": len(timed), "step_clock": "gpudiag.step()"
-                               if self.manual else "optimizer.step()"})
+            gaps = [b.step - a.step for a, b in itertools.pairwise(saves)]
+            result.facts.checkpoint = CheckpointFacts(
+                mode="sync", every=statistics.mode(gaps) if gaps else None, saves=saves)
+        return result
+
+    def _facts(self, timed: int) -> StageFacts:
+        facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
+            steps=self.steps, warmup=self.warmup, timed=timed,
+            step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
+            device=torch.cuda.get_device_name() if self.cuda else None))
         if self.evidence is None and self.profiled:
-            result.details["evidence_note"] = (
+            facts.evidence_missing = (
                 f"the script ended after {self.steps} steps, before the profiler window at "
                 f"step {self.warmup + self.timed}" if self.steps <= self.warmup + self.timed
                 else self.error or "no profiler window")
-        if self.cuda:
-            result.details["device"] = torch.cuda.get_device_name()
-        return result
+        return facts
 
     def finish(self) -> None:
         if self.finished:
@@ -351,7 +326,7 @@ def install() -> Recorder:
             try:
                 return original(obj, f, *args, **kwargs)
             finally:
-                recorder.saved((time.perf_counter() - start) * 1e3, f, "sync")
+                recorder.saved((time.perf_counter() - start) * 1e3, f)
         return save
 
     _wrap(torch, "save", timed_save)

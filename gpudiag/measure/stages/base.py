@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from gpudiag.measure.models import Example, ModelBundle, ModelOptions, ModelSpec
 from gpudiag.measure.timing import PhaseRecorder
 from gpudiag.model.config import RunConfig
+from gpudiag.model.facts import StageFacts
 from gpudiag.model.results import StageResult
 
 # Enough examples that no stage runs out (a map-style dataset of this length allocates nothing).
@@ -35,16 +36,13 @@ class Workload:
     tokens_per_step: int
     description: str
     host_only: bool = False  # no device work: time with the host clock
-    # Steps served from a prefetching queue arrive in bursts (most instant, some long): their
-    # time per step is total time over steps, not the median step.
-    bursty: bool = False
-    details: dict[str, Any] = field(default_factory=dict)
+    facts: StageFacts = field(default_factory=StageFacts)  # bursty steps, precision, loader...
     close: Callable[[], None] = lambda: None
     min_iters: int = 0  # timed steps the stage needs whatever --iters says (e.g. several saves)
-    # Called once warm-up is over, and after the timed steps for what they recorded (merged
-    # into the stage's details): per-step records that only the timed window should hold.
+    # Called once warm-up is over, and after the timed steps to add what they recorded to the
+    # stage's facts: per-step records that only the timed window should hold.
     on_timed_start: Callable[[], None] = lambda: None
-    timed_details: Callable[[], dict[str, Any]] = dict
+    record_timed: Callable[[StageFacts], None] = lambda facts: None
 
 
 @dataclass

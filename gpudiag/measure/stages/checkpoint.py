@@ -15,24 +15,25 @@ queued behind each other and ran too often. These stages price both ways of savi
   finds the previous one still writing waits for it, and that wait is recorded.
 
 Every save is recorded (timed step, time blocking the training thread, time until the file was
-written, bytes, write bandwidth, wait for the previous save) into the stage's details.
+written, bytes, write bandwidth, wait for the previous save) into the stage's facts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpudiag.measure.stages.base import StageContext, Workload, stage
-from gpudiag.measure.stages.ladder import amp_details, amp_label, tokens, train_step
+from gpudiag.measure.stages.ladder import amp_facts, amp_label, tokens, train_step
+from gpudiag.model.facts import CheckpointFacts, SaveRecord, StageFacts
 
 SAVES_NEEDED = 6  # timed saves per stage: enough to see the period in the step times
 FILES_KEPT = 2  # saves alternate between two files, so disk use stays at two checkpoints
@@ -41,20 +42,16 @@ FLAT_MAGIC = b"GDFLAT01"
 FLAT_SLOT = "__gpudiag_flat__"  # marks where a tensor was: [dtype, offset, shape]
 
 
-@dataclass
-class SaveRecord:
-    step: int  # timed step at whose end the save started (0-based)
-    blocking_ms: float  # training thread held by this save (copies/enqueue, or all of it)
-    waited_ms: float  # of which: waiting for the previous save to finish (async only)
-    total_ms: float | None = None  # start to file written
-    write_ms: float | None = None  # the file write alone
-    bytes: int | None = None
+def _write_gbps(record: SaveRecord) -> float | None:
+    if not record.bytes or not record.write_ms:
+        return None
+    return record.bytes / (record.write_ms / 1e3) / 1e9
 
-    @property
-    def write_gbps(self) -> float | None:
-        if not self.bytes or not self.write_ms:
-            return None
-        return self.bytes / (self.write_ms / 1e3) / 1e9
+
+def _rounded(record: SaveRecord) -> SaveRecord:
+    return dataclasses.replace(record, **{
+        f.name: round(v, 3) for f in dataclasses.fields(record)
+        if isinstance(v := getattr(record, f.name), float)})
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:
@@ -130,18 +127,15 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait for any save in flight."""
 
-    def details(self) -> dict[str, Any]:
+    def record_timed(self, facts: StageFacts) -> None:
+        """The timed steps' saves, on the stage's facts."""
         self.finish()
-        rows = []
-        for r in self.records:
-            row = asdict(r)
-            row["write_gbps"] = r.write_gbps
-            rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         sizes = [r.bytes for r in self.records if r.bytes]
-        return {"checkpoint": {"mode": self.mode, "every": self.every,
-                               "directory": str(self.directory),
-                               "bytes_per_save": max(sizes) if sizes else None,
-                               "saves": rows}}
+        facts.checkpoint = CheckpointFacts(
+            mode=self.mode, every=self.every, directory=str(self.directory),
+            bytes_per_save=max(sizes) if sizes else None,
+            saves=[_rounded(dataclasses.replace(r, write_gbps=_write_gbps(r)))
+                   for r in self.records])
 
     def close(self) -> None:
         self.finish()
@@ -330,8 +324,8 @@ def _checkpoint_stage(ctx: StageContext, saver: Checkpointer, how: str) -> Workl
         samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
         description=f"{bundle.description}, {amp_label(ctx)}, {how} every {every} steps",
         # Saves make a few steps long: throughput is total time over steps, not the median.
-        bursty=True, details=amp_details(ctx), min_iters=SAVES_NEEDED * every,
-        on_timed_start=saver.start_timed, timed_details=saver.details, close=saver.close)
+        facts=dataclasses.replace(amp_facts(ctx), bursty=True), min_iters=SAVES_NEEDED * every,
+        on_timed_start=saver.start_timed, record_timed=saver.record_timed, close=saver.close)
 
 
 def _directory(ctx: StageContext) -> Path:

@@ -8,7 +8,8 @@ from typing import Protocol
 import torch
 
 from gpudiag.measure.models import Example, ModelBundle
-from gpudiag.measure.stages.base import StageContext, Workload, stage
+from gpudiag.measure.stages.base import PREFETCH_FACTOR, StageContext, Workload, stage
+from gpudiag.model.facts import LoaderFacts, StageFacts
 
 # The training recipe of the seed's DGCA trainer (DGCA-MODEL.md).
 LEARNING_RATE = 5e-5
@@ -65,12 +66,15 @@ class StepHooks(Protocol):
     def after_step(self) -> None: ...
 
 
-# The ladder's fp32 rungs are fp32 on purpose: precision rules treat them as information.
-FP32_RUNG = {"precision": "fp32", "deliberate_fp32": True}
+def fp32_rung(*, inference: bool = False) -> StageFacts:
+    # The ladder's fp32 rungs are fp32 on purpose: precision rules treat them as information.
+    return StageFacts(precision="fp32", deliberate_fp32=True, inference=inference)
 
 
-def amp_details(ctx: StageContext) -> dict[str, object]:
-    return {"precision": precision_of(ctx.config.amp_dtype)}
+def amp_facts(ctx: StageContext, *, loader: LoaderFacts | None = None,
+              counterfactual: str | None = None) -> StageFacts:
+    return StageFacts(precision=precision_of(ctx.config.amp_dtype), loader=loader,
+                      counterfactual=counterfactual)
 
 
 def precision_of(amp_dtype: str) -> str:
@@ -100,7 +104,7 @@ def infer(ctx: StageContext) -> Workload:
 
     return Workload(step=step, samples_per_step=ctx.config.batch_size,
                     tokens_per_step=tokens(ctx), description=f"{bundle.description}, fp32",
-                    details={**FP32_RUNG, "mode": "inference"})
+                    facts=fp32_rung(inference=True))
 
 
 @stage("train", "training step (fp32, AdamW)")
@@ -109,7 +113,7 @@ def train(ctx: StageContext) -> Workload:
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=False),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
-                    description=f"{bundle.description}, fp32", details=FP32_RUNG)
+                    description=f"{bundle.description}, fp32", facts=fp32_rung())
 
 
 @stage("train-fp16", "training step with mixed precision (autocast)")
@@ -119,13 +123,14 @@ def train_fp16(ctx: StageContext) -> Workload:
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
                     description=f"{bundle.description}, {amp_label(ctx)}",
-                    details=amp_details(ctx))
+                    facts=amp_facts(ctx))
 
 
-def _loader_details(ctx: StageContext) -> dict[str, object]:
+def _loader_facts(ctx: StageContext) -> LoaderFacts:
     workers = ctx.config.loader_workers
-    return {"num_workers": workers, "pin_memory": ctx.device.type == "cuda",
-            "prefetch_factor": 2 if workers else None, "persistent_workers": workers > 0}
+    return LoaderFacts(num_workers=workers, pin_memory=ctx.device.type == "cuda",
+                       prefetch_factor=PREFETCH_FACTOR if workers else None,
+                       persistent_workers=workers > 0)
 
 
 @stage("dataloader", "DataLoader alone (workers, pinned memory): time per batch")
@@ -137,11 +142,12 @@ def dataloader(ctx: StageContext) -> Workload:
     def step() -> None:
         next(batches)
 
-    details = _loader_details(ctx)
+    loader = _loader_facts(ctx)
     return Workload(step=step, samples_per_step=ctx.config.batch_size,
-                    tokens_per_step=tokens(ctx), host_only=True, bursty=True, details=details,
-                    description=f"{details['num_workers']} workers, "
-                                f"pin_memory={details['pin_memory']}",
+                    tokens_per_step=tokens(ctx), host_only=True,
+                    facts=StageFacts(bursty=True, loader=loader),
+                    description=f"{loader.num_workers} workers, "
+                                f"pin_memory={loader.pin_memory}",
                     close=lambda: _shutdown(batches))
 
 
@@ -158,20 +164,20 @@ def data_train(ctx: StageContext) -> Workload:
 
     return Workload(step=train_step(ctx, bundle, next_batch, amp=True),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
-                    details={**_loader_details(ctx), **amp_details(ctx)},
+                    facts=amp_facts(ctx, loader=_loader_facts(ctx)),
                     description=f"{bundle.description}, {amp_label(ctx)}, "
                                 f"{ctx.config.loader_workers} loader workers",
                     close=lambda: _shutdown(batches))
 
 
-def _full_model(ctx: StageContext, variant: str, **details: object) -> Workload:
+def _full_model(ctx: StageContext, variant: str, counterfactual: str | None = None) -> Workload:
     bundle = ctx.bundle(variant)
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True,
                                     clip=FULL_MODEL_GRAD_CLIP),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
                     description=f"{bundle.description}, {amp_label(ctx)}, grad clip 1.0",
-                    details={**amp_details(ctx), **details})
+                    facts=amp_facts(ctx, counterfactual=counterfactual))
 
 
 @stage("full-loop", "full model, prompt written by a per-element Python loop")

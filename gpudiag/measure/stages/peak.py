@@ -15,6 +15,7 @@ import torch
 
 from gpudiag.measure.stages.base import StageContext, launched_stage
 from gpudiag.measure.timing import synchronize
+from gpudiag.model.facts import PeakFacts, StageFacts
 from gpudiag.model.hardware import datasheet_tflops
 from gpudiag.model.results import StageResult, TimingStats
 
@@ -79,19 +80,17 @@ def peak(ctx: StageContext) -> StageResult:
             bf16_times = times
     gpu = torch.cuda.get_device_name(device) if kind == "cuda" else None
     stats = TimingStats.of(bf16_times)
-    details = {
-        "matmul_n": n, "matmul_tflops": rates,
-        "copy_gbps": copy_gbps(device, COPY_BYTES[kind]), "copy_bytes": COPY_BYTES[kind],
-        "datasheet_tflops": {name: datasheet_tflops(gpu, name) for name in DTYPES},
-    }
+    facts = PeakFacts(
+        matmul_n=n, matmul_tflops=rates, copy_gbps=copy_gbps(device, COPY_BYTES[kind]),
+        copy_bytes=COPY_BYTES[kind],
+        datasheet_tflops={name: datasheet_tflops(gpu, name) for name in DTYPES},
+        # The matmul times stay in the facts: they are not training steps for rules to read.
+        fastest_dtype=max(rates, key=rates.__getitem__), bf16_matmul_ms=bf16_times)
     if kind == "cuda":
         torch.cuda.empty_cache()
-    best = max(rates, key=rates.__getitem__)
     return StageResult(
         name="peak", status="ok", title=TITLE,
         workload=(f"{n}x{n} matmuls: " + ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())
-                  + f" TFLOP/s; copy {details['copy_gbps']:,.0f} GB/s"),
-        # The matmul times stay in details: they are not training steps for the rules to read.
+                  + f" TFLOP/s; copy {facts.copy_gbps:,.0f} GB/s"),
         ms_per_iter=stats.median_ms, timing=stats,
-        timer="cuda-events" if kind == "cuda" else "host-clock",
-        details={**details, "fastest_dtype": best, "bf16_matmul_ms": bf16_times})
+        timer="cuda-events" if kind == "cuda" else "host-clock", facts=StageFacts(peak=facts))

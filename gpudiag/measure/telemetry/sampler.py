@@ -30,6 +30,7 @@ from gpudiag.measure.telemetry.reader import (
     THROTTLE_BITS,
     GpuReader,
 )
+from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S
 from gpudiag.model.results import TelemetrySummary
 
 WORKER_STOP_TIMEOUT_S = 5.0
@@ -57,8 +58,8 @@ class Sampler:
         spec: dict[str, Any] | None,
         *,
         unavailable_reason: str = "no GPU telemetry",
-        period_s: float = 0.05,
-        gpm_period_s: float = 0.2,
+        period_s: float = SAMPLE_PERIOD_S,
+        gpm_period_s: float = GPM_PERIOD_S,
     ) -> None:
         self._reader = reader
         self._spec = spec

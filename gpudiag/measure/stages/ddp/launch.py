@@ -12,6 +12,7 @@ throughput), the baseline measured by rank 0 alone at the same per-device batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -25,17 +26,20 @@ import torch
 
 from gpudiag.measure.stages.ddp.worker import PARTS_FILE
 from gpudiag.measure.stages.ladder import precision_of
+from gpudiag.measure.window import Window, fill_timed
 from gpudiag.model.config import RunConfig
-from gpudiag.model.results import (
-    Evidence,
-    StageResult,
-    TelemetrySummary,
-    TimingStats,
-    from_jsonable,
+from gpudiag.model.facts import (
+    DdpFacts,
+    DdpVariant,
+    LinkProbe,
+    RankFacts,
+    SingleDevice,
+    StageFacts,
+    Straggler,
 )
+from gpudiag.model.results import Evidence, StageResult, TelemetrySummary, from_jsonable
 
 CPU_DEFAULT_NPROC = 2
-STRAGGLER_RATIO = 1.10  # a rank whose compute phases take this much longer than the fastest's
 
 
 class LaunchError(RuntimeError):
@@ -99,25 +103,23 @@ def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def _variant_summary(parts: list[dict[str, Any]], index: int,
-                     single_sps: float | None) -> dict[str, Any]:
+                     single_sps: float | None) -> tuple[DdpVariant, list[float]]:
+    """The job's result for one variant, and its step times: step by step the slowest rank's."""
     runs = [p["variants"][index] for p in parts]
     steps = [max(ts) for ts in zip(*(r["iter_ms"] for r in runs), strict=False)]
     ms = statistics.median(steps)
     world = parts[0]["world_size"]
-    samples = runs[0]["samples_per_step"] * world
-    sps = samples / ms * 1e3
-    return {**runs[0]["variant"], "ms_per_iter": ms, "samples_per_s": sps,
-            "scaling_efficiency": sps / (world * single_sps) if single_sps else None,
-            "iter_ms": steps}
+    sps = runs[0]["samples_per_step"] * world / ms * 1e3
+    variant = from_jsonable(DdpVariant, runs[0]["variant"])
+    return dataclasses.replace(
+        variant, ms_per_iter=ms, samples_per_s=sps,
+        scaling_efficiency=sps / (world * single_sps) if single_sps else None), steps
 
 
-def _straggler(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The rank whose own compute (forward + optimizer, no collective waits) is slowest."""
+def _straggler(parts: list[dict[str, Any]]) -> Straggler | None:
+    """The rank whose own compute (forward + optimizer, no collective waits) is slowest; the
+    rules decide whether it is slow enough to name."""
     compute = {}
     for p in parts:
         phases = p["variants"][0]["phases_ms"]
@@ -127,9 +129,8 @@ def _straggler(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     slow = max(compute, key=compute.__getitem__)
     fast = min(compute.values())
-    ratio = compute[slow] / fast if fast > 0 else 1.0
-    return {"rank": slow, "compute_ms": compute[slow], "fastest_compute_ms": fast,
-            "ratio": ratio, "is_straggler": ratio >= STRAGGLER_RATIO}
+    return Straggler(rank=slow, compute_ms=compute[slow], fastest_compute_ms=fast,
+                     ratio=compute[slow] / fast if fast > 0 else 1.0)
 
 
 def job_exposed_ms(rank_evidence: list[dict[str, Any] | None]) -> float | None:
@@ -145,89 +146,83 @@ def job_exposed_ms(rank_evidence: list[dict[str, Any] | None]) -> float | None:
     return min(x for x in exposed if x is not None)
 
 
+def _rank_facts(part: dict[str, Any]) -> RankFacts:
+    run = part["variants"][0]
+    telemetry = run["telemetry"]
+    ev = run.get("evidence") or {}
+    return RankFacts(
+        rank=part["rank"], node_rank=part["node_rank"], host=part["host"],
+        device=part["device"], gpu_name=part["gpu_name"], ms_per_iter=run["ms_per_iter"],
+        phases_ms=run["phases_ms"], power_mean_w=telemetry.get("power_mean_w"),
+        kernel_active_pct=telemetry.get("kernel_active_pct"),
+        collective_kernel_ms_per_step=ev.get("collective_ms_per_step"),
+        exposed_comm_share=ev.get("collective_share") if ev.get("backend") == "cuda" else None,
+        collective_exposed_ms_per_step=ev.get("collective_exposed_ms_per_step"),
+        compute_busy_ms_per_step=ev.get("compute_busy_ms_per_step"),
+        collective_overlap_fraction=ev.get("collective_overlap_fraction"),
+        peak_allocated_mib=run.get("peak_allocated_mib"))
+
+
+def ddp_facts(parts: list[dict[str, Any]], config: RunConfig, step_ms: float,
+              evidence: Evidence | None) -> DdpFacts:
+    """The job's facts from its ranks' parts (sorted by rank; rank 0 timed the baseline)."""
+    lead = parts[0]
+    default = lead["variants"][0]
+    single = lead.get("single")
+    single_sps = single["samples_per_s"] if single else None
+    probe = None if lead.get("allreduce") is None else from_jsonable(LinkProbe,
+                                                                       lead["allreduce"])
+    exposed_ms = job_exposed_ms([p["variants"][0].get("evidence") for p in parts])
+    rounds = (evidence.microsteps_with_collectives_per_step
+              if evidence is not None and evidence.microsteps_per_step else None)
+    sweep = ([_variant_summary(parts, i, single_sps)[0] for i in range(len(lead["variants"]))]
+             if len(lead["variants"]) > 1 else [])
+    return DdpFacts(
+        world_size=lead["world_size"], nnodes=config.nnodes, backend=lead["backend"],
+        per_device_batch=config.batch_size, accum=config.ddp_accum,
+        no_sync=config.ddp_no_sync, bucket_mb=default["variant"]["bucket_mb"],
+        grad_bytes_per_round=default["grad_bytes"],
+        single_device=None if single is None else SingleDevice(single["ms_per_iter"],
+                                                               single_sps or 0.0),
+        scaling_efficiency=_variant_summary(parts, 0, single_sps)[0].scaling_efficiency,
+        allreduce_probe=probe,
+        collective_kernel_ms_per_step=None if evidence is None
+        else evidence.collective_ms_per_step,
+        collective_overlap_fraction=None if evidence is None
+        else evidence.collective_overlap_fraction,
+        exposed_comm_ms_per_step=exposed_ms,
+        exposed_comm_share=None if exposed_ms is None or not step_ms
+        else min(1.0, exposed_ms / step_ms),
+        allreduce_rounds_per_step=rounds,
+        # What the link needs to move one step's gradients at the probe's measured bandwidth:
+        # unlike profiled collective time, it does not include waiting for a slower peer.
+        transfer_ms_per_step=None if probe is None
+        else default["grad_bytes"] * (rounds or 1) / (probe.algbw_gbps * 1e9) * 1e3,
+        straggler=_straggler(parts), ranks=[_rank_facts(p) for p in parts], sweep=sweep)
+
+
 def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
                 title: str) -> StageResult:
     parts = sorted(parts, key=lambda p: p["rank"])
     lead = parts[0]
     default = lead["variants"][0]
-    single = lead.get("single")
-    single_sps = single["samples_per_s"] if single else None
-    summary = _variant_summary(parts, 0, single_sps)
-    steps = summary.pop("iter_ms")
-    stats = TimingStats.of(steps)
+    _, steps = _variant_summary(parts, 0, None)
     evidence = (from_jsonable(Evidence, default["evidence"]) if default.get("evidence")
                 else None)
     world = lead["world_size"]
-    exposed_ms = job_exposed_ms([p["variants"][0].get("evidence") for p in parts])
-    probe = lead.get("allreduce")
-    rounds = (evidence.microsteps_with_collectives_per_step
-              if evidence is not None and evidence.microsteps_per_step else None)
-    # What the link needs to move one step's gradients, at the probe's measured bandwidth:
-    # unlike profiled collective time, it does not include waiting for a slower peer.
-    transfer_ms = (default["grad_bytes"] * (rounds or 1) / (probe["algbw_gbps"] * 1e9) * 1e3
-                   if probe else None)
-    ranks = []
-    for p in parts:
-        run = p["variants"][0]
-        telemetry = run["telemetry"]
-        rank_ev = run.get("evidence") or {}
-        ranks.append({
-            "rank": p["rank"], "node_rank": p["node_rank"], "host": p["host"],
-            "device": p["device"], "gpu_name": p["gpu_name"],
-            "ms_per_iter": run["ms_per_iter"], "phases_ms": run["phases_ms"],
-            "power_mean_w": telemetry.get("power_mean_w"),
-            "kernel_active_pct": telemetry.get("kernel_active_pct"),
-            "collective_kernel_ms_per_step": rank_ev.get("collective_ms_per_step"),
-            "exposed_comm_share": rank_ev.get("collective_share")
-            if rank_ev.get("backend") == "cuda" else None,
-            "collective_exposed_ms_per_step": rank_ev.get("collective_exposed_ms_per_step"),
-            "compute_busy_ms_per_step": rank_ev.get("compute_busy_ms_per_step"),
-            "collective_overlap_fraction": rank_ev.get("collective_overlap_fraction"),
-            "peak_allocated_mib": run.get("peak_allocated_mib"),
-        })
-    details: dict[str, Any] = {
-        "precision": precision_of(config.amp_dtype),
-        "ddp": {
-            "world_size": world, "nnodes": config.nnodes, "backend": lead["backend"],
-            "per_device_batch": config.batch_size, "accum": config.ddp_accum,
-            "no_sync": config.ddp_no_sync, "bucket_mb": default["variant"]["bucket_mb"],
-            "grad_bytes_per_round": default["grad_bytes"],
-            "single_device": None if single is None else {
-                "ms_per_iter": single["ms_per_iter"], "samples_per_s": single_sps},
-            "scaling_efficiency": summary["scaling_efficiency"],
-            "allreduce_probe": lead.get("allreduce"),
-            "collective_kernel_ms_per_step": None if evidence is None
-            else evidence.collective_ms_per_step,
-            "collective_overlap_fraction": None if evidence is None
-            else evidence.collective_overlap_fraction,
-            "exposed_comm_ms_per_step": exposed_ms,
-            "exposed_comm_share": None if exposed_ms is None or not stats.median_ms
-            else min(1.0, exposed_ms / stats.median_ms),
-            "allreduce_rounds_per_step": rounds,
-            "transfer_ms_per_step": transfer_ms,
-            "straggler": _straggler(parts),
-            "ranks": ranks,
-        },
-    }
-    if len(lead["variants"]) > 1:
-        details["ddp"]["sweep"] = [_variant_summary(parts, i, single_sps)
-                                   for i in range(len(lead["variants"]))]
-        for row in details["ddp"]["sweep"]:
-            row.pop("iter_ms")
     samples_per_step = default["samples_per_step"] * world
+    facts = StageFacts(precision=precision_of(config.amp_dtype))
+    result = fill_timed(
+        StageResult(name=name, status="ok", title=title, facts=facts, evidence=evidence),
+        Window(warmup_ms=default["warmup_ms"], iter_ms=steps, timer=default["timer"],
+               telemetry=from_jsonable(TelemetrySummary, default["telemetry"])),
+        samples_per_step=samples_per_step, tokens_per_step=samples_per_step * config.seq_len)
+    facts.ddp = ddp_facts(parts, config, result.ms_per_iter or 0.0, evidence)
     gpu = lead["gpu_name"] or "cpu"
-    return StageResult(
-        name=name, status="ok", title=title,
-        workload=(f"{config.model}, DDP {world} x {gpu} ({lead['backend']}), per-device batch "
-                  f"{config.batch_size}" + (f" x {config.ddp_accum} micro-steps"
-                                            if config.ddp_accum > 1 else "")),
-        ms_per_iter=stats.median_ms, samples_per_s=samples_per_step / stats.median_ms * 1e3,
-        tokens_per_s=samples_per_step * config.seq_len / stats.median_ms * 1e3,
-        samples_per_step=samples_per_step, tokens_per_step=samples_per_step * config.seq_len,
-        iter_ms=steps, warmup_ms=default["warmup_ms"], timing=stats, timer=default["timer"],
-        telemetry=from_jsonable(TelemetrySummary, default["telemetry"]),
-        details=details, evidence=evidence,
-    )
+    result.workload = (f"{config.model}, DDP {world} x {gpu} ({lead['backend']}), per-device "
+                       f"batch {config.batch_size}" + (f" x {config.ddp_accum} micro-steps"
+                                                       if config.ddp_accum > 1 else ""))
+    return result
 
 
 def run_ddp_stage(config: RunConfig, name: str, title: str) -> StageResult:

@@ -22,7 +22,6 @@ import statistics
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,27 +38,17 @@ from gpudiag.measure.stages.base import StageContext
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.stages.ladder import LEARNING_RATE, WEIGHT_DECAY, train_step
 from gpudiag.measure.telemetry import Sampler, open_sampler
-from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
+from gpudiag.measure.timing import PhaseRecorder
+from gpudiag.measure.window import measure_window
 from gpudiag.model.config import RunConfig
+from gpudiag.model.facts import DdpVariant
 from gpudiag.model.results import TimingStats, to_jsonable
 
 PARTS_FILE = "parts.json"
 TIMEOUT = dt.timedelta(minutes=10)
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One DDP configuration the stage times."""
-
-    name: str
-    bucket_mb: float = 25.0
-    accum: int = 1
-    no_sync: str = "correct"
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-
-def sweep_variants(base: Variant) -> list[Variant]:
+def sweep_variants(base: DdpVariant) -> list[DdpVariant]:
     """The knobs that most often recover scaling, each changed alone from the base."""
     return [
         dataclasses.replace(base, name="bucket 100 MB", bucket_mb=100.0),
@@ -70,7 +59,7 @@ def sweep_variants(base: Variant) -> list[Variant]:
     ]
 
 
-def ddp_step(ctx: StageContext, variant: Variant) -> tuple[Callable[[], None], int]:
+def ddp_step(ctx: StageContext, variant: DdpVariant) -> tuple[Callable[[], None], int]:
     """The fp16 training step under DDP, with `variant.accum` micro-steps per optimizer step;
     returns it with the gradient bytes all-reduced per round."""
     bundle = ctx.bundle()
@@ -116,65 +105,57 @@ def ddp_step(ctx: StageContext, variant: Variant) -> tuple[Callable[[], None], i
     return step, grad_bytes
 
 
-def _steps_for(warm_ms: list[float], config: RunConfig) -> int:
+def _agreed_steps(config: RunConfig) -> Callable[[list[float]], int]:
     """Timed steps: at least --iters and --min-seconds, decided by rank 0 for every rank (all
     ranks must run the same number of collectives)."""
-    wanted = config.iters
-    if warm_ms and config.min_seconds:
-        wanted = max(wanted, math.ceil(config.min_seconds * 1e3 / statistics.median(warm_ms)))
-    decision = [wanted]
-    dist.broadcast_object_list(decision, src=0)
-    return int(decision[0])
+
+    def decide(warm_ms: list[float]) -> int:
+        wanted = config.iters
+        if warm_ms and config.min_seconds:
+            wanted = max(wanted,
+                         math.ceil(config.min_seconds * 1e3 / statistics.median(warm_ms)))
+        decision = [wanted]
+        dist.broadcast_object_list(decision, src=0)
+        return int(decision[0])
+
+    return decide
 
 
 def _phase_medians(phases: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(ms) for name, ms in phases.items() if ms}
 
 
-def time_single(ctx: StageContext) -> dict[str, Any]:
+def time_single(ctx: StageContext, sampler: Sampler) -> dict[str, Any]:
     """The plain fp16 step on this device alone: the scaling baseline."""
     bundle = ctx.bundle()
     batch = ctx.batch(bundle)
     step = train_step(ctx, bundle, lambda: batch, amp=True)
-    time_steps(step, device=ctx.device, iters=ctx.config.warmup)
-    timed = time_steps(step, device=ctx.device, iters=ctx.config.iters,
-                       min_seconds=ctx.config.min_seconds)
-    ms = statistics.median(timed.iter_ms)
-    return {"iter_ms": timed.iter_ms, "ms_per_iter": ms,
+    window = measure_window(step, device=ctx.device, sampler=sampler, phases=ctx.phases,
+                            label="single device", warmup=ctx.config.warmup,
+                            iters=ctx.config.iters, min_seconds=ctx.config.min_seconds)
+    ms = statistics.median(window.iter_ms)
+    return {"iter_ms": window.iter_ms, "ms_per_iter": ms,
             "samples_per_s": ctx.config.batch_size / ms * 1e3}
 
 
-def run_variant(ctx: StageContext, variant: Variant, sampler: Sampler,
+def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
                 evidence_steps: int) -> dict[str, Any]:
     step, grad_bytes = ddp_step(ctx, variant)
-    ctx.phases.clear()
-    warm = time_steps(step, device=ctx.device, iters=max(1, ctx.config.warmup))
-    iters = _steps_for(warm.iter_ms, ctx.config)
-    synchronize(ctx.device)
-    ctx.phases.clear()
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    sampler.begin(f"ddp {variant.name}")
-    try:
-        timed = time_steps(step, device=ctx.device, iters=iters)
-    finally:
-        synchronize(ctx.device)
-        telemetry = sampler.end()
-    phases = ctx.phases.collect()
-    ctx.phases.clear()
+    window = measure_window(step, device=ctx.device, sampler=sampler, phases=ctx.phases,
+                            label=f"ddp {variant.name}", warmup=max(1, ctx.config.warmup),
+                            iters=_agreed_steps(ctx.config))
     part: dict[str, Any] = {
-        "variant": dataclasses.asdict(variant), "iter_ms": timed.iter_ms,
-        "warmup_ms": warm.iter_ms, "timer": timed.timer,
-        "ms_per_iter": TimingStats.of(timed.iter_ms).median_ms,
+        "variant": dataclasses.asdict(variant), "iter_ms": window.iter_ms,
+        "warmup_ms": window.warmup_ms, "timer": window.timer,
+        "ms_per_iter": TimingStats.of(window.iter_ms).median_ms,
         "samples_per_step": ctx.config.batch_size * variant.accum,
-        "phases_ms": _phase_medians(phases), "telemetry": to_jsonable(telemetry),
+        "phases_ms": _phase_medians(window.phases_ms), "telemetry": to_jsonable(window.telemetry),
         "grad_bytes": grad_bytes,
-        "peak_allocated_mib": (torch.cuda.max_memory_allocated(ctx.device) / 2**20
-                               if ctx.device.type == "cuda" else None),
+        "peak_allocated_mib": None if window.memory is None else window.memory.peak_allocated_mib,
     }
     if evidence_steps:
         evidence = collect_evidence(step, device=ctx.device, steps=evidence_steps,
-                                    timed_step_ms=TimingStats.of(timed.iter_ms).p25_ms)
+                                    timed_step_ms=TimingStats.of(window.iter_ms).p25_ms)
         part["evidence"] = to_jsonable(evidence)
     return part
 
@@ -202,7 +183,7 @@ def run_rank(config: RunConfig, out: Path) -> None:
         uuid, _ = device_identity(device)
     sampler = open_sampler(device.type, uuid, local_rank, period_s=config.sample_period_s,
                            gpm_period_s=config.gpm_period_s)
-    base = Variant("default", accum=config.ddp_accum, no_sync=config.ddp_no_sync)
+    base = DdpVariant("default", accum=config.ddp_accum, no_sync=config.ddp_no_sync)
     variants = [base, *(sweep_variants(base) if config.ddp_sweep else [])]
     part: dict[str, Any] = {
         "rank": rank, "local_rank": local_rank, "node_rank": config.node_rank,
@@ -213,7 +194,7 @@ def run_rank(config: RunConfig, out: Path) -> None:
     with sampler:
         sampler.wait_ready()
         if rank == 0:
-            part["single"] = time_single(ctx)
+            part["single"] = time_single(ctx, sampler)
             _release(device)
         dist.barrier()
         part["variants"] = []

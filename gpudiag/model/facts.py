@@ -1,0 +1,229 @@
+"""What a stage knows about itself besides its timings: typed facts the rules read by attribute.
+
+Each kind of stage fills the part that applies to it: a training rung its precision, the
+DataLoader stages their loader settings, the checkpoint stages every save, the ddp stage its
+ranks and link, a profiled script how its steps were counted. Everything here is plain data
+(no gpudiag imports), written to run.json under `stages[].facts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoaderFacts:
+    """The DataLoader settings a stage ran with."""
+
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None = None
+    persistent_workers: bool = False
+
+
+@dataclass
+class SaveRecord:
+    """One checkpoint save, on the timed steps' clock."""
+
+    step: int  # timed step at whose end the save started (0-based)
+    blocking_ms: float  # training thread held by this save (copies/enqueue, or all of it)
+    waited_ms: float = 0.0  # of which: waiting for the previous save to finish (async only)
+    total_ms: float | None = None  # start to file written
+    write_ms: float | None = None  # the file write alone
+    bytes: int | None = None
+    write_gbps: float | None = None
+
+
+@dataclass
+class CheckpointFacts:
+    """How a stage saved its training state, and every save in its timed steps."""
+
+    mode: str  # "sync" (blocks the step) or "async"
+    every: int | None = None  # steps between saves, when regular
+    directory: str | None = None
+    bytes_per_save: int | None = None
+    saves: list[SaveRecord] = field(default_factory=list)
+
+
+@dataclass
+class PeakFacts:
+    """The device's measured ceilings (the peak stage) beside its datasheet figures."""
+
+    matmul_n: int
+    matmul_tflops: dict[str, float]  # dtype -> measured dense matmul rate
+    copy_gbps: float
+    copy_bytes: int
+    datasheet_tflops: dict[str, float | None] = field(default_factory=dict)
+    fastest_dtype: str | None = None
+    bf16_matmul_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LinkProbe:
+    """An all-reduce of the gradients' size, timed: the link's bandwidth as nccl-tests report
+    it (bus bandwidth = algorithm bandwidth x 2(n-1)/n)."""
+
+    bytes: int
+    ms: float
+    algbw_gbps: float
+    busbw_gbps: float
+
+
+@dataclass
+class SingleDevice:
+    """The plain step on one device at the same per-device batch: the scaling baseline."""
+
+    ms_per_iter: float
+    samples_per_s: float
+
+
+@dataclass
+class Straggler:
+    """The rank whose own compute phases (forward + optimizer) took longest."""
+
+    rank: int
+    compute_ms: float
+    fastest_compute_ms: float
+    ratio: float  # compute_ms / fastest_compute_ms
+
+
+@dataclass
+class RankFacts:
+    """One rank of the ddp stage, as it measured itself."""
+
+    rank: int
+    node_rank: int = 0
+    host: str = ""
+    device: str = ""
+    gpu_name: str | None = None
+    ms_per_iter: float | None = None
+    phases_ms: dict[str, float] = field(default_factory=dict)  # median per phase
+    power_mean_w: float | None = None
+    kernel_active_pct: float | None = None
+    collective_kernel_ms_per_step: float | None = None
+    exposed_comm_share: float | None = None
+    collective_exposed_ms_per_step: float | None = None
+    compute_busy_ms_per_step: float | None = None
+    collective_overlap_fraction: float | None = None
+    peak_allocated_mib: float | None = None
+
+
+@dataclass
+class DdpVariant:
+    """One DDP configuration the stage timed (the default, or one knob of the sweep)."""
+
+    name: str
+    bucket_mb: float = 25.0
+    accum: int = 1
+    no_sync: str = "correct"  # "correct" or "backward-only" (the seed's mistake)
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    ms_per_iter: float | None = None
+    samples_per_s: float | None = None
+    scaling_efficiency: float | None = None
+
+
+@dataclass
+class DdpFacts:
+    """The ddp stage: ranks, link, baseline, and where the job's time went."""
+
+    world_size: int
+    nnodes: int = 1
+    backend: str = ""
+    per_device_batch: int | None = None
+    accum: int = 1
+    no_sync: str = "correct"
+    bucket_mb: float | None = None
+    grad_bytes_per_round: int | None = None
+    single_device: SingleDevice | None = None
+    scaling_efficiency: float | None = None
+    allreduce_probe: LinkProbe | None = None
+    collective_kernel_ms_per_step: float | None = None  # NCCL kernels summed, waits included
+    collective_overlap_fraction: float | None = None
+    exposed_comm_ms_per_step: float | None = None  # the job's: the least any rank saw
+    exposed_comm_share: float | None = None  # of the timed step
+    allreduce_rounds_per_step: float | None = None
+    transfer_ms_per_step: float | None = None  # gradient bytes at the probe's bandwidth
+    straggler: Straggler | None = None
+    ranks: list[RankFacts] = field(default_factory=list)
+    sweep: list[DdpVariant] = field(default_factory=list)
+
+
+@dataclass
+class DdpJobFacts:
+    """What a profiled script's DistributedDataParallel told the recorder, and its link."""
+
+    grad_bytes: int
+    world_size: int
+    backend: str = ""
+    bucket_mb: float | None = None
+    allreduce_probe: LinkProbe | None = None
+
+
+@dataclass
+class ScriptFacts:
+    """How `gpudiag profile` counted a script's steps."""
+
+    steps: int  # steps the script made while recorded
+    warmup: int
+    timed: int
+    step_clock: str  # "optimizer.step()" or "gpudiag.step()"
+    device: str | None = None
+
+
+@dataclass
+class StageFacts:
+    """Everything a stage records besides timings, telemetry and evidence."""
+
+    # Steps served from a prefetching queue arrive in bursts (most instant, some long): the
+    # stage's time per step is then the mean, not the median (see StageResult.ms_per_iter).
+    bursty: bool = False
+    precision: str | None = None  # "fp32", "fp16-autocast", "bf16-autocast"; None: unknown
+    deliberate_fp32: bool = False  # fp32 on purpose (a ladder rung): precision rules inform
+    inference: bool = False
+    # The stage that is this one with its planted cause removed (full-loop -> full-vectorized).
+    counterfactual: str | None = None
+    flops_per_step: float | None = None
+    evidence_missing: str | None = None  # why the stage has no profiler window's evidence
+    loader: LoaderFacts | None = None
+    checkpoint: CheckpointFacts | None = None
+    peak: PeakFacts | None = None
+    ddp: DdpFacts | None = None
+    ddp_job: DdpJobFacts | None = None
+    script: ScriptFacts | None = None
+
+    @property
+    def step_statistic(self) -> str:
+        return "mean" if self.bursty else "median"
+
+
+_LOADER_KEYS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+_PEAK_KEYS = ("matmul_n", "matmul_tflops", "copy_gbps", "copy_bytes", "datasheet_tflops",
+              "fastest_dtype", "bf16_matmul_ms")
+_SCRIPT_KEYS = {"profiled_steps": "steps", "warmup": "warmup", "timed": "timed",
+                "step_clock": "step_clock", "device": "device"}
+
+
+def facts_from_details(details: dict[str, Any]) -> dict[str, Any]:
+    """Schema 1's untyped `details` as schema 2's `facts` (JSON form): what run.json files
+    written before the facts existed (those under reports/examples/) said, key by key."""
+    facts: dict[str, Any] = {
+        "bursty": details.get("ms_per_iter_statistic") == "mean",
+        "precision": details.get("precision"),
+        "deliberate_fp32": bool(details.get("deliberate_fp32")),
+        "inference": details.get("mode") == "inference",
+        "counterfactual": details.get("counterfactual"),
+        "flops_per_step": details.get("flops_per_step"),
+        "evidence_missing": details.get("evidence_error") or details.get("evidence_note"),
+        "checkpoint": details.get("checkpoint"),
+        "ddp": details.get("ddp"),
+        "ddp_job": details.get("ddp_job"),
+    }
+    if "num_workers" in details:
+        facts["loader"] = {k: details.get(k) for k in _LOADER_KEYS}
+    if "matmul_tflops" in details:
+        facts["peak"] = {k: details.get(k) for k in _PEAK_KEYS}
+    if "step_clock" in details:
+        facts["script"] = {new: details.get(old) for old, new in _SCRIPT_KEYS.items()}
+    return facts
