@@ -7,12 +7,15 @@ Exit codes: 0 success; 1 the gate found a regression; 2 bad input or incompatibl
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import signal
 import sys
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -28,11 +31,9 @@ from rich.progress import (
 from rich.table import Column as ProgressColumn
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from gpudiag.model.config import RunConfig
-
 from gpudiag.diagnose import evaluate
 from gpudiag.model.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, GpudiagError
+from gpudiag.model.options import RunOptions, option_fields, options_of
 from gpudiag.model.results import RunFileError, RunResult, StageResult, to_jsonable
 
 # Logs and pipes get the whole table; an interactive terminal gets what fits its width.
@@ -129,29 +130,54 @@ class _LiveProgress:
         self.progress.update(task, total=1, completed=1, note="done")
 
 
+def _option_parameters() -> list[inspect.Parameter]:
+    """The `run` command's options, from their one definition (gpudiag.model.options)."""
+    params = []
+    for f, spec, hint in option_fields():
+        # A tuple option (stages) is typed as one comma-separated string on the command line.
+        cli_hint = str | None if typing.get_origin(hint) is tuple or (
+            tuple in {typing.get_origin(a) for a in typing.get_args(hint)}) else hint
+        names = [spec.flag, *([spec.short] if spec.short else [])]
+        params.append(inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+            annotation=Annotated[cli_hint, typer.Option(*names, help=spec.help)]))
+    return params
+
+
+def options_from_params(params: dict[str, Any]) -> RunOptions:
+    """RunOptions from parsed `run` parameters (a comma-separated string for tuples)."""
+    values = {}
+    for f, _, hint in option_fields():
+        value = params[f.name]
+        if isinstance(value, str) and "tuple" in str(hint):
+            value = tuple(_split(value) or ()) or None
+        values[f.name] = value
+    return RunOptions(**values)
+
+
+def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command(options, **own)` as a Typer command taking every run option as a flag."""
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+           for p in inspect.signature(command, eval_str=True).parameters.values()
+           if p.name != "options"]
+    names = {f.name for f, _, _ in option_fields()}
+
+    @functools.wraps(command)
+    def wrapper(**params: Any) -> None:
+        options = options_from_params({k: v for k, v in params.items() if k in names})
+        command(options, **{k: v for k, v in params.items() if k not in names})
+
+    parameters = [*_option_parameters(), *own]
+    wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    del wrapper.__wrapped__  # Typer must read the new signature, not the wrapped one's
+    return wrapper
+
+
 @app.command()
+@_with_run_options
 def run(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model name (gpudiag models) or "
-                                       "path/to/file.py:factory.")] = "dgca",
-    preset: Annotated[str | None, typer.Option(help="full or tiny (default: full on CUDA, tiny "
-                                               "on CPU).")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: cuda if "
-                                               "available).")] = None,
-    stages: Annotated[str | None, typer.Option(help="Comma-separated stages (default: the "
-                                               "whole ladder).")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Samples per step.")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sample.")] = None,
-    iters: Annotated[int | None, typer.Option(help="Timed steps per stage (at least).")] = None,
-    warmup: Annotated[int | None, typer.Option(help="Untimed warm-up steps per stage.")] = None,
-    min_seconds: Annotated[float | None, typer.Option(help="Keep timing each stage at least "
-                                                      "this long.")] = None,
-    amp_dtype: Annotated[str | None, typer.Option(help="Mixed-precision dtype: fp16, bf16 or "
-                                                  "fp32 (default: fp16 on CUDA; on a CPU bf16 "
-                                                  "where native, else fp32).")] = None,
-    workers: Annotated[int | None, typer.Option(help="DataLoader workers (default: min(4, "
-                                                "CPUs)).")] = None,
-    evidence_steps: Annotated[int | None, typer.Option(help="Profiled steps per stage, run after "
-                                                   "all timing (0: none; default 2).")] = None,
+    options: RunOptions,
     out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
                                              "time>-<model>/).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print run.json to stdout instead of "
@@ -160,27 +186,6 @@ def run(
                                         "evidence for compare and gate).")] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress or table; files only.")]
     = False,
-    checkpoint_every: Annotated[int, typer.Option(help="Steps between saves in the "
-                                                  "checkpoint-* stages.")] = 10,
-    checkpoint_dir: Annotated[Path | None, typer.Option(help="Where checkpoint-* stages save "
-                                                        "(default: <out>/checkpoints).")] = None,
-    keep_checkpoints: Annotated[bool, typer.Option("--keep-checkpoints", help="Leave the "
-                                                   "checkpoint files in place.")] = False,
-    nproc: Annotated[int | None, typer.Option(help="ddp stage: processes on this node "
-                                              "(default: every visible GPU; 2 on a CPU).")]
-    = None,
-    nnodes: Annotated[int, typer.Option(help="ddp stage: nodes taking part.")] = 1,
-    node_rank: Annotated[int, typer.Option(help="ddp stage: this node's rank.")] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="ddp stage: HOST:PORT of the "
-                                                      "rendezvous (several nodes).")] = None,
-    ddp_sweep: Annotated[bool, typer.Option("--ddp-sweep", help="ddp stage: also try bucket "
-                                            "size, accumulation with no_sync, bucket views, "
-                                            "static graph.")] = False,
-    ddp_accum: Annotated[int, typer.Option(help="ddp stage: micro-steps per optimizer step.")]
-    = 1,
-    ddp_no_sync: Annotated[str, typer.Option(help="ddp stage: 'correct' (forward and backward "
-                                             "under no_sync) or 'backward-only' (the common "
-                                             "mistake, to see what it costs).")] = "correct",
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
     from gpudiag.measure.plan import build_config
@@ -193,15 +198,8 @@ def run(
 
     if trials < 1:
         raise BadInput(f"--trials must be positive (got {trials})")
-    config, notes = build_config(
-        model=model, preset=preset, device=device, stages=_split(stages), batch_size=batch_size,
-        seq_len=seq_len, iters=iters, warmup=warmup, min_seconds=min_seconds,
-        amp_dtype=amp_dtype, loader_workers=workers, evidence_steps=evidence_steps,
-        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
-        nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-        ddp_sweep=ddp_sweep, ddp_accum=ddp_accum, ddp_no_sync=ddp_no_sync)
-    run_dir = prepare_run_dir(out or default_run_dir(model))
+    config, notes = build_config(options)
+    run_dir = prepare_run_dir(out or default_run_dir(options.model))
     if config.checkpoint_dir is None:
         config = dataclasses.replace(config, checkpoint_dir=str(run_dir / "checkpoints"))
     if not quiet:
@@ -220,8 +218,7 @@ def run(
         from gpudiag.diagnose.trials import merge_trials
         from gpudiag.measure.trialrun import run_trials
 
-        args = _run_args(config)
-        done = run_trials(args, run_dir, trials, evidence_steps=config.evidence_steps,
+        done = run_trials(options_of(config), run_dir, trials,
                           on_trial=lambda k, n: stderr.print(f"trial {k}/{n}"))
         merged = merge_trials(done.runs)
         merged.interrupted = merged.interrupted or done.interrupted
@@ -258,23 +255,6 @@ def _print_run(run: RunResult) -> None:
     for line in problems(run):
         stdout.print(line)
     stdout.print(findings_panel(run))
-
-
-def _run_args(config: RunConfig) -> list[str]:
-    """The `gpudiag run` arguments that reproduce `config` in a child process."""
-    return ["--model", config.model, "--preset", config.preset, "--device", config.device,
-            "--stages", ",".join(config.stages), "--batch-size", str(config.batch_size),
-            "--seq-len", str(config.seq_len), "--iters", str(config.iters),
-            "--warmup", str(config.warmup), "--min-seconds", str(config.min_seconds),
-            "--amp-dtype", config.amp_dtype, "--workers", str(config.loader_workers),
-            "--checkpoint-every", str(config.checkpoint_every),
-            *(["--checkpoint-dir", config.checkpoint_dir] if config.checkpoint_dir else []),
-            *(["--keep-checkpoints"] if config.keep_checkpoints else []),
-            *(["--nproc", str(config.nproc)] if config.nproc else []),
-            "--nnodes", str(config.nnodes), "--node-rank", str(config.node_rank),
-            *(["--rdzv-endpoint", config.rdzv_endpoint] if config.rdzv_endpoint else []),
-            *(["--ddp-sweep"] if config.ddp_sweep else []),
-            "--ddp-accum", str(config.ddp_accum), "--ddp-no-sync", config.ddp_no_sync]
 
 
 def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],

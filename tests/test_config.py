@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import typer
+from typer.testing import CliRunner
 
+from gpudiag.cli import app, options_from_params
 from gpudiag.measure.plan import build_config, cpu_bf16_native
 from gpudiag.measure.stages import DEFAULT_LADDER
-from gpudiag.model.config import PRESETS
+from gpudiag.model.config import PRESETS, RunConfig
 from gpudiag.model.errors import BadInput
+from gpudiag.model.options import RunOptions, option_fields, options_of, to_argv
 
 
 def test_cpu_defaults_to_tiny_and_says_so() -> None:
@@ -88,3 +94,43 @@ def test_bad_input(kwargs: dict[str, object], message: str) -> None:
 def test_cuda_without_a_gpu_is_bad_input() -> None:
     with pytest.raises(BadInput, match="no CUDA device"):
         build_config(model="dgca", device="cuda")
+
+
+def _parse_run(argv: list[str]) -> RunOptions:
+    """`gpudiag run ARGV` parsed by the real command line, as the options it would run."""
+    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    with command.make_context("run", list(argv)) as ctx:
+        return options_from_params(ctx.params)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"model": "bert", "stages": ["train", "ddp"], "batch_size": 3, "seq_len": 32, "iters": 7,
+     "warmup": 0, "min_seconds": 0.25, "amp_dtype": "fp16", "loader_workers": 0,
+     "prompt_length": 2, "evidence_steps": 0, "checkpoint_every": 4, "checkpoint_dir": "c d",
+     "keep_checkpoints": True, "nproc": 3, "nnodes": 2, "node_rank": 1,
+     "rdzv_endpoint": "host:29400", "ddp_sweep": True, "ddp_accum": 4,
+     "ddp_no_sync": "backward-only"},
+])
+def test_run_options_round_trip_through_the_command_line(overrides: dict[str, Any]) -> None:
+    """A config -> the argv a --trials child gets -> parsed by `gpudiag run` -> the same
+    config, for every option (a new RunOptions field is covered by the first case)."""
+    config, _ = build_config(**{"model": "dgca", "device": "cpu", "preset": "tiny",
+                                **overrides})
+    argv = to_argv(options_of(config))
+    assert build_config(_parse_run(argv))[0] == config
+    # Every option has its flag on `run`, and only one spelling.
+    flags = [spec.flag for _, spec, _ in option_fields()]
+    assert len(set(flags)) == len(flags)
+    help_text = " ".join(CliRunner().invoke(app, ["run", "--help"], terminal_width=200)
+                         .output.split())
+    assert all(flag in help_text for flag in flags)
+
+
+def test_every_config_field_is_an_option_or_derived() -> None:
+    """RunConfig fields the user cannot set are derived from ones they can (shape from the
+    preset) or fixed by gpudiag (telemetry periods, seed, the dgca candidate count): listed
+    here on purpose, so a new setting is either an option or a decision."""
+    options = {f.name for f, _, _ in option_fields()}
+    derived = {"shape", "sample_period_s", "gpm_period_s", "seed", "candidates"}
+    assert {f.name for f in dataclasses.fields(RunConfig)} - options == derived

@@ -7,15 +7,17 @@ window runs in the last trial only, since it never affects timings and costs wal
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from gpudiag.model.errors import EXIT_INTERRUPTED
+from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
 
@@ -26,10 +28,11 @@ class TrialsOutput:
     interrupted: bool
 
 
-def run_trials(run_args: Sequence[str], out_dir: Path, trials: int, *, evidence_steps: int,
+def run_trials(options: RunOptions, out_dir: Path, trials: int,
                on_trial: Callable[[int, int], None] | None = None) -> TrialsOutput:
-    """Run `gpudiag run <run_args>` `trials` times, each in a fresh process; the caller merges
-    them (gpudiag.diagnose.trials.merge_trials)."""
+    """Run `gpudiag run` with `options` `trials` times, each in a fresh process; only the last
+    trial records evidence (profiling would slow the trials after it). The caller merges them
+    (gpudiag.diagnose.trials.merge_trials)."""
     runs: list[RunResult] = []
     frames: list[pd.DataFrame] = []
     interrupted = False
@@ -37,9 +40,9 @@ def run_trials(run_args: Sequence[str], out_dir: Path, trials: int, *, evidence_
         if on_trial is not None:
             on_trial(k, trials)
         trial_dir = out_dir / f"trial-{k}"
-        steps = evidence_steps if k == trials else 0
-        command = [sys.executable, "-m", "gpudiag", "run", *run_args, "--out", str(trial_dir),
-                   "--evidence-steps", str(steps), "--quiet"]
+        trial = options if k == trials else dataclasses.replace(options, evidence_steps=0)
+        command = [sys.executable, "-m", "gpudiag", "run", *to_argv(trial),
+                   "--out", str(trial_dir), "--quiet"]
         try:
             code = subprocess.call(command)
         except KeyboardInterrupt:  # the child got Ctrl-C too and writes its partial run
