@@ -8,6 +8,7 @@ from rich.table import Table
 from gpudiag.diagnose.compare import Comparison, GateDecision, MetricChange, StageComparison
 from gpudiag.model.results import Finding
 from gpudiag.present.rows import DASH, fmt
+from gpudiag.present.tables import markdown_table
 
 _VERDICT_STYLE = {"faster": "green", "slower": "red", "no significant change": "",
                   "inconclusive": "yellow"}
@@ -89,9 +90,8 @@ def _finding_lines(title: str, findings: list[Finding]) -> list[str]:
 def comparison_markdown(c: Comparison) -> str:
     out = [f"## gpudiag compare: {c.before_label} -> {c.after_label}", ""]
     out += _differences(c)
-    out += ["| " + " | ".join(_header(c)) + " |",
-            "| " + " | ".join(["---"] + ["---:"] * 5 + ["---"] + ["---:"] * 5) + " |"]
-    out += ["| " + " | ".join(_row(s)) + " |" for s in c.stages]
+    out += markdown_table(_header(c), [_row(s) for s in c.stages],
+                          right=[False, *[True] * 5, False, *[True] * 5])
     out.append("")
     out.append("Throughput ratio is after over before (above 1: faster), with its "
                f"{c.confidence:.0%} interval; "

@@ -11,6 +11,7 @@ from rich.text import Text
 
 from gpudiag.diagnose import Rule
 from gpudiag.model.results import Finding, RunResult
+from gpudiag.present.tables import markdown_table
 
 _STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
 
@@ -118,10 +119,10 @@ def rule_panel(r: Rule) -> Panel:
 def rules_markdown(rules: list[Rule]) -> str:
     out = ["# gpudiag rules", "",
            "Generated from the rule registry by `gpudiag rules --markdown`; a test fails when "
-           "this file is stale.", "", "| code | name | concern | detects |",
-           "| --- | --- | --- | --- |"]
-    out += [f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.concern} | {r.summary} |"
-            for r in rules]
+           "this file is stale.", ""]
+    out += markdown_table(["code", "name", "concern", "detects"],
+                          [[f"[{r.code}](#{r.code.lower()}-{r.name})", r.name, r.concern,
+                            r.summary] for r in rules], right=4)
     for r in rules:
         out += ["", f"## {r.code} {r.name}", "", f"Concern: {r.concern}. {r.summary}"]
         for heading, text in rule_sections(r):

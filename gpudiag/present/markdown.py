@@ -8,16 +8,10 @@ from gpudiag.model.hardware import PEAK_STAGE
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
 from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
+from gpudiag.present.tables import markdown_table
 from gpudiag.present.terminal import env_rows
 
 PHASE_ORDER = ("data_wait", "h2d_copy", "forward", "backward", "optimizer")
-
-
-def _table(header: list[str], rows: list[list[str]], right_from: int = 1) -> list[str]:
-    align = ["---" if i < right_from else "---:" for i in range(len(header))]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-    return lines
 
 
 PLOT_CAPTIONS = {"throughput.png": "Throughput and mean power per stage",
@@ -49,7 +43,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += diagnosis_markdown(run)
     out += ["## Stages", ""]
     columns, rows = table_cells(run, terminal=False)
-    out += _table([col.header for col in columns], rows)
+    out += markdown_table([col.header for col in columns], rows)
     out.append("")
     out += [f"- **{col.header}**: {col.help}" for col in COLUMNS if col.help]
     out.append("")
@@ -68,7 +62,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
             "source-line ranges) in profile-<stage>.json.gz beside it: open them in "
             "https://ui.perfetto.dev or chrome://tracing.", ""]
     out += ["## Environment", ""]
-    out += _table(["", ""], [[k, v] for k, v in env_rows(env)], right_from=2)
+    out += markdown_table(["", ""], [[k, v] for k, v in env_rows(env)], right=2)
     out.append("")
     out += _method(run)
     return "\n".join(out).rstrip() + "\n"
@@ -97,7 +91,8 @@ def _ceilings(run: RunResult) -> list[str]:
 
 def _what_ran(run: RunResult) -> list[str]:
     rows = [[s.name, s.title, s.workload or "-"] for s in run.stages]
-    return ["### What each stage runs", "", *_table(["stage", "what", "workload"], rows, 3), ""]
+    return ["### What each stage runs", "",
+            *markdown_table(["stage", "what", "workload"], rows, right=3), ""]
 
 
 def _phases(run: RunResult) -> list[str]:
@@ -112,7 +107,7 @@ def _phases(run: RunResult) -> list[str]:
     header = ["stage", "step", *[p.replace("_", " ") for p in PHASE_ORDER]]
     return ["### Where a step's time goes (median ms)", "",
             "Device phases are CUDA-event gaps on the GPU timeline; data wait is host time "
-            "blocked on the DataLoader.", "", *_table(header, rows), ""]
+            "blocked on the DataLoader.", "", *markdown_table(header, rows), ""]
 
 
 def _evidence(run: RunResult) -> list[str]:
@@ -135,7 +130,7 @@ def _evidence(run: RunResult) -> list[str]:
     header = ["stage", "kernels", "launches", "operators", "host syncs", "copies", "GPU idle %",
               "busiest source line", "window cost"]
     return ["### Evidence per step (profiler window, after the timed steps)", "",
-            *_table(header, rows), "",
+            *markdown_table(header, rows), "",
             "Operators are top-level ATen calls, forward and backward; GPU idle is the share of "
             "the timed step with no kernel or copy running; window cost is the profiled step "
             "time over the timed one (instrumentation overhead, excluded from the timings).", ""]
@@ -158,12 +153,13 @@ def _ddp_stage_lines(stage: StageResult, info: DdpFacts) -> list[str]:
              _pct(r.exposed_comm_share), _pct(r.collective_overlap_fraction),
              fmt(r.collective_kernel_ms_per_step, ".1f"), fmt(r.compute_busy_ms_per_step, ".1f"),
              fmt(r.power_mean_w, ".0f")] for r in info.ranks]
-    lines += _table(["rank", "device", "ms/iter", "exposed comm % of step", "overlap %",
+    lines += markdown_table(["rank", "device", "ms/iter", "exposed comm % of step", "overlap %",
                      "collective kernel ms/step", "own device work ms/step", "power W"], rows)
     if info.sweep:
-        lines += ["", *_table(["DDP variant", "ms/iter", "samples/s", "scaling efficiency %"],
-                              [[r.name, fmt(r.ms_per_iter, ".1f"), fmt(r.samples_per_s, ",.0f"),
-                                _pct(r.scaling_efficiency)] for r in info.sweep])]
+        lines += ["", *markdown_table(
+            ["DDP variant", "ms/iter", "samples/s", "scaling efficiency %"],
+            [[r.name, fmt(r.ms_per_iter, ".1f"), fmt(r.samples_per_s, ",.0f"),
+              _pct(r.scaling_efficiency)] for r in info.sweep])]
     return [*lines, ""]
 
 
@@ -181,7 +177,7 @@ def _profiled_rank_lines(stages: list[StageResult]) -> list[str]:
                      fmt(job.grad_bytes / 1e6 if job is not None and job.grad_bytes else None,
                          ",.0f"),
                      fmt(probe, ",.1f")])
-    return [*_table(["process", "ms/iter", "exposed comm % of step", "overlap %",
+    return [*markdown_table(["process", "ms/iter", "exposed comm % of step", "overlap %",
                      "collective kernel ms/step", "own device work ms/step", "gradient MB",
                      "probe GB/s"], rows), ""]
 
