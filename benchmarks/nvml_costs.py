@@ -1,4 +1,4 @@
-"""How much does each NVML read gpudiag makes cost on this GPU? (TELEMETRY.md's table, re-measured.)
+"""How much does each NVML read gpudiag makes cost on this GPU? (docs/performance.md)
 
     python benchmarks/nvml_costs.py --out reports/nvml_costs.json
 """

@@ -129,7 +129,8 @@ def _one(run: RunResult, code: str) -> list:
 
 
 def test_sockets_like_run_is_communication_bound() -> None:
-    """REFERENCE.md's socket row: 33 ms steps become ~133 ms; 0.44 GB at 3.8 GB/s ~ 116 ms."""
+    """BERT-base over sockets, hand-built: 33 ms steps become ~133 ms; 0.44 GB of gradients at
+    3.8 GB/s take ~116 ms (reports/examples/h200x2-ddp/sockets measured the dgca case)."""
     run = _stage(step=133.0, single=33.3, efficiency=0.25, transfer=116.0, exposed=98.0,
                  overlap=0.2, sweep=[{"name": "default", "scaling_efficiency": 0.25},
                                      {"name": "accumulate x4 (no_sync)",

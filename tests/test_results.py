@@ -1,4 +1,5 @@
-"""run.json: the contract in DESIGN.md, a lossless round trip, and clear errors on bad files."""
+"""run.json: the contract in gpudiag/model/results.py, a lossless round trip, and clear errors
+on bad files."""
 
 from __future__ import annotations
 

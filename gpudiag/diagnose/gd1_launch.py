@@ -14,16 +14,32 @@ IDLE_WARNING, IDLE_CRITICAL, MAX_DATA_WAIT = 0.25, 0.50, 0.10
 SYNC_MIN, SYNC_WARNING, SYNC_CRITICAL = 4, 0.05, 0.30
 SMALL_MIN_KERNELS, SMALL_SHORT_SHARE, SMALL_IDLE, SMALL_MAX_SM = 500, 0.5, 0.20, 40
 
-LOOP_RULE_THRESHOLDS = (
-    Threshold("min_direct_calls_per_step", LOOP_MIN_CALLS,
-              "a per-layer loop of a 12-48 layer model calls each line 12-48 times per step; a "
-              "loop over batch elements calls it batch-size times or more"),
-    Threshold("min_device_ops_per_step", LOOP_MIN_OPS,
-              "below a hundred launches a line costs at most about a millisecond of host time"),
-    Threshold("warning_share", LOOP_WARNING, "a tenth of the step is worth a code change"),
-    Threshold("critical_share", LOOP_CRITICAL,
-              "the loop costs more than the rest of the step's host work"),
-)
+MAX_PRICED_SHARE = 0.95  # a loop's share is capped here when it is turned into a speedup
+
+
+def _loop_thresholds(prefix: str = "", *, severity: bool = True) -> tuple[Threshold, ...]:
+    """What makes a line a Python loop's (and how its price grades): GD101's thresholds, and
+    for GD102-GD104, prefixed `loop_`, the cause they defer to."""
+    line = (
+        Threshold(f"{prefix}min_direct_calls_per_step", LOOP_MIN_CALLS,
+                  "a per-layer loop of a 12-48 layer model calls each line 12-48 times per "
+                  "step; a loop over batch elements calls it batch-size times or more"),
+        Threshold(f"{prefix}min_device_ops_per_step", LOOP_MIN_OPS,
+                  "below a hundred launches a line costs at most about a millisecond of host "
+                  "time"),
+    )
+    if not severity:
+        return line
+    return (*line,
+            Threshold(f"{prefix}warning_share", LOOP_WARNING,
+                      "a tenth of the step is worth a code change"),
+            Threshold(f"{prefix}critical_share", LOOP_CRITICAL,
+                      "the loop costs more than the rest of the step's host work"),
+            Threshold(f"{prefix}max_priced_share", MAX_PRICED_SHARE,
+                      "the loop's share of the step at most, when quoted as a speedup"))
+
+
+LOOP_RULE_THRESHOLDS = _loop_thresholds()
 
 
 def loop_line(stage: StageResult) -> SourceLine | None:
@@ -51,7 +67,7 @@ def loop_line(stage: StageResult) -> SourceLine | None:
          "index_put/advanced indexing with index tensors, scatter_, masked_fill); where shapes "
          "are static, torch.compile or CUDA graphs remove the remaining launch overhead."),
     thresholds=LOOP_RULE_THRESHOLDS,
-    references=("SEEDS.md section 1 (DGCA-ReLM _apply_prompt)",
+    references=("docs/field-cases.md#case-1 (DGCA-ReLM _apply_prompt)",
                 "https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs"),
 )
 def python_loop_launches(run: RunResult) -> Iterator[Draft]:
@@ -76,7 +92,7 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
             "share_of_step_time": round(share, 3),
             "step_device_ops": round(ev.kernels_per_step + sum(ev.memcpy_per_step.values())
                                      if cuda else ev.ops_per_step, 1),
-            "speedup_if_removed": round(1 / (1 - min(share, 0.95)), 2),
+            "speedup_if_removed": round(1 / (1 - min(share, MAX_PRICED_SHARE)), 2),
         }
         if line.median_kernel_us is not None:
             evidence["median_kernel_us"] = round(line.median_kernel_us, 2)
@@ -153,6 +169,7 @@ STARVED_THRESHOLDS = (
     Threshold("critical_idle_fraction", IDLE_CRITICAL, "the GPU waits more than it works"),
     Threshold("max_data_wait_share", MAX_DATA_WAIT,
               "above this the input-pipeline rule explains the idle time instead"),
+    *_loop_thresholds("loop_"),
 )
 
 
@@ -165,7 +182,8 @@ STARVED_THRESHOLDS = (
     fix=("Remove host work from the step: the loop and sync findings name the lines; batch "
          "small ops, avoid per-step .item()/.cpu(), use CUDA graphs or torch.compile."),
     thresholds=STARVED_THRESHOLDS,
-    references=("SEEDS.md section 1 (stage 6 vs stage 3)", "REFERENCE.md stage ladder"),
+    references=("docs/field-cases.md#case-1 (stage 6 vs stage 3)",
+                "reports/examples/h100-dgca (the ladder on an H100)"),
 )
 def gpu_starved(run: RunResult) -> Iterator[Draft]:
     """GPU idle (no kernel or copy running) for a quarter of the timed step more than the run's
@@ -227,6 +245,7 @@ SYNC_THRESHOLDS = (
               "the GPU idles 5% of the step after syncs, waiting for the host to refill its "
               "queue (host time blocked while the GPU works costs nothing)"),
     Threshold("critical_idle_share", SYNC_CRITICAL, "the step mostly idles after syncs"),
+    *_loop_thresholds("loop_", severity=False),
 )
 
 
@@ -285,6 +304,8 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
 
 
 SMALL_MAX_COLLECTIVE_SHARE = 0.3
+SMALL_MIN_KERNEL_ACTIVE = 80
+SMALL_RECOVERABLE = 0.5
 
 
 def _larger_batch(run: RunResult, stage: StageResult) -> str:
@@ -302,6 +323,13 @@ SMALL_WORK_THRESHOLDS = (
               "work per kernel to fill the SMs"),
     Threshold("max_collective_share", SMALL_MAX_COLLECTIVE_SHARE,
               "... unless collectives hold this share of the device's busy time"),
+    Threshold("min_kernel_active_pct", SMALL_MIN_KERNEL_ACTIVE,
+              "kernels running this much of the time: the GPU is not starved, each kernel "
+              "is small"),
+    Threshold("critical_idle_fraction", IDLE_CRITICAL, "short kernels with the GPU this idle"),
+    Threshold("recoverable_share", SMALL_RECOVERABLE,
+              "of the idle SMs' share, what larger kernels win back at most (a rough bound)"),
+    *_loop_thresholds("loop_", severity=False),
 )
 
 
@@ -345,13 +373,13 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
         # NCCL kernels occupy a few SMs while they wait for data: kernel-active time with low SM
         # activity is then the all-reduce (the DDP rules' concern), not small kernels.
         collectives = ev.collective_wall_ms_per_step / (ev.device_busy_ms_per_step or math.inf)
-        if (sm is not None and active is not None and active >= 80 and sm < SMALL_MAX_SM
-                and collectives < SMALL_MAX_COLLECTIVE_SHARE):
+        if (sm is not None and active is not None and active >= SMALL_MIN_KERNEL_ACTIVE
+                and sm < SMALL_MAX_SM and collectives < SMALL_MAX_COLLECTIVE_SHARE):
             yield Draft(
                 severity="warning", stage=stage.name,
                 title=(f"Kernels run {active:.0f}% of the time but keep only {sm:.0f}% of SMs "
                        "busy: too little work per kernel"),
-                impact=max(0.0, 1 - sm / 100) * 0.5,  # at most half recoverable, a rough bound
+                impact=max(0.0, 1 - sm / 100) * SMALL_RECOVERABLE,
                 evidence={"kernel_active_pct": active, "sm_active_pct": sm,
                           "batch_size": stage.samples_per_step or run.config.get("batch_size")},
                 fix=(f"Increase the batch ({_larger_batch(run, stage)}) or sequence "

@@ -57,7 +57,8 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
          "asynchronously: non_blocking=True has no effect, and the host waits for it."),
     fix="pin_memory=True in the DataLoader (or tensor.pin_memory()), then .to(device, "
         "non_blocking=True).",
-    thresholds=(Threshold("warning_share", PAGEABLE_WARNING, "2% of the step in pageable copies"),),
+    thresholds=(Threshold("warning_share", PAGEABLE_WARNING, "2% of the step in pageable copies"),
+                Threshold("critical_share", WAIT_CRITICAL, "the copies set the pace")),
 )
 def pageable_copies(run: RunResult) -> Iterator[Draft]:
     """Any HtoD copy from pageable memory in the profiled steps; warning from 2% of the step."""
@@ -89,9 +90,11 @@ def pageable_copies(run: RunResult) -> Iterator[Draft]:
     fix=("Prefetch batch N+1 on a side CUDA stream (pinned memory, non_blocking=True) while "
          "batch N computes, and make the compute stream wait on an event."),
     thresholds=(Threshold("min_copy_share", COPY_MIN_SHARE, "copies take 5% of the step"),
+                Threshold("critical_share", WAIT_CRITICAL, "exposed copies set the pace"),
                 Threshold("max_overlap", COPY_MIN_OVERLAP,
                           "less than half of the copy time overlaps")),
-    references=("SEEDS.md section 2 (dual-stream PipelinedDataLoader)",),
+    references=("docs/field-cases.md#case-2 (a dual-stream pipelined DataLoader)",
+                "https://pytorch.org/docs/stable/notes/cuda.html#use-pinned-memory-buffers"),
 )
 def copies_not_overlapped(run: RunResult) -> Iterator[Draft]:
     """HtoD copies take at least 5% of the step and under half of that time overlaps a kernel."""

@@ -10,11 +10,14 @@ from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import RunResult, StageResult
 
 # fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper
-# (67 vs 495 TFLOP/s dense, TELEMETRY.md); what TF32/autocast can win is most of their time.
+# (67 vs 495 TFLOP/s dense, gpudiag/model/hardware.py); what TF32/autocast can win is most
+# of their time.
 RECOVERABLE_FP32_MATMUL = 0.8
 FP32_MIN_SHARE, FP32_WARNING = 0.30, 0.10
 FALLBACK_MIN_SHARE, FALLBACK_WARNING = 0.10, 0.05
 TENSOR_MAX_PCT, TENSOR_MIN_MATMUL, TENSOR_MAX_IDLE = 10, 0.30, 0.25
+RECOVERABLE = Threshold("recoverable_share", RECOVERABLE_FP32_MATMUL,
+                        "of fp32 matmul time, what the matrix units win back (the impact)")
 
 
 def _matmul_share(stage: StageResult, dtype: str) -> tuple[float, float]:
@@ -41,7 +44,10 @@ def _tensor_core_gpu(run: RunResult) -> bool:
          "torch.set_float32_matmul_precision('high')) and torch.backends.cudnn.allow_tf32 = "
          "True; better, train under torch.autocast with bf16 or fp16."),
     thresholds=(Threshold("min_fp32_matmul_share", FP32_MIN_SHARE,
-                          "fp32 matmuls take at least 30% of kernel time"),),
+                          "fp32 matmuls take at least 30% of kernel time"),
+                Threshold("warning_impact", FP32_WARNING,
+                          "the time TF32 or autocast would win, over the step: warning"),
+                RECOVERABLE),
     references=("https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices",),
 )
 def fp32_matmul(run: RunResult) -> Iterator[Draft]:
@@ -89,7 +95,10 @@ def fp32_matmul(run: RunResult) -> Iterator[Draft]:
     fix=("Find the fp32 matmuls (the profiler's top ops) and run them inside the autocast "
          "region, or cast their inputs explicitly."),
     thresholds=(Threshold("min_fp32_share_of_matmul", FALLBACK_MIN_SHARE,
-                          "a tenth of matmul time left in fp32"),),
+                          "a tenth of matmul time left in fp32"),
+                Threshold("warning_kernel_share", FALLBACK_WARNING,
+                          "those fp32 matmuls' share of kernel time: warning"),
+                RECOVERABLE),
 )
 def autocast_fp32_fallback(run: RunResult) -> Iterator[Draft]:
     """On a tensor-core GPU, in an autocast stage, fp32 matmuls are 10%+ of matmul time."""

@@ -61,7 +61,8 @@ def memory_near_capacity(run: RunResult) -> Iterator[Draft]:
         "phases such as training and evaluation).",
     thresholds=(Threshold("min_frees_per_step", MIN_FREES,
                           "blocks freed in at least every other step"),),
-    references=("SEEDS.md sections 3 and 5",),
+    references=("docs/field-cases.md#case-3", "docs/field-cases.md#case-5",
+                "https://pytorch.org/docs/stable/notes/cuda.html#memory-management"),
 )
 def empty_cache_in_loop(run: RunResult) -> Iterator[Draft]:
     """cudaFree calls in the profiled steps: at least one every other step."""

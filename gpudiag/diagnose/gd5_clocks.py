@@ -23,7 +23,11 @@ THROTTLED_SLOWDOWN = 0.2
          "Power cap: the GPU is saturated; only less work (lower precision, smaller model) "
          "makes it faster."),
     thresholds=(Threshold("thermal_share", THERMAL_WARNING, "thermal reasons in 10% of samples"),
-                Threshold("power_cap_share", POWER_CAP_INFO, "power cap in half of the samples")),
+                Threshold("power_cap_share", POWER_CAP_INFO, "power cap in half of the samples"),
+                Threshold("critical_thermal_share", THERMAL_CRITICAL,
+                          "thermal reasons in half of the samples"),
+                Threshold("throttled_slowdown", THROTTLED_SLOWDOWN,
+                          "the step time a throttled sample is assumed to lose (the impact)")),
 )
 def clock_throttling(run: RunResult) -> Iterator[Draft]:
     """Thermal/hardware slowdown in 10%+ of a stage's samples (warning); power cap in half of

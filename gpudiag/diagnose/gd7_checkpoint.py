@@ -1,5 +1,5 @@
 """Checkpoint rules: saves that stall training, and asynchronous saves that still get in its way
-(SEEDS.md section 4)."""
+(docs/field-cases.md#case-4)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from typing import Any
 
 from gpudiag.diagnose.common import pct, reference_stage
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
-from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
+from gpudiag.diagnose.spikes import (
+    MIN_SPIKE_EXCESS,
+    SPIKE_MADS,
+    detect_period,
+    find_spikes,
+    lost_share,
+)
 from gpudiag.model.facts import SaveRecord
 from gpudiag.model.results import RunResult, StageResult
 
@@ -99,13 +105,14 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
     why=("A blocking save copies the whole training state to the host and writes it while the "
          "GPU idles. Per save it looks cheap; over a run the stalls add up, and a save that is "
          "made faster but still blocks (or runs too often) can lower throughput further "
-         "(SEEDS.md section 4: 277 -> 64 ms per save, yet 121 -> 83 samples/s)."),
+         "(docs/field-cases.md#case-4: 277 -> 64 ms per save, yet 121 -> 83 samples/s)."),
     fix=("Save asynchronously: stage a device-to-pinned-host copy on a side stream and write from "
          "a background thread or process (torch.distributed.checkpoint.async_save), with one "
          "save in flight; save on one rank (or sharded with DCP); and space saves so that the "
          "overhead stays within 3-5%."),
     thresholds=(Threshold("min_steps", MIN_STEPS, "steps needed to see a period"),
-                Threshold("spike_mads", 5.0, "a spike is above median + 5 MAD (and +20%)"),
+                Threshold("spike_mads", SPIKE_MADS, "a spike is above median + 5 MAD ..."),
+                Threshold("spike_excess", MIN_SPIKE_EXCESS, "... and 20% above the median"),
                 Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
                 Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
                 Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical"),
@@ -189,17 +196,23 @@ def _in_flight_steps(times: list[float], saves: list[SaveRecord]) -> set[int]:
     why=("Async saving only hides a save if it finishes before the next one starts and does not "
          "compete with training for host cores, the GIL, PCIe or memory bandwidth. Saves that "
          "take longer than the interval between them queue up, and a writer that competes "
-         "slows every step it overlaps (SEEDS.md section 4: 3 chunks behind max_async=2 queued "
-         "for ~180 ms; GPU->CPU copies competed with training)."),
+         "slows every step it overlaps (docs/field-cases.md#case-4: 3 chunks behind "
+         "max_async=2 queued for ~180 ms; GPU->CPU copies competed with training)."),
     fix=("Keep exactly one save in flight and space saves wider than a save takes; make the "
          "write cheaper (a faster local disk, several writer threads with DCP) or move it out of "
          "the training process; give the writer spare cores or fewer intra-op threads to "
          "training."),
     thresholds=(Threshold("slowdown", CONTENTION_SLOWDOWN,
                           "steps during a write slower than steps without one"),
+                Threshold("min_steps", MIN_STEPS, "timed steps needed"),
+                Threshold("min_steps_per_side", MIN_STEPS_PER_SIDE,
+                          "steps with and without a write in flight, each"),
+                Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
                 Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
+                Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical"),
                 Threshold("wait_noise_ms", WAIT_NOISE_MS, "shorter waits are not a queue")),
-    references=("SEEDS.md section 4 (PCCheck: pipelined writes that blocked and queued)",),
+    references=("docs/field-cases.md#case-4 (pipelined writes that blocked and queued)",
+                "https://pytorch.org/docs/stable/distributed.checkpoint.html"),
 )
 def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
     """Stages that save asynchronously (save records with mode "async"): the time saves spent

@@ -1,5 +1,5 @@
 """DDP rules: scaling that falls short, with its measured cause, and gradient accumulation that
-still all-reduces every micro-step (SEEDS.md section 1: two GPUs slower than one)."""
+still all-reduces every micro-step (docs/field-cases.md#case-1: two GPUs slower than one)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ NO_OVERLAP = 0.3  # NCCL time beside compute below this share: the all-reduce is
 SMALL_STEP_MS = 25.0  # a single-device step this short is dominated by fixed per-step costs
 STRAGGLER_RATIO = 1.10  # a rank whose own work takes this much longer than the fastest's
 TARGET_EFFICIENCY = 0.9
+UNPRICED_ROUND_SHARE = 0.1
+STRAGGLER_WARNING_LOST = 0.05
 
 
 def _ddp(stage: StageResult) -> DdpFacts | None:
@@ -109,8 +111,8 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
     summary="DDP throughput falls short of N x one device's, with the measured cause.",
     why=("Data parallelism pays when each device's compute hides the gradient all-reduce. "
          "When the link is slow for the gradient bytes, the per-device batch is small, or one "
-         "rank lags, adding devices adds little or even slows training (SEEDS.md section 1: "
-         "two GPUs at 1.5 it/s against one at 2.2)."),
+         "rank lags, adding devices adds little or even slows training "
+         "(docs/field-cases.md#case-1: two GPUs at 1.5 it/s against one at 2.2)."),
     fix=("Fix the measured cause: fewer bytes per sample (larger per-device batch, "
          "accumulation under no_sync, fp16 gradient compression), a faster interconnect, or "
          "the straggler's problem."),
@@ -122,9 +124,14 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
                 Threshold("straggler_ratio", STRAGGLER_RATIO,
                           "a rank's compute phases over the fastest rank's that name it"),
                 Threshold("small_step_ms", SMALL_STEP_MS,
-                          "single-device step below which fixed costs dominate")),
+                          "single-device step below which fixed costs dominate"),
+                Threshold("no_overlap", NO_OVERLAP,
+                          "all-reduce share beside compute below which the fix says it is not "
+                          "hidden"),
+                Threshold("target_efficiency", TARGET_EFFICIENCY,
+                          "the efficiency the advised accumulation count aims for")),
     references=("https://pytorch.org/docs/stable/notes/ddp.html",
-                "REFERENCE.md: BERT-base fp16 on two H200s, 91% over NVLink, 25% over sockets"),
+                "reports/examples/h200x2-ddp: two H200s, 90% over NVLink, 28% over sockets"),
 )
 def ddp_poor_scaling(run: RunResult) -> Iterator[Draft]:
     """Efficiency = throughput(N) / (N x single-device throughput), the baseline timed by rank
@@ -163,7 +170,10 @@ def ddp_poor_scaling(run: RunResult) -> Iterator[Draft]:
     fix=("Put forward and backward of every micro-step but the last inside model.no_sync(): "
          "`ctx = model.no_sync() if not last else nullcontext(); with ctx: loss = ...; "
          "loss.backward()`."),
-    thresholds=(Threshold("max_rounds_per_update", 1, "all-reduce rounds per optimizer step"),),
+    thresholds=(Threshold("max_rounds_per_update", 1, "all-reduce rounds per optimizer step"),
+                Threshold("unpriced_share", UNPRICED_ROUND_SHARE,
+                          "impact per extra round when the link was not probed (no transfer "
+                          "time to price it)")),
     references=("https://pytorch.org/docs/stable/generated/"
                 "torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel."
                 "DistributedDataParallel.no_sync",),
@@ -183,7 +193,8 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
         transfer = None if info is None else info.transfer_ms_per_step
         step = stage.ms_per_iter or ev.step_ms
         wasted = transfer * (rounds - 1) / rounds if transfer else None
-        share = min(1.0, wasted / step) if wasted and step else (rounds - 1) / rounds * 0.1
+        share = (min(1.0, wasted / step) if wasted and step
+                 else (rounds - 1) / rounds * UNPRICED_ROUND_SHARE)
         yield Draft(
             severity=severity_for(share, warning=0.0), stage=stage.name,
             title=(f"Gradient accumulation all-reduces on {rounds:.0f} of "
@@ -299,7 +310,10 @@ def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
                           "slowest rank's device work over the fastest's"),
                 Threshold("explains", COMM_EXPLAINS,
                           "share of the fastest rank's exposed collective time the difference "
-                          "must explain")),
+                          "must explain"),
+                Threshold("warning_lost", STRAGGLER_WARNING_LOST,
+                          "the slow rank's extra work over the step: warning"),
+                Threshold("critical_lost", COMM_CRITICAL_SHARE, "... critical")),
     references=("https://pytorch.org/docs/stable/notes/ddp.html",),
 )
 def ddp_straggler(run: RunResult) -> Iterator[Draft]:
@@ -315,7 +329,8 @@ def ddp_straggler(run: RunResult) -> Iterator[Draft]:
         fast_ms = fast.evidence.compute_busy_ms_per_step or 0.0
         lost = min(1.0, (slow_ms - fast_ms) / (job.step_ms or slow.evidence.window_step_ms))
         yield Draft(
-            severity=severity_for(lost, warning=0.05, critical=COMM_CRITICAL_SHARE),
+            severity=severity_for(lost, warning=STRAGGLER_WARNING_LOST,
+                                  critical=COMM_CRITICAL_SHARE),
             stage=slow.stage.name,
             title=(f"rank {slow.rank} is a straggler: its own device work takes {ratio:.2f}x "
                    f"rank {fast.rank}'s ({slow_ms:.1f} vs {fast_ms:.1f} ms per step), and "
@@ -374,7 +389,12 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
                           "exposed collective time over the timed step: warning"),
                 Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),
                 Threshold("link_bound", LINK_BOUND,
-                          "effective over probed bus bandwidth above which the link is named")),
+                          "effective over probed bus bandwidth above which the link is named"),
+                Threshold("straggler_ratio", STRAGGLER_RATIO,
+                          "a job with a straggler (GD804) is left to that rule"),
+                Threshold("explains", COMM_EXPLAINS, "... see GD804"),
+                Threshold("target_efficiency", TARGET_EFFICIENCY,
+                          "the efficiency the advised accumulation count aims for")),
     references=("https://pytorch.org/docs/stable/ddp_comm_hooks.html",
                 "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md"),
 )

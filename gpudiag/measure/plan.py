@@ -147,7 +147,8 @@ def cpu_bf16_native(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 
 def default_loader_workers() -> int:
-    """Four workers, as in REFERENCE.md's stage 4, but never more than the CPUs we may use."""
+    """Four workers, as the field case's loader stage used (docs/field-cases.md#case-1), but
+    never more than the CPUs we may use."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -31,7 +31,8 @@ class ModelShape:
     max_positions: int = 512
 
 
-# bert-base-chinese, the backbone of the seed's DGCA-ReLM (DGCA-MODEL.md).
+# bert-base-chinese, the backbone of DGCA-ReLM (docs/field-cases.md#case-1;
+# https://huggingface.co/google-bert/bert-base-chinese).
 BERT_BASE_CHINESE = ModelShape(
     vocab_size=21128, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072
 )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-# Dense datasheet peaks (TFLOP/s, FP32 accumulate) by GPU name fragment (TELEMETRY.md).
+# Dense datasheet peaks (TFLOP/s, FP32 accumulate) by GPU name fragment, from NVIDIA's H100/H200,
+# A100 and Ada (RTX 4090) datasheets and architecture whitepapers (https://www.nvidia.com/en-us/
+# data-center/h100/, /h200/, /a100/; https://images.nvidia.com/aem-dam/Solutions/geforce/ada/
+# nvidia-ada-gpu-architecture.pdf), without sparsity.
 DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 495.0, "fp32": 67.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 495.0, "fp32": 67.0},

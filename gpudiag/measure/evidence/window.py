@@ -1,8 +1,8 @@
 """The evidence window: a few extra steps under torch.profiler, after the timed steps.
 
-Profiling every step would cost a third or more of the step time (REFERENCE.md: +33%, +66% with
-stacks), so it never overlaps the timed steps; its own step time is recorded, and its ratio to
-the timed median is the window's overhead.
+Profiled steps run 2.3-2.8x slower than timed ones on an H100 (docs/performance.md), so the
+window never overlaps the timed steps; its own step time is recorded, and its ratio to the timed
+median is the window's overhead.
 """
 
 from __future__ import annotations

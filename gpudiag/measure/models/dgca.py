@@ -1,4 +1,5 @@
-"""`dgca`: a faithful synthetic DGCA-ReLM (see DGCA-MODEL.md), the workload of the seed report.
+"""`dgca`: a faithful synthetic DGCA-ReLM (docs/field-cases.md#case-1), the workload of the first
+field case.
 
 The baseline stages (infer, train, train-fp16, data-train) run its BERT backbone alone, as the
 seed's staged script did; the `loop` and `vectorized` variants are the whole model, differing

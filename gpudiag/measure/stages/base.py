@@ -129,7 +129,8 @@ class _PreloadedDataset(Dataset[Example]):
 
 def _ignore_sigint(_worker_id: int) -> None:
     # Ctrl-C goes to the whole process group; the main process shuts workers down, so workers
-    # must not raise KeyboardInterrupt themselves (the seed's traceback storm, SEEDS.md 5).
+    # must not raise KeyboardInterrupt themselves (the traceback storm of
+    # docs/field-cases.md#case-5).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -1,6 +1,6 @@
 """Checkpoint stages: the fp16 training step with a full save every N steps, blocking or not.
 
-SEEDS.md section 4: a "faster" checkpointer made training slower because its saves blocked,
+docs/field-cases.md#case-4: a "faster" checkpointer made training slower because its saves blocked,
 queued behind each other and ran too often. These stages price both ways of saving:
 
 - `checkpoint-sync`: plain `torch.save` of model, optimizer, scaler and step. The device-to-host

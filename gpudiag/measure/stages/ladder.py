@@ -1,4 +1,4 @@
-"""The seed's diagnosis ladder (SEEDS.md section 1), one stage per rung, in ladder order."""
+"""The seed's diagnosis ladder (docs/field-cases.md#case-1), one stage per rung, in ladder order."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gpudiag.measure.models import Example, ModelBundle
 from gpudiag.measure.stages.base import PREFETCH_FACTOR, StageContext, Workload, stage
 from gpudiag.model.facts import LoaderFacts, StageFacts
 
-# The training recipe of the seed's DGCA trainer (DGCA-MODEL.md).
+# The training recipe of the DGCA-ReLM trainer (docs/field-cases.md#case-1).
 LEARNING_RATE = 5e-5
 WEIGHT_DECAY = 0.01
 FULL_MODEL_GRAD_CLIP = 1.0

@@ -1,7 +1,8 @@
 """The NVML reader: the only module in gpudiag that imports `pynvml` (from `nvidia-ml-py`).
 
 Every metric is probed once when the GPU is opened; one the GPU or driver refuses is recorded as
-unavailable with the reason, and never read again. Facts behind the choices (TELEMETRY.md):
+unavailable with the reason, and never read again. Facts behind the choices (the NVML reference,
+https://docs.nvidia.com/deploy/nvml-api/, and docs/performance.md for the costs measured here):
 - `nvmlDeviceGetPowerUsage` is a 1-second moving average on Ampere (not GA100) and newer, so it
   is recorded as `power_avg1s_w`; the power *timeline* uses the instantaneous field.
 - the total-energy counter costs milliseconds per read: read only at window edges.

@@ -237,7 +237,8 @@ def summarize_window(
         energy_j, source = (energy_end_mj - energy_begin_mj) / 1e3, "counter"
     elif "power_instant_w" in frame and frame["power_instant_w"].notna().sum() >= 2:
         # Without the counter, integrate the instantaneous power over the samples' time span
-        # and scale to the window (aliasing makes this the weaker estimate; TELEMETRY.md).
+        # and scale to the window (sampling aliases short power swings: the weaker estimate;
+        # docs/performance.md measures both).
         power = frame[["t_s", "power_instant_w"]].dropna()
         span = float(power["t_s"].iloc[-1] - power["t_s"].iloc[0])
         if span > 0:

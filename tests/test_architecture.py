@@ -1,0 +1,105 @@
+"""The shape of the code, checked against the source itself: function sizes, rules that declare
+every number that decides them, no dependency on documents outside the repository.
+
+(The layers and the no-cycles rule are import-linter contracts in pyproject.toml, run by
+`lint-imports` in .ci/run.)"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from gpudiag.diagnose import all_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gpudiag"
+MAX_FUNCTION_LINES = 80
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(path.read_text())
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    long = [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1})"
+            for path in sorted(PACKAGE.rglob("*.py")) for fn in _functions(path)
+            if (fn.end_lineno or fn.lineno) - fn.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def _rule_functions() -> list[tuple[str, object, ast.FunctionDef, dict[str, ast.FunctionDef]]]:
+    found = []
+    for path in sorted((PACKAGE / "diagnose").glob("gd*.py")):
+        module = importlib.import_module(f"gpudiag.diagnose.{path.stem}")
+        tree = ast.parse(path.read_text())
+        helpers = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for fn in helpers.values():
+            for dec in fn.decorator_list:
+                if isinstance(dec, ast.Call) and getattr(dec.func, "id", "") == "rule":
+                    code = dec.args[0].value  # type: ignore[attr-defined]
+                    found.append((code, module, fn, helpers))
+    return found
+
+
+def _numbers_used(module: object, fn: ast.FunctionDef,
+                  helpers: dict[str, ast.FunctionDef]) -> dict[str, float]:
+    """Module-level numeric constants the rule reads, itself or through the module's helpers."""
+    used: dict[str, float] = {}
+    seen, todo = {fn.name}, [fn]
+    while todo:
+        for node in ast.walk(todo.pop()):
+            if not isinstance(node, ast.Name):
+                continue
+            value = getattr(module, node.id, None)
+            if (node.id.isupper() and isinstance(value, (int, float))
+                    and not isinstance(value, bool)):
+                used[node.id] = value
+            if node.id in helpers and node.id not in seen:
+                seen.add(node.id)
+                todo.append(helpers[node.id])
+    return used
+
+
+RULES = _rule_functions()
+
+
+@pytest.mark.parametrize(("code", "module", "fn", "helpers"), RULES,
+                         ids=[r[0] for r in RULES])
+def test_every_number_that_decides_a_rule_is_declared_on_it(
+        code: str, module: object, fn: ast.FunctionDef,
+        helpers: dict[str, ast.FunctionDef]) -> None:
+    """`gpudiag rules CODE` shows the rule's thresholds: each named constant its body (or a
+    helper in its file) reads must be one of them, and no bare fraction may decide instead."""
+    declared = {t.value for r in all_rules() if r.code == code for t in r.thresholds}
+    missing = {name: value for name, value in _numbers_used(module, fn, helpers).items()
+               if value not in declared}
+    assert not missing, f"{code} reads undeclared thresholds {missing}"
+    # Fractions in (0, 1) decide severities and shares; a tiny epsilon guarding a division
+    # does not.
+    bare = [node.value for node in ast.walk(fn)
+            if isinstance(node, ast.Constant) and isinstance(node.value, float)
+            and 1e-3 <= node.value < 1.0]
+    assert not bare, f"{code} decides with bare numbers {bare}: name and declare them"
+
+
+def test_rules_cover_every_registered_code() -> None:
+    assert sorted(r[0] for r in RULES) == sorted(r.code for r in all_rules())
+
+
+OUTSIDE_DOCS = re.compile(r"\b(SEEDS|REFERENCE|TELEMETRY|DESIGN|DGCA-MODEL)\.md\b|\.\./shared")
+
+
+def test_sources_cite_nothing_outside_the_repository() -> None:
+    """Comments, docstrings and rule references point at public sources or files in the repo."""
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"),
+             *(ROOT / "tests").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    hits = [f"{path.relative_to(ROOT)}:{i}" for path in files
+            if path.name != "test_architecture.py"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if OUTSIDE_DOCS.search(line)]
+    assert not hits, hits
