@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpudiag.model.hardware import PEAK_STAGE, datasheet_tflops
+from gpudiag.model.config import PEAK_STAGE
+from gpudiag.model.hardware import datasheet_tflops
 
 if TYPE_CHECKING:
     from gpudiag.model.results import RunResult, StageResult

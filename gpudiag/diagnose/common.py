@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from gpudiag.model.config import REFERENCE_STAGE
 from gpudiag.model.results import RunResult, SourceLine, StageResult
-
-# The ladder's compute-bound rung: the ceiling other training stages are held against.
-REFERENCE_STAGE = "train-fp16"
 
 
 def reference_stage(run: RunResult, stage: StageResult) -> StageResult | None:

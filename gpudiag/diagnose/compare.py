@@ -17,6 +17,7 @@ import numpy as np
 from scipy import stats
 
 from gpudiag.diagnose.trials import StageSamples, stage_samples
+from gpudiag.model.errors import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult, StageResult
 
 ALPHA = 0.05  # compare shows 95% intervals
@@ -254,7 +255,8 @@ class GateDecision:
 
     @property
     def exit_code(self) -> int:
-        return {"pass": 0, "regression": 1, "inconclusive": 3}[self.outcome]
+        return {"pass": EXIT_OK, "regression": EXIT_REGRESSION,
+                "inconclusive": EXIT_INCONCLUSIVE}[self.outcome]
 
 
 def _trials_needed(estimate: RatioEstimate, limit: float) -> int:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.diagnose.common import REFERENCE_STAGE, pct
+from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.config import REFERENCE_STAGE
 from gpudiag.model.results import RunResult, StageResult
 
 # fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper

@@ -12,6 +12,11 @@ AmpDtype = Literal["fp16", "bf16", "fp32"]
 AMP_DTYPES = ("fp16", "bf16", "fp32")
 
 
+# Stages that others refer to by name: the ladder's compute-bound rung, which other training
+# stages are held against (rules, the terminal's "vs" column), and the device-ceiling stage.
+REFERENCE_STAGE = "train-fp16"
+PEAK_STAGE = "peak"
+
 # Telemetry sampling: fast NVML metrics every 50 ms, GPM every 200 ms (GPM needs a window of
 # at least 100 ms: gpudiag/measure/telemetry/sampler.py).
 SAMPLE_PERIOD_S = 0.05

@@ -12,7 +12,6 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
     "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "tf32": 82.6, "fp32": 82.6},
 }
-PEAK_STAGE = "peak"
 
 
 def datasheet_tflops(gpu_name: str | None, dtype: str) -> float | None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.model.config import PEAK_STAGE
 from gpudiag.model.facts import DdpFacts
-from gpudiag.model.hardware import PEAK_STAGE
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
 from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells

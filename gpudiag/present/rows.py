@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.model.config import PEAK_STAGE, REFERENCE_STAGE
 from gpudiag.model.results import RunResult, StageResult
 
 # The stage the ladder compares against: the seed's "GPU saturated, fp16" rung.
-REFERENCE_STAGE = "train-fp16"
 DASH = "-"
 
 
@@ -29,7 +29,7 @@ class Column:
 
 def _vs_reference(stage: StageResult, run: RunResult) -> str:
     ref = run.stage(REFERENCE_STAGE)
-    if (stage.name in (REFERENCE_STAGE, "dataloader", "peak") or ref is None or not ref.ok
+    if (stage.name in (REFERENCE_STAGE, "dataloader", PEAK_STAGE) or ref is None or not ref.ok
             or not stage.ms_per_iter or not ref.ms_per_iter):
         return DASH
     return f"{stage.ms_per_iter / ref.ms_per_iter:.2f}x"

@@ -9,6 +9,7 @@ import torch
 
 from gpudiag.measure.models import Example, ModelBundle
 from gpudiag.measure.stages.base import PREFETCH_FACTOR, StageContext, Workload, stage
+from gpudiag.model.config import REFERENCE_STAGE
 from gpudiag.model.facts import LoaderFacts, StageFacts
 
 # The training recipe of the DGCA-ReLM trainer (docs/field-cases.md#case-1).
@@ -116,7 +117,7 @@ def train(ctx: StageContext) -> Workload:
                     description=f"{bundle.description}, fp32", facts=fp32_rung())
 
 
-@stage("train-fp16", "training step with mixed precision (autocast)")
+@stage(REFERENCE_STAGE, "training step with mixed precision (autocast)")
 def train_fp16(ctx: StageContext) -> Workload:
     bundle = ctx.bundle()
     batch = ctx.batch(bundle)

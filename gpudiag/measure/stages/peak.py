@@ -15,6 +15,7 @@ import torch
 
 from gpudiag.measure.stages.base import StageContext, launched_stage
 from gpudiag.measure.timing import synchronize
+from gpudiag.model.config import PEAK_STAGE
 from gpudiag.model.facts import PeakFacts, StageFacts
 from gpudiag.model.hardware import datasheet_tflops
 from gpudiag.model.results import StageResult, TimingStats
@@ -68,7 +69,7 @@ def copy_gbps(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (TimingStats.of(times).median_ms / 1e3) / 1e9
 
 
-@launched_stage("peak", TITLE)
+@launched_stage(PEAK_STAGE, TITLE)
 def peak(ctx: StageContext) -> StageResult:
     device = ctx.device
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -89,7 +90,7 @@ def peak(ctx: StageContext) -> StageResult:
     if kind == "cuda":
         torch.cuda.empty_cache()
     return StageResult(
-        name="peak", status="ok", title=TITLE,
+        name=PEAK_STAGE, status="ok", title=TITLE,
         workload=(f"{n}x{n} matmuls: " + ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())
                   + f" TFLOP/s; copy {facts.copy_gbps:,.0f} GB/s"),
         ms_per_iter=stats.median_ms, timing=stats,
