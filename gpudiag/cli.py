@@ -15,7 +15,7 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -32,9 +32,13 @@ from rich.table import Column as ProgressColumn
 from rich.table import Table
 
 from gpudiag.diagnose import evaluate
+from gpudiag.model.config import RunConfig
 from gpudiag.model.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, GpudiagError
 from gpudiag.model.options import RunOptions, option_fields, options_of
 from gpudiag.model.results import RunFileError, RunResult, StageResult, to_jsonable
+
+if TYPE_CHECKING:
+    from gpudiag.measure.runner import RunOutput
 
 # Logs and pipes get the whole table; an interactive terminal gets what fits its width.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -189,7 +193,6 @@ def run(
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
     from gpudiag.measure.plan import build_config
-    from gpudiag.measure.runner import RunOutput, run_stages
     from gpudiag.present import (
         default_run_dir,
         prepare_run_dir,
@@ -214,6 +217,32 @@ def run(
             output.run.findings = evaluate(output.run)
         write_run_dir(run_dir, output.run, output.samples, plots=final)
 
+    output = _measure(config, notes, run_dir, trials=trials, quiet=quiet, save=save)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
+    save(output, final=True)
+    if not quiet:
+        _show_run(output.run, run_dir, as_json=as_json)
+    if output.run.interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _show_run(run: RunResult, run_dir: Path, *, as_json: bool) -> None:
+    if as_json:
+        stdout.print_json(json.dumps(run.to_dict()))
+    else:
+        _print_run(run)
+    stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)",
+                 soft_wrap=True)
+    if run.interrupted:
+        stderr.print("[yellow]Interrupted:[/] partial results written.")
+
+
+def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int, quiet: bool,
+             save: Callable[[RunOutput], None]) -> RunOutput:
+    """The run's stages: in this process (with live progress unless quiet), or `trials` fresh
+    processes merged."""
+    from gpudiag.measure.runner import RunOutput, run_stages
+
     if trials > 1:
         from gpudiag.diagnose.trials import merge_trials
         from gpudiag.measure.trialrun import run_trials
@@ -222,29 +251,13 @@ def run(
                           on_trial=lambda k, n: stderr.print(f"trial {k}/{n}"))
         merged = merge_trials(done.runs)
         merged.interrupted = merged.interrupted or done.interrupted
-        output = RunOutput(merged, done.samples)
-    elif quiet:
-        output = run_stages(config, notes=notes, on_stage_done=save, trace_dir=run_dir)
-    else:
-        live = _LiveProgress(stderr)
-        with live.progress:
-            output = run_stages(config, notes=notes, listener=live, on_stage_done=save,
-                                trace_dir=run_dir)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
-    save(output, final=True)
+        return RunOutput(merged, done.samples)
     if quiet:
-        if output.run.interrupted:
-            raise typer.Exit(EXIT_INTERRUPTED)
-        return
-    if as_json:
-        stdout.print_json(json.dumps(output.run.to_dict()))
-    else:
-        _print_run(output.run)
-    stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)",
-                 soft_wrap=True)
-    if output.run.interrupted:
-        stderr.print("[yellow]Interrupted:[/] partial results written.")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        return run_stages(config, notes=notes, on_stage_done=save, trace_dir=run_dir)
+    live = _LiveProgress(stderr)
+    with live.progress:
+        return run_stages(config, notes=notes, listener=live, on_stage_done=save,
+                          trace_dir=run_dir)
 
 
 def _print_run(run: RunResult) -> None:

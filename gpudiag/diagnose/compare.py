@@ -271,21 +271,32 @@ def _trials_needed(estimate: RatioEstimate, limit: float) -> int:
     return max(n + 1, math.ceil(n * (half / room) ** 2))
 
 
-def gate_stage(comparison: StageComparison, limit: float, min_iters: int) -> StageGate:
-    est = comparison.throughput
-    name = comparison.stage
+def _unusable(comparison: StageComparison, limit: float, min_iters: int) -> StageGate | None:
+    """An inconclusive verdict when the data cannot be judged at all, else None."""
+    est, name = comparison.throughput, comparison.stage
     samples = [s for s in (comparison.before_samples, comparison.after_samples) if s]
+    reason = None
     if comparison.before is None or comparison.after is None:
-        return StageGate(name, "inconclusive", limit, None, comparison.note)
-    if any(s.invalid for s in samples) and est is None:
-        return StageGate(name, "inconclusive", limit, None,
-                         "every trial on a side throttled (thermal/hardware slowdown)")
-    if any(s.iters < min_iters for s in samples):
+        reason = comparison.note
+    elif any(s.invalid for s in samples) and est is None:
+        reason = "every trial on a side throttled (thermal/hardware slowdown)"
+    elif any(s.iters < min_iters for s in samples):
         return StageGate(name, "inconclusive", limit, est,
                          f"fewer than {min_iters} steady-state steps on a side")
-    if est is None:
+    elif est is None:
         return StageGate(name, "inconclusive", limit, None, comparison.note or "no samples",
                          trials_needed=2)
+    else:
+        return None
+    return StageGate(name, "inconclusive", limit, None, reason)
+
+
+def gate_stage(comparison: StageComparison, limit: float, min_iters: int) -> StageGate:
+    unusable = _unusable(comparison, limit, min_iters)
+    if unusable is not None:
+        return unusable
+    est, name = comparison.throughput, comparison.stage
+    assert est is not None
     change = (f"{est.ratio - 1:+.1%} throughput ({est.confidence:.0%} CI "
               f"{est.low - 1:+.1%} .. {est.high - 1:+.1%})")
     if est.high < 1 and est.ratio < 1 - limit:

@@ -86,46 +86,64 @@ def run_stages(
         if on_stage_done is not None:
             on_stage_done(RunOutput(run, sampler.samples()))
 
-    profiled: list[StageResult] = []
+    session = _Session(run, ctx, sampler, listener, checkpoint)
     with sampler:
         sampler.wait_ready()
-        for name in config.stages:
-            definition = get_stage(name)
-            if run.interrupted:
-                run.stages.append(StageResult(name=name, status="skipped",
-                                              title=definition.title, error="run interrupted"))
-                continue
-            try:
-                if definition.launch is not None:
-                    result, host_only = _launch_stage(definition, ctx, listener), True
-                else:
-                    result, host_only = _run_stage(definition, ctx, sampler, listener)
-            except KeyboardInterrupt:
-                run.interrupted = True
-                result, host_only = StageResult(
-                    name=name, status="error", title=definition.title,
-                    error="interrupted (Ctrl-C) before the stage finished"), True
-            run.stages.append(result)
-            if result.ok and not host_only and config.evidence_steps:
-                profiled.append(result)
-            if listener is not None:
-                listener.stage_finished(result)
-            checkpoint()
+        profiled = [result for name in config.stages
+                    if (result := session.time_stage(name)) is not None]
         for result in profiled:
             if run.interrupted:
                 break
-            if listener is not None:
-                listener.evidence_started(result.name)
-            try:
-                _add_evidence(get_stage(result.name), ctx, result, trace_dir)
-            except KeyboardInterrupt:
-                run.interrupted = True
-            if listener is not None:
-                listener.evidence_finished(result.name)
-            checkpoint()
+            session.profile(result, trace_dir)
         samples = sampler.samples()
     run.duration_s = time.perf_counter() - started
     return RunOutput(run, samples)
+
+
+@dataclass
+class _Session:
+    """One run in progress: each stage timed, then each profiled, the run reported after each."""
+
+    run: RunResult
+    ctx: StageContext
+    sampler: Sampler
+    listener: ProgressListener | None
+    checkpoint: Callable[[], None]
+
+    def time_stage(self, name: str) -> StageResult | None:
+        """Time stage `name` into the run; return its result when it wants a profiler window."""
+        definition = get_stage(name)
+        if self.run.interrupted:
+            self.run.stages.append(StageResult(name=name, status="skipped",
+                                               title=definition.title, error="run interrupted"))
+            return None
+        try:
+            if definition.launch is not None:
+                result, host_only = _launch_stage(definition, self.ctx, self.listener), True
+            else:
+                result, host_only = _run_stage(definition, self.ctx, self.sampler, self.listener)
+        except KeyboardInterrupt:
+            self.run.interrupted = True
+            result, host_only = StageResult(
+                name=name, status="error", title=definition.title,
+                error="interrupted (Ctrl-C) before the stage finished"), True
+        self.run.stages.append(result)
+        if self.listener is not None:
+            self.listener.stage_finished(result)
+        self.checkpoint()
+        wanted = result.ok and not host_only and self.ctx.config.evidence_steps
+        return result if wanted else None
+
+    def profile(self, result: StageResult, trace_dir: Path | None) -> None:
+        if self.listener is not None:
+            self.listener.evidence_started(result.name)
+        try:
+            _add_evidence(get_stage(result.name), self.ctx, result, trace_dir)
+        except KeyboardInterrupt:
+            self.run.interrupted = True
+        if self.listener is not None:
+            self.listener.evidence_finished(result.name)
+        self.checkpoint()
 
 
 def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
