@@ -12,9 +12,10 @@ from __future__ import annotations
 import ast
 import functools
 import sys
+import sysconfig
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -39,16 +40,26 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
                torch.float64: "fp64"}
 
 
-def annotation(location: str, function: str, direct: bool, dtype: str = "") -> str:
-    return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}|{dtype}"
+class Site(NamedTuple):
+    """Where a torch call came from: the user's line, and the library frame it went through."""
+
+    location: str  # "path:line"
+    function: str
+    direct: bool  # the line called torch itself, not through a library
+    dtype: str = ""  # the compute dtype of a matmul-family call, else ""
+    via: str = ""  # "path:line" of the library frame between the user's line and torch
 
 
-def parse_annotation(name: str) -> tuple[str, str, bool, str] | None:
-    """(location, function, direct, matmul dtype or '') of a source annotation."""
+def annotation(location: str, function: str, direct: bool, dtype: str = "", via: str = "") -> str:
+    return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}|{dtype}|{via}"
+
+
+def parse_annotation(name: str) -> Site | None:
+    """The site a source annotation names (None for other ranges)."""
     if not name.startswith(ANNOTATION_PREFIX):
         return None
-    location, function, direct, dtype = name[len(ANNOTATION_PREFIX):].rsplit("|", 3)
-    return location, function, direct == "1", dtype
+    location, function, direct, dtype, via = name[len(ANNOTATION_PREFIX):].rsplit("|", 4)
+    return Site(location, function, direct == "1", dtype, via)
 
 
 def matmul_dtype(func: Any, args: tuple[Any, ...]) -> str:
@@ -65,29 +76,49 @@ def matmul_dtype(func: Any, args: tuple[Any, ...]) -> str:
     return DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
 
 
+# gpudiag's own instrumentation (this window, the profile recorder): never a call site. Its
+# models and stages are: they are the code `gpudiag run` measures.
+_INSTRUMENTATION = (_EVIDENCE_DIR, str(Path(__file__).resolve().parent.parent / "profile"))
+_GPUDIAG_WORKLOADS = tuple(str(Path(__file__).resolve().parent.parent / d)
+                           for d in ("models", "stages"))
+_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+
+
 @functools.cache
 def _is_internal(filename: str) -> bool:
-    return filename.startswith((_TORCH_DIR, _EVIDENCE_DIR)) or filename.startswith("<frozen")
+    return filename.startswith((_TORCH_DIR, *_INSTRUMENTATION)) or filename.startswith("<frozen")
+
+
+@functools.cache
+def is_library(filename: str) -> bool:
+    """Installed packages and the standard library: code the user did not write."""
+    if filename.startswith(_GPUDIAG_WORKLOADS):
+        return False
+    parts = Path(filename).parts
+    return ("site-packages" in parts or "dist-packages" in parts
+            or filename.startswith(_STDLIB))
 
 
 @functools.cache
 def display_path(filename: str) -> str:
-    """A short, stable name: relative to the working directory or to site-packages."""
+    """A short, stable name: relative to site-packages for an installed package (wherever the
+    environment lives), else to the working directory."""
     path = Path(filename)
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        pass
     parts = path.parts
     for marker in ("site-packages", "dist-packages"):
         if marker in parts:
             return str(Path(*parts[parts.index(marker) + 1:]))
-    return str(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
-def call_site(frame: FrameType | None) -> tuple[str, str, bool] | None:
-    """(path:line, function, direct) of the first frame outside torch; `direct` when the user's
-    line called torch itself rather than through another library function in torch."""
+def call_site(frame: FrameType | None) -> Site | None:
+    """The innermost frame of the user's own code that led to a torch call, and the library
+    frame it went through (if any). Frames in torch and in gpudiag's instrumentation are
+    skipped; library and standard-library frames are passed through, remembered as `via`. With
+    no user frame at all (a library's own thread), the library frame itself, `direct` False."""
     direct = True
     while frame is not None and _is_internal(frame.f_code.co_filename):
         if not frame.f_code.co_filename.endswith(_DISPATCH_FILES):
@@ -95,8 +126,18 @@ def call_site(frame: FrameType | None) -> tuple[str, str, bool] | None:
         frame = frame.f_back
     if frame is None:
         return None
+    first = frame
+    while frame is not None and (is_library(frame.f_code.co_filename)
+                                 or _is_internal(frame.f_code.co_filename)):
+        frame = frame.f_back
+    if frame is None:
+        code = first.f_code
+        return Site(f"{display_path(code.co_filename)}:{first.f_lineno}", code.co_name, False)
     code = frame.f_code
-    return f"{display_path(code.co_filename)}:{frame.f_lineno}", code.co_name, direct
+    via = "" if frame is first else \
+        f"{display_path(first.f_code.co_filename)}:{first.f_lineno}"
+    return Site(f"{display_path(code.co_filename)}:{frame.f_lineno}", code.co_name,
+                direct and not via, via=via)
 
 
 class SourceAnnotator(TorchFunctionMode):
@@ -112,7 +153,8 @@ class SourceAnnotator(TorchFunctionMode):
         self.calls += 1
         if site is None:
             return func(*args, **(kwargs or {}))
-        with record_function(annotation(*site, dtype=matmul_dtype(func, args))):
+        with record_function(annotation(site.location, site.function, site.direct,
+                                        matmul_dtype(func, args), site.via)):
             return func(*args, **(kwargs or {}))
 
 

@@ -62,6 +62,7 @@ class _Line:
     host_us: float = 0.0
     device_us: float = 0.0
     kernel_us: list[float] = field(default_factory=list)
+    via: str = ""
 
 
 def _end(e: dict[str, Any]) -> float:
@@ -201,10 +202,11 @@ class _Window:
         return e.get("_line")
 
     def stats(self, annotation_event: dict[str, Any]) -> _Line:
-        location, function, _, _ = parse_annotation(annotation_event["name"])  # type: ignore[misc]
-        if location not in self.lines:
-            self.lines[location] = _Line(location=location, function=function)
-        return self.lines[location]
+        site = parse_annotation(annotation_event["name"])
+        assert site is not None
+        if site.location not in self.lines:
+            self.lines[site.location] = _Line(site.location, site.function, via=site.via)
+        return self.lines[site.location]
 
 
 def _select(events: list[dict[str, Any]]) -> _Window:
@@ -242,7 +244,7 @@ def _count_host(w: _Window, backend: str) -> tuple[list[dict[str, Any]], int]:
     for a in w.annotations:
         line = w.stats(a)
         line.calls += 1
-        line.direct_calls += int(parse_annotation(a["name"])[2])  # type: ignore[index]
+        line.direct_calls += int(parse_annotation(a["name"]).direct)  # type: ignore[union-attr]
         line.host_us += float(a.get("dur", 0.0))
     for node in w.backward_nodes:
         if node.get("_forward_line") is not None:  # unmapped nodes are inside their backward()
@@ -358,7 +360,7 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> 
             sync_idle_ms_per_step=_idle_after(runtime.line_sync_ends[line.location],
                                               w.device) * per / 1e3,
             share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
-            in_loop=in_loop(line.location))
+            in_loop=in_loop(line.location), via=line.via or None)
         for line in w.lines.values()]
     found.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
                reverse=True)
@@ -421,7 +423,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
 def _dtype(annotation_event: dict[str, Any] | None) -> str:
     """The matmul dtype the source annotator recorded for the call that issued this work."""
     parsed = parse_annotation(annotation_event["name"]) if annotation_event else None
-    return parsed[3] if parsed and parsed[3] else "unknown"
+    return parsed.dtype if parsed and parsed.dtype else "unknown"
 
 
 def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
