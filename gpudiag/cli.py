@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -313,14 +314,17 @@ def profile(
     timed: Annotated[int, typer.Option(help="Timed steps, before the profiler window.")] = 30,
     telemetry: Annotated[str, typer.Option(help="GPU telemetry in the script: full (NVML and "
                                            "GPM), basic (NVML only) or off.")] = "full",
+    stop_after_window: Annotated[bool, typer.Option(
+        "--stop-after-window", help="End the script once the profiler window has closed and "
+        "the diagnosis is written (a long job answers in minutes).")] = False,
+    rerun: Annotated[bool, typer.Option(
+        "--rerun/--no-rerun", help="When the script ends before the profiler window, run it "
+        "once more with a schedule that fits its length.")] = True,
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
-    from gpudiag.measure.profile.session import profile_command
-    from gpudiag.present import (
-        default_run_dir,
-        prepare_run_dir,
-        write_run_dir,
-    )
+    from gpudiag.measure.profile.protocol import Schedule
+    from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest, profile_command
+    from gpudiag.present import default_run_dir, prepare_run_dir
 
     for name, value in (("--steps", steps), ("--warmup", warmup), ("--timed", timed)):
         if value < (1 if name == "--timed" else 0):
@@ -328,20 +332,35 @@ def profile(
                            f" (got {value})")
     if telemetry not in ("full", "basic", "off"):
         raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
-    run_dir = prepare_run_dir(out or default_run_dir("profile"))
-    output = profile_command(command, run_dir, warmup=warmup, timed=timed, steps=steps,
-                             telemetry=telemetry)
-    output.run.findings = evaluate(output.run)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import pandas as pd
+    # Absolute before launch: the script may change directory.
+    run_dir = prepare_run_dir(out or default_run_dir("profile")).resolve()
 
-    write_run_dir(run_dir, output.run, pd.DataFrame())
+    def early(output: ProfileOutput) -> None:
+        _write_profile(run_dir, output)
+        stderr.print(f"[yellow]gpudiag profile:[/] diagnosis written to {run_dir / 'report.md'}"
+                     + ("" if stop_after_window else " (the script goes on; the report is "
+                        "rewritten when it ends)"), soft_wrap=True)
+
+    request = ProfileRequest(command, run_dir, Schedule(warmup, timed, steps), telemetry,
+                             stop_after_window=stop_after_window, rerun=rerun)
+    output = profile_command(request, on_window=early)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _write_profile(run_dir, output)
     for message in output.messages:
-        stderr.print(f"[yellow]gpudiag profile:[/] {message}", soft_wrap=True)
+        stderr.print(f"[yellow]gpudiag profile:[/] {escape(message)}", soft_wrap=True)
     if output.run.stages:
         _print_run(output.run)
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json beside it)", soft_wrap=True)
     raise typer.Exit(output.exit_code)
+
+
+def _write_profile(run_dir: Path, output: Any) -> None:
+    import pandas as pd
+
+    from gpudiag.present import write_run_dir
+
+    output.run.findings = evaluate(output.run)
+    write_run_dir(run_dir, output.run, pd.DataFrame())
 
 
 @app.command()

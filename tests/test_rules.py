@@ -20,6 +20,7 @@ from gpudiag.model.facts import (
     LinkProbe,
     LoaderFacts,
     SaveRecord,
+    ScriptFacts,
     SingleDevice,
     StageFacts,
 )
@@ -310,6 +311,13 @@ def gd702(*, wait: float) -> RunResult:
     return make_run(stage)
 
 
+def gd703(*, extra: float) -> RunResult:
+    """A profiled script (every torch.save is seen: none here) evaluating every 10 steps."""
+    stage = _saving_stage("train.py", extra)
+    stage.facts.script = ScriptFacts(steps=130, warmup=5, timed=100, step_clock="optimizer.step()")
+    return make_run(stage)
+
+
 def gd801(*, efficiency: float) -> RunResult:
     stage = make_stage("ddp", ms=50.0, facts=StageFacts(ddp=DdpFacts(
         world_size=2, per_device_batch=64, accum=1, scaling_efficiency=efficiency,
@@ -416,6 +424,10 @@ CASES: dict[str, Case] = {
     "GD702": Case(P(gd702, wait=25.0), "checkpoint-async", "warning",
                   {"saves_waited": 10, "wait_ms_median": 25.0, "lost_share": 0.05},
                   (P(gd702, wait=24.9),)),
+    "GD703": Case(P(gd703, extra=25.0), "train.py", "warning",
+                  {"period_steps": 10, "occurrences": 10, "extra_ms_per_occurrence": 25.0,
+                   "lost_share": 0.05, "saves_on_record": 0},
+                  (P(gd703, extra=24.9),)),
     "GD801": Case(P(gd801, efficiency=0.79), "ddp", "warning",
                   {"scaling_efficiency": 0.79, "cause": "communication",
                    "added_ms_per_step": 10.0},

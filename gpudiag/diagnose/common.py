@@ -18,6 +18,13 @@ def reference_stage(run: RunResult, stage: StageResult) -> StageResult | None:
     return max(others, key=lambda s: s.telemetry.power_mean_w or 0.0, default=None)
 
 
+def on_gpu(run: RunResult, stage: StageResult) -> bool:
+    """Whether the stage ran on a GPU: GPU-only advice (pinned memory, NVLink) needs one."""
+    if stage.timer == "cuda-events" or (stage.evidence and stage.evidence.backend == "cuda"):
+        return True
+    return run.env.device.startswith("cuda") and stage.timer != "host-clock"
+
+
 def data_wait_share(stage: StageResult) -> float:
     waits = stage.phases_ms.get("data_wait")
     if not waits or not stage.ms_per_iter:

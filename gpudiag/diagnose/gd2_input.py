@@ -5,13 +5,18 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator
 
-from gpudiag.diagnose.common import data_wait_share, pct
+from gpudiag.diagnose.common import data_wait_share, on_gpu, pct
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import RunResult
 
 WAIT_WARNING, WAIT_CRITICAL = 0.10, 0.30
 PAGEABLE_WARNING = 0.02
 COPY_MIN_SHARE, COPY_MIN_OVERLAP = 0.05, 0.5
+
+
+def _workers_now(workers: int | None) -> str:
+    return (f"now {workers}" if workers is not None
+            else "num_workers > 0; gpudiag does not see the script's loader settings")
 
 
 @rule(
@@ -44,9 +49,10 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
                       "share": round(share, 3), "num_workers": workers,
                       "pin_memory": None if loader is None else loader.pin_memory,
                       "prefetch_factor": None if loader is None else loader.prefetch_factor},
-            fix=(f"Give the DataLoader more workers (now {workers}), pin_memory=True, "
-                 "persistent_workers=True and prefetch_factor>=2; preload tokenised data; do "
-                 "per-sample masking and padding on the GPU as batched ops."),
+            fix=(f"Give the DataLoader more workers ({_workers_now(workers)}), "
+                 + ("pin_memory=True, " if on_gpu(run, stage) else "")
+                 + "persistent_workers=True and prefetch_factor>=2; preload tokenised data; "
+                 "do per-sample masking and padding as batched tensor ops."),
         )
 
 

@@ -31,6 +31,7 @@ TARGET_OVERHEAD = 0.03  # the checkpoint overhead the advised interval aims for
 CONTENTION_SLOWDOWN = 0.10  # steps during a write this much slower than steps without one
 MIN_STEPS_PER_SIDE = 3
 WAIT_NOISE_MS = 1.0  # waits shorter than this are bookkeeping, not a queue
+OTHER_WORK_SHARE = 0.1  # other work on saving steps worth naming, against the save's stall
 
 
 def _saves(stage: StageResult) -> tuple[str | None, int | None, list[SaveRecord]]:
@@ -55,6 +56,7 @@ class Stalls:
     stall_ms: float  # extra time per save, on the steps the save held up
     lost: float  # that extra time over the time steady steps would take
     checkfreq_lost: float  # CheckFreq's overhead over the stage's median: all slow steps
+    other_ms: float = 0.0  # per saving step: extra time beyond the saves' own blocking
 
     @property
     def interval_for_target(self) -> int:
@@ -62,14 +64,22 @@ class Stalls:
         return max(1, math.ceil(self.stall_ms / (TARGET_OVERHEAD * self.baseline_ms)))
 
 
+def saves_are_seen(stage: StageResult) -> bool:
+    """Whether every save would be on record: a checkpoint stage, or a profiled script (whose
+    torch.save calls gpudiag times). Then periodic spikes without a save are something else."""
+    return stage.facts.checkpoint is not None or stage.facts.script is not None
+
+
 def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
     """With save records: the excess of the saving steps over the median step without a save
-    (signed, so noise cancels). For async saves no more than the time the training thread was
-    held in the save call: the rest of what an async writer costs (the GIL, cores, copies
-    competing with training) is contention, priced by checkpoint-async-contention. Without
-    records: the excess of spikes that recur with one period over the median step."""
+    (signed, so noise cancels), but no more than the time the saves held the training thread:
+    other work on those steps (an evaluation on the step that saves) is not the save's, and
+    is measured apart (`other_ms`; GD703 prices it). For async saves, what the writer costs
+    beyond that (the GIL, cores, copies competing with training) is contention, priced by
+    checkpoint-async-contention. Without records, where saves would not be seen: the excess
+    of spikes that recur with one period over the median step."""
     times = stage.iter_ms
-    mode, every, saves = _saves(stage)
+    _, every, saves = _saves(stage)
     if saves:
         held = {s.step for s in saves}
         baseline = _median([t for i, t in enumerate(times) if i not in held])
@@ -79,12 +89,13 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
         if not baseline:
             return None
         excess = sum(times[i] - baseline for i in held)
-        if mode == "async":
-            excess = min(excess, sum(s.blocking_ms for s in saves))
-        return Stalls("save records", every, len(saves), baseline, excess / len(saves),
-                      excess / (baseline * len(times)), lost_share(times))
-    if stage.facts.bursty:
-        return None  # bursty by nature (a prefetching DataLoader): its spikes are not saves
+        blocking = sum(s.blocking_ms for s in saves)
+        stall = min(excess, blocking)
+        return Stalls("save records", every, len(saves), baseline, stall / len(saves),
+                      stall / (baseline * len(times)), lost_share(times),
+                      other_ms=max(0.0, excess - blocking) / len(saves))
+    if stage.facts.bursty or saves_are_seen(stage):
+        return None  # bursty by nature (a prefetching DataLoader), or spikes are not saves
     waits = stage.phases_ms.get("data_wait", [])
     if len(waits) == len(times):  # periodic data stalls belong to the input rules
         times = [t - w for t, w in zip(times, waits, strict=True)]
@@ -117,7 +128,11 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
                 Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
                 Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical"),
                 Threshold("target_overhead", TARGET_OVERHEAD,
-                          "overhead the advised save interval aims for")),
+                          "overhead the advised save interval aims for"),
+                Threshold("wait_noise_ms", WAIT_NOISE_MS,
+                          "other work on saving steps shorter than this is noise ..."),
+                Threshold("other_work_share", OTHER_WORK_SHARE,
+                          "... or than this share of the save's own stall")),
     references=("CheckFreq (FAST '21): checkpoint overhead = (sum(t) - median * n) / "
                 "(median * n)", "https://pytorch.org/docs/stable/distributed.checkpoint.html"),
 )
@@ -144,6 +159,8 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
             "checkfreq_overhead": round(stalls.checkfreq_lost, 4),
             "interval_for_3pct": stalls.interval_for_target,
         }
+        if stalls.other_ms > max(WAIT_NOISE_MS, OTHER_WORK_SHARE * stalls.stall_ms):
+            evidence["other_work_ms_per_saving_step"] = round(stalls.other_ms, 1)
         if saves:
             blocking = statistics.median(s.blocking_ms for s in saves)
             totals = [s.total_ms for s in saves if s.total_ms is not None]
@@ -153,6 +170,7 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
                 "save_total_ms_median": round(statistics.median(totals), 1) if totals else None,
                 "bytes_per_save": max((s.bytes or 0) for s in saves) or None,
                 "write_gb_per_s": round(statistics.median(rates), 2) if rates else None,
+                "files_per_save": max(s.files for s in saves),
             })
         interval = stalls.interval_for_target
         what = ("Checkpoint stalls" if saves else
@@ -167,6 +185,9 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
                    "gpudiag's checkpoint-async stage as a template), only on rank 0 or sharded "
                    f"with DCP; at {stalls.stall_ms:.0f} ms per save, a 3% overhead needs a save "
                    f"every >= {interval} steps (now {every}).")
+        if "other_work_ms_per_saving_step" in evidence:
+            fix += (f" The saving steps also spend {stalls.other_ms:.0f} ms on other work "
+                    "(evaluation, logging): not the save's, see GD703.")
         yield Draft(
             severity=severity_for(stalls.lost, warning=WARNING_LOST, critical=CRITICAL_LOST),
             stage=stage.name,
@@ -282,3 +303,75 @@ def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
                       "lost_share": round(lost, 4)},
             impact=min(1.0, lost / (1 + lost)),
             fix="; ".join(fixes) + "; keep exactly one save in flight.")
+
+
+def periodic_work(stage: StageResult) -> Stalls | None:
+    """Step-time spikes that recur with one period and that no save explains: each step's
+    time less its training data wait and its saves' blocking, then spikes and their period
+    (as for step times alone), priced by their excess over the median step."""
+    times = list(stage.iter_ms)
+    waits = stage.phases_ms.get("data_wait", [])
+    if len(waits) == len(times):
+        times = [t - w for t, w in zip(times, waits, strict=True)]
+    _, _, saves = _saves(stage)
+    for s in saves:
+        times[s.step] -= s.blocking_ms
+    spikes = find_spikes(times)
+    period = detect_period(spikes.indices, len(times))
+    if period is None:
+        return None
+    excess = sum(e for i, e in zip(spikes.indices, spikes.excess_ms, strict=True)
+                 if i % period.steps == period.phase)
+    return Stalls("step times less saves and data waits", period.steps, period.hits,
+                  spikes.median_ms, excess / period.hits,
+                  excess / (spikes.median_ms * len(times)), lost_share(times))
+
+
+@rule(
+    "GD703", "periodic-step-work", concern="checkpoint",
+    summary="Every N steps a step takes much longer, and it is not a checkpoint save.",
+    why=("Evaluation, metric computation or logging every N steps stops training for as long "
+         "as it takes; in a step-time plot it looks like a checkpoint stall, and advice for "
+         "saves (asynchronous writers) does not help it. Where gpudiag sees every save (a "
+         "profiled script, a checkpoint stage), what recurs beyond the saves is this work."),
+    fix=("Run the periodic work less often, on fewer batches, or off the training process "
+         "(another rank, a separate evaluation job on saved checkpoints); keep its DataLoader "
+         "persistent so it does not restart workers each time."),
+    thresholds=(Threshold("min_steps", MIN_STEPS, "steps needed to see a period"),
+                Threshold("spike_mads", SPIKE_MADS, "a spike is above median + 5 MAD ..."),
+                Threshold("spike_excess", MIN_SPIKE_EXCESS, "... and 20% above the median"),
+                Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
+                Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
+                Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical")),
+    references=("docs/field-cases.md#case-4 (stalls that were not the save)",),
+)
+def periodic_step_work(run: RunResult) -> Iterator[Draft]:
+    """Stages of at least 20 steps whose saves are all on record: the step times less the
+    saves' blocking and the training data wait still spike with one period. Severity by the
+    time lost as a share of the steady time, as for checkpoint stalls."""
+    for stage in run.ok_stages():
+        if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or not saves_are_seen(stage):
+            continue
+        work = periodic_work(stage)
+        if work is None or work.lost < INFO_LOST:
+            continue
+        share = work.lost / (1 + work.lost)
+        _, _, saves = _saves(stage)
+        with_saves = bool(saves) and work.period_steps is not None and all(
+            s.step % work.period_steps == saves[0].step % work.period_steps for s in saves)
+        yield Draft(
+            severity=severity_for(work.lost, warning=WARNING_LOST, critical=CRITICAL_LOST),
+            stage=stage.name,
+            title=(f"Every {work.period_steps} steps a step takes {work.stall_ms:.0f} ms longer "
+                   f"({pct(share)} of wall time) for work that is not a checkpoint save"
+                   + (" (on the saving steps, beside the save)" if with_saves else "")),
+            evidence={"period_steps": work.period_steps, "occurrences": work.saves,
+                      "extra_ms_per_occurrence": round(work.stall_ms, 1),
+                      "baseline_step_ms": round(work.baseline_ms, 2),
+                      "lost_share": round(work.lost, 4), "wall_share": round(share, 4),
+                      "saves_on_record": len(saves)},
+            impact=min(1.0, share),
+            fix=(f"This is periodic work in the training loop (evaluation, metrics, logging): "
+                 f"{work.stall_ms:.0f} ms every {work.period_steps} steps. Run it less often or "
+                 "on fewer batches, or move it off the training process; an evaluation's "
+                 "price is this time per occurrence."))

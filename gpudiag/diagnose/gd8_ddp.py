@@ -31,6 +31,15 @@ def _ddp(stage: StageResult) -> DdpFacts | None:
     return stage.facts.ddp
 
 
+def _faster_link(backend: str) -> str:
+    """The interconnect advice that applies: NCCL's links on GPUs, the network under gloo."""
+    if backend == "nccl":
+        return ("use a faster interconnect (NVLink, InfiniBand; check NCCL_P2P_DISABLE, "
+                "NCCL_SHM_DISABLE, NCCL_IB_DISABLE are unset).")
+    return (f"the {backend or 'CPU'} backend moves gradients over the host's network stack: "
+            "a faster network between nodes, or fewer, larger all-reduces.")
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:,.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
 
@@ -89,8 +98,7 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
             f"per-GPU batch, or accumulate >= {k} micro-steps per optimizer step with "
             "model.no_sync() around forward and backward of all but the last; compress "
             "gradients to fp16/bf16 with a DDP comm hook (register_comm_hook(None, "
-            "default_hooks.fp16_compress_hook)); use a faster interconnect (NVLink, "
-            "InfiniBand; check NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_IB_DISABLE are unset)."
+            f"default_hooks.fp16_compress_hook)); {_faster_link(info.backend)}"
             + _sweep_line(info)), evidence)
     if single and single < SMALL_STEP_MS:
         return ("per-device batch too small", (
@@ -417,8 +425,8 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                 f"accumulate >= {k} "
                 "micro-steps per optimizer step with model.no_sync() around forward and "
                 "backward of all but the last; compress gradients with register_comm_hook("
-                "None, default_hooks.fp16_compress_hook); use a faster interconnect (NVLink, "
-                "InfiniBand; check NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_IB_DISABLE)."
+                f"None, default_hooks.fp16_compress_hook); "
+                f"{_faster_link('nccl' if lead.evidence.backend == 'cuda' else 'gloo')}"
                 if link_bound else
                 "The all-reduce runs well below the link's bandwidth: it is latency-bound "
                 "(many small buckets) or waits: raise bucket_cap_mb (now "

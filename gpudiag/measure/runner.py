@@ -93,7 +93,9 @@ def run_stages(
                     if (result := session.time_stage(name)) is not None]
         for result in profiled:
             if run.interrupted:
-                break
+                result.facts.evidence_missing = ("the run was interrupted before this stage's "
+                                                 "profiler window")
+                continue
             session.profile(result, trace_dir)
         samples = sampler.samples()
     run.duration_s = time.perf_counter() - started
@@ -131,8 +133,12 @@ class _Session:
         if self.listener is not None:
             self.listener.stage_finished(result)
         self.checkpoint()
-        wanted = result.ok and not host_only and self.ctx.config.evidence_steps
-        return result if wanted else None
+        if not (result.ok and not host_only):
+            return None
+        if not self.ctx.config.evidence_steps:
+            result.facts.evidence_missing = "--evidence-steps 0: no profiler window was run"
+            return None
+        return result
 
     def profile(self, result: StageResult, trace_dir: Path | None) -> None:
         if self.listener is not None:

@@ -33,6 +33,7 @@ class SaveRecord:
     write_ms: float | None = None  # the file write alone
     bytes: int | None = None
     write_gbps: float | None = None
+    files: int = 1  # files written by this save (one checkpoint can be several torch.save calls)
 
 
 @dataclass

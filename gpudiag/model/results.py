@@ -134,6 +134,9 @@ class SourceLine:
     median_kernel_us: float | None = None
     share_of_step_time: float = 0.0  # host time in this line's calls / profiled step time
     in_loop: bool = False  # the line sits inside a for/while loop or comprehension
+    # The library frame (path:line) between this line of the user's code and torch, when the
+    # work went through one (a Trainer, a model in site-packages); None for direct calls.
+    via: str | None = None
 
 
 @dataclass
@@ -176,6 +179,8 @@ class Evidence:
     top_ops_by_time: list[dict[str, Any]] = field(default_factory=list)
     source_lines: list[SourceLine] = field(default_factory=list)
     window_overhead: float | None = None  # profiled step time / timed median step time
+    # Why device work is not charged to source lines, when it is not (torch.compile).
+    attribution_note: str | None = None
 
     def hottest_source_line(self) -> SourceLine | None:
         return self.source_lines[0] if self.source_lines else None

@@ -39,15 +39,28 @@ def headline(run: RunResult) -> str | None:
     return f"**{top.stage}: {top.title}**{where}. {top.fix}"
 
 
+def blind_spots(run: RunResult) -> list[str]:
+    """Stages the evidence-based rules could not look at, each with why ("stage: reason")."""
+    return [f"{s.name}: {s.facts.evidence_missing}" for s in run.ok_stages()
+            if s.evidence is None and s.facts.evidence_missing]
+
+
 def diagnosis_markdown(run: RunResult) -> list[str]:
     lines = ["## Diagnosis", ""]
     material = [f for f in run.findings if f.severity != "info"]
     observations = [f for f in run.findings if f.severity == "info"]
     top = headline(run)
-    if top is None:
-        lines += ["No warning-level finding: no rule saw a material cost in these stages.", ""]
-    else:
+    unseen = blind_spots(run)
+    if top is not None:
         lines += [top, ""]
+    elif unseen:
+        lines += ["No warning-level finding in what gpudiag could see; it could not see "
+                  "everything, so this is not a clean bill of health:", ""]
+    else:
+        lines += ["No warning-level finding: no rule saw a material cost in these stages.", ""]
+    if unseen:
+        lines += [f"- **No evidence for {line}**" for line in unseen]
+        lines.append("")
     for i, f in enumerate(material, 1):
         lines.append(f"### {i}. {f.severity}: {f.id} {f.rule} ({f.stage})")
         lines += ["", f.title, ""]
@@ -80,8 +93,13 @@ def findings_panel(run: RunResult) -> Panel:
         text.append(f"\n   fix: {f.fix}", style="green")
         parts.append(text)
     info = [f for f in run.findings if f.severity == "info"]
+    unseen = blind_spots(run)
     if not material:
-        parts.append(Text("No warning-level findings.", style="green"))
+        parts.append(Text("No warning-level findings in what gpudiag could see."
+                          if unseen else "No warning-level findings.",
+                          style="yellow" if unseen else "green"))
+    for line in unseen:
+        parts.append(Text(f"no evidence for {line}", style="yellow"))
     if info:
         parts.append(Text(f"{len(info)} observation(s) at information level in report.md.",
                           style="dim"))

@@ -57,9 +57,10 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += _evidence(run)
     out += _distributed(run)
     out += _problems(run)
+    windows = (", and each stage's profiler window (kernels, copies, the source-line ranges) in "
+               "profile-<stage>.json.gz beside it" if any(run.stages_with_evidence()) else "")
     out += ["The timeline (stages, steps, power and SM/tensor activity, findings) is in "
-            "[trace.json](trace.json), and each stage's profiler window (kernels, copies, the "
-            "source-line ranges) in profile-<stage>.json.gz beside it: open them in "
+            f"[trace.json](trace.json){windows}: open {'them' if windows else 'it'} in "
             "https://ui.perfetto.dev or chrome://tracing.", ""]
     out += ["## Environment", ""]
     out += markdown_table(["", ""], [[k, v] for k, v in env_rows(env)], right=2)
@@ -122,7 +123,8 @@ def _evidence(run: RunResult) -> list[str]:
             fmt(ev.launches_per_step, ",.0f") if ev.backend == "cuda" else "-",
             fmt(ev.ops_per_step, ",.0f"), fmt(ev.syncs_per_step, ",.0f"), fmt(copies, ",.0f"),
             fmt(ev.idle_fraction * 100 if ev.idle_fraction is not None else None, ".0f"),
-            f"`{hot.location}` ({hot.ops_per_step:,.0f} ops)" if hot else "-",
+            (f"`{hot.location}`" + (f" via `{hot.via}`" if hot.via else "")
+             + f" ({hot.ops_per_step:,.0f} ops)") if hot else "-",
             fmt(ev.window_overhead, ".2f", "x"),
         ])
     if not rows:
@@ -218,11 +220,19 @@ def _method(run: RunResult) -> list[str]:
     c = run.config
     timers = sorted({s.timer for s in run.ok_stages() if s.timer})
     lines = ["## How it was measured", ""]
-    lines.append(f"- Each stage builds its workload, runs {c.get('warmup')} warm-up steps, then "
-                 f"at least {c.get('iters')} timed steps"
-                 + (f" and at least {c.get('min_seconds'):g} s" if c.get("min_seconds") else "")
-                 + ". Every timed step's time is kept in run.json (`iter_ms`); the table shows "
-                   "medians and interquartile ranges.")
+    if c.get("mode") == "profile":
+        lines.append(f"- The script's own steps, counted at optimizer.step() (or gpudiag.step()):"
+                     f" {c.get('warmup')} warm-up steps, {c.get('timed')} timed steps, then a "
+                     f"{c.get('evidence_steps')}-step profiler window. Every timed step's time "
+                     "is kept in run.json (`iter_ms`); the table shows medians and "
+                     "interquartile ranges.")
+    else:
+        lines.append(
+            f"- Each stage builds its workload, runs {c.get('warmup')} warm-up steps, then at "
+            f"least {c.get('iters')} timed steps"
+            + (f" and at least {c.get('min_seconds'):g} s" if c.get("min_seconds") else "")
+            + ". Every timed step's time is kept in run.json (`iter_ms`); the table shows "
+              "medians and interquartile ranges.")
     if "cuda-events" in timers:
         lines.append("- Step times are gaps between CUDA events recorded after every step on "
                      "the compute stream, with no synchronisation between steps (the host queues "

@@ -30,8 +30,11 @@ class ProfilerWindow:
     to its source line. Steps are marked from outside: `collect_evidence` calls the step
     function itself, `gpudiag profile`'s recorder marks the script's own step boundaries."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, annotate: bool = True) -> None:
         self.device = device
+        # Off under torch.compile: the annotator is a TorchFunctionMode, which Dynamo guards on
+        # (a recompile when it appears) and cannot trace through (a graph break per call).
+        self.annotate = annotate
         self.step_ms: list[float] = []  # host time of each closed step
         self._profiler: profile | None = None
         self._annotator: SourceAnnotator | None = None
@@ -48,8 +51,9 @@ class ProfilerWindow:
             activities.append(ProfilerActivity.CUDA)
         self._profiler = profile(activities=activities)
         self._profiler.__enter__()
-        self._annotator = SourceAnnotator()
-        self._annotator.__enter__()
+        if self.annotate:
+            self._annotator = SourceAnnotator()
+            self._annotator.__enter__()
         self._open_step()
 
     def _open_step(self) -> None:
@@ -115,14 +119,19 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
     return window, window.stop()
 
 
+def save_trace(events: list[dict[str, Any]], path: Path) -> None:
+    """The window's Chrome trace, gzipped (ui.perfetto.dev and chrome://tracing open it)."""
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
                      timed_step_ms: float | None, save_to: Path | None = None) -> Evidence:
     """The window's evidence; with `save_to`, its Chrome trace too (gzipped JSON, which
     ui.perfetto.dev and chrome://tracing open as is)."""
     window, events = capture_trace(step, device=device, steps=steps)
     if save_to is not None:
-        with gzip.open(save_to, "wt") as f:
-            json.dump({"traceEvents": events}, f)
+        save_trace(events, save_to)
     evidence = window.evidence(events, timed_step_ms)
     assert evidence is not None  # steps >= 1 closed steps
     return evidence

@@ -32,7 +32,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpudiag.measure.env import device_identity
-from gpudiag.measure.evidence.window import ProfilerWindow
+from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
+from gpudiag.measure.profile.protocol import (
+    ENV_OUT,
+    ENV_PARENT,
+    ENV_STOP,
+    ENV_TELEMETRY,
+    ENV_TRACE_DIR,
+    Schedule,
+    part_name,
+    window_done_name,
+)
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
@@ -40,12 +50,6 @@ from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S
 from gpudiag.model.facts import CheckpointFacts, DdpJobFacts, SaveRecord, ScriptFacts, StageFacts
 from gpudiag.model.results import Evidence, StageResult, TimingStats, to_jsonable
 
-ENV_OUT = "GPUDIAG_PROFILE_OUT"
-ENV_WARMUP = "GPUDIAG_PROFILE_WARMUP"
-ENV_TIMED = "GPUDIAG_PROFILE_TIMED"
-ENV_STEPS = "GPUDIAG_PROFILE_STEPS"
-ENV_PARENT = "GPUDIAG_PROFILE_PARENT"
-ENV_TELEMETRY = "GPUDIAG_PROFILE_TELEMETRY"  # full, basic (no GPM) or off
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
 
@@ -58,9 +62,15 @@ class Recorder:
         self.cuda: bool | None = None  # decided at the first step
         self.clock: int | None = None  # id of the optimizer whose steps are the step clock
         self.manual = False
-        self.data_wait: dict[int, float] = defaultdict(float)
+        # DataLoader waits by (step, iterator): the training loader's are the step's data wait;
+        # an evaluation loop's loaders are told apart (see _training_waits).
+        self.data_wait: dict[tuple[int, int], float] = defaultdict(float)
+        self.data_calls: dict[int, list[int]] = defaultdict(list)  # iterator -> steps it served
         self.batch_size: int | None = None
-        self.saves: list[dict[str, Any]] = []
+        self.saves: list[SaveRecord] = []
+        self.stop_after_window = os.environ.get(ENV_STOP) == "1"
+        trace_dir = os.environ.get(ENV_TRACE_DIR)
+        self.trace_dir = Path(trace_dir) if trace_dir else None
         self.sampler: Any = None
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
@@ -117,30 +127,49 @@ class Recorder:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
             if self.profiled:
-                self.window = ProfilerWindow(self._device())
+                self.window = ProfilerWindow(self._device(), annotate=not _compiled())
                 self.window.start()
         elif self.window is not None and self.window.open:
             if done == start_profile + self.profiled:
-                self._stop_profiler(keep=True)
+                self._stop_profiler(keep=True, at_boundary=True)
                 self._probe_link()
+                self._window_closed()
             else:
                 self.window.next_step()
+
+    def _window_closed(self) -> None:
+        """The diagnosis can be made now: write the part (the parent renders an early report),
+        and end the script if asked to."""
+        self._write_part()
+        (self.out / window_done_name(os.getpid())).touch()
+        if self.stop_after_window:
+            print(f"gpudiag profile: the profiler window closed at step {self.steps}; ending "
+                  "the script (--stop-after-window)", file=sys.stderr, flush=True)
+            self.finish()
+            raise SystemExit(0)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.cuda else \
             torch.device("cpu")
 
-    def _stop_profiler(self, keep: bool) -> None:
-        """Close the window; the step in progress counts only at a step boundary (`keep`):
-        when the script ends mid-window, that part-step is not a step."""
+    def _stop_profiler(self, keep: bool, at_boundary: bool = False) -> None:
+        """Close the window, keeping its evidence when `keep`. The step in progress counts only
+        at a step boundary: when the script ends mid-window, that part-step is not a step."""
         if self.window is None or not self.window.open:
             return
-        events = self.window.stop(closing_step=keep)
+        events = self.window.stop(closing_step=at_boundary)
         if not keep:
             return
         timed = self._step_ms()[self.warmup:self.warmup + self.timed]
         self.evidence = self.window.evidence(
             events, TimingStats.of(timed).p25_ms if timed else None)
+        if self.evidence is not None and not self.window.annotate:
+            self.evidence.attribution_note = (
+                "the script runs torch.compile'd code: device work is not charged to source "
+                "lines (gpudiag's per-call annotation would make Dynamo recompile and break "
+                "the graph); counts and times per step are exact")
+        if self.trace_dir is not None and self.evidence is not None:
+            save_trace(events, self.trace_dir / f"profile-{_stage_name()}.json.gz")
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
@@ -165,10 +194,21 @@ class Recorder:
 
     # --- data, saves, telemetry ----------------------------------------------------------
 
-    def data_waited(self, ms: float, batch: Any) -> None:
-        self.data_wait[self.steps] += ms
+    def data_waited(self, ms: float, batch: Any, iterator: object) -> None:
+        key = id(iterator)
+        self.data_wait[(self.steps, key)] += ms
+        self.data_calls[key].append(self.steps)
         if self.batch_size is None:
             self.batch_size = _batch_size(batch)
+
+    def _training_waits(self, steps: range) -> list[float]:
+        """Per step, the wait for the loader(s) that feed training. A loader whose batches all
+        come between two optimizer steps, more than two of them, is an evaluation (or other)
+        loop: its waits belong to that work, not to the next training step's input."""
+        training = {key for key, served in self.data_calls.items()
+                    if len(set(served)) > 1 or len(served) <= 2}
+        return [sum(ms for (step, key), ms in self.data_wait.items()
+                    if step == i and key in training) for i in steps]
 
     def saved(self, blocking_ms: float, path: Any) -> None:
         """A blocking torch.save returned (the script's own saves are synchronous)."""
@@ -208,11 +248,7 @@ class Recorder:
         offset = 1 if self.cuda else 0
         first = max(self.warmup, offset)
         timed = all_ms[first - offset:self.warmup + self.timed - offset]
-        name = Path(sys.argv[0]).name or "script"
-        rank = os.environ.get("RANK")
-        if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            name = f"{name}[rank{rank}]"
-        result = StageResult(name=name, status="ok", title=" ".join(sys.argv),
+        result = StageResult(name=_stage_name(), status="ok", title=" ".join(sys.argv),
                              workload=f"{' '.join(sys.argv)} (profiled)",
                              facts=self._facts(len(timed)), evidence=self.evidence)
         if not timed:
@@ -223,14 +259,13 @@ class Recorder:
                              "step, or wrap the loop body in `with gpudiag.watch():`")
             return result
         steps = range(first, first + len(timed))
-        phases = ({"data_wait": [self.data_wait.get(i, 0.0) for i in steps]}
-                  if self.data_wait else {})
+        phases = {"data_wait": self._training_waits(steps)} if self.data_wait else {}
         window = Window(warmup_ms=all_ms[:first - offset], iter_ms=timed,
                         timer="cuda-events" if self.cuda else "host-clock",
                         telemetry=self.telemetry or result.telemetry, phases_ms=phases)
         fill_timed(result, window, samples_per_step=self.batch_size)
-        saves = [dataclasses.replace(s, step=s.step - first) for s in self.saves
-                 if s.step in steps]
+        saves = _checkpoints([dataclasses.replace(s, step=s.step - first) for s in self.saves
+                              if s.step in steps])
         if saves:
             gaps = [b.step - a.step for a, b in itertools.pairwise(saves)]
             result.facts.checkpoint = CheckpointFacts(
@@ -242,12 +277,22 @@ class Recorder:
             steps=self.steps, warmup=self.warmup, timed=timed,
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None))
-        if self.evidence is None and self.profiled:
-            facts.evidence_missing = (
-                f"the script ended after {self.steps} steps, before the profiler window at "
-                f"step {self.warmup + self.timed}" if self.steps <= self.warmup + self.timed
-                else self.error or "no profiler window")
+        if self.evidence is None:
+            facts.evidence_missing = self._why_no_evidence()
         return facts
+
+    def _why_no_evidence(self) -> str:
+        if not self.profiled:
+            return "--steps 0: no profiler window was asked for"
+        window_at = self.warmup + self.timed
+        if self.steps <= window_at:
+            fitted = max(1, self.steps - 2 - min(self.warmup, max(1, self.steps // 5)))
+            return (f"the script ended after {self.steps} steps, before the profiler window at "
+                    f"step {window_at}: profile it with --warmup "
+                    f"{min(self.warmup, max(1, self.steps // 5))} --timed {fitted} --steps 1, "
+                    "or let gpudiag re-run it with a fitted schedule (the default, --rerun)")
+        return f"the profiler window failed: {self.error}" if self.error else \
+            "the script ended inside the profiler window"
 
     def finish(self) -> None:
         if self.finished:
@@ -264,6 +309,10 @@ class Recorder:
                 self.sampler.__exit__(None, None, None)
             except Exception as exc:
                 self.error = f"telemetry: {type(exc).__name__}: {exc}"
+        self._write_part()
+
+    def _write_part(self) -> None:
+        """This process's stage, atomically (the parent may read it while the script runs)."""
         root = os.environ.get(ENV_PARENT) == str(os.getppid())
         if self.steps == 0 and not root:
             return  # a helper process (torchrun's agent, a spawned worker): nothing to say
@@ -271,7 +320,46 @@ class Recorder:
                 "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
                 "stage": to_jsonable(self.stage()) if self.steps else None}
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"part-{os.getpid()}.json").write_text(json.dumps(part))
+        tmp = self.out / f".{part_name(os.getpid())}.tmp"
+        tmp.write_text(json.dumps(part))
+        tmp.replace(self.out / part_name(os.getpid()))
+
+
+def _stage_name() -> str:
+    """The script's name, with its rank in a multi-process job: `train.py[rank1]`."""
+    name = Path(sys.argv[0]).name or "script"
+    rank = os.environ.get("RANK")
+    if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        name = f"{name}[rank{rank}]"
+    return name
+
+
+def _checkpoints(saves: list[SaveRecord]) -> list[SaveRecord]:
+    """One checkpoint per step: the files saved within one step (HF Trainer writes model,
+    optimizer, scheduler and RNG state as four torch.save calls) are one save, blocking for
+    their sum."""
+    by_step: dict[int, list[SaveRecord]] = defaultdict(list)
+    for save in saves:
+        by_step[save.step].append(save)
+    merged = []
+    for step, group in sorted(by_step.items()):
+        blocking = sum(s.blocking_ms for s in group)
+        sizes = [s.bytes for s in group if s.bytes]
+        total = sum(sizes) if sizes else None
+        merged.append(SaveRecord(step=step, blocking_ms=blocking, total_ms=blocking,
+                                 bytes=total, files=len(group),
+                                 write_gbps=total / blocking / 1e6 if total and blocking
+                                 else None))
+    return merged
+
+
+def _compiled() -> bool:
+    """Whether the process has run torch.compile'd code (Dynamo compiled a frame)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    counters = dynamo.utils.counters
+    return bool(counters["frames"].get("ok") or counters["stats"].get("unique_graphs"))
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -305,16 +393,16 @@ def install() -> Recorder:
     global RECORDER  # noqa: PLW0603  (one recorder per interpreter, found by gpudiag.step())
     if RECORDER is not None:
         return RECORDER
-    recorder = RECORDER = Recorder(
-        Path(os.environ[ENV_OUT]), int(os.environ.get(ENV_WARMUP, "5")),
-        int(os.environ.get(ENV_TIMED, "30")), int(os.environ.get(ENV_STEPS, "3")))
+    schedule = Schedule.from_env(os.environ)
+    recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), schedule.warmup, schedule.timed,
+                                   schedule.profiled)
     register_optimizer_step_post_hook(recorder.optimizer_stepped)
 
     def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
         def __next__(self: Any) -> Any:
             start = time.perf_counter()
             batch = original(self)
-            recorder.data_waited((time.perf_counter() - start) * 1e3, batch)
+            recorder.data_waited((time.perf_counter() - start) * 1e3, batch, self)
             return batch
         return __next__
 

@@ -9,14 +9,31 @@ import os
 import sys
 from pathlib import Path
 
+
+def _report_failure(exc: BaseException) -> None:
+    """Tell the parent this interpreter could not load the recorder (it fails the profile with
+    this line when no process recorded anything); file name as in protocol.py, which may be
+    the very module that did not import."""
+    import json  # noqa: PLC0415 (only on failure)
+
+    out = Path(os.environ["GPUDIAG_PROFILE_OUT"])
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"bootstrap-error-{os.getpid()}.json").write_text(json.dumps(
+            {"python": sys.executable, "error": f"{type(exc).__name__}: {exc}"}))
+    except OSError:
+        pass
+
+
 if os.environ.get("GPUDIAG_PROFILE_OUT"):
     try:
         from gpudiag.measure.profile.recorder import install
 
         install()
     except Exception as exc:  # never break the user's program
-        print(f"gpudiag profile: instrumentation not installed ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
+        print(f"gpudiag profile: instrumentation not installed in {sys.executable} "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        _report_failure(exc)
 
 _here = Path(__file__).resolve().parent
 _rest = [p for p in sys.path if Path(p or ".").resolve() != _here]

@@ -1,0 +1,322 @@
+"""`gpudiag profile` on training scripts as users write them, unmodified: transformers' Trainer,
+Lightning, torch.compile, a script that changes directory, a 12-step script, a script that
+evaluates every N steps, a library between the user's line and torch, SIGTERM, a broken
+interpreter. Each runs the real command line on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gpudiag.model.results import RunResult, load_run
+
+pytestmark = pytest.mark.slow
+
+
+def _write(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _profile(tmp_path: Path, script: Path, *options: str,
+             env: dict[str, str] | None = None) -> tuple[int, RunResult, str]:
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "gpudiag", "profile", "--out", str(out), *options, "--",
+               sys.executable, str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, **(env or {})}, timeout=600, check=False)
+    output = done.stdout + done.stderr
+    return done.returncode, (load_run(out) if (out / "run.json").is_file() else None), output  # type: ignore[return-value]
+
+
+LOOP_SCRIPT = """
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for step in range({steps}):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            for k in range(40):
+                p.grad[0].mul_(1.0)  # the planted per-element loop
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> None:
+    script = _write(tmp_path / "short.py", LOOP_SCRIPT.format(steps=12))
+    code, run, output = _profile(tmp_path, script)
+    assert code == 0, output
+    assert "ran it once more" in output and run.stages[0].evidence is not None
+    assert run.findings and run.findings[0].id == "GD101"
+    planted = next(n for n, text in enumerate(script.read_text().splitlines(), 1)
+                   if "the planted per-element loop" in text)
+    assert run.findings[0].location == f"short.py:{planted}"
+    # Without the re-run it says it could not see, never that all is well.
+    code, run, output = _profile(tmp_path, script, "--no-rerun")
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert code == 0 and run.stages[0].evidence is None
+    assert "no rule saw a material cost" not in report
+    assert "No evidence for short.py: the script ended after 12 steps" in report
+    assert "--timed" in report and "could not see everything" in report
+    assert "at least None" not in report and "profile-short.py.json.gz" not in report
+
+
+def test_stop_after_window_ends_a_long_script_cleanly(tmp_path: Path) -> None:
+    script = _write(tmp_path / "long.py", """
+        import torch
+        model = torch.nn.Linear(32, 32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        try:
+            for step in range(1_000_000):
+                model(torch.randn(8, 32)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            print("cleanup ran at step", step)
+    """)
+    started = time.monotonic()
+    code, run, output = _profile(tmp_path, script, "--stop-after-window", "--timed", "20")
+    assert code == 0, output
+    assert time.monotonic() - started < 120
+    assert "ending the script (--stop-after-window)" in output and "cleanup ran" in output
+    assert run.stages[0].evidence is not None and len(run.stages[0].iter_ms) == 20
+    assert (tmp_path / "run" / "profile-long.py.json.gz").is_file()
+
+
+def test_a_script_that_changes_directory_keeps_a_relative_out(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = _write(tmp_path / "chdir.py", f"""
+        import os
+        import torch
+        os.chdir({str(elsewhere)!r})  # as Hydra's job.chdir does
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(45):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    """)
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", "rel-out", "--",
+                           sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    run = load_run(tmp_path / "rel-out")
+    assert run.stages and run.stages[0].ok and run.stages[0].evidence is not None
+    assert not (elsewhere / "rel-out").exists()
+
+
+def test_evaluation_every_n_steps_is_named_not_a_checkpoint_stall(tmp_path: Path) -> None:
+    script = _write(tmp_path / "evaluates.py", """
+        import time
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        model = torch.nn.Linear(16, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train = DataLoader(TensorDataset(torch.randn(4096, 16)), batch_size=8)
+        val = DataLoader(TensorDataset(torch.randn(256, 16)), batch_size=8)
+        for step, (x,) in enumerate(train):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.004)
+            if step % 10 == 9:  # evaluate, and save, every 10 steps
+                with torch.no_grad():
+                    for (v,) in val:
+                        model(v)
+                        time.sleep(0.002)
+                torch.save(model.state_dict(), "ckpt.pt")
+            if step == 120:
+                break
+    """)
+    code, run, output = _profile(tmp_path, script, "--timed", "100")
+    assert code == 0, output
+    stage = run.stages[0]
+    assert stage.facts.checkpoint is not None and stage.facts.checkpoint.every == 10
+    # The evaluation loop's DataLoader waits are not charged to the next training step.
+    assert max(stage.phases_ms["data_wait"]) < 20
+    ids = {f.id: f for f in run.findings}
+    assert "GD703" in ids, output
+    assert ids["GD703"].evidence["period_steps"] == 10
+    stall = ids.get("GD701")
+    if stall is not None:  # the save's own blocking time, not the evaluation's
+        blocking = stall.evidence["blocking_ms_median"]
+        assert stall.evidence["stall_ms_per_save"] <= blocking + 1.0
+
+
+def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
+    script = _write(tmp_path / "hf_train.py", """
+        import torch
+        from torch.utils.data import Dataset
+        from transformers import BertConfig, BertForSequenceClassification, Trainer
+        from transformers import TrainingArguments
+
+        class Synthetic(Dataset):
+            def __len__(self):
+                return 4096
+            def __getitem__(self, i):
+                g = torch.Generator().manual_seed(i)
+                return {"input_ids": torch.randint(0, 512, (32,), generator=g),
+                        "labels": torch.tensor(i % 2)}
+
+        config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=128)
+        args = TrainingArguments(output_dir="hf-out", max_steps=70, save_steps=10,
+                                 per_device_train_batch_size=8, report_to=[], use_cpu=True,
+                                 logging_steps=1000, dataloader_num_workers=0,
+                                 disable_tqdm=True)
+        Trainer(model=BertForSequenceClassification(config), args=args,
+                train_dataset=Synthetic()).train()
+    """)
+    code, run, output = _profile(tmp_path, script, "--warmup", "5", "--timed", "50")
+    assert code == 0, output
+    stage = run.stages[0]
+    assert stage.ok and stage.facts.checkpoint is not None, output
+    saves = stage.facts.checkpoint.saves
+    # Trainer writes optimizer, scheduler and RNG state with torch.save (the model with
+    # safetensors): several files, one checkpoint, every 10 steps.
+    assert stage.facts.checkpoint.every == 10 and len(saves) == 5
+    assert all(s.files >= 2 for s in saves)
+    assert stage.evidence is not None and stage.evidence.source_lines
+    # Kernels are charged to the user's line (trainer.train()), through the library.
+    top = stage.evidence.source_lines[0]
+    assert top.location.startswith("hf_train.py:") and top.via, top
+
+
+def test_torch_compile_is_not_recompiled_or_broken_by_gpudiag(tmp_path: Path) -> None:
+    script = _write(tmp_path / "compiled.py", """
+        import json, sys
+        import torch
+        from torch._dynamo.utils import counters
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 8))
+        step_fn = torch.compile(model, backend="eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(45):
+            step_fn(torch.randn(16, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with open(sys.argv[1], "w") as f:
+            json.dump({k: dict(v) for k, v in counters.items()}, f)
+    """)
+    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain.json")],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--",
+                           sys.executable, str(script), str(tmp_path / "profiled.json")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    plain_counters = json.loads((tmp_path / "plain.json").read_text())
+    profiled = json.loads((tmp_path / "profiled.json").read_text())
+    assert profiled == plain_counters  # same graphs, no recompiles, no graph breaks
+    assert "graph_break" not in profiled and profiled["stats"]["unique_graphs"] == 1
+    assert "gpudiag" not in done.stderr.replace("gpudiag profile:", "")
+    ev = load_run(out).stages[0].evidence
+    assert ev is not None and ev.attribution_note and "torch.compile" in ev.attribution_note
+
+
+def test_library_frames_are_passed_through_to_the_users_line(tmp_path: Path) -> None:
+    library = tmp_path / "lib" / "site-packages" / "fancylib.py"
+    _write(library, """
+        def train_step(model, opt, x):
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """)
+    script = _write(tmp_path / "uses_lib.py", """
+        import torch
+        import fancylib
+        model = torch.nn.Linear(16, 16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(45):
+            fancylib.train_step(model, opt, torch.randn(4, 16))
+    """)
+    code, run, output = _profile(tmp_path, script,
+                                 env={"PYTHONPATH": str(library.parent)})
+    assert code == 0, output
+    lines = run.stages[0].evidence.source_lines  # type: ignore[union-attr]
+    call = next(n for n, text in enumerate(script.read_text().splitlines(), 1)
+                if "fancylib.train_step(" in text)
+    assert lines[0].location == f"uses_lib.py:{call}"
+    assert (lines[0].via or "").startswith("fancylib.py:")
+
+
+def test_sigterm_stops_the_script_and_keeps_the_report(tmp_path: Path) -> None:
+    script = _write(tmp_path / "forever.py", """
+        import time
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while True:
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            time.sleep(0.01)
+    """)
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
+                                "--", sys.executable, str(script)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((out / "parts").glob("window-*.done")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err
+    survivors = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True,
+                               check=False)
+    assert not survivors.stdout.strip(), "the script outlived gpudiag"
+    run = load_run(out)
+    assert run.interrupted and run.stages[0].ok and run.stages[0].evidence is not None
+
+
+def test_an_interpreter_that_cannot_load_gpudiag_fails_loudly(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    _write(broken / "nvtx.py", "raise ImportError('nvtx is broken in this environment')\n")
+    script = _write(tmp_path / "ok.py", LOOP_SCRIPT.format(steps=45))
+    code, _, output = _profile(tmp_path, script, env={"PYTHONPATH": str(broken)})
+    assert code == 2, output
+    assert sys.executable in output and "cannot load gpudiag's recorder" in output
+    assert "nvtx is broken" in output
+
+
+def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    script = _write(tmp_path / "lit.py", """
+        import torch
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(32, 2)
+            def training_step(self, batch, batch_idx):
+                (x,) = batch
+                return self.net(x).pow(2).mean()
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        data = DataLoader(TensorDataset(torch.randn(2048, 32)), batch_size=16)
+        L.Trainer(max_steps=60, accelerator="cpu", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False).fit(Model(), data)
+    """)
+    code, run, output = _profile(tmp_path, script)
+    assert code == 0, output
+    lines = run.stages[0].evidence.source_lines  # type: ignore[union-attr]
+    assert lines and all("gpudiag" not in line.location for line in lines)
+    assert lines[0].location.startswith("lit.py:"), lines[0]
