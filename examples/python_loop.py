@@ -1,10 +1,13 @@
 """Planted problem: a per-element Python loop writes prompt embeddings one row at a time (the
-seed's DGCA-ReLM pattern). Each iteration launches its own small device ops."""
+DGCA-ReLM pattern of docs/field-cases.md#case-1). Each iteration launches its own small device
+ops. `python python_loop.py [STEPS]` (default 40)."""
+
+import sys
 
 import torch
 from torch import nn
 
-STEPS = 40
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 40
 BATCH, SEQ, HIDDEN, SLOTS = 32, 64, 128, 6
 
 

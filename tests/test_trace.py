@@ -7,14 +7,17 @@ can be worked out on paper; the last ones profile a real CPU workload.
 from __future__ import annotations
 
 import inspect
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import gpudiag
 from gpudiag.measure.evidence import analyze, capture_trace
-from gpudiag.measure.evidence.source import annotation
+from gpudiag.measure.evidence.source import annotation, display_path, is_library
 from gpudiag.measure.evidence.trace import memcpy_kind
 from gpudiag.model.results import Evidence, SourceLine
 
@@ -528,3 +531,21 @@ def test_gloo_work_time_is_clipped_to_the_profiled_steps() -> None:
     assert ev.collective_wall_ms_per_step == pytest.approx(0.040)  # inside the step
     assert ev.collective_exposed_ms_per_step is None  # a CPU cannot tell waiting from transfer
     assert ev.collective_share == pytest.approx(0.4)
+
+
+def test_installed_code_is_library_code_wherever_it_is_installed(tmp_path: Path) -> None:
+    """site-packages, a `pip install --target` folder (a *.dist-info beside the package) and
+    the standard library are libraries; the user's project, gpudiag's own workloads are not."""
+    target = tmp_path / "target"
+    (target / "acc-1.0.dist-info").mkdir(parents=True)
+    (target / "acc").mkdir()
+    installed = target / "acc" / "accelerator.py"
+    installed.write_text("")
+    project = tmp_path / "project" / "train.py"
+    project.parent.mkdir()
+    project.write_text("")
+    assert is_library(str(installed)) and display_path(str(installed)) == "acc/accelerator.py"
+    assert is_library(str(Path(json.__file__)))
+    assert is_library("/venv/lib/python3.11/site-packages/transformers/trainer.py")
+    assert not is_library(str(project))
+    assert not is_library(str(Path(gpudiag.__file__).parent / "measure" / "models" / "dgca.py"))

@@ -79,7 +79,7 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
     checkpoint-async-contention. Without records, where saves would not be seen: the excess
     of spikes that recur with one period over the median step."""
     times = stage.iter_ms
-    _, every, saves = _saves(stage)
+    mode, every, saves = _saves(stage)
     if saves:
         held = {s.step for s in saves}
         baseline = _median([t for i, t in enumerate(times) if i not in held])
@@ -90,10 +90,13 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
             return None
         excess = sum(times[i] - baseline for i in held)
         blocking = sum(s.blocking_ms for s in saves)
-        stall = min(excess, blocking)
+        # In a checkpoint stage nothing else runs on a saving step, so its whole excess is the
+        # save's (a blocking save's after-effects included); a script may do other work there.
+        mine = mode == "async" or stage.facts.script is not None
+        stall = min(excess, blocking) if mine else excess
         return Stalls("save records", every, len(saves), baseline, stall / len(saves),
                       stall / (baseline * len(times)), lost_share(times),
-                      other_ms=max(0.0, excess - blocking) / len(saves))
+                      other_ms=max(0.0, excess - blocking) / len(saves) if mine else 0.0)
     if stage.facts.bursty or saves_are_seen(stage):
         return None  # bursty by nature (a prefetching DataLoader), or spikes are not saves
     waits = stage.phases_ms.get("data_wait", [])
@@ -332,8 +335,8 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     summary="Every N steps a step takes much longer, and it is not a checkpoint save.",
     why=("Evaluation, metric computation or logging every N steps stops training for as long "
          "as it takes; in a step-time plot it looks like a checkpoint stall, and advice for "
-         "saves (asynchronous writers) does not help it. Where gpudiag sees every save (a "
-         "profiled script, a checkpoint stage), what recurs beyond the saves is this work."),
+         "saves (asynchronous writers) does not help it. In a profiled script gpudiag times "
+         "every save, so what recurs beyond the saves is this work."),
     fix=("Run the periodic work less often, on fewer batches, or off the training process "
          "(another rank, a separate evaluation job on saved checkpoints); keep its DataLoader "
          "persistent so it does not restart workers each time."),
@@ -346,11 +349,14 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     references=("docs/field-cases.md#case-4 (stalls that were not the save)",),
 )
 def periodic_step_work(run: RunResult) -> Iterator[Draft]:
-    """Stages of at least 20 steps whose saves are all on record: the step times less the
-    saves' blocking and the training data wait still spike with one period. Severity by the
+    """Profiled scripts of at least 20 timed steps (their every torch.save and safetensors save
+    is on record): the step times less the saves' blocking and the training data wait still
+    spike with one period. Severity by the
     time lost as a share of the steady time, as for checkpoint stalls."""
     for stage in run.ok_stages():
-        if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or not saves_are_seen(stage):
+        # A profiled script, whose every save gpudiag times: the ladder's own stages do no
+        # other periodic work (a checkpoint stage's after-effects are its saves').
+        if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or stage.facts.script is None:
             continue
         work = periodic_work(stage)
         if work is None or work.lost < INFO_LOST:

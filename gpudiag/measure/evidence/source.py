@@ -91,12 +91,24 @@ def _is_internal(filename: str) -> bool:
 
 @functools.cache
 def is_library(filename: str) -> bool:
-    """Installed packages and the standard library: code the user did not write."""
+    """Installed packages and the standard library: code the user did not write. An installed
+    package is under site-packages, or beside a `*.dist-info` folder (pip install --target,
+    vendored environments); an editable install of the user's own project is not (its
+    dist-info lives in site-packages, away from the sources)."""
     if filename.startswith(_GPUDIAG_WORKLOADS):
         return False
     parts = Path(filename).parts
-    return ("site-packages" in parts or "dist-packages" in parts
-            or filename.startswith(_STDLIB))
+    if "site-packages" in parts or "dist-packages" in parts or filename.startswith(_STDLIB):
+        return True
+    return any(_holds_distributions(str(d)) for d in Path(filename).parents)
+
+
+@functools.cache
+def _holds_distributions(directory: str) -> bool:
+    try:
+        return any(Path(directory).glob("*.dist-info"))
+    except OSError:
+        return False
 
 
 @functools.cache
@@ -108,6 +120,9 @@ def display_path(filename: str) -> str:
     for marker in ("site-packages", "dist-packages"):
         if marker in parts:
             return str(Path(*parts[parts.index(marker) + 1:]))
+    for root in path.parents:
+        if _holds_distributions(str(root)):
+            return str(path.relative_to(root))
     try:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import itertools
 import json
 import os
@@ -397,7 +398,17 @@ def install() -> Recorder:
     recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), schedule.warmup, schedule.timed,
                                    schedule.profiled)
     register_optimizer_step_post_hook(recorder.optimizer_stepped)
+    _hook_loader(recorder)
+    _hook_saves(recorder)
+    _hook_ddp(recorder)
+    atexit.register(recorder.finish)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # torchrun stops the other ranks with SIGTERM when one fails: exit through atexit.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    return recorder
 
+
+def _hook_loader(recorder: Recorder) -> None:
     def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
         def __next__(self: Any) -> Any:
             start = time.perf_counter()
@@ -408,27 +419,33 @@ def install() -> Recorder:
 
     _wrap(_BaseDataLoaderIter, "__next__", timed_next)
 
+
+def _hook_saves(recorder: Recorder) -> None:
     def timed_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        def save(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return original(obj, f, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                recorder.saved((time.perf_counter() - start) * 1e3, f)
+                target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("filename"))
+                recorder.saved((time.perf_counter() - start) * 1e3, target)
         return save
 
     _wrap(torch, "save", timed_save)
+    # Model weights are often written with safetensors (transformers' save_pretrained); hooked
+    # here, before the script imports the names it binds (from safetensors.torch import ...).
+    if importlib.util.find_spec("safetensors") is not None:
+        import safetensors.torch  # noqa: PLC0415 (only where installed)
 
+        for name in ("save_file", "save_model"):
+            _wrap(safetensors.torch, name, timed_save)
+
+
+def _hook_ddp(recorder: Recorder) -> None:
     def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             recorder.ddp_wrapped(self)
         return __init__
 
-
     _wrap(DistributedDataParallel, "__init__", noted_ddp)
-    atexit.register(recorder.finish)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        # torchrun stops the other ranks with SIGTERM when one fails: exit through atexit.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    return recorder
