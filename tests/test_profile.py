@@ -4,6 +4,7 @@ the clean script quiet, exit codes passed through, crashes and Ctrl-C still repo
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -160,3 +161,20 @@ def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
     result = runner.invoke(app, ["profile", "--out", str(tmp_path), "--",
                                  "no-such-command-gpudiag"])
     assert result.exit_code == 2 and "command not found" in result.output
+
+
+def test_the_parent_never_imports_torch() -> None:
+    """gpudiag profile starts the script at once: its own side imports no torch (the recorder
+    in the script reports the machine instead)."""
+    code = ("import sys, gpudiag.cli, gpudiag.measure.profile.session, gpudiag.present; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
+    """TF32 switched on by the script is what the rules see (the parent's default is off)."""
+    code, run, output = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
+        after="pass").replace("import gpudiag", "import gpudiag\n    "
+                              "torch.backends.cuda.matmul.allow_tf32 = True")), timed=10)
+    assert code == 0, output
+    assert run.env.tf32_matmul is True and run.env.torch_version

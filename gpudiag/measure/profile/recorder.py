@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from gpudiag.measure.env import device_identity
+from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
 from gpudiag.measure.profile.protocol import (
     ENV_OUT,
@@ -49,7 +49,7 @@ from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S
 from gpudiag.model.facts import CheckpointFacts, DdpJobFacts, SaveRecord, ScriptFacts, StageFacts
-from gpudiag.model.results import Evidence, StageResult, TimingStats, to_jsonable
+from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_jsonable
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
@@ -80,6 +80,7 @@ class Recorder:
         self.finished = False
         self.error: str | None = None
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
+        self.env: Env | None = None
 
     @property
     def steps(self) -> int:
@@ -312,6 +313,14 @@ class Recorder:
                 self.error = f"telemetry: {type(exc).__name__}: {exc}"
         self._write_part()
 
+    def _environment(self) -> Env:
+        """The machine and the settings the script trains with (its TF32 flags, say), read in
+        the script's own process once its steps have run; the parent never imports torch."""
+        if self.env is None:
+            self.env = collect_env(self._device(), None,
+                                   "telemetry is sampled inside the profiled processes")
+        return self.env
+
     def _write_part(self) -> None:
         """This process's stage, atomically (the parent may read it while the script runs)."""
         root = os.environ.get(ENV_PARENT) == str(os.getppid())
@@ -319,7 +328,8 @@ class Recorder:
             return  # a helper process (torchrun's agent, a spawned worker): nothing to say
         part = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "steps": self.steps,
                 "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
-                "stage": to_jsonable(self.stage()) if self.steps else None}
+                "stage": to_jsonable(self.stage()) if self.steps else None,
+                "env": to_jsonable(self._environment())}
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / f".{part_name(os.getpid())}.tmp"
         tmp.write_text(json.dumps(part))

@@ -6,7 +6,8 @@ process the command starts (the script, torchrun's ranks) installs the recorder 
 user's code runs; nothing in the script changes. Output passes through; the command's exit code
 is kept. The command runs in its own process group: SIGINT and SIGTERM sent to gpudiag are
 passed to all of it, and whatever the processes recorded is read even when the command failed
-or was stopped. This module does not import torch until the command has run.
+or was stopped. This module never imports torch: the recorder in each process reports its
+machine and settings.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import contextlib
 import datetime as dt
 import json
 import os
+import platform
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -126,8 +129,9 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
 
 
-def collect(parts_dir: Path) -> tuple[list[StageResult], list[str]]:
-    stages, messages = [], []
+def collect(parts_dir: Path) -> tuple[list[StageResult], list[str], Env | None]:
+    """Every process's stage, its messages, and the environment the first rank reported."""
+    stages, messages, envs = [], [], []
     for path in sorted(parts_dir.glob(protocol.PART_GLOB)):
         try:
             part = json.loads(path.read_text())
@@ -137,8 +141,10 @@ def collect(parts_dir: Path) -> tuple[list[StageResult], list[str]]:
             messages.append(f"{' '.join(part['argv'])}: {part['error']}")
         if part.get("stage"):
             stages.append(from_jsonable(StageResult, part["stage"]))
+        if part.get("env"):
+            envs.append((int(part.get("rank") or 0), from_jsonable(Env, part["env"])))
     stages.sort(key=lambda s: s.name)
-    return stages, messages
+    return stages, messages, min(envs, key=lambda e: e[0])[1] if envs else None
 
 
 def bootstrap_failures(parts_dir: Path) -> list[str]:
@@ -220,9 +226,9 @@ def _profile_once(request: ProfileRequest, schedule: Schedule,
 
 def _output(request: ProfileRequest, schedule: Schedule, parts_dir: Path, *, code: int,
             interrupted: bool) -> ProfileOutput:
-    stages, messages = collect(parts_dir)
+    stages, messages, env = collect(parts_dir)
     run = RunResult(
-        tool_version=__version__, env=_environment(stages),
+        tool_version=__version__, env=env or _no_environment(),
         config={"command": list(request.command), "warmup": schedule.warmup,
                 "timed": schedule.timed, "evidence_steps": schedule.profiled,
                 "telemetry": request.telemetry, "mode": "profile",
@@ -235,14 +241,9 @@ def _output(request: ProfileRequest, schedule: Schedule, parts_dir: Path, *, cod
     return ProfileOutput(run=run, exit_code=code, messages=messages)
 
 
-def _environment(stages: list[StageResult]) -> Env:
-    # Imported here: the command has started (or run) by now, so torch's import time is not
-    # added before the user's script starts.
-    import torch  # noqa: PLC0415 (start-up time: see above)
-
-    from gpudiag.measure.env import collect_env  # noqa: PLC0415 (start-up time: see above)
-
-    cuda = any(s.timer == "cuda-events" for s in stages)
-    device = (torch.device("cuda", 0) if cuda and torch.cuda.is_available()
-              else torch.device("cpu"))
-    return collect_env(device, None, "telemetry is sampled inside the profiled processes")
+def _no_environment() -> Env:
+    """When no process reported its machine (nothing ran): what the parent knows without
+    importing torch."""
+    return Env(device="unknown", python_version=platform.python_version(),
+               platform=platform.platform(), hostname=socket.gethostname(),
+               nvml="unavailable: no profiled process reported")
