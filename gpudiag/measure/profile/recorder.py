@@ -288,11 +288,15 @@ class Recorder:
             return "--steps 0: no profiler window was asked for"
         window_at = self.warmup + self.timed
         if self.steps <= window_at:
-            fitted = max(1, self.steps - 2 - min(self.warmup, max(1, self.steps // 5)))
-            return (f"the script ended after {self.steps} steps, before the profiler window at "
-                    f"step {window_at}: profile it with --warmup "
-                    f"{min(self.warmup, max(1, self.steps // 5))} --timed {fitted} --steps 1, "
-                    "or let gpudiag re-run it with a fitted schedule (the default, --rerun)")
+            ended = (f"the script ended after {self.steps} steps, before the profiler window "
+                     f"at step {window_at}")
+            fitted = Schedule(self.warmup, self.timed, self.profiled).fitted(self.steps)
+            if fitted is None:
+                return (f"{ended}, too few to time and profile: mark shorter steps with "
+                        "gpudiag.step(), or run it longer")
+            return (f"{ended}: profile it with --warmup {fitted.warmup} --timed {fitted.timed} "
+                    f"--steps {fitted.profiled}, or let gpudiag re-run it with that schedule "
+                    "(the default, --rerun)")
         return f"the profiler window failed: {self.error}" if self.error else \
             "the script ended inside the profiler window"
 
