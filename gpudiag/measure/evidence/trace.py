@@ -62,7 +62,7 @@ class _Line:
     host_us: float = 0.0
     device_us: float = 0.0
     kernel_us: list[float] = field(default_factory=list)
-    via: str = ""
+    vias: Counter[str] = field(default_factory=Counter)  # library frame -> calls through it
 
 
 def _end(e: dict[str, Any]) -> float:
@@ -205,7 +205,7 @@ class _Window:
         site = parse_annotation(annotation_event["name"])
         assert site is not None
         if site.location not in self.lines:
-            self.lines[site.location] = _Line(site.location, site.function, via=site.via)
+            self.lines[site.location] = _Line(site.location, site.function)
         return self.lines[site.location]
 
 
@@ -238,14 +238,21 @@ def _select(events: list[dict[str, Any]]) -> _Window:
     return window
 
 
+def _count_call(line: _Line, annotation_event: dict[str, Any]) -> None:
+    site = parse_annotation(annotation_event["name"])
+    assert site is not None
+    line.calls += 1
+    line.direct_calls += int(site.direct)
+    line.host_us += float(annotation_event.get("dur", 0.0))
+    if site.via:
+        line.vias[site.via] += 1  # the line's 'via' is the library frame most calls went through
+
+
 def _count_host(w: _Window, backend: str) -> tuple[list[dict[str, Any]], int]:
     """Per line: calls, host time, top-level operators (and syncing operators on a CPU, where
     no runtime shows syncs). Returns the top-level operators and those CPU syncs."""
     for a in w.annotations:
-        line = w.stats(a)
-        line.calls += 1
-        line.direct_calls += int(parse_annotation(a["name"]).direct)  # type: ignore[union-attr]
-        line.host_us += float(a.get("dur", 0.0))
+        _count_call(w.stats(a), a)
     for node in w.backward_nodes:
         if node.get("_forward_line") is not None:  # unmapped nodes are inside their backward()
             w.stats(node["_forward_line"]).host_us += float(node.get("dur", 0.0))
@@ -360,7 +367,8 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> 
             sync_idle_ms_per_step=_idle_after(runtime.line_sync_ends[line.location],
                                               w.device) * per / 1e3,
             share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
-            in_loop=in_loop(line.location), via=line.via or None)
+            in_loop=in_loop(line.location),
+            via=line.vias.most_common(1)[0][0] if line.vias else None)
         for line in w.lines.values()]
     found.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
                reverse=True)
