@@ -212,13 +212,15 @@ def _slowed_trials(run: RunResult, factor: float) -> RunResult:
 @pytest.mark.slow
 def test_real_tiny_runs(tmp_path: Path) -> None:
     """Two real single runs of the same code never exit 1 at a 5% gate; a real run of eight
-    fresh-process trials against the same trials 25% slower exits 1; runs of different models
+    fresh-process trials against the same trials 50% slower exits 1; runs of different models
     are not comparable (exit 2).
 
     The slowdown uses trials because on a shared 2-core CPU fresh processes of the same code
-    differ by 6-12% (20% and more while other work shares the cores): one trial per side
-    cannot prove 25% at 99% there, and honestly says inconclusive. A noisy attempt may still
-    say inconclusive, so it gets up to two fresh retries; it must never pass."""
+    differ by 6-12% (20-30% while other work shares the cores: a clean-clone CI run saw eight
+    trials that could only detect a 29% change, three attempts in a row): one trial per side
+    cannot prove a slowdown at 99% there, and honestly says inconclusive. 50% is beyond that
+    noise; a noisy attempt may still say inconclusive, so it gets up to two fresh retries; it
+    must never pass."""
     args = ["run", "--device", "cpu", "--preset", "tiny", "--stages", "train-fp16",
             "--evidence-steps", "0", "--quiet", "--model"]
     for name, model in (("a", "dgca"), ("b", "dgca"), ("bert", "bert")):
@@ -234,7 +236,7 @@ def test_real_tiny_runs(tmp_path: Path) -> None:
         result = runner.invoke(app, [*args, "dgca", "--iters", "30", "--trials", "8",
                                      "--out", str(base)])
         assert result.exit_code == 0, result.output
-        _save(_slowed_trials(load_run(base), 1.25), tmp_path / f"slow-{attempt}")
+        _save(_slowed_trials(load_run(base), 1.5), tmp_path / f"slow-{attempt}")
         slowed = runner.invoke(app, [*gate, str(base), str(tmp_path / f"slow-{attempt}")])
         outcomes.append(slowed.exit_code)
         if slowed.exit_code != 3:
