@@ -336,7 +336,7 @@ def profile(
     run_dir = prepare_run_dir(out or default_run_dir("profile")).resolve()
 
     def early(output: ProfileOutput) -> None:
-        _write_profile(run_dir, output)
+        _write_profile(run_dir, output, plots=False)  # the final write draws them
         stderr.print(f"[yellow]gpudiag profile:[/] diagnosis written to {run_dir / 'report.md'}"
                      + ("" if stop_after_window else " (the script goes on; the report is "
                         "rewritten when it ends)"), soft_wrap=True)
@@ -354,13 +354,13 @@ def profile(
     raise typer.Exit(output.exit_code)
 
 
-def _write_profile(run_dir: Path, output: Any) -> None:
+def _write_profile(run_dir: Path, output: Any, *, plots: bool = True) -> None:
     import pandas as pd
 
     from gpudiag.present import write_run_dir
 
     output.run.findings = evaluate(output.run)
-    write_run_dir(run_dir, output.run, pd.DataFrame())
+    write_run_dir(run_dir, output.run, pd.DataFrame(), plots=plots)
 
 
 @app.command()

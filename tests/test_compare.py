@@ -211,7 +211,7 @@ def _slowed_trials(run: RunResult, factor: float) -> RunResult:
 
 @pytest.mark.slow
 def test_real_tiny_runs(tmp_path: Path) -> None:
-    """Two real single runs of the same code never exit 1 at a 5% gate; a real run of eight
+    """Two real single runs of the same code never exit 1 at a 5% gate; a real run of six
     fresh-process trials against the same trials 50% slower exits 1; runs of different models
     are not comparable (exit 2).
 
@@ -224,7 +224,7 @@ def test_real_tiny_runs(tmp_path: Path) -> None:
     args = ["run", "--device", "cpu", "--preset", "tiny", "--stages", "train-fp16",
             "--evidence-steps", "0", "--quiet", "--model"]
     for name, model in (("a", "dgca"), ("b", "dgca"), ("bert", "bert")):
-        result = runner.invoke(app, [*args, model, "--iters", "80", "--out",
+        result = runner.invoke(app, [*args, model, "--iters", "50", "--out",
                                      str(tmp_path / name)])
         assert result.exit_code == 0, result.output
     gate = ["gate", "--max-regression", "5"]
@@ -233,7 +233,7 @@ def test_real_tiny_runs(tmp_path: Path) -> None:
     outcomes = []
     for attempt in range(3):
         base = tmp_path / f"trials-{attempt}"
-        result = runner.invoke(app, [*args, "dgca", "--iters", "30", "--trials", "8",
+        result = runner.invoke(app, [*args, "dgca", "--iters", "20", "--trials", "6",
                                      "--out", str(base)])
         assert result.exit_code == 0, result.output
         _save(_slowed_trials(load_run(base), 1.5), tmp_path / f"slow-{attempt}")

@@ -21,16 +21,19 @@ runner = CliRunner()
 pytestmark = pytest.mark.slow
 
 
-def profile(tmp_path: Path, *command: str, timed: int = 15) -> tuple[int, RunResult, str]:
+def profile(tmp_path: Path, *command: str, timed: int = 15,
+            options: tuple[str, ...] = ()) -> tuple[int, RunResult, str]:
     out = tmp_path / "run"
     result = runner.invoke(app, ["profile", "--out", str(out), "--warmup", "3", "--timed",
-                                 str(timed), "--", *command])
+                                 str(timed), *options, "--", *command])
     return result.exit_code, load_run(out), result.output
 
 
 def example(tmp_path: Path, name: str, timed: int = 15) -> RunResult:
+    """An example script, stopped once its window closed (the rest of its steps add nothing
+    to the diagnosis, and the tests run in a CI with a time budget)."""
     code, run, output = profile(tmp_path, sys.executable, str(EXAMPLES / f"{name}.py"),
-                                timed=timed)
+                                timed=timed, options=("--stop-after-window",))
     assert code == 0, output
     assert run.stages and all(s.ok for s in run.stages), output
     return run
