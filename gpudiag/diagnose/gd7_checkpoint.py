@@ -64,6 +64,29 @@ class Stalls:
         return max(1, math.ceil(self.stall_ms / (TARGET_OVERHEAD * self.baseline_ms)))
 
 
+# What makes recurring spikes a stall and how its loss grades: GD701's and GD703's.
+PERIODIC_STALL_THRESHOLDS = (
+    Threshold("min_steps", MIN_STEPS, "steps needed to see a period"),
+    Threshold("spike_mads", SPIKE_MADS, "a spike is above median + 5 MAD ..."),
+    Threshold("spike_excess", MIN_SPIKE_EXCESS, "... and 20% above the median"),
+    Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
+    Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
+    Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical"),
+)
+
+
+def _periodic_spikes(times: list[float], source: str) -> Stalls | None:
+    """Spikes over the median step that recur with one period, priced by their excess."""
+    spikes = find_spikes(times)
+    period = detect_period(spikes.indices, len(times))
+    if period is None:
+        return None
+    excess = sum(e for i, e in zip(spikes.indices, spikes.excess_ms, strict=True)
+                 if i % period.steps == period.phase)
+    return Stalls(source, period.steps, period.hits, spikes.median_ms, excess / period.hits,
+                  excess / (spikes.median_ms * len(times)), lost_share(times))
+
+
 def saves_are_seen(stage: StageResult) -> bool:
     """Whether every save would be on record: a checkpoint stage, or a profiled script (whose
     torch.save calls gpudiag times). Then periodic spikes without a save are something else."""
@@ -102,15 +125,7 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
     waits = stage.phases_ms.get("data_wait", [])
     if len(waits) == len(times):  # periodic data stalls belong to the input rules
         times = [t - w for t, w in zip(times, waits, strict=True)]
-    spikes = find_spikes(times)
-    period = detect_period(spikes.indices, len(times))
-    if period is None:
-        return None
-    excess = sum(e for i, e in zip(spikes.indices, spikes.excess_ms, strict=True)
-                 if i % period.steps == period.phase)
-    return Stalls("step times alone", period.steps, period.hits, spikes.median_ms,
-                  excess / period.hits, excess / (spikes.median_ms * len(times)),
-                  lost_share(times))
+    return _periodic_spikes(times, "step times alone")
 
 
 @rule(
@@ -124,12 +139,7 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
          "a background thread or process (torch.distributed.checkpoint.async_save), with one "
          "save in flight; save on one rank (or sharded with DCP); and space saves so that the "
          "overhead stays within 3-5%."),
-    thresholds=(Threshold("min_steps", MIN_STEPS, "steps needed to see a period"),
-                Threshold("spike_mads", SPIKE_MADS, "a spike is above median + 5 MAD ..."),
-                Threshold("spike_excess", MIN_SPIKE_EXCESS, "... and 20% above the median"),
-                Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
-                Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
-                Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical"),
+    thresholds=(*PERIODIC_STALL_THRESHOLDS,
                 Threshold("target_overhead", TARGET_OVERHEAD,
                           "overhead the advised save interval aims for"),
                 Threshold("wait_noise_ms", WAIT_NOISE_MS,
@@ -319,15 +329,7 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     _, _, saves = _saves(stage)
     for s in saves:
         times[s.step] -= s.blocking_ms
-    spikes = find_spikes(times)
-    period = detect_period(spikes.indices, len(times))
-    if period is None:
-        return None
-    excess = sum(e for i, e in zip(spikes.indices, spikes.excess_ms, strict=True)
-                 if i % period.steps == period.phase)
-    return Stalls("step times less saves and data waits", period.steps, period.hits,
-                  spikes.median_ms, excess / period.hits,
-                  excess / (spikes.median_ms * len(times)), lost_share(times))
+    return _periodic_spikes(times, "step times less saves and data waits")
 
 
 @rule(
@@ -340,12 +342,7 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     fix=("Run the periodic work less often, on fewer batches, or off the training process "
          "(another rank, a separate evaluation job on saved checkpoints); keep its DataLoader "
          "persistent so it does not restart workers each time."),
-    thresholds=(Threshold("min_steps", MIN_STEPS, "steps needed to see a period"),
-                Threshold("spike_mads", SPIKE_MADS, "a spike is above median + 5 MAD ..."),
-                Threshold("spike_excess", MIN_SPIKE_EXCESS, "... and 20% above the median"),
-                Threshold("info_lost", INFO_LOST, "share of wall time lost: info"),
-                Threshold("warning_lost", WARNING_LOST, "share of wall time lost: warning"),
-                Threshold("critical_lost", CRITICAL_LOST, "share of wall time lost: critical")),
+    thresholds=PERIODIC_STALL_THRESHOLDS,
     references=("docs/field-cases.md#case-4 (stalls that were not the save)",),
 )
 def periodic_step_work(run: RunResult) -> Iterator[Draft]:
