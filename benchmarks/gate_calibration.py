@@ -21,7 +21,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from gpudiag.diagnose.compare import GATE_ALPHA, compare_runs, decide
+from gpudiag.diagnose.compare import compare_runs
+from gpudiag.diagnose.gate import GATE_ALPHA, GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials
 from gpudiag.model.results import RunResult, load_run
 
@@ -49,7 +50,7 @@ def outcomes(pairs: list[tuple[list[RunResult], list[RunResult]]], limit: float,
         after_runs = [slowed(r, slowdown) for r in b]
         after = merge_trials(after_runs) if len(after_runs) > 1 else after_runs[0]
         comparison = compare_runs(before, after, alpha=GATE_ALPHA)
-        counts[decide(comparison, default_limit=limit, stage_limits={}).outcome] += 1
+        counts[decide(comparison, GateLimits({(None, "wall"): limit})).outcome] += 1
     return counts
 
 

@@ -271,31 +271,6 @@ def _print_run(run: RunResult) -> None:
     stdout.print(findings_panel(run))
 
 
-def _parse_limits(values: list[str]) -> tuple[float, dict[str, float],
-                                            dict[tuple[str | None, str], float]]:
-    """`5` sets the default throughput limit, `stage=3` one stage's, `energy=10` or
-    `memory=10` a metric's for every stage, `stage:energy=8` one stage's (percent)."""
-    from gpudiag.diagnose.compare import GATED_METRICS
-
-    default, per_stage, per_metric = 5.0, {}, {}
-    for value in values:
-        name, _, number = value.rpartition("=")
-        try:
-            pct = float(number)
-        except ValueError:
-            raise BadInput(f"--max-regression {value!r}: expected PCT or STAGE=PCT") from None
-        if not 0 < pct < 100:
-            raise BadInput(f"--max-regression {value!r}: the percentage must be in (0, 100)")
-        stage_name, _, metric = name.rpartition(":")
-        if metric in GATED_METRICS:
-            per_metric[(stage_name or None, metric)] = pct / 100
-        elif name:
-            per_stage[name] = pct / 100
-        else:
-            default = pct
-    return default / 100, per_stage, per_metric
-
-
 def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
     from gpudiag.diagnose.trials import load_run_set
 
@@ -415,14 +390,80 @@ def compare(
             stdout.print(f"  finding {title}: {f.id} {f.stage}: {f.title}", soft_wrap=True)
 
 
+def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
+               out: Path | None, decide_now: Callable[[RunResult, RunResult], Any],
+               ) -> tuple[RunResult, RunResult]:
+    """Base and head measured here, interleaved, with trials added while the gate cannot tell
+    (up to max_trials a side); both sides merged."""
+    from gpudiag.diagnose.trials import merge_trials
+    from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
+    from gpudiag.present import default_run_dir, prepare_run_dir
+
+    out_dir = prepare_run_dir(out or default_run_dir("gate"))
+    stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
+                 f"{max_trials} trials a side, in {out_dir}", soft_wrap=True)
+
+    def next_count(done: Interleaved) -> int:
+        k = len(done.head)
+        decision = decide_now(merge_trials(done.base), merge_trials(done.head))
+        wanted = decision.trials_wanted(k, max_trials)
+        if wanted:
+            stderr.print(f"gate: inconclusive after {k} a side; going to {wanted}")
+        return wanted
+
+    with base_checkout(base_ref, Path.cwd()) as base:
+        done = run_interleaved(options, base=base, head=Path.cwd(), out_dir=out_dir,
+                               first=trials, next_count=next_count,
+                               on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
+    if done.interrupted or not done.base or not done.head:
+        raise typer.Exit(EXIT_INTERRUPTED)
+    return merge_trials(done.base), merge_trials(done.head)
+
+
+def _check_sources(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadInput(message)
+
+
+def _append_summary(text: str) -> None:
+    """GitHub's step summary, when the job has one; failing to write it is a warning, never a
+    gate outcome."""
+    import os
+
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not summary:
+        return
+    try:
+        with Path(summary).open("a") as fh:
+            fh.write(text + "\n")
+    except OSError as exc:
+        stderr.print(f"[yellow]warning:[/] GITHUB_STEP_SUMMARY {summary}: "
+                     f"{exc.strerror or exc}", soft_wrap=True)
+
+
 @app.command()
+@_with_run_options
 def gate(
-    baseline: Annotated[Path, typer.Argument(help="Baseline: run directory, run.json, trial "
-                                             "folder, or a saved baseline file.")],
-    current: Annotated[Path, typer.Argument(help="The run to check.")],
+    options: RunOptions,
+    baseline: Annotated[Path | None, typer.Argument(help="Baseline: run directory, run.json, "
+                                                    "trial folder, or a saved baseline file.")]
+    = None,
+    current: Annotated[Path | None, typer.Argument(help="The run to check.")] = None,
+    base_ref: Annotated[str | None, typer.Option(
+        help="Measure this git ref (a temporary worktree) and this checkout here, "
+             "interleaved, instead of reading two runs; takes the run options.")] = None,
+    trials: Annotated[int, typer.Option(help="With --base-ref: trials a side to start "
+                                        "with.")] = 1,
+    max_trials: Annotated[int, typer.Option(help="With --base-ref: add trials while the gate "
+                                            "is inconclusive, up to this many a side.")] = 5,
+    on_inconclusive: Annotated[str, typer.Option(
+        help="What an undecided gate exits with: pass (0, the summary says what it could not "
+             "see) or fail (3).")] = "pass",
     max_regression: Annotated[list[str] | None, typer.Option(
-        help="Allowed loss in percent: PCT (throughput, all stages), STAGE=PCT, energy=PCT, "
-             "memory=PCT, STAGE:energy=PCT (repeat).")]
+        help="Allowed loss in percent: PCT (wall time, all stages), STAGE=PCT, METRIC=PCT or "
+             "STAGE:METRIC=PCT; METRIC: wall, device, energy, or an exact counter (ops, "
+             "launches, kernels, syncs, copies, copy-bytes, flops, memory, graphs, "
+             "graph-breaks; 0 = no increase). Repeat.")]
     = None,
     min_iters: Annotated[int, typer.Option(help="Steady-state steps a side needs per stage.")]
     = 10,
@@ -430,36 +471,53 @@ def gate(
                                                  "batch, stages or GPU anyway.")] = False,
     markdown: Annotated[Path | None, typer.Option(help="Also write the decision as markdown.")]
     = None,
+    out: Annotated[Path | None, typer.Option(help="With --base-ref: where the trials go "
+                                             "(default: reports/<UTC time>-gate/).")] = None,
 ) -> None:
-    """CI gate: exit 1 on a real regression, 0 on pass, 3 when more trials are needed."""
-    import os
-
-    from gpudiag.diagnose.compare import GATE_ALPHA, compare_runs, decide
+    """CI gate: exit 1 on a regression, 0 on pass (or an undecided gate under --on-inconclusive
+    pass), 3 when undecided under --on-inconclusive fail."""
+    from gpudiag.diagnose.compare import compare_runs
+    from gpudiag.diagnose.gate import GATE_ALPHA, decide, parse_limits
     from gpudiag.present.compare import gate_lines, gate_markdown
 
-    default, per_stage, per_metric = _parse_limits(max_regression or [])
-    a, b = _load_pair(baseline, current)
-    comparison = compare_runs(a, b, before_label=str(baseline), after_label=str(current),
-                              alpha=GATE_ALPHA)
-    if comparison.mismatches and not allow_mismatch:
-        raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
-                       + "); pass --allow-mismatch to gate anyway")
-    named = set(per_stage) | {stage for stage, _ in per_metric if stage is not None}
-    unknown = sorted(named - {s.stage for s in comparison.stages})
-    if unknown:
-        raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
-    decision = decide(comparison, default_limit=default, stage_limits=per_stage,
-                      min_iters=min_iters, metric_limits=per_metric)
-    text = gate_markdown(decision, comparison)
+    if on_inconclusive not in ("pass", "fail"):
+        raise BadInput(f"--on-inconclusive {on_inconclusive!r}: expected pass or fail")
+    if not 1 <= trials <= max_trials:
+        raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
+                       "max-trials")
+    limits = parse_limits(max_regression or [])
+
+    def judge(a: RunResult, b: RunResult) -> tuple[Any, Any]:
+        comparison = compare_runs(a, b, before_label=str(baseline or base_ref),
+                                  after_label=str(current or "this checkout"), alpha=GATE_ALPHA)
+        if comparison.mismatches and not allow_mismatch:
+            raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
+                           + "); pass --allow-mismatch to gate anyway")
+        unknown = sorted(limits.stages - {s.stage for s in comparison.stages})
+        if unknown:
+            raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
+        return decide(comparison, limits, min_iters=min_iters), comparison
+
+    if base_ref is not None:
+        _check_sources(baseline is None and current is None, "give either BASELINE and "
+                       "CURRENT or --base-ref, not both")
+        a, b = _gate_runs(options, base_ref, trials, max_trials, out,
+                          lambda x, y: judge(x, y)[0])
+    else:
+        _check_sources(baseline is not None and current is not None, "give BASELINE and "
+                       "CURRENT (two runs), or --base-ref REF to measure both")
+        _check_sources(options == RunOptions(), "run options (--model, --stages, ...) only "
+                       "apply with --base-ref")
+        assert baseline is not None and current is not None
+        a, b = _load_pair(baseline, current)
+    decision, comparison = judge(a, b)
+    text = gate_markdown(decision, comparison, on_inconclusive)
     if markdown is not None:
         markdown.write_text(text)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        with Path(summary).open("a") as fh:
-            fh.write(text + "\n")
-    for line in gate_lines(decision):
+    _append_summary(text)
+    for line in gate_lines(decision, on_inconclusive):
         typer.echo(line)
-    raise typer.Exit(decision.exit_code)
+    raise typer.Exit(decision.exit_code(on_inconclusive))  # type: ignore[arg-type]
 
 
 baseline_app = typer.Typer(help="Keep baselines in the repository for `gpudiag gate`.",

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.diagnose.compare import compare_runs, decide
+from gpudiag.diagnose.compare import compare_runs
+from gpudiag.diagnose.gate import GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials, steady_state
 from gpudiag.model.results import (
     Env,
@@ -56,7 +57,7 @@ def _side(mean_ms: float, trials: int, trial_noise: float, seed: int, **kw: obje
 
 
 def _outcome(before: RunResult, after: RunResult, limit: float = 0.05) -> str:
-    return decide(compare_runs(before, after), default_limit=limit, stage_limits={}).outcome
+    return decide(compare_runs(before, after), GateLimits({(None, "wall"): limit})).outcome
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -107,8 +108,7 @@ def test_throttled_trials_are_invalid() -> None:
     after = _side(50.0, 3, 0.005, 7)
     for trial in after.stages[0].trials:
         trial.throttled = True
-    gate = decide(compare_runs(_side(50.0, 3, 0.005, 8), after), default_limit=0.05,
-                  stage_limits={}).stages[0]
+    gate = decide(compare_runs(_side(50.0, 3, 0.005, 8), after)).stages[0]
     assert gate.outcome == "inconclusive" and "throttled" in gate.reason
 
 
@@ -119,7 +119,7 @@ def test_findings_new_since_the_baseline_travel_with_the_decision() -> None:
     after.findings = [loop]
     comparison = compare_runs(before, after)
     assert comparison.findings_new == [loop] and not comparison.findings_resolved
-    assert decide(comparison, default_limit=0.05, stage_limits={}).new_findings == [loop]
+    assert decide(comparison).new_findings == [loop]
 
 
 def _save(run: RunResult, path: Path) -> Path:
@@ -139,8 +139,11 @@ def test_gate_cli_exit_codes(tmp_path: Path) -> None:
     assert runner.invoke(app, [*gate, str(base), str(same)]).exit_code == 0
     result = runner.invoke(app, [*gate, str(base), str(slow)])
     assert result.exit_code == 1 and "REGRESSION" in result.stdout and "train-fp16" in result.stdout
-    noisy_result = runner.invoke(app, [*gate, str(base), str(noisy)])
+    noisy_result = runner.invoke(app, [*gate, "--on-inconclusive", "fail", str(base),
+                                       str(noisy)])
     assert noisy_result.exit_code == 3 and "trials per side" in noisy_result.stdout
+    lenient = runner.invoke(app, [*gate, str(base), str(noisy)])  # the default: pass, and say so
+    assert lenient.exit_code == 0 and "could only detect" in lenient.stdout
     mismatch = runner.invoke(app, [*gate, str(base), str(other_dir)])
     assert mismatch.exit_code == 2 and "not comparable" in mismatch.stderr
     assert runner.invoke(app, [*gate, "--allow-mismatch", str(base), str(other_dir)]).exit_code == 0
@@ -237,7 +240,8 @@ def test_real_tiny_runs(tmp_path: Path) -> None:
                                      "--out", str(base)])
         assert result.exit_code == 0, result.output
         _save(_slowed_trials(load_run(base), 1.5), tmp_path / f"slow-{attempt}")
-        slowed = runner.invoke(app, [*gate, str(base), str(tmp_path / f"slow-{attempt}")])
+        slowed = runner.invoke(app, [*gate, "--on-inconclusive", "fail", str(base),
+                                     str(tmp_path / f"slow-{attempt}")])
         outcomes.append(slowed.exit_code)
         if slowed.exit_code != 3:
             break
@@ -253,8 +257,9 @@ def test_energy_and_memory_limits(tmp_path: Path) -> None:
     loose = runner.invoke(app, ["gate", "--max-regression", "train-fp16:energy=25", str(base),
                                 str(cur)])
     assert loose.exit_code == 0, loose.stdout
-    memory = runner.invoke(app, ["gate", "--max-regression", "memory=10", str(base), str(cur)])
-    assert memory.exit_code == 3 and "no memory on both sides" in memory.stdout
+    memory = runner.invoke(app, ["gate", "--max-regression", "memory=10", "--on-inconclusive",
+                                 "fail", str(base), str(cur)])
+    assert memory.exit_code == 3 and "no memory counter measured" in memory.stdout
 
 
 @pytest.mark.slow

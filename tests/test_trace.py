@@ -192,6 +192,32 @@ def test_counts_are_divided_by_the_number_of_steps() -> None:
         assert getattr(two, name) == pytest.approx(getattr(one, name)), name
 
 
+def test_kernel_time_is_split_by_the_step_that_launched_it() -> None:
+    """A kernel belongs to the step whose host range holds its launch, even when it runs after
+    that range has closed (the device lags the host)."""
+    late = kernel("add", 1005, 7.0, 99)  # runs inside step 2's span, launched in step 1
+    events = [op("gpudiag.step", 0, 900, cat="user_annotation"),
+              op("gpudiag.step", 1000, 900, cat="user_annotation"),
+              *one_step(0, 1), *one_step(1000, 11), launch("cudaLaunchKernel", 80, 99), late]
+    ev = run(events, steps=2)
+    assert ev.device_ms_by_step == pytest.approx([0.017, 0.010])
+    assert run(events, steps=2, backend="cpu").device_ms_by_step == []
+
+
+def test_copy_bytes_and_every_line_are_counted_per_step() -> None:
+    events = [*one_step(0, 1), *one_step(1000, 11),
+              ann("loss.py:3", "check", 2000, 10), launch("cudaStreamSynchronize", 2001, 50)]
+    for e in events:
+        if e.get("cat") == "gpu_memcpy":
+            e["args"]["bytes"] = 4096
+    ev = run(events, steps=2)
+    assert ev.copy_bytes_per_step == {"HtoD": 4096}
+    by_location = {c.location: c for c in ev.line_counts}
+    assert list(by_location) == ["loss.py:3", "model.py:10"]
+    assert by_location["loss.py:3"].syncs == 0.5 and by_location["loss.py:3"].ops == 0
+    assert (by_location["model.py:10"].kernels, by_location["model.py:10"].copies) == (2, 1)
+
+
 def test_synchronising_runtime_calls_are_counted_per_line() -> None:
     events = [
         ann("model.py:10", "forward", 0, 100),

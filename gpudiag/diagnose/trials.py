@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpudiag.diagnose.counters import read_counters
 from gpudiag.model.results import RunFileError, RunResult, StageResult, Trial, load_run
 
 SETTLE_REL = 0.02  # a step within 2% (or 3 MADs) of the steady median counts as settled
@@ -53,9 +54,12 @@ def trial_of(stage: StageResult) -> Trial | None:
     steady = steady_state(stage.iter_ms)
     # Bursty stages (a prefetching DataLoader) are scored by their mean, as everywhere else.
     ms = statistics.fmean(steady) if stage.facts.bursty else statistics.median(steady)
+    device = stage.evidence.device_ms_by_step if stage.evidence is not None else []
     return Trial(samples_per_s=stage.samples_per_step / ms * 1e3, ms_per_iter=ms,
                  iters=len(steady), throttled=throttled(stage),
-                 energy_per_sample_j=stage.energy_per_sample_j)
+                 energy_per_sample_j=stage.energy_per_sample_j,
+                 counters=read_counters(stage), device_ms_by_step=list(device),
+                 device_ms=statistics.median(device) if device else None)
 
 
 def block_scores(stage: StageResult) -> list[float]:
@@ -89,6 +93,36 @@ def stage_samples(stage: StageResult) -> StageSamples:
     invalid = int(trial is not None and trial.throttled)
     return StageSamples(scores=[] if invalid else block_scores(stage), kind="blocks",
                         invalid=invalid, iters=trial.iters if trial else 0)
+
+
+def _trials_or_own(stage: StageResult) -> list[Trial]:
+    if stage.trials:
+        return stage.trials
+    own = trial_of(stage)
+    return [own] if own is not None else []
+
+
+def device_samples(stage: StageResult) -> StageSamples | None:
+    """Device time (kernel time per step) as throughput samples, like `stage_samples`: one per
+    trial with two or more trials, else one per profiled step of the single trial (blocks).
+    Trials without kernel times (a CPU, no evidence window, a trial cut short before it) are
+    left out; None when none has them."""
+    trials = [t for t in _trials_or_own(stage) if not t.throttled and t.device_ms]
+    per_step = stage.samples_per_step
+    if not trials or not per_step:
+        return None
+    steps = sum(len(t.device_ms_by_step) for t in trials)
+    if len(trials) >= 2:
+        return StageSamples(scores=[per_step / t.device_ms * 1e3 for t in trials
+                                    if t.device_ms], kind="trials",
+                            invalid=len(stage.trials) - len(trials), iters=steps)
+    return StageSamples(scores=[per_step / ms * 1e3 for ms in trials[0].device_ms_by_step
+                                if ms > 0], kind="blocks", invalid=0, iters=steps)
+
+
+def side_counters(stage: StageResult) -> list[dict[str, float]]:
+    """Each trial's exact counters (the stage's own for a single run)."""
+    return [t.counters for t in _trials_or_own(stage) if t.counters]
 
 
 def merge_trials(runs: list[RunResult]) -> RunResult:
@@ -128,11 +162,17 @@ def load_run_set(path: Path) -> RunResult:
 
 
 def baseline_of(run: RunResult) -> RunResult:
-    """A small, stable copy of a run for a repository: what compare and gate read, no evidence,
-    traces or per-step phases."""
+    """A small, stable copy of a run for a repository: what compare and gate read (timings,
+    trials, the exact counters and each line's counts), without the evidence's per-line
+    detail, traces or per-step phases."""
     small = copy.deepcopy(run)
     for stage in small.stages:
-        stage.evidence = None
+        if not stage.trials and (trial := trial_of(stage)) is not None:
+            stage.trials = [trial]  # the counters live on the trial once evidence is slimmed
+        if stage.evidence is not None:
+            stage.evidence.source_lines = []
+            stage.evidence.top_ops_by_count = []
+            stage.evidence.top_ops_by_time = []
         stage.traceback = None
         stage.phases_ms = {}
         stage.warmup_ms = []

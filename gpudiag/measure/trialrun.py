@@ -1,13 +1,13 @@
 """`gpudiag run --trials N`: the same run in N fresh processes (merged by the command layer).
 
 Fresh processes are the unit of evidence for comparisons (see gpudiag.diagnose.trials). Each
-trial is a plain `gpudiag run` writing its own directory (trial-1, trial-2, ...); the evidence
-window runs in the last trial only, since it never affects timings and costs wall time.
+trial is a plain `gpudiag run` writing its own directory (trial-1, trial-2, ...), evidence window
+included: it runs after all of the trial's timing, and its exact counters and device time are
+what a gate compares trial by trial.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable
@@ -30,9 +30,8 @@ class TrialsOutput:
 
 def run_trials(options: RunOptions, out_dir: Path, trials: int,
                on_trial: Callable[[int, int], None] | None = None) -> TrialsOutput:
-    """Run `gpudiag run` with `options` `trials` times, each in a fresh process; only the last
-    trial records evidence (profiling would slow the trials after it). The caller merges them
-    (gpudiag.diagnose.trials.merge_trials)."""
+    """Run `gpudiag run` with `options` `trials` times, each in a fresh process. The caller
+    merges them (gpudiag.diagnose.trials.merge_trials)."""
     runs: list[RunResult] = []
     frames: list[pd.DataFrame] = []
     interrupted = False
@@ -40,8 +39,7 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
         if on_trial is not None:
             on_trial(k, trials)
         trial_dir = out_dir / f"trial-{k}"
-        trial = options if k == trials else dataclasses.replace(options, evidence_steps=0)
-        command = [sys.executable, "-m", "gpudiag", "run", *to_argv(trial),
+        command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
                    "--out", str(trial_dir), "--quiet"]
         try:
             code = subprocess.call(command)

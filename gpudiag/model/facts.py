@@ -171,6 +171,10 @@ class ScriptFacts:
     timed: int
     step_clock: str  # "optimizer.step()" or "gpudiag.step()"
     device: str | None = None
+    # torch.compile, counted by Dynamo up to the end of the profiler window (None: not used):
+    # graphs compiled (a recompile adds one) and graph breaks.
+    compiled_graphs: int | None = None
+    graph_breaks: int | None = None
 
 
 @dataclass

@@ -140,6 +140,21 @@ class SourceLine:
 
 
 @dataclass
+class LineCount:
+    """What one source line did per profiled step, compactly, for every line (not only the
+    busiest): the gate diffs these to name the line a new op, kernel or sync comes from."""
+
+    location: str
+    function: str
+    ops: float = 0.0
+    kernels: float = 0.0
+    syncs: float = 0.0
+    copies: float = 0.0
+    device_ms: float = 0.0
+    sync_idle_ms: float = 0.0
+
+
+@dataclass
 class Evidence:
     """Per-step counts from a short profiler window, run after (not among) the timed steps."""
 
@@ -178,6 +193,11 @@ class Evidence:
     top_ops_by_count: list[dict[str, Any]] = field(default_factory=list)
     top_ops_by_time: list[dict[str, Any]] = field(default_factory=list)
     source_lines: list[SourceLine] = field(default_factory=list)
+    line_counts: list[LineCount] = field(default_factory=list)  # every line, see LineCount
+    # Bytes copied per step between host and device, by direction ("HtoD", "DtoH").
+    copy_bytes_per_step: dict[str, float] = field(default_factory=dict)
+    # Kernel time of each profiled step (kernels assigned to the step that launched them).
+    device_ms_by_step: list[float] = field(default_factory=list)
     window_overhead: float | None = None  # profiled step time / timed median step time
     # Why device work is not charged to source lines, when it is not (torch.compile).
     attribution_note: str | None = None
@@ -213,6 +233,11 @@ class Trial:
     iters: int  # steady-state steps behind the score
     throttled: bool = False  # thermal/hardware slowdown: not valid for a gate
     energy_per_sample_j: float | None = None
+    # Exact counters per step (gpudiag.diagnose.counters), and the kernel time of each profiled
+    # step with its median: what the trial's evidence window measured.
+    counters: dict[str, float] = field(default_factory=dict)
+    device_ms_by_step: list[float] = field(default_factory=list)
+    device_ms: float | None = None
 
 
 @dataclass

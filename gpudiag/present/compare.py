@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from gpudiag.diagnose.compare import Comparison, GateDecision, MetricChange, StageComparison
+from gpudiag.diagnose.compare import Comparison, MetricChange, StageComparison
+from gpudiag.diagnose.gate import GateDecision, OnInconclusive, describe_change
 from gpudiag.model.results import Finding
 from gpudiag.present.rows import DASH, fmt
 from gpudiag.present.tables import markdown_table
@@ -31,6 +32,21 @@ def _ratio_cells(s: StageComparison) -> list[str]:
             f"{e.min_detectable:.1%}"]
 
 
+def _device_cell(s: StageComparison) -> str:
+    e = s.device
+    if e is None:
+        return DASH
+    return (f"{e.ratio:.3f}x ({e.low:.3f} .. {e.high:.3f}" + ("*" if e.optimistic else "")
+            + ")")
+
+
+def _counters_cell(s: StageComparison) -> str:
+    if not s.counters:
+        return DASH
+    changed = s.counter_changes
+    return f"{len(changed)} changed" if changed else f"{len(s.counters)} same"
+
+
 def _samples_per_s(s: StageComparison) -> list[str]:
     return [fmt(s.before.samples_per_s if s.before else None, ",.1f"),
             fmt(s.after.samples_per_s if s.after else None, ",.1f")]
@@ -38,13 +54,14 @@ def _samples_per_s(s: StageComparison) -> list[str]:
 
 def _header(c: Comparison) -> list[str]:
     return ["stage", "before samples/s", "after samples/s", "throughput ratio",
-            f"{c.confidence:.0%} CI", "detectable", "verdict", *_SHOWN_METRICS]
+            f"{c.confidence:.0%} CI", "detectable", "verdict", "device time ratio",
+            "exact counters", *_SHOWN_METRICS]
 
 
 def _row(s: StageComparison) -> list[str]:
     metrics = {m.name: m for m in s.metrics}
-    return [s.stage, *_samples_per_s(s), *_ratio_cells(s), s.verdict,
-            *[_pair(metrics[name]) for name in _SHOWN_METRICS]]
+    return [s.stage, *_samples_per_s(s), *_ratio_cells(s), s.verdict, _device_cell(s),
+            _counters_cell(s), *[_pair(metrics[name]) for name in _SHOWN_METRICS]]
 
 
 def comparison_table(c: Comparison) -> Table:
@@ -91,7 +108,7 @@ def comparison_markdown(c: Comparison) -> str:
     out = [f"## gpudiag compare: {c.before_label} -> {c.after_label}", ""]
     out += _differences(c)
     out += markdown_table(_header(c), [_row(s) for s in c.stages],
-                          right=[False, *[True] * 5, False, *[True] * 5])
+                          right=[False, *[True] * 5, False, *[True] * 7])
     out.append("")
     out.append("Throughput ratio is after over before (above 1: faster), with its "
                f"{c.confidence:.0%} interval; "
@@ -99,6 +116,13 @@ def comparison_markdown(c: Comparison) -> str:
                "An interval marked * comes from blocks of steps of a single trial per side: "
                "steps are autocorrelated, so it is optimistic; compare runs made with "
                "`--trials` for a trustworthy one.")
+    out.append("")
+    out.append("*Device time* is kernel time per step from the evidence window (above 1: "
+               "less of it); *exact counters* are counted per step and compared exactly.")
+    changes = [f"- {s.stage}: {describe_change(ch)}" for s in c.stages
+               for ch in s.counter_changes]
+    if changes:
+        out += ["", "**Exact counters that changed**", "", *changes]
     notes = grouped_notes(c)
     if notes:
         out += ["", *[f"- {line}" for line in notes]]
@@ -109,15 +133,31 @@ def comparison_markdown(c: Comparison) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def gate_lines(decision: GateDecision) -> list[str]:
-    """The gate's verdict as plain lines: what regressed, by how much, with what confidence."""
-    head = {"pass": "PASS: no stage regressed beyond its limit.",
-            "regression": "REGRESSION: at least one stage got slower beyond its limit.",
-            "inconclusive": "INCONCLUSIVE: the data cannot tell; more trials needed."}
-    lines = [head[decision.outcome]]
+_HEADLINE = {
+    "pass": "PASS: no stage regressed beyond its limits.",
+    "regression": "REGRESSION: a stage regressed beyond its limit.",
+    "inconclusive": "INCONCLUSIVE: the data cannot tell within the limits.",
+}
+
+
+def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass") -> list[str]:
+    """The gate's verdict as plain lines: each instrument's verdict per stage, the exact
+    counters that changed and where, what the gate could not see, and new findings."""
+    lines = [_HEADLINE[decision.outcome]]
+    if decision.outcome == "inconclusive":
+        lines[0] += (" Passing under --on-inconclusive pass." if on_inconclusive == "pass"
+                     else " Failing under --on-inconclusive fail (exit 3).")
     for g in decision.stages:
         more = f" (about {g.trials_needed} trials per side would tell)" if g.trials_needed else ""
-        lines.append(f"  {g.outcome:>12}  {g.stage}: {g.reason}{more}")
+        lines.append(f"  {g.outcome:>12}  {g.stage} [{g.metric}]: {g.reason}{more}")
+    gated = {(g.stage, g.metric) for g in decision.stages}
+    ungated = [(stage, c) for stage, c in decision.changes if (stage, c.name) not in gated]
+    if ungated:
+        lines.append("Exact counters that changed (no limit set on them; reported, not gated):")
+        lines += [f"  {stage}: {describe_change(c)}" for stage, c in ungated]
+    if decision.unseen:
+        lines.append("What this gate could not see:")
+        lines += [f"  {line}" for line in decision.unseen]
     if decision.new_findings:
         lines.append("New findings since the baseline (likely causes):")
         lines += [f"  {f.severity} {f.id} {f.stage}: {f.title}"
@@ -125,8 +165,8 @@ def gate_lines(decision: GateDecision) -> list[str]:
     return lines
 
 
-def gate_markdown(decision: GateDecision, c: Comparison) -> str:
-    icon = {"pass": "PASS", "regression": "REGRESSION", "inconclusive": "INCONCLUSIVE"}
-    out = [f"## gpudiag gate: {icon[decision.outcome]}", "", "```", *gate_lines(decision), "```",
-           ""]
+def gate_markdown(decision: GateDecision, c: Comparison,
+                  on_inconclusive: OnInconclusive = "pass") -> str:
+    out = [f"## gpudiag gate: {decision.outcome.upper()}", "", "```",
+           *gate_lines(decision, on_inconclusive), "```", ""]
     return "\n".join(out) + comparison_markdown(c)

@@ -16,12 +16,12 @@ import math
 import re
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.measure.evidence.source import in_loop, parse_annotation
-from gpudiag.model.results import Evidence, SourceLine
+from gpudiag.model.results import Evidence, LineCount, SourceLine
 
 SHORT_KERNEL_US = 10.0  # kernels shorter than this are dominated by launch overhead
 TOP_N = 10
@@ -190,6 +190,7 @@ class _Window:
     device: list[dict[str, Any]]
     backward_nodes: list[dict[str, Any]]
     matmuls: list[dict[str, Any]]
+    steps: list[tuple[float, float]] = field(default_factory=list)  # each profiled step's span
     lines: dict[str, _Line] = field(default_factory=dict)
 
     def line_of(self, e: dict[str, Any]) -> dict[str, Any] | None:
@@ -230,7 +231,8 @@ def _select(events: list[dict[str, Any]]) -> _Window:
         ops=ops, runtime=runtime,
         device=by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"],
         backward_nodes=[o for o in ops if o["name"].startswith(BACKWARD_PREFIX)],
-        matmuls=[o for o in ops if o["name"] in MATMUL_OPS])
+        matmuls=[o for o in ops if o["name"] in MATMUL_OPS],
+        steps=sorted((float(r["ts"]), _end(r)) for r in steps_ranges))
     _enclosing(host, window.annotations, "_line")
     _enclosing(host, window.backward_nodes, "_backward")
     _enclosing(runtime, window.matmuls, "_matmul")
@@ -318,26 +320,39 @@ class _Device:
     kernel_us: float = 0.0
     memcpy: Counter[str] = field(default_factory=Counter)
     memcpy_us: Counter[str] = field(default_factory=Counter)
+    copy_bytes: Counter[str] = field(default_factory=Counter)  # "HtoD" / "DtoH" -> bytes
+    step_kernel_us: list[float] = field(default_factory=list)  # per profiled step
     matmul_us: Counter[str] = field(default_factory=Counter)
     kernel_time: Counter[str] = field(default_factory=Counter)
 
 
+def _count_kernel(counts: _Device, kernel: dict[str, Any], launcher: dict[str, Any] | None,
+                  owner: dict[str, Any] | None, step: int | None) -> None:
+    dur = float(kernel.get("dur", 0.0))
+    counts.kernels += 1
+    counts.kernel_us += dur
+    counts.short += dur < SHORT_KERNEL_US
+    counts.kernel_time[kernel["name"]] += dur
+    if launcher is not None and "_matmul" in launcher:
+        counts.matmul_us[_dtype(owner)] += dur
+    if step is not None:
+        counts.step_kernel_us[step] += dur
+
+
 def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
-    counts = _Device()
+    counts = _Device(step_kernel_us=[0.0] * len(w.steps))
+    step_of = _step_finder(w.steps)
     for d in w.device:
         cat, dur = d.get("cat"), float(d.get("dur", 0.0))
         launcher = runtime.by_correlation.get(d.get("args", {}).get("correlation"))
         owner = w.line_of(launcher) if launcher is not None else None
         if cat == "kernel":
-            counts.kernels += 1
-            counts.kernel_us += dur
-            counts.short += dur < SHORT_KERNEL_US
-            counts.kernel_time[d["name"]] += dur
-            if launcher is not None and "_matmul" in launcher:
-                counts.matmul_us[_dtype(owner)] += dur
+            _count_kernel(counts, d, launcher, owner, step_of(launcher))
         elif cat == "gpu_memcpy":
-            counts.memcpy[memcpy_kind(d["name"])] += 1
-            counts.memcpy_us[memcpy_kind(d["name"])] += dur
+            kind = memcpy_kind(d["name"])
+            counts.memcpy[kind] += 1
+            counts.memcpy_us[kind] += dur
+            counts.copy_bytes[kind.split("-")[0]] += float(d.get("args", {}).get("bytes", 0))
         if owner is not None:
             line = w.stats(owner)
             line.device_us += dur
@@ -351,6 +366,33 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
         for o in _top_level(w.matmuls):
             counts.matmul_us[_dtype(w.line_of(o))] += float(o.get("dur", 0.0))
     return counts
+
+
+def _step_finder(steps: list[tuple[float, float]],
+                 ) -> Callable[[dict[str, Any] | None], int | None]:
+    """The index of the step range (sorted, disjoint) holding a host event's start, or None."""
+    starts = [a for a, _ in steps]
+
+    def find(event: dict[str, Any] | None) -> int | None:
+        if event is None:
+            return None
+        t = float(event["ts"])
+        i = bisect.bisect_right(starts, t) - 1
+        return i if i >= 0 and t <= steps[i][1] else None
+
+    return find
+
+
+def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
+    """Every attributed line's counts per step, by location."""
+    return sorted(
+        (LineCount(location=line.location, function=line.function, ops=line.ops * per,
+                   kernels=line.kernels * per, syncs=line.syncs * per,
+                   copies=line.memcpys * per, device_ms=line.device_us * per / 1e3,
+                   sync_idle_ms=_idle_after(runtime.line_sync_ends[line.location],
+                                            w.device) * per / 1e3)
+         for line in w.lines.values()),
+        key=lambda c: c.location)
 
 
 def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> list[SourceLine]:
@@ -424,6 +466,10 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
                           Counter(o["name"] for o in top_ops).most_common(TOP_N)],
         top_ops_by_time=_top_by_time(device.kernel_time, top_ops, per),
         source_lines=_source_lines(w, runtime, per, step_ms),
+        line_counts=_line_counts(w, runtime, per),
+        copy_bytes_per_step={k: v * per for k, v in sorted(device.copy_bytes.items())},
+        device_ms_by_step=([us / 1e3 for us in device.step_kernel_us] if backend == "cuda"
+                           else []),
         window_overhead=step_ms / timed_step_ms if timed_step_ms else None,
     )
 

@@ -76,6 +76,7 @@ class Recorder:
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
         self.evidence: Evidence | None = None
+        self.compile_counts: tuple[int | None, int | None] = (None, None)
         self.nvtx_range: Any = None
         self.finished = False
         self.error: str | None = None
@@ -162,6 +163,7 @@ class Recorder:
         events = self.window.stop(closing_step=at_boundary)
         if not keep:
             return
+        self.compile_counts = _compile_counts()
         timed = self._step_ms()[self.warmup:self.warmup + self.timed]
         self.evidence = self.window.evidence(
             events, TimingStats.of(timed).p25_ms if timed else None)
@@ -278,7 +280,8 @@ class Recorder:
         facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
             steps=self.steps, warmup=self.warmup, timed=timed,
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
-            device=torch.cuda.get_device_name() if self.cuda else None))
+            device=torch.cuda.get_device_name() if self.cuda else None,
+            compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1]))
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts
@@ -375,6 +378,15 @@ def _compiled() -> bool:
         return False
     counters = dynamo.utils.counters
     return bool(counters["frames"].get("ok") or counters["stats"].get("unique_graphs"))
+
+
+def _compile_counts() -> tuple[int | None, int | None]:
+    """(graphs Dynamo compiled, graph breaks) so far, or (None, None) without torch.compile."""
+    if not _compiled():
+        return None, None
+    counters = sys.modules["torch._dynamo"].utils.counters
+    return (int(counters["stats"].get("unique_graphs", 0)),
+            int(sum(counters["graph_break"].values())))
 
 
 def _batch_size(batch: Any) -> int | None:
