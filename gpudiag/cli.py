@@ -392,16 +392,12 @@ def compare(
 
 def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
                out: Path | None, decide_now: Callable[[RunResult, RunResult], Any],
-               ) -> tuple[RunResult, RunResult]:
+               ) -> tuple[RunResult, RunResult, Path]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
-    (up to max_trials a side); both sides merged."""
+    (up to max_trials a side); both sides merged, and the directory holding the trials."""
     from gpudiag.diagnose.trials import merge_trials
     from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
     from gpudiag.present import default_run_dir, prepare_run_dir
-
-    out_dir = prepare_run_dir(out or default_run_dir("gate"))
-    stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
-                 f"{max_trials} trials a side, in {out_dir}", soft_wrap=True)
 
     def next_count(done: Interleaved) -> int:
         k = len(done.head)
@@ -412,12 +408,16 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
         return wanted
 
     with base_checkout(base_ref, Path.cwd()) as base:
+        # Only once the base exists: a bad ref must leave no empty run directory behind.
+        out_dir = prepare_run_dir(out or default_run_dir("gate"))
+        stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
+                     f"{max_trials} trials a side, in {out_dir}", soft_wrap=True)
         done = run_interleaved(options, base=base, head=Path.cwd(), out_dir=out_dir,
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
         raise typer.Exit(EXIT_INTERRUPTED)
-    return merge_trials(done.base), merge_trials(done.head)
+    return merge_trials(done.base), merge_trials(done.head), out_dir
 
 
 def _check_sources(ok: bool, message: str) -> None:
@@ -501,8 +501,9 @@ def gate(
     if base_ref is not None:
         _check_sources(baseline is None and current is None, "give either BASELINE and "
                        "CURRENT or --base-ref, not both")
-        a, b = _gate_runs(options, base_ref, trials, max_trials, out,
-                          lambda x, y: judge(x, y)[0])
+        a, b, trials_dir = _gate_runs(options, base_ref, trials, max_trials, out,
+                                      lambda x, y: judge(x, y)[0])
+        markdown = markdown or trials_dir / "gate.md"
     else:
         _check_sources(baseline is not None and current is not None, "give BASELINE and "
                        "CURRENT (two runs), or --base-ref REF to measure both")

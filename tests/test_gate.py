@@ -1,0 +1,140 @@
+"""The gate's instruments, worked out on paper: exact counters (and the line a change comes
+from), device time with its floor, limits, and when to add trials."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpudiag.diagnose.compare import DEVICE_NOISE_FLOOR, compare_runs
+from gpudiag.diagnose.counters import CounterChange, compare_counters, line_deltas
+from gpudiag.diagnose.gate import GateLimits, decide, parse_limits
+from gpudiag.diagnose.trials import merge_trials
+from gpudiag.model.errors import BadInput
+from gpudiag.model.results import (
+    Env,
+    Evidence,
+    LineCount,
+    RunResult,
+    StageResult,
+    TelemetrySummary,
+)
+
+
+def _line(location: str, ops: float = 1, syncs: float = 0, function: str = "forward",
+          ) -> LineCount:
+    return LineCount(location=location, function=function, ops=ops, kernels=ops, syncs=syncs,
+                     device_ms=0.1 * ops, sync_idle_ms=0.4 * syncs)
+
+
+def test_an_insertion_is_found_by_its_counts_not_its_line_number() -> None:
+    before = [_line("m.py:10", 3), _line("m.py:11", 5), _line("m.py:12", 2)]
+    after = [_line("m.py:10", 3), _line("m.py:11", 2, syncs=1), _line("m.py:12", 5),
+             _line("m.py:13", 2)]  # a new line 11, the old 11 and 12 moved down by one
+    (delta,) = line_deltas(before, after)
+    assert (delta.location, delta.ops, delta.syncs) == ("m.py:11", 2, 1)
+    assert delta.cost_ms == pytest.approx(0.2 + 0.4)
+
+
+def test_a_grown_line_reports_its_growth() -> None:
+    (delta,) = line_deltas([_line("m.py:5", 4)], [_line("m.py:5", 7)])
+    assert delta.ops == 3 and delta.location == "m.py:5"
+    assert line_deltas([_line("m.py:5", 4)], [_line("m.py:5", 4)]) == []
+
+
+def test_exact_counters_change_by_any_amount_and_varying_ones_by_their_range() -> None:
+    exact = CounterChange("syncs", "syncs", "/step", (768, 768), (769, 769))
+    assert exact.changed and exact.increase == pytest.approx(1 / 768)
+    assert CounterChange("syncs", "syncs", "/step", (0, 0), (1, 1)).increase == math.inf
+    varying = CounterChange("kernels", "kernels", "/step", (100, 104), (103, 103))
+    assert varying.varies and not varying.changed and varying.increase == 0
+    assert CounterChange("kernels", "kernels", "/step", (100, 104), (106, 106)).changed
+
+
+def test_counter_comparison_names_the_lines_behind_a_change() -> None:
+    changes = compare_counters([{"syncs": 3.0, "ops": 10.0}], [{"syncs": 4.0, "ops": 12.0}],
+                               [_line("m.py:1", 10)], [_line("m.py:1", 10),
+                                                       _line("m.py:2", 2, syncs=1)])
+    by_name = {c.name: c for c in changes}
+    assert by_name["syncs"].lines[0].location == "m.py:2"
+    assert [c.name for c in changes] == ["ops", "syncs"]  # declaration order, both sides only
+
+
+@pytest.mark.parametrize(("text", "key", "value"), [
+    ("5", (None, "wall"), 0.05), ("train=3", ("train", "wall"), 0.03),
+    ("device=1", (None, "device"), 0.01), ("train:syncs=0", ("train", "syncs"), 0.0),
+    ("copy-bytes=10", (None, "copy-bytes"), 0.10)])
+def test_limits_parse(text: str, key: tuple[str | None, str], value: float) -> None:
+    assert parse_limits([text]).limits == {key: value}
+
+
+@pytest.mark.parametrize("text", ["0", "wall=0", "device=0", "syncs=-1", "100", "x=nan",
+                                  "syncs=inf", "fast"])
+def test_bad_limits_are_refused(text: str) -> None:
+    with pytest.raises(BadInput):
+        parse_limits([text])
+
+
+def test_device_time_falls_back_to_the_wall_limit_and_counters_have_none() -> None:
+    limits = parse_limits(["train=3"])
+    assert limits.get("train", "device") == 0.03 and limits.get("other", "device") == 0.05
+    assert limits.get("train", "syncs") is None and limits.counters("train") == set()
+
+
+def _run(device_ms: list[float], *, syncs: float = 3.0, wall_ms: float = 90.0) -> RunResult:
+    evidence = Evidence(steps=len(device_ms), step_ms=200.0, backend="cuda", ops_per_step=100,
+                        syncs_per_step=syncs, device_ms_by_step=device_ms,
+                        line_counts=[_line("m.py:1", 100, syncs=syncs)])
+    stage = StageResult(name="train", status="ok", iter_ms=[wall_ms] * 30,
+                        ms_per_iter=wall_ms, samples_per_step=64,
+                        samples_per_s=64 / wall_ms * 1e3, evidence=evidence,
+                        telemetry=TelemetrySummary(available=True))
+    return RunResult(tool_version="t", env=Env(device="cuda:0", gpu_name="H100"),
+                     config={"model": "m"}, stages=[stage])
+
+
+def test_device_time_decides_what_wall_time_cannot() -> None:
+    """One trial a side, steady kernel times: 3% more device time fails a 1% device limit
+    (the floor keeps the interval honest), the same device time passes it."""
+    base = _run([68.0, 68.1, 68.0, 68.05, 68.02])
+    slow = _run([70.1, 70.0, 70.2, 70.1, 70.05])
+    limits = parse_limits(["device=1"])
+    decision = decide(compare_runs(base, slow), limits)
+    device = next(g for g in decision.stages if g.metric == "device")
+    assert device.outcome == "regression" and decision.exit_code() == 1
+    same = decide(compare_runs(base, _run([68.02, 68.0, 68.1, 68.03, 68.0])), limits)
+    assert next(g for g in same.stages if g.metric == "device").outcome == "pass"
+    est = compare_runs(base, slow).stages[0].device
+    assert est is not None and est.optimistic
+    assert est.high - est.low > 2 * 2.5 * DEVICE_NOISE_FLOOR  # the floor widens one trial
+
+
+def test_an_undecided_gate_passes_or_fails_as_asked_and_says_what_it_missed() -> None:
+    rough = _run([68.0] * 5)
+    rough.stages[0].iter_ms = [90.0 * (1 + 0.2 * ((i * 7) % 5 - 2)) for i in range(30)]
+    decision = decide(compare_runs(_run([68.0] * 5), rough))
+    assert decision.outcome == "inconclusive"
+    assert decision.exit_code("pass") == 0 and decision.exit_code("fail") == 3
+    assert any("wall time could only detect" in line for line in decision.unseen)
+
+
+def test_a_new_sync_fails_only_where_a_limit_is_set() -> None:
+    base, head = _run([68.0] * 5), _run([68.0] * 5, syncs=4.0)
+    head.stages[0].evidence.line_counts.append(_line("m.py:9", 2, syncs=1))  # type: ignore[union-attr]
+    unlimited = decide(compare_runs(base, head), GateLimits())
+    assert [c.name for _, c in unlimited.changes] == ["syncs"]
+    assert all(g.metric != "syncs" for g in unlimited.stages)
+    limited = decide(compare_runs(base, head), parse_limits(["syncs=0"]))
+    gate = next(g for g in limited.stages if g.metric == "syncs")
+    assert gate.outcome == "regression" and "m.py:9" in gate.reason
+
+
+def test_trials_wanted_stops_when_decided_at_the_cap_or_out_of_reach() -> None:
+    trials = [_run([68.0] * 5, wall_ms=w) for w in (88.0, 95.0)]
+    other = [_run([68.0] * 5, wall_ms=w) for w in (91.0, 97.0)]
+    decision = decide(compare_runs(merge_trials(trials), merge_trials(other)))
+    assert decision.outcome == "inconclusive"
+    wanted = decision.trials_wanted(2, 6)
+    assert wanted == 0 or 2 < wanted <= 6
+    assert decision.trials_wanted(6, 6) == 0

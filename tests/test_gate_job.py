@@ -1,0 +1,136 @@
+"""The README's CI recipe, end to end on the CPU: `gpudiag gate --base-ref` in a real git
+repository whose head commit adds a host sync, the step summary it writes, and the exact
+counters judged with one trial a side (the CPU half of benchmarks/gate_regressions.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
+
+
+def _benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gate_regressions",
+                                                  ROOT / "benchmarks" / "gate_regressions.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def readme_gate_command() -> list[str]:
+    """The `gpudiag gate --base-ref` command of README.md's CI section, continuations joined."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"^(gpudiag gate --base-ref (?:.*\\\n)*.*)$", text, re.M)
+    assert match, "README.md shows no `gpudiag gate --base-ref` command"
+    return shlex.split(match.group(1).replace("\\\n", " "))
+
+
+def test_the_readme_recipe_is_the_benchmarked_one() -> None:
+    bench, argv = _benchmark(), readme_gate_command()
+    limits = [argv[i + 1] for i, a in enumerate(argv) if a == "--max-regression"]
+    assert limits == bench.RECIPE_LIMITS
+    assert argv[argv.index("--trials") + 1] == str(bench.RECIPE_TRIALS)
+    assert argv[argv.index("--max-trials") + 1] == str(bench.RECIPE_MAX_TRIALS)
+
+
+def _gpudiag(cwd: Path, *args: str, env: dict[str, str] | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpudiag", *args], cwd=cwd, text=True,
+                          capture_output=True, env=env, check=False, timeout=400)
+
+
+def _repo_with(tmp: Path, variant: str, bench: ModuleType) -> Path:
+    """A git repository holding gpudiag's package: a base commit, then `variant` on top."""
+    repo = tmp / "repo"
+    shutil.copytree(ROOT / "gpudiag", repo / "gpudiag",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run([*GIT, *args], cwd=repo, check=True)
+    edited = bench.build(variant, tmp / "builds") / bench.MODEL_FILE
+    shutil.copy(edited, repo / bench.MODEL_FILE)
+    subprocess.run([*GIT, "commit", "-qam", variant], cwd=repo, check=True)
+    return repo
+
+
+@pytest.mark.slow
+def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
+    """The README command against the previous commit, on the CPU (tiny preset): the head adds
+    a NaN check on the loss, one host sync per step. Exit 1 from the exact counters, with the
+    line, in the step summary; the base worktree is gone afterwards. The same job's trials then
+    serve as the CPU benchmark: one trial a side, an unchanged run passes with identical
+    counters and an extra layer fails on FLOPs."""
+    bench = _benchmark()
+    repo = _repo_with(tmp_path, "extra-sync", bench)
+    argv = readme_gate_command()
+    argv[argv.index("origin/main")] = "HEAD~1"
+    summary = tmp_path / "summary.md"
+    env = {**_env(), "GITHUB_STEP_SUMMARY": str(summary)}
+    done = _gpudiag(repo, *argv[1:], "--device", "cpu", "--out", str(tmp_path / "job"), env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = summary.read_text()
+    assert text.startswith("## gpudiag gate: REGRESSION")
+    assert re.search(r"regression\s+full-vectorized \[syncs\].*gpudiag/measure/models/dgca\.py:"
+                     r"\d+ in forward\(\)", text), text
+    assert (tmp_path / "job" / "gate.md").read_text() == text.rstrip("\n") + "\n"
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
+                               text=True, check=True).stdout
+    assert len(worktrees.strip().splitlines()) == 1  # the base checkout was removed
+
+    limits = [a for x in bench.RECIPE_LIMITS for a in ("--max-regression", x)]
+    base1, base2 = tmp_path / "job/base/trial-1", tmp_path / "job/base/trial-2"
+    same = _gpudiag(tmp_path, "gate", str(base1), str(base2), *limits)
+    assert same.returncode == 0 and "that changed" not in same.stdout, same.stdout
+    assert "host-device syncs" in same.stdout and "(unchanged)" in same.stdout
+    sync = _gpudiag(tmp_path, "gate", str(base1), str(tmp_path / "job/head/trial-1"), *limits)
+    assert sync.returncode == 1 and "[syncs]" in sync.stdout
+    layer = bench.build("extra-layer", tmp_path / "layer")
+    run = _gpudiag(layer, "run", "--device", "cpu", "--model", "dgca", "--stages",
+                   "full-vectorized", "--evidence-steps", "2", "--out", str(tmp_path / "layer-run"),
+                   "--quiet")
+    assert run.returncode == 0, run.stderr
+    wider = _gpudiag(tmp_path, "gate", str(base1), str(tmp_path / "layer-run"), *limits)
+    assert wider.returncode == 1 and re.search(r"regression\s+full-vectorized \[flops\]",
+                                               wider.stdout), wider.stdout
+
+
+def test_base_ref_errors_are_one_line(tmp_path: Path) -> None:
+    outside = _gpudiag(tmp_path, "gate", "--base-ref", "main", "--device", "cpu")
+    assert outside.returncode == 2 and "not inside a git repository" in outside.stderr
+    subprocess.run([*GIT, "init", "-q"], cwd=tmp_path, check=True)
+    missing = _gpudiag(tmp_path, "gate", "--base-ref", "nope", "--device", "cpu")
+    assert missing.returncode == 2 and "no such commit" in missing.stderr
+    both = _gpudiag(tmp_path, "gate", "a", "b", "--base-ref", "main")
+    assert both.returncode == 2 and "not both" in both.stderr
+    stray = _gpudiag(tmp_path, "gate", "a", "b", "--stages", "train-fp16")
+    assert stray.returncode == 2 and "only apply with --base-ref" in stray.stderr
+    for err in (outside, missing, both, stray):
+        assert "Traceback" not in err.stderr and len(err.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "reports").exists()  # nothing written for a gate that never ran
+
+
+def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
+    from gpudiag.model.results import load_run, save_run
+
+    run = load_run(ROOT / "tests" / "data" / "h100-dgca-run.json")
+    save_run(run, tmp_path / "a" / "run.json")
+    env = {**_env(), "GITHUB_STEP_SUMMARY": str(tmp_path / "no-such-dir" / "summary.md")}
+    done = _gpudiag(tmp_path, "gate", "a", "a", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "warning: GITHUB_STEP_SUMMARY" in done.stderr
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
