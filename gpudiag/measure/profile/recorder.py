@@ -47,6 +47,7 @@ from gpudiag.measure.profile.protocol import (
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
+from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S
 from gpudiag.model.facts import CheckpointFacts, DdpJobFacts, SaveRecord, ScriptFacts, StageFacts
 from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_jsonable
@@ -338,9 +339,7 @@ class Recorder:
                 "stage": to_jsonable(self.stage()) if self.steps else None,
                 "env": to_jsonable(self._environment())}
         self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.out / f".{part_name(os.getpid())}.tmp"
-        tmp.write_text(json.dumps(part))
-        tmp.replace(self.out / part_name(os.getpid()))
+        write_text_atomic(self.out / part_name(os.getpid()), json.dumps(part))
 
 
 def _stage_name() -> str:
@@ -376,8 +375,10 @@ def _compiled() -> bool:
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None:
         return False
+    # Dynamo's counters are a defaultdict: reading with [] would add keys the script can see.
     counters = dynamo.utils.counters
-    return bool(counters["frames"].get("ok") or counters["stats"].get("unique_graphs"))
+    return bool(counters.get("frames", {}).get("ok")
+                or counters.get("stats", {}).get("unique_graphs"))
 
 
 def _compile_counts() -> tuple[int | None, int | None]:
@@ -385,8 +386,8 @@ def _compile_counts() -> tuple[int | None, int | None]:
     if not _compiled():
         return None, None
     counters = sys.modules["torch._dynamo"].utils.counters
-    return (int(counters["stats"].get("unique_graphs", 0)),
-            int(sum(counters["graph_break"].values())))
+    return (int(counters.get("stats", {}).get("unique_graphs", 0)),
+            int(sum(counters.get("graph_break", {}).values())))
 
 
 def _batch_size(batch: Any) -> int | None:

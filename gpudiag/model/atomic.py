@@ -1,0 +1,20 @@
+"""Atomic file writes: a reader (or a Ctrl-C) sees the old file or the new one, never half."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path` (rename is
+    atomic within a file system: POSIX rename(2))."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
