@@ -86,7 +86,8 @@ def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
     ("{not json", "not valid JSON"),
     ("[1, 2]", "not a gpudiag run"),
     ('{"schema_version": 99}', "schema_version 99"),
-    ('{"schema_version": 1, "env": {"device": "cpu"}, "config": {}}', "not a gpudiag run"),
+    ('{"schema_version": 1, "env": {"device": "cpu"}, "config": {}}',
+     "tool_version: field required"),
 ])
 def test_bad_files_raise_one_line_errors(tmp_path: Path, content: str | None,
                                          message: str) -> None:

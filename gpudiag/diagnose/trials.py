@@ -24,6 +24,9 @@ MAX_BLOCKS = 8
 # Throttle reasons that make a trial's timing depend on the room, not the code.
 INVALIDATING_THROTTLE = ("sw_thermal", "hw_thermal", "hw_slowdown", "power_brake")
 INVALID_THROTTLE_SHARE = 0.05
+# What every trial of one configuration shares: runs that differ in any of these are not
+# trials of one thing, and merging them would average a model with another or a GPU with a CPU.
+TRIAL_IDENTITY = ("model", "preset", "batch_size", "seq_len", "device")
 
 
 def steady_state(times_ms: list[float]) -> list[float]:
@@ -155,10 +158,29 @@ def load_run_set(path: Path) -> RunResult:
     if path.is_file() or (path / "run.json").is_file():
         return load_run(path)
     if path.is_dir():
-        runs = [load_run(p) for p in sorted(path.iterdir()) if (p / "run.json").is_file()]
-        if runs:
-            return merge_trials(runs)
+        found = [(p / "run.json", load_run(p)) for p in sorted(path.iterdir())
+                 if (p / "run.json").is_file()]
+        if found:
+            _check_one_configuration(found)
+            return merge_trials([run for _, run in found])
     raise RunFileError(f"{path}: neither a run.json, a run directory, nor a folder of runs")
+
+
+def _identity(run: RunResult) -> dict[str, object]:
+    return {**{f"config.{k}": run.config.get(k) for k in TRIAL_IDENTITY},
+            "env.gpu_name": run.env.gpu_name}
+
+
+def _check_one_configuration(found: list[tuple[Path, RunResult]]) -> None:
+    """A folder of trials must hold runs of one configuration on one kind of device."""
+    first_file, first = found[0]
+    expected = _identity(first)
+    for file, run in found[1:]:
+        for key, value in _identity(run).items():
+            if value != expected[key]:
+                raise RunFileError(f"{file}: {key} {value!r} differs from {first_file} "
+                                   f"({expected[key]!r}); a folder of trials must hold runs "
+                                   "of one configuration")
 
 
 def baseline_of(run: RunResult) -> RunResult:

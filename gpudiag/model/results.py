@@ -10,17 +10,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import statistics
-import tempfile
-import types
-import typing
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
+from pydantic import Field
+
+from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.facts import StageFacts, facts_from_details
+from gpudiag.model.schema import SchemaError, parse_json, validate_as
 
 # 2: stages[].facts (typed, gpudiag.model.facts) replaced stages[].details (an untyped dict).
 SCHEMA_VERSION = 2
@@ -35,18 +36,28 @@ class RunFileError(Exception):
     """A run.json that cannot be read: missing, not JSON, or from an incompatible schema."""
 
 
+# Bounds a file must meet (gpudiag.model.schema validates them on load). A timed step under a
+# microsecond is below what CUDA events or perf_counter resolve: not a measurement.
+MIN_STEP_MS = 1e-3
+StepMs = Annotated[float, Field(ge=MIN_STEP_MS)]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Share = Annotated[float, Field(ge=0, le=1)]
+Count = Annotated[int, Field(ge=0)]
+
+
 @dataclass
 class TimingStats:
     """Robust summary of per-iteration times, in milliseconds."""
 
-    n: int
-    median_ms: float
-    p25_ms: float
-    p75_ms: float
-    mad_ms: float
-    mean_ms: float
-    min_ms: float
-    max_ms: float
+    n: Count
+    median_ms: StepMs
+    p25_ms: StepMs
+    p75_ms: StepMs
+    mad_ms: NonNegative
+    mean_ms: StepMs
+    min_ms: StepMs
+    max_ms: StepMs
 
     @property
     def iqr_ms(self) -> float:
@@ -197,7 +208,7 @@ class Evidence:
     # Bytes copied per step between host and device, by direction ("HtoD", "DtoH").
     copy_bytes_per_step: dict[str, float] = field(default_factory=dict)
     # Kernel time of each profiled step (kernels assigned to the step that launched them).
-    device_ms_by_step: list[float] = field(default_factory=list)
+    device_ms_by_step: list[NonNegative] = field(default_factory=list)
     window_overhead: float | None = None  # profiled step time / timed median step time
     # Why device work is not charged to source lines, when it is not (torch.compile).
     attribution_note: str | None = None
@@ -228,16 +239,16 @@ def bus_bandwidth_factor(world: int) -> float:
 class Trial:
     """One fresh process's score for a stage (see gpudiag.diagnose.trials)."""
 
-    samples_per_s: float  # from the median steady-state step time
-    ms_per_iter: float
-    iters: int  # steady-state steps behind the score
+    samples_per_s: Positive  # from the median steady-state step time
+    ms_per_iter: StepMs
+    iters: Count  # steady-state steps behind the score
     throttled: bool = False  # thermal/hardware slowdown: not valid for a gate
-    energy_per_sample_j: float | None = None
+    energy_per_sample_j: NonNegative | None = None
     # Exact counters per step (gpudiag.diagnose.counters), and the kernel time of each profiled
     # step with its median: what the trial's evidence window measured.
-    counters: dict[str, float] = field(default_factory=dict)
-    device_ms_by_step: list[float] = field(default_factory=list)
-    device_ms: float | None = None
+    counters: dict[str, NonNegative] = field(default_factory=dict)
+    device_ms_by_step: list[NonNegative] = field(default_factory=list)
+    device_ms: NonNegative | None = None
 
 
 @dataclass
@@ -249,13 +260,13 @@ class StageResult:
     status: StageStatus
     title: str = ""
     workload: str = ""  # what ran, e.g. "dgca (prompt: loop)"
-    ms_per_iter: float | None = None
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    samples_per_step: int | None = None
-    tokens_per_step: int | None = None
-    iter_ms: list[float] = field(default_factory=list)
-    warmup_ms: list[float] = field(default_factory=list)
+    ms_per_iter: StepMs | None = None
+    samples_per_s: Positive | None = None
+    tokens_per_s: Positive | None = None
+    samples_per_step: Annotated[int, Field(ge=1)] | None = None
+    tokens_per_step: Annotated[int, Field(ge=1)] | None = None
+    iter_ms: list[StepMs] = field(default_factory=list)
+    warmup_ms: list[NonNegative] = field(default_factory=list)
     timing: TimingStats | None = None
     timer: str | None = None  # how iter_ms was measured
     wall_s: float | None = None
@@ -293,7 +304,7 @@ class Finding:
     stage: str | None
     title: str
     evidence: dict[str, Any] = field(default_factory=dict)
-    impact: float = 0.0
+    impact: Share = 0.0
     location: str | None = None
     fix: str = ""
 
@@ -356,6 +367,8 @@ class RunResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        """A run from parsed run.json, validated against the schema (gpudiag.model.schema);
+        RunFileError names the field that does not fit."""
         version = data.get("schema_version")
         if version not in READABLE_SCHEMAS or isinstance(version, bool):
             raise RunFileError(
@@ -364,7 +377,14 @@ class RunResult:
             )
         if version == 1:
             data = _upgrade_from_1(data)
-        return from_jsonable(cls, data)
+        try:
+            run = validate_as(cls, data)
+        except SchemaError as exc:
+            raise RunFileError(str(exc)) from None
+        repeated = [name for name, n in Counter(s.name for s in run.stages).items() if n > 1]
+        if repeated:
+            raise RunFileError(f"stages: {repeated[0]!r} appears more than once")
+        return run
 
 
 def _upgrade_from_1(data: dict[str, Any]) -> dict[str, Any]:
@@ -397,62 +417,44 @@ T = TypeVar("T")
 
 
 def from_jsonable(cls: type[T], data: Any) -> T:
-    """Build dataclass `cls` from parsed JSON, ignoring unknown keys (forward compatible)."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs = {k: _convert(hints[k], v) for k, v in data.items() if k in names}
-    return cls(**kwargs)
+    """Dataclass `cls` from parsed JSON, validated like run.json (gpudiag.model.schema);
+    RunFileError names the field that does not fit. Unknown keys are ignored."""
+    try:
+        return validate_as(cls, data)
+    except SchemaError as exc:
+        raise RunFileError(str(exc)) from None
 
 
-def _convert(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _convert(inner[0], value) if len(inner) == 1 else value
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return [_convert(item, v) for v in value]
-    if origin is dict:
-        _, item = typing.get_args(hint)
-        return {k: _convert(item, v) for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        return from_jsonable(hint, value)  # type: ignore[arg-type]
-    return value
+def run_json_text(run: RunResult) -> str:
+    """run.json's text for `run`, exactly as save_run writes it."""
+    return json.dumps(run.to_dict(), indent=1, allow_nan=False) + "\n"
 
 
 def save_run(run: RunResult, path: Path) -> None:
     """Write run.json atomically, so an interrupted write never leaves half a file."""
-    text = json.dumps(run.to_dict(), indent=1, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".run-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text + "\n")
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, run_json_text(run))
 
 
 def load_run(path: Path) -> RunResult:
-    """Read a run from a run directory or a run.json file."""
+    """Read a run from a run directory or a run.json file; RunFileError (one line, naming the
+    file and the field) for anything that is not a valid run."""
     path = Path(path)
     file = path / "run.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
+        text = file.read_text()
     except FileNotFoundError:
         raise RunFileError(f"{file}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise RunFileError(f"{file}: cannot read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise RunFileError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise RunFileError(f"{file}: cannot read ({reason})") from None
+    try:
+        data = parse_json(text)
+    except SchemaError as exc:
+        raise RunFileError(f"{file}: {exc}") from None
     if not isinstance(data, dict):
         raise RunFileError(f"{file}: not a gpudiag run (top level is not an object)")
     try:
         return RunResult.from_dict(data)
     except RunFileError as exc:
         raise RunFileError(f"{file}: {exc}") from None
-    except (TypeError, KeyError, AttributeError, ValueError) as exc:
-        raise RunFileError(f"{file}: not a gpudiag run ({exc})") from None
