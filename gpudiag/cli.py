@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import signal
 import sys
 import typing
@@ -75,6 +76,13 @@ class _OneLineErrors(typer.core.TyperGroup):
         except (GpudiagError, RunFileError) as exc:
             typer.echo(f"gpudiag: error: {exc}", err=True)
             code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+        except BrokenPipeError:  # `gpudiag rules | head`: the reader left; nothing to say
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115, PTH123 (Python's own advice)
+            code = 0
+        except OSError as exc:  # a path the user gave that cannot be read or written
+            where = f"{exc.filename}: " if exc.filename else ""
+            typer.echo(f"gpudiag: error: {where}{exc.strerror or exc}", err=True)
+            code = EXIT_BAD_INPUT
         except _Aborts:
             code = EXIT_INTERRUPTED
         if not standalone_mode:
@@ -191,6 +199,8 @@ def run(
                                         "evidence for compare and gate).")] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress or table; files only.")]
     = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
+                                        "run (the whole directory).")] = False,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
     from gpudiag.measure.plan import build_config
@@ -203,7 +213,7 @@ def run(
     if trials < 1:
         raise BadInput(f"--trials must be positive (got {trials})")
     config, notes = build_config(options)
-    run_dir = prepare_run_dir(out or default_run_dir(options.model))
+    run_dir = prepare_run_dir(out, default_run_dir(options.model), force=force)
     if config.checkpoint_dir is None:
         config = dataclasses.replace(config, checkpoint_dir=str(run_dir / "checkpoints"))
     if not quiet:
@@ -295,6 +305,8 @@ def profile(
     rerun: Annotated[bool, typer.Option(
         "--rerun/--no-rerun", help="When the script ends before the profiler window, run it "
         "once more with a schedule that fits its length.")] = True,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
+                                        "run (the whole directory).")] = False,
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
     from gpudiag.measure.profile.protocol import Schedule
@@ -308,7 +320,7 @@ def profile(
     if telemetry not in ("full", "basic", "off"):
         raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
     # Absolute before launch: the script may change directory.
-    run_dir = prepare_run_dir(out or default_run_dir("profile")).resolve()
+    run_dir = prepare_run_dir(out, default_run_dir("profile"), force=force).resolve()
 
     def early(output: ProfileOutput) -> None:
         _write_profile(run_dir, output, plots=False)  # the final write draws them
@@ -367,15 +379,20 @@ def compare(
                                                   "(for a pull-request comment).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")]
     = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --markdown "
+                                        "file.")] = False,
 ) -> None:
     """Compare two runs stage by stage: ratios with intervals, verdicts, findings."""
     from gpudiag.diagnose.compare import compare_runs
+    from gpudiag.present import writable_output_file, write_output_file
     from gpudiag.present.compare import comparison_markdown, comparison_table, grouped_notes
 
+    if markdown is not None:
+        writable_output_file(markdown, "--markdown", force=force)
     a, b = _load_pair(before, after)
     comparison = compare_runs(a, b, before_label=str(before), after_label=str(after))
     if markdown is not None:
-        markdown.write_text(comparison_markdown(comparison))
+        write_output_file(markdown, comparison_markdown(comparison), "--markdown")
     if as_json:
         stdout.print_json(json.dumps(to_jsonable(comparison)))
         return
@@ -391,7 +408,7 @@ def compare(
 
 
 def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
-               out: Path | None, decide_now: Callable[[RunResult, RunResult], Any],
+               out: Path | None, force: bool, decide_now: Callable[[RunResult, RunResult], Any],
                ) -> tuple[RunResult, RunResult, Path]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
     (up to max_trials a side); both sides merged, and the directory holding the trials."""
@@ -409,7 +426,7 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
 
     with base_checkout(base_ref, Path.cwd()) as base:
         # Only once the base exists: a bad ref must leave no empty run directory behind.
-        out_dir = prepare_run_dir(out or default_run_dir("gate"))
+        out_dir = prepare_run_dir(out, default_run_dir("gate"), force=force)
         stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
                      f"{max_trials} trials a side, in {out_dir}", soft_wrap=True)
         done = run_interleaved(options, base=base, head=Path.cwd(), out_dir=out_dir,
@@ -428,8 +445,6 @@ def _check_sources(ok: bool, message: str) -> None:
 def _append_summary(text: str) -> None:
     """GitHub's step summary, when the job has one; failing to write it is a warning, never a
     gate outcome."""
-    import os
-
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if not summary:
         return
@@ -473,11 +488,14 @@ def gate(
     = None,
     out: Annotated[Path | None, typer.Option(help="With --base-ref: where the trials go "
                                              "(default: reports/<UTC time>-gate/).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --markdown file, "
+                                        "or an --out holding an earlier gate.")] = False,
 ) -> None:
     """CI gate: exit 1 on a regression, 0 on pass (or an undecided gate under --on-inconclusive
     pass), 3 when undecided under --on-inconclusive fail."""
     from gpudiag.diagnose.compare import compare_runs
     from gpudiag.diagnose.gate import GATE_ALPHA, decide, parse_limits
+    from gpudiag.present import writable_output_file, write_output_file
     from gpudiag.present.compare import gate_lines, gate_markdown
 
     if on_inconclusive not in ("pass", "fail"):
@@ -486,6 +504,8 @@ def gate(
         raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
                        "max-trials")
     limits = parse_limits(max_regression or [])
+    if markdown is not None:
+        writable_output_file(markdown, "--markdown", force=force)
 
     def judge(a: RunResult, b: RunResult) -> tuple[Any, Any]:
         comparison = compare_runs(a, b, before_label=str(baseline or base_ref),
@@ -501,7 +521,7 @@ def gate(
     if base_ref is not None:
         _check_sources(baseline is None and current is None, "give either BASELINE and "
                        "CURRENT or --base-ref, not both")
-        a, b, trials_dir = _gate_runs(options, base_ref, trials, max_trials, out,
+        a, b, trials_dir = _gate_runs(options, base_ref, trials, max_trials, out, force,
                                       lambda x, y: judge(x, y)[0])
         markdown = markdown or trials_dir / "gate.md"
     else:
@@ -514,7 +534,7 @@ def gate(
     decision, comparison = judge(a, b)
     text = gate_markdown(decision, comparison, on_inconclusive)
     if markdown is not None:
-        markdown.write_text(text)
+        write_output_file(markdown, text, "--markdown")
     _append_summary(text)
     for line in gate_lines(decision, on_inconclusive):
         typer.echo(line)
@@ -533,15 +553,22 @@ def baseline_save(
     name: Annotated[str, typer.Option(help="Baseline name (file name).")] = "default",
     directory: Annotated[Path, typer.Option("--dir", help="Where baselines live.")]
     = Path(".gpudiag/baselines"),
+    force: Annotated[bool, typer.Option("--force", help="Replace a different baseline of the "
+                                        "same name.")] = False,
 ) -> None:
     """Save a small, stable copy of a run (no traces, no evidence) as a gate baseline."""
     from gpudiag.diagnose.trials import baseline_of, load_run_set
-    from gpudiag.model.results import save_run
+    from gpudiag.model.results import run_json_text, save_run
 
-    if not name or "/" in name or name.startswith("."):
+    if not name or "/" in name or "\\" in name or name.startswith("."):
         raise BadInput(f"--name {name!r}: use a plain file name")
     target = directory / f"{name}.json"
-    save_run(baseline_of(load_run_set(run_path)), target)
+    if target.is_dir():
+        raise BadInput(f"{target}: is a directory")
+    baseline = baseline_of(load_run_set(run_path))
+    if target.exists() and not force and target.read_bytes() != run_json_text(baseline).encode():
+        raise BadInput(f"{target}: a different baseline is there; pass --force to replace it")
+    save_run(baseline, target)
     typer.echo(f"baseline written: {target} (commit it; gate with `gpudiag gate {target} RUN`)")
 
 

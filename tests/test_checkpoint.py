@@ -202,11 +202,29 @@ def test_keep_checkpoints_and_bad_interval(tmp_path: Path) -> None:
         "--checkpoint-every", "2", "--iters", "4", "--evidence-steps", "0", "--quiet",
         "--checkpoint-dir", str(where), "--keep-checkpoints", "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in where.iterdir()) == ["checkpoint-sync-0.pt",
-                                                       "checkpoint-sync-1.pt"]
+    (folder,) = where.iterdir()  # the run's own folder, named in the stage's facts
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-sync-0.pt",
+                                                        "checkpoint-sync-1.pt"]
+    assert load_run(tmp_path / "run").stages[0].facts.checkpoint.directory == str(folder)
     bad = runner.invoke(app, ["run", "--device", "cpu", "--checkpoint-every", "0",
                               "--stages", "checkpoint-sync"])
     assert bad.exit_code == 2 and "--checkpoint-every must be positive" in bad.output
+
+
+def test_checkpoint_dir_keeps_what_the_user_had_there(tmp_path: Path) -> None:
+    """A --checkpoint-dir holding the user's own files, named as gpudiag would name its saves:
+    after the run they are byte for byte what they were, and nothing of gpudiag's is left."""
+    where = tmp_path / "mine"
+    where.mkdir()
+    own = {"checkpoint-sync-0.pt": b"the user's weights", "notes.txt": b"keep me"}
+    for name, data in own.items():
+        (where / name).write_bytes(data)
+    result = runner.invoke(app, [
+        "run", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
+        "--checkpoint-every", "2", "--iters", "4", "--evidence-steps", "0", "--quiet",
+        "--checkpoint-dir", str(where), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert {p.name: p.read_bytes() for p in where.iterdir()} == own
 
 
 def test_async_checkpoint_reads_back_as_the_training_state(tmp_path: Path) -> None:
@@ -227,7 +245,7 @@ def test_async_checkpoint_reads_back_as_the_training_state(tmp_path: Path) -> No
     saver.attach(model, optimizer, scaler)
     saver.after_step()
     saver.finish()
-    state = load_flat_checkpoint(tmp_path / "t-1.pt")
+    state = load_flat_checkpoint(saver.directory / "t-1.pt")
     expected = saver.training_state()
     assert state["step"] == 1 and state["scaler"] == expected["scaler"]
     for key, value in expected["model"].items():

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from gpudiag.cli import app
 from gpudiag.model.errors import EXIT_BAD_INPUT
+from gpudiag.present.files import RUN_MARKER
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]
@@ -55,7 +56,8 @@ def test_tiny_run_writes_the_run_directory(tmp_path: Path) -> None:
     assert [s["name"] for s in data["stages"]] == ["infer", "train"]
     files = {p.name for p in out.iterdir()}
     assert {"run.json", "samples.csv", "report.md", "trace.json", "throughput.png"} <= files
-    assert all(p.endswith((".json", ".json.gz", ".csv", ".md", ".png")) for p in files)
+    assert all(p.endswith((".json", ".json.gz", ".csv", ".md", ".png")) or p == RUN_MARKER
+               for p in files)
     assert json.loads((out / "run.json").read_text())["stages"] == data["stages"]
 
 

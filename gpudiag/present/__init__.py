@@ -4,6 +4,8 @@ from gpudiag.present.files import (
     default_run_dir,
     prepare_run_dir,
     rerender_run_dir,
+    writable_output_file,
+    write_output_file,
     write_run_dir,
 )
 from gpudiag.present.findings import (
@@ -27,5 +29,7 @@ __all__ = [
     "rules_markdown",
     "rules_table",
     "stage_table",
+    "writable_output_file",
+    "write_output_file",
     "write_run_dir",
 ]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pandas as pd
 
+from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.errors import BadInput
 from gpudiag.model.results import RunResult, save_run
 from gpudiag.present.markdown import render_markdown
@@ -17,26 +21,99 @@ from gpudiag.present.trace import TRACE_FILE, write_trace
 
 DEFAULT_REPORTS = Path("reports")
 RUN_FILE, SAMPLES_FILE, REPORT_FILE = "run.json", "samples.csv", "report.md"
+T = TypeVar("T")
+
+
+# Written into every directory gpudiag makes for a run (run, profile, gate): what --force may
+# replace. A directory without it (or a run.json) holds someone else's files.
+RUN_MARKER = ".gpudiag-run"
 
 
 def default_run_dir(model: str, base: Path = DEFAULT_REPORTS) -> Path:
-    """`reports/<UTC timestamp>-<model>`, the model name made safe for a path."""
+    """`reports/<UTC timestamp>-<model>`, the model name made safe for a path (prepare_run_dir
+    adds -2, -3, ... when another run took the name in the same second)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model.split(":", 1)[0]).stem or model)
     return base / f"{stamp}-{safe}"
 
 
-def prepare_run_dir(path: Path) -> Path:
-    """Create the run directory, or refuse a path that is a file or cannot be written."""
-    if path.exists() and not path.is_dir():
-        raise BadInput(f"--out {path}: exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BadInput(f"--out {path}: cannot create it ({exc.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise BadInput(f"--out {path}: not writable")
+def _is_run_dir(path: Path) -> bool:
+    return (path / RUN_MARKER).is_file() or (path / RUN_FILE).is_file()
+
+
+def _make_fresh(path: Path, *, unique: bool) -> Path:
+    """Create `path` (which must not exist), or with `unique` the first free `path-N`."""
+    for n in range(1, 1000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            if unique:
+                continue
+            raise
+        return _mark(candidate)
+    raise BadInput(f"{path}: no free run directory name")
+
+
+def _mark(path: Path) -> Path:
+    (path / RUN_MARKER).write_text("made by gpudiag for one run; --force may replace it\n")
     return path
+
+
+def _replace_run_dir(path: Path) -> None:
+    """Move an old run directory aside and delete it: nothing of it mixes with the new run."""
+    aside = path.with_name(f".{path.name}.replaced-{os.getpid()}")
+    path.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def prepare_run_dir(out: Path | None, default: Path, *, force: bool = False) -> Path:
+    """The run's own directory, created empty: `out` when given (an existing non-empty one only
+    with `force`, and only if gpudiag made it for a run), else a fresh `default`."""
+    if out is None:
+        return _guard(lambda: _make_fresh(default, unique=True), default)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise BadInput(f"--out {out}: not empty; pass --force to replace it whole, or choose "
+                           "another directory")
+        if not _is_run_dir(out):
+            raise BadInput(f"--out {out}: holds files gpudiag did not write; --force replaces "
+                           "only a directory gpudiag made for a run")
+        _guard(lambda: _replace_run_dir(out), out)
+    elif out.is_dir():  # empty: use it as it is
+        return _guard(lambda: _mark(out), out)
+    return _guard(lambda: _make_fresh(out, unique=False), out)
+
+
+def _guard(make: Callable[[], T], path: Path) -> T:
+    try:
+        return make()
+    except OSError as exc:
+        raise BadInput(f"--out {path}: cannot create it ({exc.strerror or exc})") from None
+
+
+def writable_output_file(path: Path, flag: str, *, force: bool) -> Path:
+    """`path` checked before anything is written to it: not a directory, not a file of a run
+    directory, not an existing file unless `force`, and in a directory that exists."""
+    if path.is_dir():
+        raise BadInput(f"{flag} {path}: is a directory")
+    if path.exists() and _is_run_dir(path.parent):
+        raise BadInput(f"{flag} {path}: belongs to a run directory; write elsewhere")
+    if path.exists() and not force:
+        raise BadInput(f"{flag} {path}: exists; pass --force to replace it")
+    if not path.parent.is_dir():
+        raise BadInput(f"{flag} {path}: directory {path.parent} does not exist")
+    return path
+
+
+def write_output_file(path: Path, text: str, flag: str) -> None:
+    """Write a user-named output file atomically; an OSError is one line naming the flag."""
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise BadInput(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
 
 
 def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame, *,
@@ -47,7 +124,7 @@ def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame, *,
     samples.to_csv(path / SAMPLES_FILE, index=False, float_format="%.6g")
     write_trace(path / TRACE_FILE, run, samples)
     drawn = write_plots(path, run, samples) if plots else []
-    (path / REPORT_FILE).write_text(render_markdown(run, drawn))
+    write_text_atomic(path / REPORT_FILE, render_markdown(run, drawn))
 
 
 def read_samples(path: Path) -> pd.DataFrame:
@@ -68,4 +145,4 @@ def rerender_run_dir(path: Path, run: RunResult, *, save: bool = False) -> None:
     samples = read_samples(path)
     write_trace(path / TRACE_FILE, run, samples)
     plots = write_plots(path, run, samples)
-    (path / REPORT_FILE).write_text(render_markdown(run, plots))
+    write_text_atomic(path / REPORT_FILE, render_markdown(run, plots))

@@ -20,10 +20,12 @@ written, bytes, write bandwidth, wait for the previous save) into the stage's fa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
 import shutil
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -82,9 +84,12 @@ class Checkpointer:
     mode = ""
 
     def __init__(self, directory: Path, every: int, name: str, keep: bool) -> None:
-        self.directory, self.every, self.name, self.keep = directory, every, name, keep
-        self.created = not directory.exists()
+        self.every, self.name, self.keep = every, name, keep
+        self.parent, self.created = directory, not directory.exists()
         directory.mkdir(parents=True, exist_ok=True)
+        # Saves go to a folder of this run's own inside the directory: close() deletes that
+        # folder, never a file the user had there.
+        self.directory = Path(tempfile.mkdtemp(prefix=f"gpudiag-{name}-", dir=directory))
         self.records: list[SaveRecord] = []
         self.steps = 0
         self.saves = 0
@@ -141,10 +146,10 @@ class Checkpointer:
         self.finish()
         if self.keep:
             return
-        for k in range(FILES_KEPT):
-            (self.directory / f"{self.name}-{k}.pt").unlink(missing_ok=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
         if self.created:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            with contextlib.suppress(OSError):  # only if nothing else was put there meanwhile
+                self.parent.rmdir()
 
 
 class SyncCheckpointer(Checkpointer):
