@@ -1,7 +1,9 @@
 """The `gpudiag` command line. Parses arguments, calls into the package, renders; nothing else.
 
-Exit codes: 0 success; 1 the gate found a regression; 2 bad input or incompatible runs;
-3 the gate is inconclusive; 130 interrupted (partial results written).
+Exit codes (gpudiag.model.errors; README "Exit codes and guarantees"): 0 success; 1 the gate
+found a regression; 2 bad input or incompatible runs; 3 the gate is inconclusive; 4 `run`
+measured nothing (every stage failed or was skipped); 130 interrupted by SIGINT, 143 by SIGTERM
+(partial results written).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import functools
 import inspect
 import json
 import os
-import signal
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -35,7 +36,14 @@ from rich.table import Table
 
 from gpudiag.diagnose import evaluate
 from gpudiag.model.config import RunConfig
-from gpudiag.model.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, GpudiagError
+from gpudiag.model.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_NOTHING_MEASURED,
+    EXIT_TERMINATED,
+    BadInput,
+    GpudiagError,
+)
 from gpudiag.model.options import RunOptions, option_fields, options_of
 from gpudiag.model.results import RunFileError, RunResult, StageResult, to_jsonable
 
@@ -83,11 +91,16 @@ class _OneLineErrors(typer.core.TyperGroup):
             where = f"{exc.filename}: " if exc.filename else ""
             typer.echo(f"gpudiag: error: {where}{exc.strerror or exc}", err=True)
             code = EXIT_BAD_INPUT
-        except _Aborts:
-            code = EXIT_INTERRUPTED
+        except _Aborts as exc:  # click's wrapper of KeyboardInterrupt (and of SIGTERM's)
+            code = EXIT_TERMINATED if _by_sigterm(exc) else EXIT_INTERRUPTED
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _by_sigterm(exc: BaseException) -> bool:
+    cause = exc.__cause__ or exc.__context__
+    return type(cause).__name__ == "Terminated"  # gpudiag.measure.interrupts, never imported here
 
 
 app = typer.Typer(
@@ -131,8 +144,8 @@ class _LiveProgress:
             return
         note = (f"{result.ms_per_iter:.1f} ms/iter" if result.ok and result.ms_per_iter
                 else f"{result.status}: {result.error}")
-        total = self.progress.tasks[task].total
-        self.progress.update(task, completed=total, note=note)
+        done = self.progress.tasks[task].total if result.ok else None  # a stop: where it was
+        self.progress.update(task, completed=done, note=note)
 
     def evidence_started(self, name: str) -> None:
         self.tasks[f"evidence {name}"] = self.progress.add_task(
@@ -203,6 +216,7 @@ def run(
                                         "run (the whole directory).")] = False,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
+    from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
     from gpudiag.measure.plan import build_config
     from gpudiag.present import (
         default_run_dir,
@@ -228,13 +242,16 @@ def run(
             output.run.findings = evaluate(output.run)
         write_run_dir(run_dir, output.run, output.samples, plots=final)
 
-    output = _measure(config, notes, run_dir, trials=trials, quiet=quiet, save=save)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the last write
-    save(output, final=True)
+    with stop_on_signals() as stop:
+        output = _measure(config, notes, run_dir, trials=trials, quiet=quiet, save=save)
+    with signals_ignored():  # no second signal may cut the last write short
+        save(output, final=True)
     if not quiet:
         _show_run(output.run, run_dir, as_json=as_json)
     if output.run.interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise typer.Exit(stop.exit_code or EXIT_INTERRUPTED)
+    if output.run.stages and not any(s.ok for s in output.run.stages):
+        raise typer.Exit(EXIT_NOTHING_MEASURED)
 
 
 def _show_run(run: RunResult, run_dir: Path, *, as_json: bool) -> None:
@@ -309,8 +326,14 @@ def profile(
                                         "run (the whole directory).")] = False,
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
+    from gpudiag.measure.interrupts import signals_ignored
     from gpudiag.measure.profile.protocol import Schedule
-    from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest, profile_command
+    from gpudiag.measure.profile.session import (
+        ProfileOutput,
+        ProfileRequest,
+        check_command,
+        profile_command,
+    )
     from gpudiag.present import default_run_dir, prepare_run_dir
 
     for name, value in (("--steps", steps), ("--warmup", warmup), ("--timed", timed)):
@@ -319,6 +342,7 @@ def profile(
                            f" (got {value})")
     if telemetry not in ("full", "basic", "off"):
         raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
+    check_command(command)
     # Absolute before launch: the script may change directory.
     run_dir = prepare_run_dir(out, default_run_dir("profile"), force=force).resolve()
 
@@ -331,8 +355,8 @@ def profile(
     request = ProfileRequest(command, run_dir, Schedule(warmup, timed, steps), telemetry,
                              stop_after_window=stop_after_window, rerun=rerun)
     output = profile_command(request, on_window=early)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _write_profile(run_dir, output)
+    with signals_ignored():  # no second signal may cut the last write short
+        _write_profile(run_dir, output)
     for message in output.messages:
         stderr.print(f"[yellow]gpudiag profile:[/] {escape(message)}", soft_wrap=True)
     if output.run.stages:
@@ -437,6 +461,17 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
     return merge_trials(done.base), merge_trials(done.head), out_dir
 
 
+def _check_gate_options(on_inconclusive: str, min_iters: int, trials: int,
+                        max_trials: int) -> None:
+    if on_inconclusive not in ("pass", "fail"):
+        raise BadInput(f"--on-inconclusive {on_inconclusive!r}: expected pass or fail")
+    if min_iters < 1:
+        raise BadInput(f"--min-iters must be positive (got {min_iters})")
+    if not 1 <= trials <= max_trials:
+        raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
+                       "max-trials")
+
+
 def _check_sources(ok: bool, message: str) -> None:
     if not ok:
         raise BadInput(message)
@@ -498,11 +533,7 @@ def gate(
     from gpudiag.present import writable_output_file, write_output_file
     from gpudiag.present.compare import gate_lines, gate_markdown
 
-    if on_inconclusive not in ("pass", "fail"):
-        raise BadInput(f"--on-inconclusive {on_inconclusive!r}: expected pass or fail")
-    if not 1 <= trials <= max_trials:
-        raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
-                       "max-trials")
+    _check_gate_options(on_inconclusive, min_iters, trials, max_trials)
     limits = parse_limits(max_regression or [])
     if markdown is not None:
         writable_output_file(markdown, "--markdown", force=force)

@@ -3,6 +3,7 @@ the clean script quiet, exit codes passed through, crashes and Ctrl-C still repo
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult, StageResult, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 def profile(tmp_path: Path, *command: str, timed: int = 15,
             options: tuple[str, ...] = ()) -> tuple[int, RunResult, str]:
     out = tmp_path / "run"
-    result = runner.invoke(app, ["profile", "--out", str(out), "--warmup", "3", "--timed",
+    result = runner.invoke(app, ["profile", "--out", str(out), "--force", "--warmup", "3",
+                                 "--timed",
                                  str(timed), *options, "--", *command])
     return result.exit_code, load_run(out), result.output
 
@@ -125,10 +127,41 @@ LOOP = """
 def test_exit_code_and_crash_still_report(tmp_path: Path) -> None:
     code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
         after="if step == 25: raise RuntimeError('boom')")), timed=10)
-    assert code == 1 and run.stages[0].ok and len(run.stages[0].iter_ms) == 10
+    stage = run.stages[0]  # a crash is a crash: status error, the steps before it kept
+    assert code == 1 and stage.status == "error" and len(stage.iter_ms) == 10
+    assert "RuntimeError: boom" in stage.error and "raise RuntimeError" in stage.traceback
     code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
         after="pass") + "    sys.exit(3)\n"), timed=10)
     assert code == 3 and run.stages[0].ok
+
+
+def test_a_process_that_dies_without_shutdown_is_reported_so(tmp_path: Path) -> None:
+    """os._exit after the profiler window: the steps it reported are kept, the stage says how
+    it ended. SIGKILL before any report: a stage saying so, never "no training steps"."""
+    code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
+        after="if step == 25: os._exit(3)")), timed=10)
+    stage = run.stages[0]
+    assert code == 3 and stage.status == "error" and len(stage.iter_ms) == 10
+    assert "without Python's shutdown" in stage.error and "exited with code 3" in stage.error
+    code, run, output = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
+        after="if step == 1: os.kill(os.getpid(), signal.SIGKILL)")), timed=10)
+    (stage,) = run.stages
+    assert code == 137 and stage.status == "error" and not run.interrupted
+    assert "killed by SIGKILL before its first step was recorded" in stage.error
+    assert "no training steps detected" not in output
+
+
+def test_a_damaged_part_is_named_and_the_others_are_read(tmp_path: Path) -> None:
+    from gpudiag.measure.profile.session import collect
+    from gpudiag.model.results import to_jsonable
+
+    good = {"pid": 1, "rank": None, "steps": 5, "argv": ["t.py"], "error": None, "final": True,
+            "stage": to_jsonable(_stage("t.py")), "env": {"device": "cpu"}}
+    (tmp_path / "part-1.json").write_text(json.dumps(good))
+    (tmp_path / "part-2.json").write_text(json.dumps(good)[:40])
+    found = collect(tmp_path)
+    assert [s.name for s in found.stages] == ["t.py"]
+    assert any("part-2.json: unreadable" in m for m in found.messages)
 
 
 def test_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
@@ -181,3 +214,7 @@ def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
                               "torch.backends.cuda.matmul.allow_tf32 = True")), timed=10)
     assert code == 0, output
     assert run.env.tf32_matmul is True and run.env.torch_version
+
+
+def _stage(name: str) -> StageResult:
+    return StageResult(name=name, status="ok", iter_ms=[5.0] * 5, ms_per_iter=5.0)

@@ -30,7 +30,8 @@ def _write(path: Path, body: str) -> Path:
 def _profile(tmp_path: Path, script: Path, *options: str,
              env: dict[str, str] | None = None) -> tuple[int, RunResult, str]:
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "gpudiag", "profile", "--out", str(out), *options, "--",
+    command = [sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--force",
+               *options, "--",
                sys.executable, str(script)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, **(env or {})}, timeout=600, check=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpudiag.model.errors import EXIT_INTERRUPTED, BadInput
+from gpudiag.measure.interrupts import Terminated, wait_child
+from gpudiag.model.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, BadInput
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
@@ -78,13 +80,11 @@ def run_one(options: RunOptions, checkout: Path, out_dir: Path) -> RunResult | N
     Raises KeyboardInterrupt after the child (which got the Ctrl-C too) has written its part."""
     command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
                "--out", str(out_dir.resolve()), "--quiet"]
-    try:
-        code = subprocess.call(command, cwd=checkout, env=side_env(checkout))
-    except KeyboardInterrupt:
-        code = EXIT_INTERRUPTED
+    code, stopped_by = wait_child(subprocess.Popen(command, cwd=checkout,
+                                                   env=side_env(checkout)))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
-    if code == EXIT_INTERRUPTED:
-        raise KeyboardInterrupt
+    if stopped_by is not None or code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        raise Terminated if stopped_by == signal.SIGTERM else KeyboardInterrupt
     if run is None:
         raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}); its error is "
                        "above")

@@ -6,14 +6,15 @@ window (pytorch/pytorch#144455), and on an H100 every stage timed after one ran 
 
 The runner never prints and never exits: it reports progress to a listener and hands the growing
 RunResult to `on_stage_done` after every stage and every evidence window, so the caller can write
-partial results. Ctrl-C stops at once; what was measured before is kept and the run is marked
-interrupted.
+partial results. Ctrl-C (or SIGTERM, gpudiag.measure.interrupts) stops at once; what was
+measured before is kept, and the run and the stage that was running are marked interrupted.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import gc
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -29,11 +30,12 @@ from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence import collect_evidence
 from gpudiag.measure.flops import count_flops
+from gpudiag.measure.interrupts import Stopped, signal_of
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
 from gpudiag.measure.timing import PhaseRecorder, time_steps
-from gpudiag.measure.window import fill_timed, measure_window
+from gpudiag.measure.window import Window, fill_timed, measure_window
 from gpudiag.model.config import RunConfig
 from gpudiag.model.results import RunResult, StageResult
 
@@ -84,7 +86,10 @@ def run_stages(
     def checkpoint() -> None:
         run.duration_s = time.perf_counter() - started
         if on_stage_done is not None:
-            on_stage_done(RunOutput(run, sampler.samples()))
+            try:
+                on_stage_done(RunOutput(run, sampler.samples()))
+            except KeyboardInterrupt:  # during a partial write: stop, the final write follows
+                run.interrupted = True
 
     session = _Session(run, ctx, sampler, listener, checkpoint)
     with sampler:
@@ -124,11 +129,12 @@ class _Session:
                 result, host_only = _launch_stage(definition, self.ctx, self.listener), True
             else:
                 result, host_only = _run_stage(definition, self.ctx, self.sampler, self.listener)
-        except KeyboardInterrupt:
-            self.run.interrupted = True
+        except KeyboardInterrupt as exc:
             result, host_only = StageResult(
-                name=name, status="error", title=definition.title,
-                error="interrupted (Ctrl-C) before the stage finished"), True
+                name=name, status="error", title=definition.title, interrupted=True,
+                error=f"interrupted ({signal.Signals(signal_of(exc)).name}) before the stage "
+                      "finished"), True
+        self.run.interrupted = self.run.interrupted or result.interrupted
         self.run.stages.append(result)
         if self.listener is not None:
             self.listener.stage_finished(result)
@@ -228,6 +234,8 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
             fill_timed(result, window, samples_per_step=workload.samples_per_step,
                        tokens_per_step=workload.tokens_per_step)
             workload.record_timed(result.facts)
+    except KeyboardInterrupt as exc:
+        _mark_interrupted(result, exc, workload)
     except StageSkipped as exc:
         result.status, result.error = "skipped", str(exc)
     except torch.OutOfMemoryError as exc:
@@ -248,6 +256,20 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
         del workload
         _release_memory(ctx.device)
     return result, host_only
+
+
+def _mark_interrupted(result: StageResult, exc: KeyboardInterrupt,
+                      workload: Workload | None) -> None:
+    """A stage a signal stopped: status error, marked interrupted, with the steps it had timed
+    (its timings say how far it got; rules do not read stages that are not ok)."""
+    result.status, result.interrupted = "error", True
+    partial = exc.partial if isinstance(exc, Stopped) else None
+    steps = len(partial.iter_ms) if isinstance(partial, Window) else 0
+    result.error = (f"interrupted ({signal.Signals(signal_of(exc)).name}) after {steps} timed "
+                    "step(s)")
+    if isinstance(partial, Window) and partial.iter_ms and workload is not None:
+        fill_timed(result, partial, samples_per_step=workload.samples_per_step,
+                   tokens_per_step=workload.tokens_per_step)
 
 
 def _release_memory(device: torch.device) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import nvtx
 import torch
 
+from gpudiag.measure.interrupts import Stopped, signal_of
+
 # Bound on iterations when a stage runs "until min_seconds": keeps event lists and memory small
 # for very fast steps (a DataLoader batch can take well under a millisecond).
 MAX_ITERS_FACTOR = 100
@@ -52,28 +54,33 @@ def time_steps(
     start = time.perf_counter()
     host_marks.append(start)
     done = 0
-    while done < iters or (time.perf_counter() - start < min_seconds and done < max_iters):
-        with nvtx.annotate(f"{label} {done}", domain="gpudiag"):
-            step()
-        if use_events:
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record()
-            marks.append(mark)
-        else:
-            host_marks.append(time.perf_counter())
-        done += 1
-        if on_step is not None:
-            on_step(done)
-    if use_events:
+    try:
+        while done < iters or (time.perf_counter() - start < min_seconds and done < max_iters):
+            with nvtx.annotate(f"{label} {done}", domain="gpudiag"):
+                step()
+            if use_events:
+                mark = torch.cuda.Event(enable_timing=True)
+                mark.record()
+                marks.append(mark)
+            else:
+                host_marks.append(time.perf_counter())
+            done += 1
+            if on_step is not None:
+                on_step(done)
+    except KeyboardInterrupt as exc:  # the steps that finished are measurements: keep them
+        raise Stopped(signal_of(exc), _step_times(marks, host_marks, start, device)) from exc
+    return _step_times(marks, host_marks, start, device)
+
+
+def _step_times(marks: list[torch.cuda.Event], host_marks: list[float], start: float,
+                device: torch.device) -> StepTimes:
+    if marks:
         torch.cuda.synchronize(device)
         iter_ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
     else:
         iter_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(host_marks)]
-    return StepTimes(
-        iter_ms=iter_ms,
-        wall_s=time.perf_counter() - start,
-        timer="cuda-events" if use_events else "host-clock",
-    )
+    return StepTimes(iter_ms=iter_ms, wall_s=time.perf_counter() - start,
+                     timer="cuda-events" if marks else "host-clock")
 
 
 def synchronize(device: torch.device) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from gpudiag.model.errors import EXIT_INTERRUPTED
+from gpudiag.measure.interrupts import wait_child
+from gpudiag.model.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
@@ -41,16 +42,13 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
         trial_dir = out_dir / f"trial-{k}"
         command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
                    "--out", str(trial_dir), "--quiet"]
-        try:
-            code = subprocess.call(command)
-        except KeyboardInterrupt:  # the child got Ctrl-C too and writes its partial run
-            code = EXIT_INTERRUPTED
+        code, stopped_by = wait_child(subprocess.Popen(command))
         if (trial_dir / "run.json").is_file():
             runs.append(load_run(trial_dir))
             samples = trial_dir / "samples.csv"
             if samples.is_file() and samples.stat().st_size > 1:
                 frames.append(pd.read_csv(samples).assign(trial=k))
-        if code == EXIT_INTERRUPTED:
+        if stopped_by is not None or code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             interrupted = True
             break
     if not runs:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpudiag.measure.interrupts import Stopped
 from gpudiag.measure.telemetry import Sampler
 from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
 from gpudiag.model.results import MemoryStats, StageResult, TelemetrySummary, TimingStats
@@ -63,17 +64,25 @@ def measure_window(
     phases.clear()
     on_timed_start()
     sampler.begin(label)
+    stopped: Stopped | None = None
     try:
         timed = time_steps(
             step, device=device, iters=count, min_seconds=min_seconds, host_only=host_only,
             label=label, on_step=None if on_step is None else lambda d: on_step(warmup + d))
+    except Stopped as exc:
+        stopped, timed = exc, exc.partial
     finally:
         synchronize(device)
         telemetry = sampler.end()
+    phase_ms = phases.collect()
+    if stopped is not None:  # phases of a step cut short would not line up with its steps
+        phase_ms = {k: v[:len(timed.iter_ms)] for k, v in phase_ms.items()}
     window = Window(warmup_ms=warm.iter_ms, iter_ms=timed.iter_ms, timer=timed.timer,
-                    telemetry=telemetry, phases_ms=phases.collect(), memory=peak_memory(device),
+                    telemetry=telemetry, phases_ms=phase_ms, memory=peak_memory(device),
                     wall_s=timed.wall_s)
     phases.clear()
+    if stopped is not None:
+        raise Stopped(stopped.signum, window) from stopped
     return window
 
 

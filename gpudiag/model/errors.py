@@ -6,7 +6,9 @@ EXIT_OK = 0
 EXIT_REGRESSION = 1
 EXIT_BAD_INPUT = 2
 EXIT_INCONCLUSIVE = 3
-EXIT_INTERRUPTED = 130
+EXIT_NOTHING_MEASURED = 4  # `run`: every stage failed or was skipped (run.json says why)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it; partial results written
+EXIT_TERMINATED = 143  # 128 + SIGTERM; partial results written
 
 
 class GpudiagError(Exception):

@@ -281,6 +281,7 @@ class StageResult:
     error: str | None = None  # one line; for skipped stages the reason
     advice: str | None = None
     traceback: str | None = None
+    interrupted: bool = False  # stopped by a signal while it ran (status "error")
 
     @property
     def ok(self) -> bool:

@@ -10,6 +10,7 @@ the profiler slows what follows it on some GPUs (pytorch/pytorch#144455).
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import dataclasses
 import importlib.util
@@ -19,7 +20,9 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -54,11 +57,14 @@ from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_js
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
+CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
+STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 
 
 class Recorder:
     def __init__(self, out: Path, warmup: int, timed: int, profiled: int) -> None:
         self.out, self.warmup, self.timed, self.profiled = out, warmup, timed, profiled
+        self.pid = os.getpid()
         self.host_marks: list[float] = [time.perf_counter()]
         self.events: list[Any] = []
         self.cuda: bool | None = None  # decided at the first step
@@ -83,6 +89,8 @@ class Recorder:
         self.error: str | None = None
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
         self.env: Env | None = None
+        self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
+        self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
 
     @property
     def steps(self) -> int:
@@ -103,6 +111,8 @@ class Recorder:
         self.boundary()
 
     def boundary(self) -> None:
+        if self.stop_signal is not None:
+            raise SystemExit(128 + self.stop_signal)
         if self.finished or self.steps >= MAX_STEPS:
             return
         if self.cuda is None:
@@ -256,6 +266,12 @@ class Recorder:
         result = StageResult(name=_stage_name(), status="ok", title=" ".join(sys.argv),
                              workload=f"{' '.join(sys.argv)} (profiled)",
                              facts=self._facts(len(timed)), evidence=self.evidence)
+        if self.crash:
+            # The steps before the crash stay measured; the stage says the script failed.
+            result.status, result.error = "error", f"the script raised {self.crash[-1]}"
+            result.traceback = "".join(self.crash)
+            if not timed:
+                return result
         if not timed:
             result.status = "error"
             result.error = (f"no timed steps: the script made {self.steps} step(s); gpudiag "
@@ -268,7 +284,9 @@ class Recorder:
         window = Window(warmup_ms=all_ms[:first - offset], iter_ms=timed,
                         timer="cuda-events" if self.cuda else "host-clock",
                         telemetry=self.telemetry or result.telemetry, phases_ms=phases)
+        status = result.status
         fill_timed(result, window, samples_per_step=self.batch_size)
+        result.status = status
         saves = _checkpoints([dataclasses.replace(s, step=s.step - first) for s in self.saves
                               if s.step in steps])
         if saves:
@@ -319,7 +337,16 @@ class Recorder:
                 self.sampler.__exit__(None, None, None)
             except Exception as exc:
                 self.error = f"telemetry: {type(exc).__name__}: {exc}"
-        self._write_part()
+        self._write_part(final=True)
+
+    def crashed(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        """An exception the script did not catch (sys.excepthook; atexit's finish follows).
+        Ctrl-C is a stop, not a crash: the run says it was interrupted."""
+        if issubclass(exc_type, KeyboardInterrupt):
+            return
+        lines = traceback.format_exception(exc_type, exc, tb)
+        self.crash = [line for chunk in lines[-CRASH_LINES:] for line in chunk.splitlines(True)
+                      ][-CRASH_LINES:]
 
     def _environment(self) -> Env:
         """The machine and the settings the script trains with (its TF32 flags, say), read in
@@ -329,13 +356,16 @@ class Recorder:
                                    "telemetry is sampled inside the profiled processes")
         return self.env
 
-    def _write_part(self) -> None:
-        """This process's stage, atomically (the parent may read it while the script runs)."""
+    def _write_part(self, *, final: bool = False) -> None:
+        """This process's stage, atomically (the parent may read it while the script runs);
+        `final` once the process is exiting normally (a part without it, from a process that
+        ended, means the process died without Python's shutdown)."""
         root = os.environ.get(ENV_PARENT) == str(os.getppid())
         if self.steps == 0 and not root:
             return  # a helper process (torchrun's agent, a spawned worker): nothing to say
         part = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "steps": self.steps,
                 "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
+                "final": final, "crash": "".join(self.crash) or None,
                 "stage": to_jsonable(self.stage()) if self.steps else None,
                 "env": to_jsonable(self._environment())}
         self.out.mkdir(parents=True, exist_ok=True)
@@ -429,10 +459,53 @@ def install() -> Recorder:
     _hook_saves(recorder)
     _hook_ddp(recorder)
     atexit.register(recorder.finish)
+    previous_hook = sys.excepthook
+
+    def record_crash(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        recorder.crashed(exc_type, exc, tb)
+        if issubclass(exc_type, KeyboardInterrupt) and previous_hook is sys.__excepthook__:
+            # A stop gpudiag passed on (or the user's Ctrl-C): where it stopped, in one line,
+            # instead of a traceback of whatever the loop happened to be doing.
+            where = traceback.extract_tb(tb)[-1] if tb is not None else None
+            print(f"KeyboardInterrupt{f' at {where.filename}:{where.lineno}' if where else ''}",
+                  file=sys.stderr)
+            return
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = record_crash
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        # torchrun stops the other ranks with SIGTERM when one fails: exit through atexit.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return recorder
+
+
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    """torchrun stops the other ranks with SIGTERM when one fails, and gpudiag passes its own
+    SIGTERM on: the script exits (SystemExit, so atexit writes what was recorded). A script
+    that is stepping exits at its next step boundary, within STOP_AT_STEP_S, not in the middle
+    of receiving a batch from its DataLoader workers (which would leave them printing EOFError
+    tracebacks); one that is not, or a second SIGTERM, exits at once.
+
+    A process the script started with multiprocessing (a DataLoader worker, a spawn Pool's
+    worker) inherits this hook and may get the same SIGTERM: it leaves stopping to the script,
+    whose exit shuts it down, as in gpudiag's own stages (gpudiag/measure/stages/base.py); a
+    SystemExit there would print "Exception ignored". Once its parent is gone it stops as it
+    would have without gpudiag."""
+    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
+
+    parent = multiprocessing.parent_process()
+    # A signal pending at a fork runs its handler in the new child too, before multiprocessing
+    # has set parent_process(): a pid other than the one that installed the hook is a child.
+    if parent is None and RECORDER is not None and RECORDER.pid == os.getpid():
+        if RECORDER.stop_signal is None and RECORDER.steps and not RECORDER.finished:
+            RECORDER.stop_signal = signum
+            timer = threading.Timer(STOP_AT_STEP_S, _thread.interrupt_main, (signum,))
+            timer.daemon = True
+            timer.start()
+            return
+        sys.exit(128 + signum)
+    if parent is not None and not parent.is_alive():
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _hook_loader(recorder: Recorder) -> None:

@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,10 +29,11 @@ from types import FrameType
 
 import gpudiag
 from gpudiag._version import __version__
+from gpudiag.measure.interrupts import REPEAT_WINDOW_S
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.protocol import Schedule
-from gpudiag.model.errors import EXIT_INTERRUPTED, BadInput
-from gpudiag.model.results import Env, RunResult, StageResult, from_jsonable
+from gpudiag.model.errors import BadInput
+from gpudiag.model.results import Env, RunFileError, RunResult, StageResult, from_jsonable
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 PARTS_DIR = "parts"
@@ -67,8 +69,12 @@ def child_env(parts: Path, schedule: Schedule, *, telemetry: str = "full",
 
 
 class _Forwarder:
-    """SIGINT/SIGTERM to gpudiag, passed to the command's process group; a second signal, or
-    STOP_GRACE_S without an exit, kills the group."""
+    """SIGINT/SIGTERM to gpudiag, passed on to the command. SIGINT goes to its whole process
+    group, as a terminal's Ctrl-C would. SIGTERM goes to the command's own process: torch's
+    DataLoader workers take a SIGTERM from anyone but their parent as a crash, and the script
+    would then die raising "DataLoader worker killed by signal"; the script's exit stops its
+    workers (torchrun passes it on to its ranks). A second signal (not the same one arriving
+    twice), or STOP_GRACE_S without an exit, kills the whole group."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -76,14 +82,48 @@ class _Forwarder:
         self.pid: int | None = None
 
     def __call__(self, signum: int, _frame: FrameType | None) -> None:
-        if self.first_at is None:
-            self.first_at = time.monotonic()
+        now = time.monotonic()
+        if self.first_at is not None and now - self.first_at < REPEAT_WINDOW_S:
+            return
         self.received.append(signum)
-        if self.pid is not None:
-            _signal_group(self.pid, signal.SIGKILL if len(self.received) > 1 else signum)
+        if self.pid is None:
+            return
+        if self.first_at is not None:
+            _signal_group(self.pid, signal.SIGKILL)
+        elif signum == signal.SIGINT:
+            _signal_group(self.pid, signum)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+        self.first_at = self.first_at or now
 
     def overdue(self) -> bool:
         return self.first_at is not None and time.monotonic() - self.first_at > STOP_GRACE_S
+
+
+def check_command(command: Sequence[str]) -> None:
+    """Refuse a command that cannot start, before a run directory is made for it: not found,
+    a directory, not executable, or a file with neither an interpreter line nor a binary
+    format the kernel runs (POSIX execve: ENOEXEC)."""
+    if not command:
+        raise BadInput("no command to profile: gpudiag profile -- python train.py ...")
+    found = shutil.which(command[0])
+    path = Path(found) if found else Path(command[0])
+    if not found:
+        if path.is_dir():
+            raise BadInput(f"cannot run {command[0]!r}: it is a directory")
+        if path.is_file() and "/" in command[0]:
+            raise BadInput(f"cannot run {command[0]!r}: not executable (chmod +x, or run it "
+                           "with its interpreter: python script.py)")
+        raise BadInput(f"command not found: {command[0]}")
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(4)
+    except OSError as exc:
+        raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+    if not head.startswith((b"#!", b"\x7fELF")):
+        raise BadInput(f"cannot run {command[0]!r}: no interpreter line (#!) and not a "
+                       "program; run it with its interpreter (python script.py, sh script)")
 
 
 def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -95,11 +135,45 @@ def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[byte
         raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
 
 
+_STOPPED_RETURNCODES = (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
+                        128 + signal.SIGTERM)
+
+
+@dataclass
+class Ended:
+    """How the command ended: Popen's return code (negative: killed by that signal) and the
+    signal gpudiag received and passed on, if it was stopped."""
+
+    returncode: int
+    stopped_by: int | None = None
+
+    @property
+    def code(self) -> int:
+        """The exit code as a shell reports it: 128 + the signal that stopped or killed it."""
+        if self.stopped_by is not None:
+            return 128 + self.stopped_by
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped: gpudiag passed a signal on, or someone sent SIGINT/SIGTERM to the script
+        itself (it died of it, or exited 130/143 as a shell would)."""
+        return self.stopped_by is not None or self.returncode in _STOPPED_RETURNCODES
+
+    @property
+    def failed(self) -> bool:
+        """Ended badly on its own."""
+        return not self.interrupted and self.returncode != 0
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            return f"was killed by {signal.Signals(-self.returncode).name}"
+        return f"exited with code {self.returncode}"
+
+
 def run_command(command: Sequence[str], env: dict[str, str],
-                on_tick: Callable[[], None] | None = None) -> int:
-    """Run the command in its own process group and wait (calling `on_tick` meanwhile).
-    Returns the command's exit code as a shell reports it (128 + signal when a signal ended
-    it), or 128 + the signal gpudiag received when it was stopped."""
+                on_tick: Callable[[], None] | None = None) -> Ended:
+    """Run the command in its own process group and wait (calling `on_tick` meanwhile)."""
     forwarder = _Forwarder()
     # Handlers (not SIG_IGN) before the child starts: a caught signal is reset to its default
     # in the child at exec, an ignored one would stay ignored there.
@@ -119,9 +193,7 @@ def run_command(command: Sequence[str], env: dict[str, str],
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if forwarder.received:
-        return 128 + forwarder.received[0]
-    return 128 - code if code < 0 else code
+    return Ended(code, forwarder.received[0] if forwarder.received else None)
 
 
 def _signal_group(pid: int, signum: int) -> None:
@@ -129,22 +201,44 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
 
 
-def collect(parts_dir: Path) -> tuple[list[StageResult], list[str], Env | None]:
-    """Every process's stage, its messages, and the environment the first rank reported."""
-    stages, messages, envs = [], [], []
+@dataclass
+class Collected:
+    """What the processes recorded: a stage each, their messages, the first rank's machine,
+    the stages of processes that never wrote their final part, and what a crash printed."""
+
+    stages: list[StageResult] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
+    env: Env | None = None
+    unfinished: list[StageResult] = field(default_factory=list)
+    crash: str | None = None  # a process's traceback tail, when it raised before any step
+
+
+def collect(parts_dir: Path) -> Collected:
+    """Read every process's part. A part that cannot be read (parts are written atomically, so
+    only a damaged file) is reported and the others are still used."""
+    found = Collected()
+    envs = []
     for path in sorted(parts_dir.glob(protocol.PART_GLOB)):
         try:
             part = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # a part being rewritten right now: the final read gets it
+            stage = from_jsonable(StageResult, part["stage"]) if part.get("stage") else None
+            env = from_jsonable(Env, part["env"]) if part.get("env") else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RunFileError) as exc:
+            found.messages.append(f"{path.name}: unreadable, left out ({exc})")
+            continue
         if part.get("error"):
-            messages.append(f"{' '.join(part['argv'])}: {part['error']}")
-        if part.get("stage"):
-            stages.append(from_jsonable(StageResult, part["stage"]))
-        if part.get("env"):
-            envs.append((int(part.get("rank") or 0), from_jsonable(Env, part["env"])))
-    stages.sort(key=lambda s: s.name)
-    return stages, messages, min(envs, key=lambda e: e[0])[1] if envs else None
+            found.messages.append(f"{' '.join(part['argv'])}: {part['error']}")
+        if stage is not None:
+            found.stages.append(stage)
+            if not part.get("final", True):
+                found.unfinished.append(stage)
+        elif part.get("crash"):
+            found.crash = part["crash"]
+        if env is not None:
+            envs.append((int(part.get("rank") or 0), env))
+    found.stages.sort(key=lambda s: s.name)
+    found.env = min(envs, key=lambda e: e[0])[1] if envs else None
+    return found
 
 
 def bootstrap_failures(parts_dir: Path) -> list[str]:
@@ -211,12 +305,11 @@ def _profile_once(request: ProfileRequest, schedule: Schedule,
         if on_window is not None and not announced and any(
                 parts_dir.glob(protocol.WINDOW_DONE_GLOB)):
             announced.append(True)
-            on_window(_output(request, schedule, parts_dir, code=0, interrupted=False))
+            on_window(_output(request, schedule, parts_dir, ended=None))
 
-    code = run_command(request.command, env, on_tick=tick)
-    interrupted = code in (EXIT_INTERRUPTED, 128 + signal.SIGTERM)
-    output = _output(request, schedule, parts_dir, code=code, interrupted=interrupted)
-    if not output.run.stages:
+    ended = run_command(request.command, env, on_tick=tick)
+    output = _output(request, schedule, parts_dir, ended=ended)
+    if not any(s.facts.script for s in output.run.stages):  # no process recorded a step
         failures = bootstrap_failures(parts_dir)
         if failures:
             raise BadInput(f"{failures[0]}: install gpudiag into that interpreter, or run the "
@@ -224,21 +317,52 @@ def _profile_once(request: ProfileRequest, schedule: Schedule,
     return output
 
 
-def _output(request: ProfileRequest, schedule: Schedule, parts_dir: Path, *, code: int,
-            interrupted: bool) -> ProfileOutput:
-    stages, messages, env = collect(parts_dir)
+def _output(request: ProfileRequest, schedule: Schedule, parts_dir: Path,
+            ended: Ended | None) -> ProfileOutput:
+    """The run so far (`ended` None: the command still runs) or as the command left it."""
+    found = collect(parts_dir)
     run = RunResult(
-        tool_version=__version__, env=env or _no_environment(),
+        tool_version=__version__, env=found.env or _no_environment(),
         config={"command": list(request.command), "warmup": schedule.warmup,
                 "timed": schedule.timed, "evidence_steps": schedule.profiled,
                 "telemetry": request.telemetry, "mode": "profile",
                 "stop_after_window": request.stop_after_window},
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        stages=stages, interrupted=interrupted)
-    if not stages:
+        stages=found.stages, interrupted=ended is not None and ended.interrupted)
+    messages = found.messages
+    if ended is not None and ended.failed:
+        _mark_failure(run, found, ended, request.command)
+        messages.append(f"the command {ended.describe()}")
+        run.notes.append(f"The command {ended.describe()}.")
+    if not run.stages:
         messages.append(NO_STEPS_HELP)
         run.notes.append(NO_STEPS_HELP)
-    return ProfileOutput(run=run, exit_code=code, messages=messages)
+    return ProfileOutput(run=run, exit_code=ended.code if ended is not None else 0,
+                         messages=messages)
+
+
+def _mark_failure(run: RunResult, found: Collected, ended: Ended,
+                  command: Sequence[str]) -> None:
+    """A command that failed on its own: processes that died without Python's shutdown
+    (os._exit, SIGKILL, a crash in native code) are marked so on their stage; a command that
+    failed before any step recorded gets a stage that says how it ended."""
+    for stage in found.unfinished:
+        stage.status = "error"
+        stage.error = (f"the process ended without Python's shutdown (the command "
+                       f"{ended.describe()}): os._exit, a kill or a native crash; steps up to "
+                       "its last report are kept")
+    if not run.stages:
+        run.stages.append(StageResult(
+            name=_command_name(command), status="error", title=" ".join(command),
+            error=(f"the command {ended.describe()} before its first step was recorded"
+                   + (f": {found.crash.strip().splitlines()[-1]}" if found.crash else "")),
+            traceback=found.crash))
+
+
+def _command_name(command: Sequence[str]) -> str:
+    """`train.py` for `python train.py ...`; the program's name otherwise."""
+    script = next((Path(a).name for a in command[1:] if a.endswith(".py")), None)
+    return script or Path(command[0]).name
 
 
 def _no_environment() -> Env:

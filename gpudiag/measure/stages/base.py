@@ -98,7 +98,7 @@ class StageContext:
             drop_last=True,
             persistent_workers=workers > 0,
             prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
-            worker_init_fn=_ignore_sigint if workers > 0 else None,
+            worker_init_fn=_leave_stopping_to_the_main_process if workers > 0 else None,
         )
 
     def autocast(self, enabled: bool = True) -> AbstractContextManager[Any]:
@@ -127,11 +127,14 @@ class _PreloadedDataset(Dataset[Example]):
         return {k: v[row] for k, v in self.pool.items()}
 
 
-def _ignore_sigint(_worker_id: int) -> None:
-    # Ctrl-C goes to the whole process group; the main process shuts workers down, so workers
-    # must not raise KeyboardInterrupt themselves (the traceback storm of
-    # docs/field-cases.md#case-5).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _leave_stopping_to_the_main_process(_worker_id: int) -> None:
+    # Ctrl-C (and a SIGTERM to the process group) reaches the workers too; the main process
+    # shuts them down, so workers must neither raise KeyboardInterrupt (the traceback storm of
+    # docs/field-cases.md#case-5) nor die first (the main process would then raise "DataLoader
+    # worker killed by signal" in the middle of writing its partial results). A worker whose
+    # main process is gone exits by itself (torch's worker watchdog).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 StageFunction = Callable[[StageContext], Workload]

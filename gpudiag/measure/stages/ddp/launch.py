@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gpudiag.measure.interrupts import Terminated, wait_child
 from gpudiag.measure.stages.ddp.worker import PARTS_FILE
 from gpudiag.measure.stages.ladder import precision_of
 from gpudiag.measure.window import Window, fill_timed
@@ -85,11 +87,10 @@ def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
     with log_path.open("w") as log:
         process = subprocess.Popen(launch_command(config, config_file, out), stdout=log,
                                    stderr=subprocess.STDOUT)
-        try:
-            code = process.wait()
-        except KeyboardInterrupt:  # the ranks got Ctrl-C too; let them stop
-            process.wait(timeout=60)
-            raise
+        # torchrun passes a SIGINT/SIGTERM on to its ranks and waits for them.
+        code, stopped_by = wait_child(process)
+        if stopped_by is not None:
+            raise Terminated if stopped_by == signal.SIGTERM else KeyboardInterrupt
     parts_file = out / PARTS_FILE
     if code != 0 and not parts_file.is_file():
         log_text = log_path.read_text()

@@ -1,0 +1,115 @@
+"""Stopping a measurement: SIGINT and SIGTERM both stop it, and both keep what was measured.
+
+Ctrl-C raises KeyboardInterrupt in the main thread, and every measuring loop already turns that
+into "stop, mark the run interrupted, write what was measured". SIGTERM (what `kill`, a job
+scheduler or a CI runner sends) kills a Python process outright by default, losing everything;
+here it raises `Terminated`, a KeyboardInterrupt, so it takes the same path. The exit code then
+says which signal stopped the run, as a shell would: 128 + the signal (130, 143).
+
+Child processes gpudiag starts (`--trials`, the gate's trials, the ddp stage's launcher) are
+waited for with `wait_child`: a signal that reached gpudiag alone is passed on to the child,
+which writes its own partial results, and the child gets a grace period before it is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+CHILD_GRACE_S = 8.0  # a stopped child writes its partial run well within this
+# A signal this soon after the first is the same stop arriving twice, not a second request.
+REPEAT_WINDOW_S = 2.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the same code keeps what was measured."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop that interrupted a measuring loop, carrying what the loop had measured (its
+    steps so far) up to the code that records the stage."""
+
+    def __init__(self, signum: int, partial: Any) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.partial = signum, partial
+
+
+@dataclass
+class Stop:
+    """Which signal stopped the run, if one did."""
+
+    signum: int | None = None
+    first_at: float = 0.0  # monotonic time of the first signal
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.signum is None else 128 + self.signum
+
+
+def _raise_for(stop: Stop) -> Callable[[int, FrameType | None], None]:
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if stop.signum is not None and now - stop.first_at < REPEAT_WINDOW_S:
+            return  # the same stop arriving twice (the terminal's group and a parent's relay)
+        if stop.signum is None:
+            stop.signum, stop.first_at = signum, now
+        raise (KeyboardInterrupt if signum == signal.SIGINT else Terminated)()
+    return handler
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[Stop]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (Terminated) in the main thread while this is
+    open; the yielded Stop says which came first."""
+    stop = Stop()
+    handler = _raise_for(stop)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """No signal may cut what follows (the last write of a stopped run) short."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def signal_of(exc: KeyboardInterrupt) -> int:
+    if isinstance(exc, Stopped):
+        return exc.signum
+    return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+
+
+def wait_child(process: subprocess.Popen[bytes]) -> tuple[int, int | None]:
+    """Wait for a child gpudiag started: (its exit code, the signal that stopped gpudiag or
+    None). On a stop the child gets the same signal (it may have had it already, from the
+    terminal's process group: a second one changes nothing for a process that is stopping)
+    and CHILD_GRACE_S to write its partial results before it is killed."""
+    try:
+        return process.wait(), None
+    except KeyboardInterrupt as exc:
+        signum = signal_of(exc)
+    with signals_ignored():
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+        try:
+            code = process.wait(timeout=CHILD_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+    return code, signum

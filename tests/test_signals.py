@@ -1,0 +1,195 @@
+"""Signals on real processes: SIGINT and SIGTERM stop every long-running command within seconds,
+with a partial run.json that says so, no process left behind and no traceback.
+
+Each case starts gpudiag in a session of its own (as a terminal would), waits until the part
+it means to interrupt is running (DataLoader workers alive, a trial child, torchrun's ranks, a
+profiled script past its first steps), sends the signal to gpudiag's pid or its process group,
+and then checks the exit code, the run directory, stderr and every process that had been
+started below gpudiag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gpudiag.model.results import load_run
+
+pytestmark = pytest.mark.slow
+STOP_WITHIN_S = 10.0
+START_TIMEOUT_S = 120.0
+TINY = ["--device", "cpu", "--preset", "tiny", "--model", "dgca", "--quiet"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    todo, seen = [pid], set()
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(condition: Callable[[], bool], process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "never reached the point to interrupt"
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen[str], signum: int, *, group: bool,
+          ready: Callable[[], bool]) -> tuple[int, str, float, set[int]]:
+    """Wait for `ready`, send `signum`; (exit code, stderr, seconds to exit, processes that
+    were below gpudiag when the signal went out)."""
+    try:
+        _wait_for(ready, process)
+        below = _descendants(process.pid)
+        sent = time.monotonic()
+        if group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+    finally:  # whatever failed, nothing of this test keeps running
+        for pid in _descendants(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, stderr, time.monotonic() - sent, below
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "gpudiag", *args], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _assert_clean_stop(code: int, stderr: str, seconds: float, below: set[int],
+                       signum: int) -> None:
+    assert code == 128 + signum, stderr
+    assert seconds < STOP_WITHIN_S, f"took {seconds:.1f} s to stop"
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    time.sleep(0.5)  # a worker's own watchdog may take a moment after its parent's exit
+    left = sorted(p for p in below if _alive(p))
+    assert not left, f"left running: {left}"
+
+
+@pytest.mark.parametrize(("signum", "group"), [
+    (signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGINT-pid", "SIGTERM-pid", "SIGINT-group"])
+def test_run_with_loader_workers_stops_and_keeps_what_it_measured(
+        tmp_path: Path, signum: int, group: bool) -> None:
+    """`run` in the data-train stage (two DataLoader workers alive): the running stage is
+    marked interrupted in the run.json written on the way out, the workers are gone."""
+    out = tmp_path / "run"
+    process = _start(["run", *TINY, "--stages", "data-train", "--workers", "2",
+                      "--evidence-steps", "0", "--iters", "100000", "--min-seconds", "0",
+                      "--out", str(out)], tmp_path)
+    # Two workers below gpudiag: the data-train stage is running.
+    code, stderr, seconds, below = _stop(process, signum, group=group,
+                                         ready=lambda: len(_descendants(process.pid)) >= 2)
+    _assert_clean_stop(code, stderr, seconds, below, signum)
+    run = load_run(out)
+    assert run.interrupted
+    stage = run.stage("data-train")
+    assert stage is not None and stage.interrupted and stage.status == "error"
+    assert signal.Signals(signum).name in (stage.error or "")
+    assert f"after {len(stage.iter_ms)} timed step(s)" in (stage.error or "")  # kept, if any
+
+
+def test_run_trials_stops_its_child_which_writes_its_part(tmp_path: Path) -> None:
+    """SIGTERM to `run --trials 3` alone: the trial that was running gets it too, writes its
+    partial run, and the merged run says interrupted."""
+    out = tmp_path / "trials"
+    process = _start(["run", *TINY, "--stages", "train", "--evidence-steps", "0",
+                      "--iters", "100000", "--trials", "3", "--out", str(out)], tmp_path)
+    code, stderr, seconds, below = _stop(
+        process, signal.SIGTERM, group=False,
+        ready=lambda: (out / "trial-1").is_dir() and bool(_descendants(process.pid)))
+    _assert_clean_stop(code, stderr, seconds, below, signal.SIGTERM)
+    assert load_run(out / "trial-1").interrupted
+    assert load_run(out).interrupted
+
+
+def _script(path: Path) -> Path:
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        data = TensorDataset(torch.randn(4096, 32), torch.randn(4096, 1))
+        model = torch.nn.Linear(32, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = 0
+        while True:
+            for x, y in DataLoader(data, batch_size=64, num_workers=2):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+    """))
+    return path
+
+
+@pytest.mark.parametrize(("signum", "group"), [(signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGINT-pid", "SIGTERM-group"])
+def test_profile_stops_the_script_and_writes_what_it_measured(
+        tmp_path: Path, signum: int, group: bool) -> None:
+    """`profile` passes the signal to the script's own process group (DataLoader workers
+    included), and writes the steps measured before it."""
+    out = tmp_path / "run"
+    script = _script(tmp_path / "train.py")
+    process = _start(["profile", "--out", str(out), "--warmup", "2", "--timed", "10", "--steps",
+                      "1", "--", sys.executable, str(script)], tmp_path)
+
+    def past_window() -> bool:
+        return any((out / "parts").glob("window-*.done")) if (out / "parts").is_dir() else False
+
+    code, stderr, seconds, below = _stop(process, signum, group=group, ready=past_window)
+    _assert_clean_stop(code, stderr, seconds, below, signum)
+    run = load_run(out)
+    assert run.interrupted and run.stages and len(run.stages[0].iter_ms) == 10
+
+
+def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:
+    """Ctrl-C to `run --stages ddp` on a CPU (two gloo ranks under torchrun): the launcher and
+    both ranks are gone within seconds, and the stage is marked interrupted."""
+    out = tmp_path / "run"
+    process = _start(["run", *TINY, "--stages", "ddp", "--nproc", "2", "--iters", "100000",
+                      "--out", str(out)], tmp_path)
+    # torchrun and its two ranks below gpudiag, the ranks some seconds into their steps.
+    code, stderr, seconds, below = _stop(process, signal.SIGINT, group=False,
+                                         ready=lambda: len(_descendants(process.pid)) >= 3)
+    _assert_clean_stop(code, stderr, seconds, below, signal.SIGINT)
+    stage = load_run(out).stage("ddp")
+    assert stage is not None and stage.interrupted
