@@ -171,11 +171,31 @@ def test_user_model_from_file(tmp_path: Path) -> None:
     assert bundle.loss(bundle.model(**default_collate([bundle.make_example(0)]))).ndim == 0
 
 
+def test_a_model_file_is_imported_once_per_run(tmp_path: Path) -> None:
+    """The plan and the runner both resolve the model: a file with side effects at import (a
+    download, a log line) must see them once."""
+    from typer.testing import CliRunner
+
+    from gpudiag.cli import app
+
+    path = tmp_path / "counted.py"
+    path.write_text(f"with open({str(tmp_path / 'imports')!r}, 'a') as f:\n    f.write('x')\n"
+                    + USER_MODEL)
+    result = CliRunner().invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--model",
+                                      f"{path}:factory", "--stages", "infer", "--iters", "2",
+                                      "--evidence-steps", "0", "--quiet", "--out",
+                                      str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "imports").read_text() == "x"
+
+
 @pytest.mark.parametrize(("content", "ref", "message"), [
     (None, "missing.py:factory", "no such file"),
     ("x = 1\n", "{path}:factory", "defines no 'factory'"),
     ("raise RuntimeError('boom')\n", "{path}:factory", r"importing .* failed: RuntimeError"),
     ("factory = 3\n", "{path}:factory", "expected a ModelSpec or a factory"),
+    ("import sys\nsys.exit(0)\n", "{path}:factory", r"importing m.py failed: SystemExit"),
+    ("raise KeyboardInterrupt\n", "{path}:factory", r"m.py failed: KeyboardInterrupt"),
 ])
 def test_user_model_errors_are_bad_input(tmp_path: Path, content: str | None, ref: str,
                                          message: str) -> None:

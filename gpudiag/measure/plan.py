@@ -13,7 +13,13 @@ import torch
 
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import DEFAULT_LADDER, stage_names
-from gpudiag.model.config import AMP_DTYPES, DEFAULT_EVIDENCE_STEPS, PRESETS, RunConfig
+from gpudiag.model.config import (
+    AMP_DTYPES,
+    DEFAULT_EVIDENCE_STEPS,
+    PRESETS,
+    ModelShape,
+    RunConfig,
+)
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import RunOptions, check_ranges
 
@@ -51,7 +57,7 @@ def build_config(options: RunOptions | None = None, /,
     return it with notes worth showing."""
     options = options if options is not None else RunOptions(**given)
     notes: list[str] = []
-    resolve_model(options.model)  # fail early on an unknown model, before any device work
+    model = resolve_model(options.model)  # an unknown model fails before any device work
     device = resolve_device(options.device)
     preset = options.preset
     if preset is None:
@@ -68,6 +74,8 @@ def build_config(options: RunOptions | None = None, /,
         raise BadInput(f"--amp-dtype must be fp16, bf16 or fp32 (got {amp_dtype!r})")
     seq = options.seq_len or chosen.seq_len
     _check_sequence(seq, chosen.shape.max_positions, options.prompt_length)
+    if model.source == "built-in":  # their shapes are the preset's (others' are their own)
+        _check_fits(options.batch_size or chosen.batch_size, seq, chosen.shape, device)
     _check_distributed(options, device)
     given_values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     config = RunConfig(**{
@@ -91,6 +99,26 @@ def _check_sequence(seq: int, max_positions: int, prompt_length: int) -> None:
     if seq < 2 * prompt_length + 2:
         raise BadInput(f"--seq-len {seq} leaves no room for 2x{prompt_length} prompt slots and "
                        "a source sentence")
+
+
+def _check_fits(batch: int, seq: int, shape: ModelShape, device: str) -> None:
+    """Refuse a batch that cannot fit before building anything: a training step holds at least
+    its fp32 logits over the vocabulary (and one layer's hidden states), batch x seq x
+    max(vocab, hidden) x 4 bytes. A lower bound: sizes it lets through may still run out."""
+    need = batch * seq * max(shape.vocab_size, shape.hidden_size) * 4
+    have, what = memory_capacity(device)
+    if need > have:
+        raise BadInput(f"--batch-size {batch} x --seq-len {seq}: a step needs at least "
+                       f"{need / 2**30:,.1f} GiB (its logits alone), more than the "
+                       f"{have / 2**30:,.1f} GiB of {what}")
+
+
+def memory_capacity(device: str) -> tuple[int, str]:
+    """Bytes a step could use at most on `device`, and what they are."""
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        return torch.cuda.get_device_properties(index).total_memory, "this GPU's memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
 
 
 def _check_distributed(options: RunOptions, device: str) -> None:

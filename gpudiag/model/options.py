@@ -10,6 +10,7 @@ of each option, and tests/test_config.py checks the round trip.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -99,6 +100,8 @@ def check_ranges(options: RunOptions) -> None:
         value = getattr(options, f.name)
         if value is None or isinstance(value, bool) or not spec.check:
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInput(f"{spec.flag} must be a finite number (got {value})")
         if spec.check == "positive" and value <= 0:
             raise BadInput(f"{spec.flag} must be positive (got {value})")
         if spec.check == "non-negative" and value < 0:

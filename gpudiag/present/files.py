@@ -6,9 +6,7 @@ import datetime as dt
 import os
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pandas as pd
 
@@ -21,7 +19,6 @@ from gpudiag.present.trace import TRACE_FILE, write_trace
 
 DEFAULT_REPORTS = Path("reports")
 RUN_FILE, SAMPLES_FILE, REPORT_FILE = "run.json", "samples.csv", "report.md"
-T = TypeVar("T")
 
 
 # Written into every directory gpudiag makes for a run (run, profile, gate): what --force may
@@ -70,28 +67,25 @@ def _replace_run_dir(path: Path) -> None:
 def prepare_run_dir(out: Path | None, default: Path, *, force: bool = False) -> Path:
     """The run's own directory, created empty: `out` when given (an existing non-empty one only
     with `force`, and only if gpudiag made it for a run), else a fresh `default`."""
-    if out is None:
-        return _guard(lambda: _make_fresh(default, unique=True), default)
-    if out.exists() and not out.is_dir():
-        raise BadInput(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise BadInput(f"--out {out}: not empty; pass --force to replace it whole, or choose "
-                           "another directory")
-        if not _is_run_dir(out):
-            raise BadInput(f"--out {out}: holds files gpudiag did not write; --force replaces "
-                           "only a directory gpudiag made for a run")
-        _guard(lambda: _replace_run_dir(out), out)
-    elif out.is_dir():  # empty: use it as it is
-        return _guard(lambda: _mark(out), out)
-    return _guard(lambda: _make_fresh(out, unique=False), out)
-
-
-def _guard(make: Callable[[], T], path: Path) -> T:
+    where = out or default
     try:
-        return make()
+        if out is None:
+            return _make_fresh(default, unique=True)
+        if out.exists() and not out.is_dir():
+            raise BadInput(f"--out {out}: exists and is not a directory")
+        if out.is_dir() and any(out.iterdir()):
+            if not force:
+                raise BadInput(f"--out {out}: not empty; pass --force to replace it whole, or "
+                               "choose another directory")
+            if not _is_run_dir(out):
+                raise BadInput(f"--out {out}: holds files gpudiag did not write; --force "
+                               "replaces only a directory gpudiag made for a run")
+            _replace_run_dir(out)
+        elif out.is_dir():  # empty: use it as it is
+            return _mark(out)
+        return _make_fresh(out, unique=False)
     except OSError as exc:
-        raise BadInput(f"--out {path}: cannot create it ({exc.strerror or exc})") from None
+        raise BadInput(f"--out {where}: cannot create it ({exc.strerror or exc})") from None
 
 
 def writable_output_file(path: Path, flag: str, *, force: bool) -> Path:

@@ -15,10 +15,12 @@ Three ways to make a model known, in the order they are looked up:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,21 +132,31 @@ def _load_from_file(ref: str) -> ModelSpec:
     path = Path(path_text)
     if not path.is_file():
         raise BadInput(f"--model {ref}: no such file {path_text}")
-    module_name = f"gpudiag_user_model_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise BadInput(f"--model {ref}: cannot import {path_text}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise BadInput(f"--model {ref}: importing {path_text} failed: "
-                       f"{type(exc).__name__}: {exc}") from None
+    module = _import_file(path.resolve(), path.stat().st_mtime_ns, ref)
     target = getattr(module, attr, None)
     if target is None:
         raise BadInput(f"--model {ref}: {path_text} defines no {attr!r}")
     return _as_spec(target, f"{path.stem}:{attr}", str(path))
+
+
+@functools.cache
+def _import_file(path: Path, modified_ns: int, ref: str) -> types.ModuleType:
+    """The user's model file, imported once per process and version of the file (the plan and
+    the runner both resolve the model; a file with side effects must see them once). Anything
+    it raises, SystemExit and KeyboardInterrupt included, is a one-line error naming it."""
+    module_name = f"gpudiag_user_model_{abs(hash(path))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise BadInput(f"--model {ref}: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:
+        del sys.modules[module_name]
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise BadInput(f"--model {ref}: importing {path.name} failed: {detail}") from None
+    return module
 
 
 def _as_spec(target: object, name: str, source: str) -> ModelSpec:
