@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import default_collate
 
 from gpudiag.measure.models import ModelBundle, ModelOptions, model_specs, resolve_model
-from gpudiag.measure.models.bert import CLS_ID, IGNORE_INDEX, MASK_ID, SEP_ID
+from gpudiag.measure.models.bert import (
+    CLS_ID,
+    IGNORE_INDEX,
+    MASK_ID,
+    SEP_ID,
+    mlm_batch,
+    mlm_example,
+)
 from gpudiag.measure.models.dgca import (
     apply_prompt_loop,
     apply_prompt_vectorized,
+    relm_batch,
     relm_example,
     source_length_range,
 )
@@ -38,10 +47,17 @@ def test_registry_lists_builtins_with_variants() -> None:
     assert not specs["bert"].variants
 
 
-def test_relm_example_layout() -> None:
+def _relm_rows(builder: str) -> list[dict[str, torch.Tensor]]:
+    if builder == "per example":
+        return [relm_example(OPTIONS, index) for index in range(20)]
+    batch = relm_batch(OPTIONS, 0, 20)
+    return [{k: v[i] for k, v in batch.items()} for i in range(20)]
+
+
+@pytest.mark.parametrize("builder", ["per example", "vectorized batch"])
+def test_relm_example_layout(builder: str) -> None:
     p = OPTIONS.prompt_length
-    for index in range(20):
-        ex = relm_example(OPTIONS, index)
+    for ex in _relm_rows(builder):
         n = int((ex["attention_mask"].sum() - 2 * p) // 2)
         shortest, longest = source_length_range(OPTIONS.seq_len, p)
         assert shortest <= n <= longest
@@ -56,6 +72,24 @@ def test_relm_example_layout() -> None:
         gold = ex["candidate_ids"][target].gather(1, ex["gold_index"][target, None]).squeeze(1)
         assert torch.equal(gold, ex["labels"][target])
         assert ex["source_mask"].sum() == n
+        corrected = ex["labels"][target] != ids[p : p + n]
+        assert torch.equal(corrected.float(), ex["error_mask"][target])
+        assert torch.equal(ex["detection_labels"][p : p + n], ex["error_mask"][target])
+        assert (ex["candidate_ids"][: 2 * p + n] == 0).all()
+
+
+@pytest.mark.parametrize(("examples", "batch"), [(mlm_example, mlm_batch),
+                                                 (relm_example, relm_batch)])
+def test_vectorized_batches_have_the_examples_layout(examples: Any, batch: Any) -> None:
+    """Same keys, shapes and dtypes as the examples stacked, deterministic, and rows that
+    differ: a batch of any size is built with tensor ops, not a Python loop over rows."""
+    stacked = default_collate([examples(OPTIONS, i) for i in range(6)])
+    built = batch(OPTIONS, 0, 6)
+    assert {k: (v.shape, v.dtype) for k, v in built.items()} == {
+        k: (v.shape, v.dtype) for k, v in stacked.items()}
+    again = batch(OPTIONS, 0, 6)
+    assert all(torch.equal(built[k], again[k]) for k in built)
+    assert len({tuple(row.tolist()) for row in built["input_ids"]}) == 6
 
 
 def test_examples_are_deterministic_per_index() -> None:

@@ -71,6 +71,30 @@ def mlm_example(options: ModelOptions, index: int) -> Example:
     }
 
 
+def block_generator(options: ModelOptions, start: int, count: int) -> torch.Generator:
+    """A generator for rows start..start+count-1 built together (make_batch)."""
+    return torch.Generator().manual_seed((options.seed * 1_000_003 + start) * 7_919 + count)
+
+
+def mlm_batch(options: ModelOptions, start: int, count: int) -> Example:
+    """`count` rows laid out as mlm_example's, built with tensor ops over the whole batch."""
+    g = block_generator(options, start, count)
+    seq = options.seq_len
+    n_words = torch.randint(seq // 2, seq - 1, (count, 1), generator=g)
+    pos = torch.arange(seq).expand(count, seq)
+    is_word = (pos >= 1) & (pos <= n_words)
+    words = torch.randint(FIRST_WORD_ID, options.shape.vocab_size, (count, seq), generator=g)
+    input_ids = torch.where(is_word, words, PAD_ID)
+    input_ids = torch.where(pos == 0, CLS_ID, torch.where(pos == n_words + 1, SEP_ID, input_ids))
+    masked = is_word & (torch.rand(count, seq, generator=g) < MLM_MASK_RATE)
+    return {
+        "input_ids": torch.where(masked, MASK_ID, input_ids),
+        "attention_mask": (pos < n_words + 2).long(),
+        "token_type_ids": torch.zeros(count, seq, dtype=torch.long),
+        "labels": torch.where(masked, input_ids, IGNORE_INDEX),
+    }
+
+
 def build_bert(options: ModelOptions) -> ModelBundle:
     from transformers import BertForMaskedLM  # noqa: PLC0415 (transformers takes seconds to import; only the models that use it pay)
 
@@ -78,6 +102,7 @@ def build_bert(options: ModelOptions) -> ModelBundle:
     return ModelBundle(
         model=BertForMaskedLM(bert_config(shape)),
         make_example=partial(mlm_example, options),
+        make_batch=partial(mlm_batch, options),
         description=(f"BertForMaskedLM {shape.num_layers}L/{shape.hidden_size}H/"
                      f"{shape.num_heads}A, vocab {shape.vocab_size}"),
         infer_inputs=("input_ids", "attention_mask", "token_type_ids"),

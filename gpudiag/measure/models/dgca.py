@@ -19,11 +19,13 @@ from torch import nn
 from gpudiag.measure.models import Example, ModelBundle, ModelOptions, ModelSpec, register_model
 from gpudiag.measure.models.bert import (
     CLS_ID,
+    FIRST_WORD_ID,
     IGNORE_INDEX,
     MASK_ID,
     PAD_ID,
     SEP_ID,
     bert_config,
+    block_generator,
     build_bert,
     example_generator,
     random_words,
@@ -98,6 +100,53 @@ def relm_example(options: ModelOptions, index: int) -> Example:
         "error_mask": error_mask,
         "candidate_ids": candidate_ids,
         "gold_index": gold_index,
+    }
+
+
+def relm_batch(options: ModelOptions, start: int, count: int) -> Example:
+    """`count` rows laid out as relm_example's, built with tensor ops over the whole batch:
+    each position is classified (prompt, source, separator, target) from the row's length,
+    and its token gathered from the row's source or target."""
+    g = block_generator(options, start, count)
+    p, seq, k = options.prompt_length, options.seq_len, options.candidates
+    vocab = options.shape.vocab_size
+    shortest, longest = source_length_range(seq, p)
+    n = torch.randint(shortest, longest + 1, (count, 1), generator=g)
+    word = torch.arange(longest).expand(count, longest)  # index within source / target
+    src = torch.randint(FIRST_WORD_ID, vocab, (count, longest), generator=g)
+    corrected = (torch.rand(count, longest, generator=g) < ERROR_RATE) & (word < n)
+    trg = torch.where(corrected, torch.randint(FIRST_WORD_ID, vocab, (count, longest),
+                                               generator=g), src)
+    is_error = (src != trg).float()
+
+    pos = torch.arange(seq).expand(count, seq)
+    in_src = (pos >= p) & (pos < p + n)
+    in_sep = (pos >= p + n) & (pos < 2 * p + n)
+    in_trg = (pos >= 2 * p + n) & (pos < 2 * p + 2 * n)
+    at_src = (pos - p).clamp(0, longest - 1)  # the source word each position would hold
+    at_trg = (pos - 2 * p - n).clamp(0, longest - 1)
+    input_ids = torch.where(pos < p, CLS_ID, PAD_ID)
+    input_ids = torch.where(in_src, src.gather(1, at_src), input_ids)
+    input_ids = torch.where(in_sep, SEP_ID, torch.where(in_trg, MASK_ID, input_ids))
+
+    # Confusion-set candidates per target word, as in relm_example: K slots, some valid, the
+    # gold token in one of them, padding after.
+    valid = torch.randint(k // 2, k + 1, (count, longest, 1), generator=g)
+    gold = (torch.rand(count, longest, 1, generator=g) * valid).long()
+    cands = torch.randint(FIRST_WORD_ID, vocab, (count, longest, k), generator=g)
+    cands = cands.scatter(2, gold, trg.unsqueeze(-1))
+    cands = torch.where(torch.arange(k) >= valid, PAD_ID, cands)
+    candidate_ids = cands.gather(1, at_trg.unsqueeze(-1).expand(count, seq, k))
+    return {
+        "input_ids": input_ids,
+        "attention_mask": (pos < 2 * p + 2 * n).long(),
+        "prompt_mask": ((pos < p) | in_sep).long(),
+        "labels": torch.where(in_trg, trg.gather(1, at_trg), IGNORE_INDEX),
+        "source_mask": in_src.float(),
+        "detection_labels": torch.where(in_src, is_error.gather(1, at_src), 0.0),
+        "error_mask": torch.where(in_trg, is_error.gather(1, at_trg), 0.0),
+        "candidate_ids": torch.where(in_trg.unsqueeze(-1), candidate_ids, PAD_ID),
+        "gold_index": torch.where(in_trg, gold.squeeze(-1).gather(1, at_trg), 0),
     }
 
 
@@ -253,6 +302,7 @@ def build_dgca(options: ModelOptions, prompt_impl: PromptImpl) -> ModelBundle:
     return ModelBundle(
         model=DgcaRelm(options, prompt_impl),
         make_example=partial(relm_example, options),
+        make_batch=partial(relm_batch, options),
         description=(f"DGCA-ReLM on BERT {shape.num_layers}L/{shape.hidden_size}H, "
                      f"P={options.prompt_length}, K={options.candidates}, "
                      f"prompt: {prompt_impl}"),

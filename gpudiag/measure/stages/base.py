@@ -83,15 +83,14 @@ class StageContext:
 
     def batch(self, bundle: ModelBundle, keys: tuple[str, ...] | None = None) -> Example:
         """One synthetic batch on the device, reused by every step (no data-loading cost)."""
-        examples = [bundle.make_example(i) for i in range(self.config.batch_size)]
-        batch = torch.utils.data.default_collate(examples)
+        batch = bundle.rows(0, self.config.batch_size)
         return {k: v.to(self.device) for k, v in batch.items() if keys is None or k in keys}
 
     def loader(self, bundle: ModelBundle) -> DataLoader[Example]:
         """A real DataLoader over the model's synthetic examples, configured as we advise."""
         workers = self.config.loader_workers
         return DataLoader(
-            _PreloadedDataset(bundle.make_example, POOL_BATCHES * self.config.batch_size),
+            _PreloadedDataset(bundle.rows(0, POOL_BATCHES * self.config.batch_size)),
             batch_size=self.config.batch_size,
             num_workers=workers,
             pin_memory=self.device.type == "cuda",
@@ -114,10 +113,9 @@ class _PreloadedDataset(Dataset[Example]):
     """Tokenised examples held in memory, as the seed's `--preload_data` fix did: items are row
     views, so the loader's cost is batching, collation and pinning, not example generation."""
 
-    def __init__(self, make_example: Callable[[int], Example], pool_size: int) -> None:
-        examples = [make_example(i) for i in range(pool_size)]
-        self.pool = torch.utils.data.default_collate(examples)
-        self.pool_size = pool_size
+    def __init__(self, pool: Example) -> None:
+        self.pool = pool
+        self.pool_size = len(next(iter(pool.values())))
 
     def __len__(self) -> int:
         return DATASET_LENGTH
