@@ -324,6 +324,14 @@ def profile(
         "once more with a schedule that fits its length.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
                                         "run (the whole directory).")] = False,
+    try_fixes: Annotated[bool, typer.Option(
+        "--try-fixes", help="After the diagnosis, run the script again with each fix its "
+        "findings call for applied (no file edited) and report what each buys, measured, and "
+        "whether the losses stay the same. Every run stops after its profiler window.")]
+    = False,
+    fix: Annotated[list[str] | None, typer.Option(
+        "--fix", help="With --try-fixes, also try this fix whatever the findings say "
+        "(tf32, bf16-autocast, loader, pinned, no-empty-cache, async-save). Repeat.")] = None,
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
     from gpudiag.measure.interrupts import signals_ignored
@@ -342,6 +350,7 @@ def profile(
                            f" (got {value})")
     if telemetry not in ("full", "basic", "off"):
         raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
+    forced = _remedy_names(fix or [], try_fixes)
     check_command(command)
     # Absolute before launch: the script may change directory.
     run_dir = prepare_run_dir(out, default_run_dir("profile"), force=force).resolve()
@@ -349,20 +358,99 @@ def profile(
     def early(output: ProfileOutput) -> None:
         _write_profile(run_dir, output, plots=False)  # the final write draws them
         stderr.print(f"[yellow]gpudiag profile:[/] diagnosis written to {run_dir / 'report.md'}"
-                     + ("" if stop_after_window else " (the script goes on; the report is "
-                        "rewritten when it ends)"), soft_wrap=True)
+                     + ("" if request.stop_after_window else " (the script goes on; the "
+                        "report is rewritten when it ends)"), soft_wrap=True)
 
     request = ProfileRequest(command, run_dir, Schedule(warmup, timed, steps), telemetry,
-                             stop_after_window=stop_after_window, rerun=rerun)
+                             stop_after_window=stop_after_window or try_fixes, rerun=rerun)
+    if try_fixes:  # every run of a --try-fixes shares a seed and records its first losses
+        request = dataclasses.replace(request, losses=max(1, warmup), seed=FIX_SEED)
     output = profile_command(request, on_window=early)
+    if try_fixes and not output.run.interrupted:
+        output.run.fixes = _try_fixes(request, output, forced)
     with signals_ignored():  # no second signal may cut the last write short
         _write_profile(run_dir, output)
     for message in output.messages:
         stderr.print(f"[yellow]gpudiag profile:[/] {escape(message)}", soft_wrap=True)
     if output.run.stages:
         _print_run(output.run)
+    if output.run.fixes:
+        from gpudiag.present.fixes import fixes_table
+
+        stdout.print(fixes_table(output.run))
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json beside it)", soft_wrap=True)
     raise typer.Exit(output.exit_code)
+
+
+FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
+
+
+def _remedy_names(names: list[str], try_fixes: bool) -> list[str]:
+    from gpudiag.model.remedies import REMEDIES
+
+    if names and not try_fixes:
+        raise BadInput("--fix goes with --try-fixes")
+    unknown = [n for n in names if n not in REMEDIES]
+    if unknown:
+        raise BadInput(f"--fix {unknown[0]!r}: known fixes are {', '.join(REMEDIES)}")
+    return list(dict.fromkeys(names))
+
+
+def _try_fixes(request: Any, first: Any, forced: list[str]) -> list[Any]:
+    """The remedies the diagnosis calls for (and `forced` ones), each measured in a run of its
+    own against a run without any, then the ones that paid, together."""
+    from gpudiag.diagnose.tryfix import bracketed, measured_fix, passing, plan_fixes, ranked
+    from gpudiag.measure.profile.protocol import Schedule
+    from gpudiag.measure.profile.session import profile_command
+    from gpudiag.model.remedies import REMEDIES
+
+    run = first.run
+    run.findings = evaluate(run)
+    plan = plan_fixes(run, forced)
+    for line in plan.skipped:
+        stderr.print(f"[yellow]try-fixes:[/] {line}", soft_wrap=True)
+    if not plan.remedies:
+        stderr.print("[yellow]try-fixes:[/] no finding calls for a fix gpudiag can apply",
+                     soft_wrap=True)
+        return ranked(plan.untreated)
+    # The schedule the diagnosis ended with (a short script's fitted one).
+    schedule = Schedule(run.config["warmup"], run.config["timed"], run.config["evidence_steps"])
+    baseline = [s for s in run.stages if s.facts.script]
+    losses = baseline[0].facts.script.losses if baseline else []
+    runs = len(plan.remedies) + 2 + (len(plan.remedies) > 1)
+    stderr.print(f"try-fixes: {', '.join(r.name for r in plan.remedies)}: {runs} more runs of "
+                 f"the script, each stopped after its profiler window (about "
+                 f"{runs * (run.duration_s or 0):.0f} s)", soft_wrap=True)
+
+    def measure(names: tuple[str, ...], label: str) -> Any:
+        stderr.print(f"try-fixes: running {label}", soft_wrap=True)
+        out_dir = request.out / "fixes" / label
+        out_dir.mkdir(parents=True, exist_ok=True)
+        done = profile_command(dataclasses.replace(
+            request, out=out_dir, schedule=schedule, remedies=names, rerun=False))
+        _write_profile(out_dir, done, plots=False)
+        if done.run.interrupted:
+            first.exit_code = done.exit_code
+            raise KeyboardInterrupt
+        return done.run
+
+    # Runs without fixes first and last: the baseline brackets the fixes' runs, so a machine
+    # that drifts meanwhile shows in the baseline's spread rather than as a fix's effect.
+    fixes, after = [], {}
+    try:
+        first_before = measure((), "without-fixes-1")
+        for remedy in plan.remedies:
+            after[remedy.name] = measure((remedy.name,), remedy.name)
+        before = bracketed(first_before, measure((), "without-fixes-2"))
+        fixes = [measured_fix(REMEDIES[name], [name], before, done, losses, run)
+                 for name, done in after.items()]
+        together = passing(fixes)
+        if len(together) > 1:
+            fixes.append(measured_fix(None, together, before,
+                                      measure(tuple(together), "combined"), losses, run))
+    except KeyboardInterrupt:
+        run.interrupted = True
+    return ranked(fixes + plan.untreated)
 
 
 def _write_profile(run_dir: Path, output: Any, *, plots: bool = True) -> None:

@@ -175,6 +175,10 @@ class ScriptFacts:
     # graphs compiled (a recompile adds one) and graph breaks.
     compiled_graphs: int | None = None
     graph_breaks: int | None = None
+    # profile --try-fixes: the first steps' losses (what each backward() started from), and
+    # what each remedy applied in this process saw (gpudiag/measure/profile/remedies.py).
+    losses: list[float] = field(default_factory=list)
+    remedies: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass

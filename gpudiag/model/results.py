@@ -311,6 +311,34 @@ class Finding:
 
 
 @dataclass
+class MeasuredFix:
+    """One remedy tried on the script for a run (`gpudiag profile --try-fixes`): what it bought,
+    measured, and whether the script still computes the same thing."""
+
+    remedy: str  # gpudiag.model.remedies name, or "combined" (several together)
+    title: str
+    findings: list[str] = field(default_factory=list)  # the finding codes it answers
+    status: Literal["measured", "failed", "no-remedy"] = "measured"
+    applied: str = ""  # how gpudiag applied it
+    change: str = ""  # the permanent code change
+    location: str | None = None  # the script's line the change goes to, when known
+    before_ms: StepMs | None = None  # median step time without, and with the fix
+    after_ms: StepMs | None = None
+    speedup: Positive | None = None  # before / after
+    speedup_low: Positive | None = None  # its interval (one process a side: optimistic)
+    speedup_high: Positive | None = None
+    before_j_per_step: NonNegative | None = None
+    after_j_per_step: NonNegative | None = None
+    # "same": losses equal within the run-to-run floor; "mixed-precision": different by no
+    # more than a precision change does; "differs"; "unchecked": no losses to compare.
+    equivalence: Literal["same", "mixed-precision", "differs", "unchecked"] = "unchecked"
+    loss_gap: NonNegative | None = None  # largest relative loss difference over the first steps
+    loss_floor: NonNegative | None = None  # the same between two runs without the fix
+    evidence: dict[str, Any] = field(default_factory=dict)  # what the script saw of it
+    note: str = ""
+
+
+@dataclass
 class Env:
     """The machine a run measured. Fields that do not apply (no GPU) are None."""
 
@@ -352,6 +380,7 @@ class RunResult:
     duration_s: float | None = None
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
+    fixes: list[MeasuredFix] = field(default_factory=list)  # profile --try-fixes
     schema_version: int = SCHEMA_VERSION
 
     def stage(self, name: str) -> StageResult | None:

@@ -7,6 +7,7 @@ from gpudiag.model.config import PEAK_STAGE
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
+from gpudiag.present.fixes import fixes_markdown
 from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
 from gpudiag.present.tables import markdown_table
 from gpudiag.present.terminal import env_rows
@@ -35,12 +36,14 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
                        else ""))
     out.append("")
     if run.interrupted:
-        out += ["> **Interrupted (Ctrl-C):** the stages below are what was measured before.", ""]
+        out += ["> **Interrupted (a signal stopped it):** the stages below are what was "
+                "measured before.", ""]
     out += [f"> {note}" for note in run.notes]
     if run.notes:
         out.append("")
 
     out += diagnosis_markdown(run)
+    out += fixes_markdown(run)
     out += ["## Stages", ""]
     columns, rows = table_cells(run, terminal=False)
     out += markdown_table([col.header for col in columns], rows)

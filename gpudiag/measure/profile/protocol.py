@@ -16,6 +16,11 @@ ENV_PARENT = "GPUDIAG_PROFILE_PARENT"
 ENV_TELEMETRY = "GPUDIAG_PROFILE_TELEMETRY"  # full, basic (no GPM) or off
 ENV_STOP = "GPUDIAG_PROFILE_STOP"  # "1": end the script once its profiler window closed
 ENV_TRACE_DIR = "GPUDIAG_PROFILE_TRACE_DIR"  # where each window's trace is kept
+# --try-fixes: remedies to apply (comma-separated names of gpudiag.model.remedies), losses to
+# record (the first N backward() calls), and the seed every run of one --try-fixes shares.
+ENV_REMEDIES = "GPUDIAG_PROFILE_REMEDIES"
+ENV_LOSSES = "GPUDIAG_PROFILE_LOSSES"
+ENV_SEED = "GPUDIAG_PROFILE_SEED"
 
 PART_GLOB = "part-*.json"
 BOOTSTRAP_ERROR_GLOB = "bootstrap-error-*.json"

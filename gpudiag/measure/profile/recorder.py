@@ -38,8 +38,11 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
 from gpudiag.measure.profile.protocol import (
+    ENV_LOSSES,
     ENV_OUT,
     ENV_PARENT,
+    ENV_REMEDIES,
+    ENV_SEED,
     ENV_STOP,
     ENV_TELEMETRY,
     ENV_TRACE_DIR,
@@ -47,6 +50,7 @@ from gpudiag.measure.profile.protocol import (
     part_name,
     window_done_name,
 )
+from gpudiag.measure.profile.remedies import Applied, LossLog, parse_names, seed_everything
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
@@ -91,6 +95,9 @@ class Recorder:
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
+        # --try-fixes (gpudiag/measure/profile/remedies.py): remedies applied, first losses.
+        self.applied = Applied(parse_names(os.environ.get(ENV_REMEDIES)))
+        self.losses = LossLog(int(os.environ.get(ENV_LOSSES) or 0))
 
     @property
     def steps(self) -> int:
@@ -300,7 +307,8 @@ class Recorder:
             steps=self.steps, warmup=self.warmup, timed=timed,
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None,
-            compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1]))
+            compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
+            losses=list(self.losses.values), remedies=self.applied.observe()))
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts
@@ -452,6 +460,8 @@ def install() -> Recorder:
     if RECORDER is not None:
         return RECORDER
     schedule = Schedule.from_env(os.environ)
+    if os.environ.get(ENV_SEED):
+        seed_everything(int(os.environ[ENV_SEED]))
     recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), schedule.warmup, schedule.timed,
                                    schedule.profiled)
     register_optimizer_step_post_hook(recorder.optimizer_stepped)

@@ -52,8 +52,7 @@ class ProfileOutput:
     messages: list[str] = field(default_factory=list)
 
 
-def child_env(parts: Path, schedule: Schedule, *, telemetry: str = "full",
-              stop_after_window: bool = False, trace_dir: Path | None = None) -> dict[str, str]:
+def child_env(parts: Path, request: ProfileRequest, schedule: Schedule) -> dict[str, str]:
     env = dict(os.environ)
     package_root = str(Path(gpudiag.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -61,10 +60,13 @@ def child_env(parts: Path, schedule: Schedule, *, telemetry: str = "full",
     env.update(schedule.env())
     # Absolute: a script that changes directory (Hydra's job.chdir) must still find them.
     env.update({protocol.ENV_OUT: str(parts.resolve()), protocol.ENV_PARENT: str(os.getpid()),
-                protocol.ENV_TELEMETRY: telemetry,
-                protocol.ENV_STOP: "1" if stop_after_window else "0"})
-    if trace_dir is not None:
-        env[protocol.ENV_TRACE_DIR] = str(trace_dir.resolve())
+                protocol.ENV_TELEMETRY: request.telemetry,
+                protocol.ENV_STOP: "1" if request.stop_after_window else "0",
+                protocol.ENV_TRACE_DIR: str(request.out.resolve()),
+                protocol.ENV_REMEDIES: ",".join(request.remedies),
+                protocol.ENV_LOSSES: str(request.losses)})
+    if request.seed is not None:
+        env[protocol.ENV_SEED] = str(request.seed)
     return env
 
 
@@ -269,6 +271,11 @@ class ProfileRequest:
     telemetry: str = "full"
     stop_after_window: bool = False
     rerun: bool = True  # re-run a script too short for the schedule once, with one that fits
+    # --try-fixes: remedies applied in the script, the first backward() losses to record, and
+    # a seed set before the script runs (its own seeding overrides it).
+    remedies: tuple[str, ...] = ()
+    losses: int = 0
+    seed: int | None = None
 
 
 def profile_command(request: ProfileRequest,
@@ -297,8 +304,7 @@ def _profile_once(request: ProfileRequest, schedule: Schedule,
                   on_window: Callable[[ProfileOutput], None] | None) -> ProfileOutput:
     parts_dir = request.out / PARTS_DIR
     _clear(parts_dir)
-    env = child_env(parts_dir, schedule, telemetry=request.telemetry,
-                    stop_after_window=request.stop_after_window, trace_dir=request.out)
+    env = child_env(parts_dir, request, schedule)
     announced: list[bool] = []
 
     def tick() -> None:

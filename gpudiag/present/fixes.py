@@ -1,0 +1,93 @@
+"""The "Measured fixes" of `gpudiag profile --try-fixes`: report.md's table and the terminal's."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from gpudiag.model.results import MeasuredFix, RunResult
+from gpudiag.present.tables import markdown_table
+
+HEADER = ("fix", "answers", "ms/step before -> after", "speedup (95% CI)", "J/step",
+          "same result?", "make it permanent")
+EQUIVALENCE = {
+    "same": "same losses",
+    "mixed-precision": "differs as mixed precision does",
+    "differs": "DIFFERS",
+    "unchecked": "not checked (no loss seen)",
+}
+
+
+def _ms(fix: MeasuredFix) -> str:
+    if fix.before_ms is None or fix.after_ms is None:
+        return "-"
+    return f"{fix.before_ms:,.2f} -> {fix.after_ms:,.2f}"
+
+
+# An interval wider than this ratio (high / low) says nothing: too few or too noisy steps.
+UNINFORMATIVE_INTERVAL = 4.0
+
+
+def _speedup(fix: MeasuredFix) -> str:
+    if fix.speedup is None:
+        return "-"
+    low, high = fix.speedup_low, fix.speedup_high
+    if low is None or high is None:
+        return f"{fix.speedup:.2f}x"
+    if low <= 0 or high / low > UNINFORMATIVE_INTERVAL:
+        return f"{fix.speedup:.2f}x (steps too few or too noisy for an interval)"
+    return f"{fix.speedup:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def _energy(fix: MeasuredFix) -> str:
+    if fix.before_j_per_step is None or fix.after_j_per_step is None:
+        return "-"
+    return f"{fix.before_j_per_step:,.2f} -> {fix.after_j_per_step:,.2f}"
+
+
+def _same(fix: MeasuredFix) -> str:
+    if fix.status != "measured":
+        return "-"
+    text = EQUIVALENCE[fix.equivalence]
+    if fix.loss_gap is not None and fix.equivalence != "same":
+        text += f" (gap {fix.loss_gap:.2%}, runs without it {fix.loss_floor or 0:.2%})"
+    return text
+
+
+def _change(fix: MeasuredFix) -> str:
+    where = f"at `{fix.location}`: " if fix.location else ""
+    note = f" ({fix.note})" if fix.note else ""
+    return f"{where}{fix.change}{note}"
+
+
+def fix_cells(fix: MeasuredFix) -> list[str]:
+    name = fix.title if fix.status != "failed" else f"{fix.title} (failed)"
+    return [name, ", ".join(fix.findings) or "-", _ms(fix), _speedup(fix), _energy(fix),
+            _same(fix), _change(fix)]
+
+
+def fixes_markdown(run: RunResult) -> list[str]:
+    """report.md's "Measured fixes": ranked by speedup, with the permanent change of each."""
+    if not run.fixes:
+        return []
+    lines = ["## Measured fixes", "",
+             "Each fix was applied to the unmodified script for one run (same seed, same "
+             "timing window; intervals from blocks of one process a side, so optimistic). "
+             "`same result?` compares the first steps' losses with the diagnosis run's, against "
+             "how much two runs without the fix differ.", ""]
+    lines += markdown_table(HEADER, [fix_cells(f) for f in run.fixes], right=[
+        False, False, True, True, True, False, False])
+    failing = [f for f in run.fixes if f.equivalence == "differs"]
+    if failing:
+        lines += ["", "Not recommended as measured: "
+                  + "; ".join(f"{f.title} changed the losses by {f.loss_gap:.2%}"
+                              for f in failing if f.loss_gap is not None) + "."]
+    return [*lines, ""]
+
+
+def fixes_table(run: RunResult) -> Table:
+    table = Table(title="Measured fixes", title_justify="left", header_style="bold")
+    for column in HEADER:
+        table.add_column(column, overflow="fold")
+    for fix in run.fixes:
+        table.add_row(*fix_cells(fix))
+    return table

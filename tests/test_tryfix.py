@@ -1,0 +1,156 @@
+"""`gpudiag profile --try-fixes`: each remedy injected into a real, unmodified script and seen in
+effect there; the equivalence check; which findings call for which fix; the report's table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
+from gpudiag.model.remedies import NO_REMEDY, REMEDIES
+from gpudiag.model.results import Env, Finding, MeasuredFix, RunResult, load_run
+from gpudiag.present.fixes import fixes_markdown
+
+# A plain training loop that reports what it sees of its own objects: the DataLoader's worker
+# count and pinning, the matmul precision, its forward's dtype. It knows nothing of gpudiag.
+OBSERVING_SCRIPT = """
+    import json, os, torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(512, 16), torch.randn(512, 1))
+    loader = DataLoader(data, batch_size=16, shuffle=True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen = {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+            "precision": torch.get_float32_matmul_precision()}
+    step = 0
+    while True:
+        for x, y in loader:
+            out = model(x)
+            if step == 0:
+                seen["forward_dtype"] = str(out.dtype)
+                with open(f"seen-{os.getpid()}.json", "w") as f:
+                    json.dump({**seen, "fixes": os.environ["GPUDIAG_PROFILE_REMEDIES"]}, f)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.empty_cache()
+            if step % 4 == 0:
+                torch.save(model.state_dict(), "ckpt.pt")
+            step += 1
+"""
+
+
+@pytest.mark.slow
+def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
+    forced = [arg for name in REMEDIES for arg in ("--fix", name)]
+    done = subprocess.run(
+        [sys.executable, "-m", "gpudiag", "profile", "--try-fixes", *forced, "--warmup", "2",
+         "--timed", "6", "--steps", "1", "--out", str(tmp_path / "run"), "--", sys.executable,
+         str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = {}
+    for path in tmp_path.glob("seen-*.json"):
+        view = json.loads(path.read_text())
+        seen.setdefault(view.pop("fixes"), view)
+    plain = seen[""]
+    assert plain == {"num_workers": 0, "pin_memory": False, "precision": "highest",
+                     "forward_dtype": "torch.float32"}
+    assert seen["loader"]["num_workers"] >= 1 and seen["pinned"]["pin_memory"]
+    assert seen["tf32"]["precision"] == "high"
+    assert seen["bf16-autocast"]["forward_dtype"] == "torch.bfloat16"
+    assert seen["no-empty-cache"] == plain and seen["async-save"] == plain
+
+    fixes = {f.remedy: f for f in load_run(tmp_path / "run").fixes}
+    assert set(REMEDIES) <= set(fixes)
+    assert all(fixes[name].status == "measured" and fixes[name].after_ms for name in REMEDIES)
+    assert fixes["no-empty-cache"].evidence["no-empty-cache"]["calls_skipped"] >= 6
+    saved = fixes["async-save"].evidence["async-save"]
+    assert saved["saves"] >= 2 and not saved["errors"]
+    save_line = next(n for n, line in enumerate(script.read_text().splitlines(), 1)
+                     if "torch.save(" in line)
+    assert fixes["async-save"].location == f"train.py:{save_line}"  # the script's own line
+    state = torch.load(tmp_path / "ckpt.pt")  # written in the background, whole
+    assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    # Same seed, same data order: remedies that keep numerics give the same losses; bf16
+    # changes them a little, and says by how much.
+    for name in ("loader", "pinned", "no-empty-cache", "async-save"):
+        assert fixes[name].equivalence == "same", (name, fixes[name].loss_gap)
+    bf16 = fixes["bf16-autocast"]
+    assert bf16.equivalence == "mixed-precision" and bf16.loss_gap and bf16.loss_gap > 0
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## Measured fixes" in report and "differs as mixed precision does" in report
+
+
+def _run(*findings: tuple[str, str], device: str = "cuda") -> RunResult:
+    return RunResult(tool_version="t", env=Env(device=device), config={},
+                     findings=[Finding(id=code, rule="r", severity=severity, stage="s",
+                                       title=f"{code} seen", fix=f"fix {code}")
+                               for code, severity in findings])
+
+
+def test_findings_decide_the_remedies() -> None:
+    plan = plan_fixes(_run(("GD301", "critical"), ("GD201", "warning"), ("GD101", "critical"),
+                           ("GD402", "info")))
+    assert [r.name for r in plan.remedies] == ["tf32", "bf16-autocast", "loader"]
+    (untreated,) = plan.untreated
+    assert untreated.status == "no-remedy" and untreated.findings == ["GD101"]
+    assert NO_REMEDY["GD101"] in untreated.note and untreated.change == "fix GD101"
+    cpu = plan_fixes(_run(("GD202", "warning"), ("GD402", "warning"), device="cpu"))
+    assert [r.name for r in cpu.remedies] == ["no-empty-cache"]
+    assert cpu.skipped == ["pinned: acts on a GPU only, the run had none"]
+    forced = plan_fixes(_run(device="cpu"), forced=["pinned"])
+    assert [r.name for r in forced.remedies] == ["pinned"]
+
+
+def test_equivalence_against_the_run_to_run_floor() -> None:
+    base = [1.0, 0.9, 0.8]
+    assert equivalence(base, base, base, "exact") == ("same", 0.0, 0.0)
+    # Two runs without the fix differ by 1e-4: a fix within 4x that is the same.
+    repeat = [1.0001, 0.9, 0.8]
+    assert equivalence(base, repeat, [1.0003, 0.9, 0.8], "exact")[0] == "same"
+    assert equivalence(base, repeat, [1.001, 0.9, 0.8], "exact")[0] == "differs"
+    verdict, gap, _ = equivalence(base, base, [1.01, 0.9, 0.8], "precision")
+    assert verdict == "mixed-precision" and gap == pytest.approx(0.01)
+    assert equivalence(base, base, [1.2, 0.9, 0.8], "precision")[0] == "differs"
+    assert equivalence([], [], [1.0], "exact") == ("unchecked", None, None)
+
+
+def _fix(name: str, speedup: float | None, equivalence: str = "same",
+         low: float | None = None, status: str = "measured") -> MeasuredFix:
+    return MeasuredFix(remedy=name, title=name, status=status, speedup=speedup,  # type: ignore[arg-type]
+                       speedup_low=low, equivalence=equivalence)  # type: ignore[arg-type]
+
+
+def test_only_fixes_that_paid_and_kept_the_result_are_combined() -> None:
+    fixes = [_fix("loader", 2.0, low=1.5), _fix("tf32", 1.4, "mixed-precision", low=1.2),
+             _fix("pinned", 1.1, low=0.9), _fix("async-save", 3.0, "differs", low=2.0),
+             _fix("no-empty-cache", None, status="failed")]
+    assert passing(fixes) == ["loader", "tf32"]
+    assert [f.remedy for f in ranked(fixes)] == ["async-save", "loader", "tf32", "pinned",
+                                                 "no-empty-cache"]
+
+
+def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
+    run = _run()
+    run.fixes = [MeasuredFix(remedy="loader", title="DataLoader workers", findings=["GD201"],
+                             before_ms=40.0, after_ms=20.0, speedup=2.0, speedup_low=1.8,
+                             speedup_high=2.2, location="train.py:12",
+                             change="num_workers=8"),
+                 MeasuredFix(remedy="async-save", title="background saves", speedup=1.5,
+                             before_ms=30.0, after_ms=20.0, equivalence="differs",
+                             loss_gap=0.2, loss_floor=0.0, change="save from a thread")]
+    text = "\n".join(fixes_markdown(run))
+    assert "| DataLoader workers | GD201 | 40.00 -> 20.00 | 2.00x (1.80-2.20) |" in text
+    assert "at `train.py:12`: num_workers=8" in text
+    assert "Not recommended as measured: background saves changed the losses by 20.00%" in text
