@@ -397,12 +397,12 @@ def _remedy_names(names: list[str], try_fixes: bool) -> list[str]:
 
 
 def _try_fixes(request: Any, first: Any, forced: list[str]) -> list[Any]:
-    """The remedies the diagnosis calls for (and `forced` ones), each measured in a run of its
-    own against a run without any, then the ones that paid, together."""
-    from gpudiag.diagnose.tryfix import bracketed, measured_fix, passing, plan_fixes, ranked
+    """The remedies the diagnosis calls for (and `forced` ones), each in a run of its own,
+    between two runs without any; then the ones that paid, together. Assessed by
+    gpudiag.diagnose.tryfix; each run is kept in fixes/<label>/."""
+    from gpudiag.diagnose.tryfix import BASELINE_RUNS, COMBINED_RUN, assess, passing, plan_fixes
     from gpudiag.measure.profile.protocol import Schedule
     from gpudiag.measure.profile.session import profile_command
-    from gpudiag.model.remedies import REMEDIES
 
     run = first.run
     run.findings = evaluate(run)
@@ -412,17 +412,16 @@ def _try_fixes(request: Any, first: Any, forced: list[str]) -> list[Any]:
     if not plan.remedies:
         stderr.print("[yellow]try-fixes:[/] no finding calls for a fix gpudiag can apply",
                      soft_wrap=True)
-        return ranked(plan.untreated)
+        return assess(run, plan, {})
     # The schedule the diagnosis ended with (a short script's fitted one).
     schedule = Schedule(run.config["warmup"], run.config["timed"], run.config["evidence_steps"])
-    baseline = [s for s in run.stages if s.facts.script]
-    losses = baseline[0].facts.script.losses if baseline else []
-    runs = len(plan.remedies) + 2 + (len(plan.remedies) > 1)
-    stderr.print(f"try-fixes: {', '.join(r.name for r in plan.remedies)}: {runs} more runs of "
+    count = len(plan.remedies) + 2 + (len(plan.remedies) > 1)
+    stderr.print(f"try-fixes: {', '.join(r.name for r in plan.remedies)}: {count} more runs of "
                  f"the script, each stopped after its profiler window (about "
-                 f"{runs * (run.duration_s or 0):.0f} s)", soft_wrap=True)
+                 f"{count * (run.duration_s or 0):.0f} s)", soft_wrap=True)
+    runs: dict[str, Any] = {}
 
-    def measure(names: tuple[str, ...], label: str) -> Any:
+    def measure(names: tuple[str, ...], label: str) -> None:
         stderr.print(f"try-fixes: running {label}", soft_wrap=True)
         out_dir = request.out / "fixes" / label
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -432,25 +431,21 @@ def _try_fixes(request: Any, first: Any, forced: list[str]) -> list[Any]:
         if done.run.interrupted:
             first.exit_code = done.exit_code
             raise KeyboardInterrupt
-        return done.run
+        runs[label] = done.run
 
-    # Runs without fixes first and last: the baseline brackets the fixes' runs, so a machine
-    # that drifts meanwhile shows in the baseline's spread rather than as a fix's effect.
-    fixes, after = [], {}
     try:
-        first_before = measure((), "without-fixes-1")
+        # Without fixes first and last: the baseline brackets the fixes' runs, so a machine
+        # that drifts meanwhile shows in the baseline's spread, not as a fix's effect.
+        measure((), BASELINE_RUNS[0])
         for remedy in plan.remedies:
-            after[remedy.name] = measure((remedy.name,), remedy.name)
-        before = bracketed(first_before, measure((), "without-fixes-2"))
-        fixes = [measured_fix(REMEDIES[name], [name], before, done, losses, run)
-                 for name, done in after.items()]
-        together = passing(fixes)
+            measure((remedy.name,), remedy.name)
+        measure((), BASELINE_RUNS[1])
+        together = passing(assess(run, plan, runs))
         if len(together) > 1:
-            fixes.append(measured_fix(None, together, before,
-                                      measure(tuple(together), "combined"), losses, run))
+            measure(tuple(together), COMBINED_RUN)
     except KeyboardInterrupt:
         run.interrupted = True
-    return ranked(fixes + plan.untreated)
+    return assess(run, plan, runs)
 
 
 def _write_profile(run_dir: Path, output: Any, *, plots: bool = True) -> None:
@@ -477,8 +472,18 @@ def report(
     run = load_run(run_dir)
     if rules:
         run.findings = evaluate(run)
+        fix_runs = run_dir / "fixes"  # a profile --try-fixes: its fixes assessed anew too
+        if fix_runs.is_dir():
+            from gpudiag.diagnose.tryfix import reassess
+
+            run.fixes = reassess(run, {p.name: load_run(p) for p in sorted(fix_runs.iterdir())
+                                       if (p / "run.json").is_file()})
     rerender_run_dir(run_dir, run, save=rules)
     _print_run(run)
+    if run.fixes:
+        from gpudiag.present.fixes import fixes_table
+
+        stdout.print(fixes_table(run))
     stderr.print(f"Report: {run_dir / 'report.md'}", soft_wrap=True)
 
 

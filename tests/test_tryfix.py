@@ -23,6 +23,7 @@ OBSERVING_SCRIPT = """
     import json, os, torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # what GD301 usually finds
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(512, 16), torch.randn(512, 1))
     loader = DataLoader(data, batch_size=16, shuffle=True)
@@ -67,7 +68,7 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
     assert plain == {"num_workers": 0, "pin_memory": False, "precision": "highest",
                      "forward_dtype": "torch.float32"}
     assert seen["loader"]["num_workers"] >= 1 and seen["pinned"]["pin_memory"]
-    assert seen["tf32"]["precision"] == "high"
+    assert seen["tf32"]["precision"] == "high"  # the script's own switch-off overruled
     assert seen["bf16-autocast"]["forward_dtype"] == "torch.bfloat16"
     assert seen["no-empty-cache"] == plain and seen["async-save"] == plain
 
@@ -77,9 +78,11 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
     assert fixes["no-empty-cache"].evidence["no-empty-cache"]["calls_skipped"] >= 6
     saved = fixes["async-save"].evidence["async-save"]
     assert saved["saves"] >= 2 and not saved["errors"]
-    save_line = next(n for n, line in enumerate(script.read_text().splitlines(), 1)
-                     if "torch.save(" in line)
-    assert fixes["async-save"].location == f"train.py:{save_line}"  # the script's own line
+    lines = script.read_text().splitlines()
+    save_line = next(n for n, line in enumerate(lines, 1) if "torch.save(" in line)
+    off_line = next(n for n, line in enumerate(lines, 1) if "allow_tf32 = False" in line)
+    assert fixes["async-save"].location == f"train.py:{save_line}"  # the lines to edit
+    assert fixes["tf32"].location == f"train.py:{off_line}"
     state = torch.load(tmp_path / "ckpt.pt")  # written in the background, whole
     assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     # Same seed, same data order: remedies that keep numerics give the same losses; bf16
@@ -154,3 +157,21 @@ def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
     assert "| DataLoader workers | GD201 | 40.00 -> 20.00 | 2.00x (1.80-2.20) |" in text
     assert "at `train.py:12`: num_workers=8" in text
     assert "Not recommended as measured: background saves changed the losses by 20.00%" in text
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples" / "h100-try-fixes"
+
+
+@pytest.mark.parametrize("name", ["fp32_no_tf32", "slow_dataset", "blocking_save"])
+def test_committed_h100_fixes_follow_from_their_kept_runs(name: str) -> None:
+    """The H100 examples' tables are what this gpudiag makes of the runs kept beside them
+    (fixes/<label>/run.json), not numbers written by hand."""
+    from gpudiag.diagnose.tryfix import reassess
+
+    run = load_run(EXAMPLES / name)
+    runs = {p.name: load_run(p) for p in sorted((EXAMPLES / name / "fixes").iterdir())}
+    assert reassess(run, runs) == run.fixes
+    assert run.env.gpu_name == "NVIDIA H100 80GB HBM3"
+    best = run.fixes[0]
+    assert best.status == "measured" and best.speedup is not None
+    assert best.equivalence in ("same", "mixed-precision")

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import PROCESS_NOISE_FLOOR, estimate_ratio
-from gpudiag.diagnose.trials import StageSamples, stage_samples, steady_state
+from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
 from gpudiag.model.remedies import NO_REMEDY, REMEDIES, Remedy, remedies_for
 from gpudiag.model.results import Finding, MeasuredFix, RunResult, StageResult
 
@@ -27,6 +27,10 @@ EXACT_FLOOR_FACTOR = 4.0
 # mixed-precision deviation of a loss at the start of training (fp16/bf16 keep 8 bits of
 # exponent or more; a loss moving more than 5% is not rounding).
 PRECISION_GAP = 0.05
+# NVML's total-energy counter moves in steps of about 100 ms (the quantum the presets' stage
+# windows are sized against, gpudiag/model/config.py): a timed window this long keeps that
+# within 5% of the energy.
+MIN_ENERGY_WINDOW_S = 2.0
 
 
 @dataclass
@@ -83,18 +87,57 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
         return fix
     fix.evidence = (b.facts.script.remedies if b.facts.script else {})
     fix.location = _site_seen(fix.evidence) or fix.location
-    fix.before_ms, fix.after_ms = a.ms_per_iter, b.ms_per_iter
-    fix.speedup = a.ms_per_iter / b.ms_per_iter if a.ms_per_iter and b.ms_per_iter else None
+    # The mean step: what a run's length is made of. A median would not see a save every N
+    # steps, the very cost a background save removes.
+    fix.before_ms = statistics.fmean(steady_state(a.iter_ms))
+    fix.after_ms = statistics.fmean(steady_state(b.iter_ms))
+    fix.speedup = fix.before_ms / fix.after_ms
     estimate = estimate_ratio(_step_samples(a), _step_samples(b),
                               PROCESS_NOISE_FLOOR["cuda" if _on_gpu(before) else "cpu"],
                               FIX_ALPHA)
     if estimate is not None:
         fix.speedup_low, fix.speedup_high = estimate.low, estimate.high
     fix.before_j_per_step, fix.after_j_per_step = _energy_per_step(a), _energy_per_step(b)
+    if (fix.before_j_per_step is None) != (fix.after_j_per_step is None):
+        fix.before_j_per_step = fix.after_j_per_step = None
+    fix.note = _queued_saves(fix.evidence)
+    fix.change = _switched_off(fix.evidence) or fix.change
     numerics = "precision" if any(REMEDIES[n].numerics == "precision" for n in names) else "exact"
     fix.equivalence, fix.loss_gap, fix.loss_floor = equivalence(
         baseline_losses, _losses(a), _losses(b), numerics)
     return fix
+
+
+BASELINE_RUNS = ("without-fixes-1", "without-fixes-2")
+COMBINED_RUN = "combined"
+
+
+def assess(run: RunResult, plan: FixPlan, runs: dict[str, RunResult]) -> list[MeasuredFix]:
+    """Every fix measured in `runs` (by label: the runs without fixes, each remedy's name, and
+    "combined"), against the baseline the runs without fixes bracket; ranked, with the
+    findings no remedy answers."""
+    baselines = [runs[label] for label in BASELINE_RUNS if label in runs]
+    if not baselines:
+        return ranked(plan.untreated)
+    before = bracketed(baselines[0], baselines[-1])
+    first = [s for s in run.stages if s.facts.script]
+    losses = first[0].facts.script.losses if first and first[0].facts.script else []
+    fixes = [measured_fix(r, [r.name], before, runs[r.name], losses, run)
+             for r in plan.remedies if r.name in runs]
+    if COMBINED_RUN in runs:
+        stage = _main_stage(runs[COMBINED_RUN])
+        names = [n for n in (stage.facts.script.remedies if stage and stage.facts.script
+                             else {}) if n in REMEDIES]
+        fixes.append(measured_fix(None, names, before, runs[COMBINED_RUN], losses, run))
+    return ranked(fixes + plan.untreated)
+
+
+def reassess(run: RunResult, runs: dict[str, RunResult]) -> list[MeasuredFix]:
+    """The fixes of a recorded --try-fixes again, from its kept runs (`gpudiag report --rules`
+    on its directory): what this gpudiag makes of the same measurements."""
+    plan = plan_fixes(run)
+    plan.remedies = [REMEDIES[label] for label in runs if label in REMEDIES]
+    return assess(run, plan, runs)
 
 
 def bracketed(first: RunResult, last: RunResult) -> RunResult:
@@ -159,13 +202,21 @@ def _main_stage(run: RunResult) -> StageResult | None:
 
 
 def _step_samples(stage: StageResult) -> StageSamples:
-    # Steps per second in blocks of steady steps: a profiled script may not say its batch.
-    return stage_samples(dataclasses.replace(stage, samples_per_step=1, trials=[]))
+    """Steps per second of consecutive blocks of steady steps, each block's mean (a profiled
+    script may not say its batch size, and a block's mean keeps its periodic saves)."""
+    steady = steady_state(stage.iter_ms)
+    blocks = [steady[i:i + BLOCK_STEPS] for i in range(0, len(steady) - BLOCK_STEPS + 1,
+                                                       BLOCK_STEPS)]
+    return StageSamples(scores=[1e3 / statistics.fmean(b) for b in blocks], kind="blocks",
+                        invalid=0, iters=len(steady))
 
 
 def _energy_per_step(stage: StageResult) -> float | None:
-    energy = stage.telemetry.energy_j
-    return energy / len(stage.iter_ms) if energy is not None and stage.iter_ms else None
+    """Energy per timed step, where the timed window was long enough to measure it."""
+    t = stage.telemetry
+    if t.energy_j is None or not stage.iter_ms or (t.window_s or 0) < MIN_ENERGY_WINDOW_S:
+        return None
+    return t.energy_j / len(stage.iter_ms)
 
 
 def _losses(stage: StageResult) -> list[float]:
@@ -182,6 +233,32 @@ def _location(run: RunResult, names: list[str]) -> str | None:
         if finding.location and any(finding.id in REMEDIES[n].findings for n in names):
             return finding.location
     return None
+
+
+def _switched_off(evidence: dict[str, dict[str, object]]) -> str | None:
+    """The tf32 remedy found the script switching TF32 off itself: that line is the change."""
+    kept = evidence.get("tf32", {}).get("kept_on")
+    if not isinstance(kept, list) or not kept:
+        return None
+    others = ", ".join(str(k["site"]) for k in kept[1:] if isinstance(k, dict))
+    return (f"the script switches TF32 off here (`{kept[0]['set']}`"
+            + (f"; also at {others}" if others else "") + "): delete that, or set it to True")
+
+
+QUEUED_SAVE_MS = 10.0  # a background save that waits this long for the previous one queues
+
+
+def _queued_saves(evidence: dict[str, dict[str, object]]) -> str:
+    """Why background saves bought less than they could: each waited for the one before."""
+    saves = evidence.get("async-save", {})
+    count, waited = saves.get("saves"), saves.get("waited_ms")
+    if not isinstance(count, int) or not count or not isinstance(waited, float):
+        return ""
+    if waited / count < QUEUED_SAVE_MS:
+        return ""
+    return (f"each save waited {waited / count:.0f} ms on average for the one before it: "
+            "saves start faster than they are written, so save less often (see "
+            "checkpoint-async-contention)")
 
 
 def _site_seen(evidence: dict[str, dict[str, object]]) -> str | None:

@@ -7,7 +7,7 @@ from rich.table import Table
 from gpudiag.model.results import MeasuredFix, RunResult
 from gpudiag.present.tables import markdown_table
 
-HEADER = ("fix", "answers", "ms/step before -> after", "speedup (95% CI)", "J/step",
+HEADER = ("fix", "answers", "ms/step (mean) before -> after", "speedup (95% CI)", "J/step",
           "same result?", "make it permanent")
 EQUIVALENCE = {
     "same": "same losses",
@@ -76,6 +76,11 @@ def fixes_markdown(run: RunResult) -> list[str]:
              "how much two runs without the fix differ.", ""]
     lines += markdown_table(HEADER, [fix_cells(f) for f in run.fixes], right=[
         False, False, True, True, True, False, False])
+    measured = [f for f in run.fixes if f.status == "measured"]
+    if run.env.device.startswith("cuda") and measured and all(
+            f.after_j_per_step is None for f in measured):
+        lines += ["", "J/step: not measured, the timed windows were shorter than NVML's "
+                  "energy counter can resolve (it moves in ~100 ms steps; gpudiag wants 2 s)."]
     failing = [f for f in run.fixes if f.equivalence == "differs"]
     if failing:
         lines += ["", "Not recommended as measured: "

@@ -35,9 +35,9 @@ MAX_LOADER_WORKERS = 8
 LOADER_PREFETCH = 4
 
 
-def _site() -> str | None:
-    """The script's line that called into what a remedy wraps."""
-    site = call_site(sys._getframe(2))
+def _site(depth: int = 2) -> str | None:
+    """The script's line that called into what a remedy wraps (`depth` frames up)."""
+    site = call_site(sys._getframe(depth))
     return site.location if site is not None else None
 
 
@@ -49,12 +49,44 @@ def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable
 # --- tf32 ---------------------------------------------------------------------------------
 
 def _tf32(evidence: Evidence) -> Callable[[], None]:
+    """TF32 on, and kept on: a script that switches it off itself (the usual cause of the
+    finding) is overruled for this run, and the line that did it is noted (the one to edit)."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
+    evidence["kept_on"] = []
 
-    def observe() -> None:  # the script may set its own precision after start-up
+    def overruled(what: str) -> None:
+        evidence["kept_on"].append({"site": _site(depth=3), "set": what})
+
+    def guard(cls: type) -> None:
+        original = cls.__setattr__
+
+        def __setattr__(self: object, name: str, value: object) -> None:
+            if (name == "allow_tf32" and value is False) or (
+                    name == "fp32_precision" and value == "ieee"):
+                overruled(f"{name} = {value!r}")
+                return
+            original(self, name, value)
+        cls.__setattr__ = __setattr__  # type: ignore[method-assign]
+
+    guard(type(torch.backends.cuda.matmul))
+    guard(type(torch.backends.cudnn))
+
+    def around(original: Callable[[str], None]) -> Callable[[str], None]:
+        def set_float32_matmul_precision(precision: str) -> None:
+            if precision == "highest":
+                overruled(f"set_float32_matmul_precision({precision!r})")
+                return
+            original(precision)
+        return set_float32_matmul_precision
+
+    _wrap(torch, "set_float32_matmul_precision", around)
+
+    def observe() -> None:
         evidence["matmul_precision"] = torch.get_float32_matmul_precision()
         evidence["cudnn_allow_tf32"] = bool(torch.backends.cudnn.allow_tf32)
+        if evidence["kept_on"]:
+            evidence["site"] = evidence["kept_on"][0]["site"]
     return observe
 
 
