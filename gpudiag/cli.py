@@ -366,8 +366,11 @@ def profile(
     if try_fixes:  # every run of a --try-fixes shares a seed and records its first losses
         request = dataclasses.replace(request, losses=max(1, warmup), seed=FIX_SEED)
     output = profile_command(request, on_window=early)
-    if try_fixes and not output.run.interrupted:
+    if try_fixes and output.exit_code == 0 and not output.run.interrupted:
         output.run.fixes = _try_fixes(request, output, forced)
+    elif try_fixes:
+        stderr.print("[yellow]try-fixes:[/] not tried: the diagnosis run did not end cleanly",
+                     soft_wrap=True)
     with signals_ignored():  # no second signal may cut the last write short
         _write_profile(run_dir, output)
     for message in output.messages:
