@@ -344,12 +344,7 @@ def profile(
     )
     from gpudiag.present import default_run_dir, prepare_run_dir
 
-    for name, value in (("--steps", steps), ("--warmup", warmup), ("--timed", timed)):
-        if value < (1 if name == "--timed" else 0):
-            raise BadInput(f"{name} must be {'positive' if name == '--timed' else 'zero or more'}"
-                           f" (got {value})")
-    if telemetry not in ("full", "basic", "off"):
-        raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
+    _check_profile_options(steps, warmup, timed, telemetry)
     forced = _remedy_names(fix or [], try_fixes)
     check_command(command)
     # Absolute before launch: the script may change directory.
@@ -386,6 +381,15 @@ def profile(
 
 
 FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
+
+
+def _check_profile_options(steps: int, warmup: int, timed: int, telemetry: str) -> None:
+    for name, value in (("--steps", steps), ("--warmup", warmup), ("--timed", timed)):
+        if value < (1 if name == "--timed" else 0):
+            raise BadInput(f"{name} must be {'positive' if name == '--timed' else 'zero or more'}"
+                           f" (got {value})")
+    if telemetry not in ("full", "basic", "off"):
+        raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
 
 
 def _remedy_names(names: list[str], try_fixes: bool) -> list[str]:
