@@ -306,6 +306,10 @@ PROFILE_CASES = [
          "exists and is not a directory"),
     Case("profile-out-not-empty", ["profile", "--out", "{ws}/mine", "--", "true"],
          "not empty; pass --force"),
+    Case("profile-unknown-fix", ["profile", "--try-fixes", "--fix", "magic", "--", "true"],
+         "--fix 'magic': known fixes are"),
+    Case("profile-fix-without-try", ["profile", "--fix", "tf32", "--", "true"],
+         "--fix goes with --try-fixes"),
 ]
 
 CASES = [*RUN_CASES, *COMPARE_CASES, *GATE_CASES, *REPORT_CASES, *BASELINE_CASES,
