@@ -144,6 +144,18 @@ def test_only_fixes_that_paid_and_kept_the_result_are_combined() -> None:
                                                  "no-empty-cache"]
 
 
+def test_a_fix_that_changed_nothing_says_so() -> None:
+    """HF Trainer's loaders already had workers and pinned memory (seen on the CPU with
+    examples/hf_trainer.py): the row then measures noise, and says so."""
+    from gpudiag.diagnose.tryfix import _no_effect
+
+    same = {"num_workers": 2, "pin_memory": True}
+    assert "had these settings already" in _no_effect(
+        {"loader": {"loaders": [{"site": "t.py:3", "before": same, "after": same}]}})
+    assert "nothing was changed" in _no_effect({"async-save": {"saves": 0}})
+    assert _no_effect({"async-save": {"saves": 3}}) == ""
+
+
 def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
     run = _run()
     run.fixes = [MeasuredFix(remedy="loader", title="DataLoader workers", findings=["GD201"],

@@ -100,7 +100,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.before_j_per_step, fix.after_j_per_step = _energy_per_step(a), _energy_per_step(b)
     if (fix.before_j_per_step is None) != (fix.after_j_per_step is None):
         fix.before_j_per_step = fix.after_j_per_step = None
-    fix.note = _queued_saves(fix.evidence)
+    fix.note = _no_effect(fix.evidence) or _queued_saves(fix.evidence)
     fix.change = _switched_off(fix.evidence) or fix.change
     numerics = "precision" if any(REMEDIES[n].numerics == "precision" for n in names) else "exact"
     fix.equivalence, fix.loss_gap, fix.loss_floor = equivalence(
@@ -243,6 +243,19 @@ def _switched_off(evidence: dict[str, dict[str, object]]) -> str | None:
     others = ", ".join(str(k["site"]) for k in kept[1:] if isinstance(k, dict))
     return (f"the script switches TF32 off here (`{kept[0]['set']}`"
             + (f"; also at {others}" if others else "") + "): delete that, or set it to True")
+
+
+def _no_effect(evidence: dict[str, dict[str, object]]) -> str:
+    """A remedy that found nothing to change in this script: its row measures noise."""
+    loaders = evidence.get("loader", {}).get("loaders")
+    if isinstance(loaders, list) and loaders and all(
+            isinstance(n, dict) and n.get("before") == n.get("after") for n in loaders):
+        return "the script's DataLoaders had these settings already: nothing was changed"
+    if evidence.get("async-save", {}).get("saves") == 0:
+        return "the script called torch.save on no path while it ran: nothing was changed"
+    if evidence.get("no-empty-cache", {}).get("calls_skipped") == 0:
+        return "the script never called torch.cuda.empty_cache(): nothing was changed"
+    return ""
 
 
 QUEUED_SAVE_MS = 10.0  # a background save that waits this long for the previous one queues
