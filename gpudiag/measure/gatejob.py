@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpudiag.measure.interrupts import Terminated, wait_child
-from gpudiag.model.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, BadInput
+from gpudiag.measure.interrupts import Terminated, child_stopped, wait_child
+from gpudiag.model.errors import BadInput
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
@@ -83,7 +83,7 @@ def run_one(options: RunOptions, checkout: Path, out_dir: Path) -> RunResult | N
     code, stopped_by = wait_child(subprocess.Popen(command, cwd=checkout,
                                                    env=side_env(checkout)))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
-    if stopped_by is not None or code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+    if child_stopped(code, stopped_by):
         raise Terminated if stopped_by == signal.SIGTERM else KeyboardInterrupt
     if run is None:
         raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}); its error is "

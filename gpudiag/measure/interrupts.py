@@ -95,6 +95,12 @@ def signal_of(exc: KeyboardInterrupt) -> int:
     return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
 
 
+def child_stopped(code: int, signum: int | None) -> bool:
+    """Whether a child gpudiag run ended because of a stop: gpudiag passed it a signal, or it
+    exited as a stopped gpudiag does (130, 143)."""
+    return signum is not None or code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
 def wait_child(process: subprocess.Popen[bytes]) -> tuple[int, int | None]:
     """Wait for a child gpudiag started: (its exit code, the signal that stopped gpudiag or
     None). On a stop the child gets the same signal (it may have had it already, from the

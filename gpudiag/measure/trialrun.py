@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from gpudiag.measure.interrupts import wait_child
-from gpudiag.model.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+from gpudiag.measure.interrupts import child_stopped, wait_child
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
@@ -48,7 +47,7 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
             samples = trial_dir / "samples.csv"
             if samples.is_file() and samples.stat().st_size > 1:
                 frames.append(pd.read_csv(samples).assign(trial=k))
-        if stopped_by is not None or code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        if child_stopped(code, stopped_by):
             interrupted = True
             break
     if not runs:
