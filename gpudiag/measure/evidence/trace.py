@@ -319,11 +319,13 @@ class _Device:
     short: int = 0
     kernel_us: float = 0.0
     memcpy: Counter[str] = field(default_factory=Counter)
-    memcpy_us: Counter[str] = field(default_factory=Counter)
-    copy_bytes: Counter[str] = field(default_factory=Counter)  # "HtoD" / "DtoH" -> bytes
+    # Float totals: Counter is typed for int counts, so these are float-valued defaultdicts.
+    memcpy_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # "HtoD" / "DtoH" -> bytes
+    copy_bytes: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     step_kernel_us: list[float] = field(default_factory=list)  # per profiled step
-    matmul_us: Counter[str] = field(default_factory=Counter)
-    kernel_time: Counter[str] = field(default_factory=Counter)
+    matmul_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    kernel_time: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
 def _count_kernel(counts: _Device, kernel: dict[str, Any], launcher: dict[str, Any] | None,
@@ -623,14 +625,19 @@ def _overlap_fraction(copies: list[dict[str, Any]],
     return covered / total
 
 
-def _top_by_time(kernel_time: Counter[str], top_ops: list[dict[str, Any]],
+def _most_common(totals: dict[str, float], n: int) -> list[tuple[str, float]]:
+    """Counter.most_common for float totals: the n largest, ties in insertion order."""
+    return sorted(totals.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+def _top_by_time(kernel_time: dict[str, float], top_ops: list[dict[str, Any]],
                  per: float) -> list[dict[str, Any]]:
     """Kernels by device time on a GPU; operators by host time where there are no kernels."""
     if kernel_time:
-        ranked = kernel_time.most_common(TOP_N)
+        ranked = _most_common(kernel_time, TOP_N)
     else:
-        host: Counter[str] = Counter()
+        host: defaultdict[str, float] = defaultdict(float)
         for o in top_ops:
             host[o["name"]] += float(o.get("dur", 0.0))
-        ranked = host.most_common(TOP_N)
+        ranked = _most_common(host, TOP_N)
     return [{"name": n, "ms_per_step": us * per / 1e3} for n, us in ranked]

@@ -208,6 +208,8 @@ class DgcaOutput:
 class DgcaRelm(nn.Module):
     """BERT MLM + prompt encoder + detector head + candidate head + gated vocabulary fusion."""
 
+    detector_pos_weight: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, options: ModelOptions, prompt_impl: PromptImpl) -> None:
         super().__init__()
         from transformers import BertForMaskedLM  # noqa: PLC0415 (transformers takes seconds to import; only the models that use it pay)

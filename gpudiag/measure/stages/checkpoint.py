@@ -51,9 +51,11 @@ def _write_gbps(record: SaveRecord) -> float | None:
 
 
 def _rounded(record: SaveRecord) -> SaveRecord:
-    return dataclasses.replace(record, **{
+    # Field names chosen at run time: the values' types vary by field, so the mapping is Any.
+    rounded: dict[str, Any] = {
         f.name: round(v, 3) for f in dataclasses.fields(record)
-        if isinstance(v := getattr(record, f.name), float)})
+        if isinstance(v := getattr(record, f.name), float)}
+    return dataclasses.replace(record, **rounded)
 
 
 def _map_tensors(value: Any, fn: Any) -> Any:
@@ -290,7 +292,8 @@ def write_flat_checkpoint(path: Path, layout: dict[str, Any],
         f.write(len(header.getbuffer()).to_bytes(8, "little"))
         f.write(header.getbuffer())
         for flat in flats.values():
-            f.write(memoryview(flat.view(torch.uint8).numpy()))
+            # ndarray.data is memoryview(array); numpy's stubs declare __buffer__ only on 3.12+.
+            f.write(flat.view(torch.uint8).numpy().data)
 
 
 def load_flat_checkpoint(path: Path) -> dict[str, Any]:

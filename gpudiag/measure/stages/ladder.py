@@ -137,8 +137,8 @@ def _loader_facts(ctx: StageContext) -> LoaderFacts:
 @stage("dataloader", "DataLoader alone (workers, pinned memory): time per batch")
 def dataloader(ctx: StageContext) -> Workload:
     bundle = ctx.bundle(weights=False)  # only the data is needed
-    loader = ctx.loader(bundle)
-    batches = iter(loader)
+    data_loader = ctx.loader(bundle)
+    batches = iter(data_loader)
 
     def step() -> None:
         next(batches)

@@ -13,6 +13,7 @@ https://docs.nvidia.com/deploy/nvml-api/, and docs/performance.md for the costs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -205,7 +206,7 @@ def open_gpu(uuid: str | None, index: int) -> NvmlGpu:
     except pynvml.NVMLError as exc:
         pynvml.nvmlShutdown()
         raise TelemetryUnavailable(f"NVML cannot open the GPU: {exc}") from None
-    status = {metric: _probe(lambda r=reader: r(handle))
+    status = {metric: _probe(functools.partial(reader, handle))
               for metric, reader in _FAST_READERS.items()}
     energy = _probe(lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
     status["energy_counter"] = energy
