@@ -34,8 +34,18 @@ from rich.progress import (
 from rich.table import Column as ProgressColumn
 from rich.table import Table
 
-from gpudiag.diagnose import evaluate
-from gpudiag.model.config import RunConfig
+from gpudiag.diagnose import all_rules, evaluate, find_rule
+from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
+from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
+from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
+from gpudiag.measure.profile.session import (
+    ProfileOutput,
+    ProfileRequest,
+    check_command,
+    profile_command,
+)
+from gpudiag.measure.profile.tryfixes import run_fixes
+from gpudiag.model.config import ProfileConfig, RunConfig
 from gpudiag.model.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -44,11 +54,31 @@ from gpudiag.model.errors import (
     BadInput,
     GpudiagError,
 )
-from gpudiag.model.options import RunOptions, option_fields, options_of
-from gpudiag.model.results import RunFileError, RunResult, StageResult, to_jsonable
+from gpudiag.model.options import (
+    OptionsT,
+    ProfileOptions,
+    RunOptions,
+    option_fields,
+    options_of,
+    profile_config,
+)
+from gpudiag.model.results import (
+    RunFileError,
+    RunResult,
+    StageResult,
+    load_run,
+    run_json_text,
+    save_run,
+    to_jsonable,
+)
 
 if TYPE_CHECKING:
+    from gpudiag.diagnose.gate import GateDecision, OnInconclusive
     from gpudiag.measure.runner import RunOutput
+
+# Imports inside the commands below are of modules that pull in torch, scipy or pandas (each
+# says which): `gpudiag --help`, `rules` and `baseline save` start without them
+# (tests/test_cli.py checks --help).
 
 # Logs and pipes get the whole table; an interactive terminal gets what fits its width.
 stdout = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -57,18 +87,23 @@ stderr = Console(stderr=True, highlight=False)
 
 # Typer >= 0.29 carries its own copy of click; older ones use click itself. Find the exception
 # classes the running Typer raises through its public BadParameter.
-_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+# Any: which of the two clicks it is is known only at run time.
+_ClickException: Any = next(c for c in typer.BadParameter.__mro__
+                            if c.__name__ == "ClickException")
 _click_errors = sys.modules[_ClickException.__module__]
-_NoArgsIsHelp = getattr(_click_errors, "NoArgsIsHelpError", None) or type("_N", (Exception,), {})
-_Aborts = tuple({typer.Abort, getattr(_click_errors, "Abort", typer.Abort)})
+_NoArgsIsHelp: type[Exception] = (getattr(_click_errors, "NoArgsIsHelpError", None)
+                                  or type("_N", (Exception,), {}))
+_Aborts: tuple[type[BaseException], ...] = tuple(
+    {typer.Abort, getattr(_click_errors, "Abort", typer.Abort)})
 
 
 class _OneLineErrors(typer.core.TyperGroup):
     """Turns usage errors and gpudiag's own errors into one line and a documented exit code."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+    # windows_expand_args (newer click only) travels in **extra, so older Typers work too.
+    def main(self, args: Sequence[str] | None = None,  # type: ignore[override]
+             prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
@@ -156,52 +191,62 @@ class _LiveProgress:
         self.progress.update(task, total=1, completed=1, note="done")
 
 
-def _option_parameters() -> list[inspect.Parameter]:
-    """The `run` command's options, from their one definition (gpudiag.model.options)."""
+def _option_parameters(cls: type[OptionsT]) -> list[inspect.Parameter]:
+    """A command's options, from their one definition (gpudiag.model.options)."""
     params = []
-    for f, spec, hint in option_fields():
-        # A tuple option (stages) is typed as one comma-separated string on the command line.
-        cli_hint = str | None if typing.get_origin(hint) is tuple or (
-            tuple in {typing.get_origin(a) for a in typing.get_args(hint)}) else hint
-        names = [spec.flag, *([spec.short] if spec.short else [])]
+    for f, spec, hint in option_fields(cls):
+        # A tuple option (stages, fixes) is a repeatable flag, each value comma-separated.
+        cli_hint = list[str] | None if _is_tuple(hint) else hint
+        choices = f" One of: {', '.join(spec.choices)}." if spec.choices else ""
         params.append(inspect.Parameter(
             f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-            annotation=Annotated[cli_hint, typer.Option(*names, help=spec.help)]))
+            annotation=Annotated[cli_hint, typer.Option(spec.flag, *spec.aliases,
+                                                        help=spec.help + choices)]))
     return params
 
 
-def options_from_params(params: dict[str, Any]) -> RunOptions:
-    """RunOptions from parsed `run` parameters (a comma-separated string for tuples)."""
+def _is_tuple(hint: Any) -> bool:
+    return typing.get_origin(hint) is tuple or tuple in {
+        typing.get_origin(a) for a in typing.get_args(hint)}
+
+
+def options_from_params(cls: type[OptionsT], params: dict[str, Any]) -> OptionsT:
+    """`cls` from parsed parameters (a list of comma-separated strings for tuples)."""
     values = {}
-    for f, _, hint in option_fields():
+    for f, _, hint in option_fields(cls):
         value = params[f.name]
-        if isinstance(value, str) and "tuple" in str(hint):
-            value = tuple(_split(value) or ()) or None
+        if isinstance(value, list) and _is_tuple(hint):
+            value = tuple(_split(",".join(value)) or ()) or f.default
         values[f.name] = value
-    return RunOptions(**values)
+    return cls(**values)
 
 
-def _with_run_options(command: Callable[..., None]) -> Callable[..., None]:
-    """`command(options, **own)` as a Typer command taking every run option as a flag."""
-    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-           for p in inspect.signature(command, eval_str=True).parameters.values()
-           if p.name != "options"]
-    names = {f.name for f, _, _ in option_fields()}
+def _with_options(cls: type[OptionsT]) -> Callable[[Callable[..., None]],
+                                                    Callable[..., None]]:
+    """`command(options, **own)` as a Typer command taking every option of `cls` as a flag."""
 
-    @functools.wraps(command)
-    def wrapper(**params: Any) -> None:
-        options = options_from_params({k: v for k, v in params.items() if k in names})
-        command(options, **{k: v for k, v in params.items() if k not in names})
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own: list[inspect.Parameter] = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in inspect.signature(command, eval_str=True).parameters.values()
+               if p.name != "options"]
+        names = {f.name for f, _, _ in option_fields(cls)}
 
-    parameters = [*_option_parameters(), *own]
-    wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
-    del wrapper.__wrapped__  # Typer must read the new signature, not the wrapped one's
-    return wrapper
+        @functools.wraps(command)
+        def wrapper(**params: Any) -> None:
+            options = options_from_params(cls, {k: v for k, v in params.items() if k in names})
+            command(options, **{k: v for k, v in params.items() if k not in names})
+
+        parameters = [*_option_parameters(cls), *own]
+        wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        del wrapper.__wrapped__  # Typer must read the new signature, not the wrapped one's
+        return wrapper
+
+    return decorate
 
 
 @app.command()
-@_with_run_options
+@_with_options(RunOptions)
 def run(
     options: RunOptions,
     out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
@@ -216,9 +261,8 @@ def run(
                                         "run (the whole directory).")] = False,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
-    from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
-    from gpudiag.measure.plan import build_config
-    from gpudiag.present import (
+    from gpudiag.measure.plan import build_config  # noqa: PLC0415  (torch)
+    from gpudiag.present import (  # noqa: PLC0415  (pandas)
         default_run_dir,
         prepare_run_dir,
         write_run_dir,
@@ -269,11 +313,10 @@ def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int,
              save: Callable[[RunOutput], None]) -> RunOutput:
     """The run's stages: in this process (with live progress unless quiet), or `trials` fresh
     processes merged."""
-    from gpudiag.measure.runner import RunOutput, run_stages
+    from gpudiag.measure.runner import RunOutput, run_stages  # noqa: PLC0415  (torch)
 
     if trials > 1:
-        from gpudiag.diagnose.trials import merge_trials
-        from gpudiag.measure.trialrun import run_trials
+        from gpudiag.measure.trialrun import run_trials  # noqa: PLC0415  (pandas)
 
         done = run_trials(options_of(config), run_dir, trials,
                           on_trial=lambda k, n: stderr.print(f"trial {k}/{n}"))
@@ -290,7 +333,7 @@ def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int,
 
 def _print_run(run: RunResult) -> None:
     """The terminal view of a run: the stage table, stages that did not run, the diagnosis."""
-    from gpudiag.present import findings_panel, problems, stage_table
+    from gpudiag.present import findings_panel, problems, stage_table  # noqa: PLC0415  (pandas)
 
     stdout.print(stage_table(run, width=stdout.width))
     for line in problems(run):
@@ -299,53 +342,29 @@ def _print_run(run: RunResult) -> None:
 
 
 def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
-    from gpudiag.diagnose.trials import load_run_set
-
     return load_run_set(before), load_run_set(after)
 
 
 @app.command(context_settings={"ignore_unknown_options": True})
+@_with_options(ProfileOptions)
 def profile(
+    options: ProfileOptions,
     command: Annotated[list[str], typer.Argument(help="The command to profile, after --: "
                                                  "python train.py ..., torchrun ..., "
                                                  "python -m pkg.train.")],
     out: Annotated[Path | None, typer.Option(help="Run directory (default: reports/<UTC "
                                              "time>-profile/).")] = None,
-    steps: Annotated[int, typer.Option(help="Profiled steps (the evidence window).")] = 3,
-    warmup: Annotated[int, typer.Option(help="Steps before timing starts.")] = 5,
-    timed: Annotated[int, typer.Option(help="Timed steps, before the profiler window.")] = 30,
-    telemetry: Annotated[str, typer.Option(help="GPU telemetry in the script: full (NVML and "
-                                           "GPM), basic (NVML only) or off.")] = "full",
-    stop_after_window: Annotated[bool, typer.Option(
-        "--stop-after-window", help="End the script once the profiler window has closed and "
-        "the diagnosis is written (a long job answers in minutes).")] = False,
-    rerun: Annotated[bool, typer.Option(
-        "--rerun/--no-rerun", help="When the script ends before the profiler window, run it "
-        "once more with a schedule that fits its length.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
                                         "run (the whole directory).")] = False,
-    try_fixes: Annotated[bool, typer.Option(
-        "--try-fixes", help="After the diagnosis, run the script again with each fix its "
-        "findings call for applied (no file edited) and report what each buys, measured, and "
-        "whether the losses stay the same. Every run stops after its profiler window.")]
-    = False,
-    fix: Annotated[list[str] | None, typer.Option(
-        "--fix", help="With --try-fixes, also try this fix whatever the findings say "
-        "(tf32, bf16-autocast, loader, pinned, no-empty-cache, async-save). Repeat.")] = None,
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
-    from gpudiag.measure.interrupts import signals_ignored
-    from gpudiag.measure.profile.protocol import Schedule
-    from gpudiag.measure.profile.session import (
-        ProfileOutput,
-        ProfileRequest,
-        check_command,
-        profile_command,
+    from gpudiag.present import (  # noqa: PLC0415  (pandas)
+        default_run_dir,
+        fixes_table,
+        prepare_run_dir,
     )
-    from gpudiag.present import default_run_dir, prepare_run_dir
 
-    _check_profile_options(steps, warmup, timed, telemetry)
-    forced = _remedy_names(fix or [], try_fixes)
+    config = profile_config(options, command)
     check_command(command)
     # Absolute before launch: the script may change directory.
     run_dir = prepare_run_dir(out, default_run_dir("profile"), force=force).resolve()
@@ -353,17 +372,14 @@ def profile(
     def early(output: ProfileOutput) -> None:
         _write_profile(run_dir, output, plots=False)  # the final write draws them
         stderr.print(f"[yellow]gpudiag profile:[/] diagnosis written to {run_dir / 'report.md'}"
-                     + ("" if request.stop_after_window else " (the script goes on; the "
+                     + ("" if config.stop_after_window else " (the script goes on; the "
                         "report is rewritten when it ends)"), soft_wrap=True)
 
-    request = ProfileRequest(command, run_dir, Schedule(warmup, timed, steps), telemetry,
-                             stop_after_window=stop_after_window or try_fixes, rerun=rerun)
-    if try_fixes:  # every run of a --try-fixes shares a seed and records its first losses
-        request = dataclasses.replace(request, losses=max(1, warmup), seed=FIX_SEED)
-    output = profile_command(request, on_window=early)
-    if try_fixes and output.exit_code == 0 and not output.run.interrupted:
-        output.run.fixes = _try_fixes(request, output, forced)
-    elif try_fixes:
+    output = profile_command(ProfileRequest(config, run_dir, rerun=options.rerun),
+                             on_window=early)
+    if options.try_fixes and output.exit_code == 0 and not output.run.interrupted:
+        _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)))
+    elif options.try_fixes:
         stderr.print("[yellow]try-fixes:[/] not tried: the diagnosis run did not end cleanly",
                      soft_wrap=True)
     with signals_ignored():  # no second signal may cut the last write short
@@ -373,45 +389,19 @@ def profile(
     if output.run.stages:
         _print_run(output.run)
     if output.run.fixes:
-        from gpudiag.present.fixes import fixes_table
-
         stdout.print(fixes_table(output.run))
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json beside it)", soft_wrap=True)
     raise typer.Exit(output.exit_code)
 
 
-FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
-
-
-def _check_profile_options(steps: int, warmup: int, timed: int, telemetry: str) -> None:
-    for name, value in (("--steps", steps), ("--warmup", warmup), ("--timed", timed)):
-        if value < (1 if name == "--timed" else 0):
-            raise BadInput(f"{name} must be {'positive' if name == '--timed' else 'zero or more'}"
-                           f" (got {value})")
-    if telemetry not in ("full", "basic", "off"):
-        raise BadInput(f"--telemetry must be full, basic or off (got {telemetry!r})")
-
-
-def _remedy_names(names: list[str], try_fixes: bool) -> list[str]:
-    from gpudiag.model.remedies import REMEDIES
-
-    if names and not try_fixes:
-        raise BadInput("--fix goes with --try-fixes")
-    unknown = [n for n in names if n not in REMEDIES]
-    if unknown:
-        raise BadInput(f"--fix {unknown[0]!r}: known fixes are {', '.join(REMEDIES)}")
-    return list(dict.fromkeys(names))
-
-
-def _try_fixes(request: Any, first: Any, forced: list[str]) -> list[Any]:
-    """The remedies the diagnosis calls for (and `forced` ones), each in a run of its own,
-    between two runs without any; then the ones that paid, together. Assessed by
-    gpudiag.diagnose.tryfix; each run is kept in fixes/<label>/."""
-    from gpudiag.diagnose.tryfix import BASELINE_RUNS, COMBINED_RUN, assess, passing, plan_fixes
-    from gpudiag.measure.profile.protocol import Schedule
-    from gpudiag.measure.profile.session import profile_command
+def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
+    """The remedies the diagnosis calls for (and `forced` ones), measured
+    (gpudiag.measure.profile.tryfixes) and assessed (gpudiag.diagnose.tryfix) into
+    `first.run.fixes`."""
+    from gpudiag.diagnose.tryfix import assess, passing, plan_fixes  # noqa: PLC0415  (scipy)
 
     run = first.run
+    assert isinstance(run.config, ProfileConfig)  # a profile's run
     run.findings = evaluate(run)
     plan = plan_fixes(run, forced)
     for line in plan.skipped:
@@ -419,49 +409,27 @@ def _try_fixes(request: Any, first: Any, forced: list[str]) -> list[Any]:
     if not plan.remedies:
         stderr.print("[yellow]try-fixes:[/] no finding calls for a fix gpudiag can apply",
                      soft_wrap=True)
-        return assess(run, plan, {})
-    # The schedule the diagnosis ended with (a short script's fitted one).
-    schedule = Schedule(run.config["warmup"], run.config["timed"], run.config["evidence_steps"])
+        run.fixes = assess(run, plan, {})
+        return
     count = len(plan.remedies) + 2 + (len(plan.remedies) > 1)
     stderr.print(f"try-fixes: {', '.join(r.name for r in plan.remedies)}: {count} more runs of "
                  f"the script, each stopped after its profiler window (about "
                  f"{count * (run.duration_s or 0):.0f} s)", soft_wrap=True)
-    runs: dict[str, Any] = {}
-
-    def measure(names: tuple[str, ...], label: str) -> None:
-        stderr.print(f"try-fixes: running {label}", soft_wrap=True)
-        out_dir = request.out / "fixes" / label
-        out_dir.mkdir(parents=True, exist_ok=True)
-        done = profile_command(dataclasses.replace(
-            request, out=out_dir, schedule=schedule, remedies=names, rerun=False))
-        _write_profile(out_dir, done, plots=False)
-        if done.run.interrupted:
-            first.exit_code = done.exit_code
-            raise KeyboardInterrupt
-        runs[label] = done.run
-
-    try:
-        # Without fixes first and last: the baseline brackets the fixes' runs, so a machine
-        # that drifts meanwhile shows in the baseline's spread, not as a fix's effect.
-        measure((), BASELINE_RUNS[0])
-        for remedy in plan.remedies:
-            measure((remedy.name,), remedy.name)
-        measure((), BASELINE_RUNS[1])
-        together = passing(assess(run, plan, runs))
-        if len(together) > 1:
-            measure(tuple(together), COMBINED_RUN)
-    except KeyboardInterrupt:
-        run.interrupted = True
-    return assess(run, plan, runs)
+    done = run_fixes(
+        run_dir, run.config, [r.name for r in plan.remedies],
+        paid=lambda runs: passing(assess(run, plan, runs)),
+        on_start=lambda label: stderr.print(f"try-fixes: running {label}", soft_wrap=True),
+        on_done=lambda out_dir, output: _write_profile(out_dir, output, plots=False))
+    if done.interrupted:
+        run.interrupted, first.exit_code = True, done.exit_code
+    run.fixes = assess(run, plan, done.runs)
 
 
-def _write_profile(run_dir: Path, output: Any, *, plots: bool = True) -> None:
-    import pandas as pd
-
-    from gpudiag.present import write_run_dir
+def _write_profile(run_dir: Path, output: ProfileOutput, *, plots: bool = True) -> None:
+    from gpudiag.present import write_run_dir  # noqa: PLC0415  (pandas)
 
     output.run.findings = evaluate(output.run)
-    write_run_dir(run_dir, output.run, pd.DataFrame(), plots=plots)
+    write_run_dir(run_dir, output.run, samples=None, plots=plots)
 
 
 @app.command()
@@ -471,8 +439,7 @@ def report(
                                         "(and save the findings into run.json).")] = False,
 ) -> None:
     """Re-render a saved run: the terminal view and report.md."""
-    from gpudiag.model.results import load_run
-    from gpudiag.present import rerender_run_dir
+    from gpudiag.present import rerender_run_dir  # noqa: PLC0415  (pandas)
 
     if not (run_dir / "run.json").is_file():
         raise BadInput(f"{run_dir}: no run.json there")
@@ -481,14 +448,14 @@ def report(
         run.findings = evaluate(run)
         fix_runs = run_dir / "fixes"  # a profile --try-fixes: its fixes assessed anew too
         if fix_runs.is_dir():
-            from gpudiag.diagnose.tryfix import reassess
+            from gpudiag.diagnose.tryfix import reassess  # noqa: PLC0415  (scipy)
 
             run.fixes = reassess(run, {p.name: load_run(p) for p in sorted(fix_runs.iterdir())
                                        if (p / "run.json").is_file()})
     rerender_run_dir(run_dir, run, save=rules)
     _print_run(run)
     if run.fixes:
-        from gpudiag.present.fixes import fixes_table
+        from gpudiag.present import fixes_table  # noqa: PLC0415  (pandas)
 
         stdout.print(fixes_table(run))
     stderr.print(f"Report: {run_dir / 'report.md'}", soft_wrap=True)
@@ -507,9 +474,13 @@ def compare(
                                         "file.")] = False,
 ) -> None:
     """Compare two runs stage by stage: ratios with intervals, verdicts, findings."""
-    from gpudiag.diagnose.compare import compare_runs
-    from gpudiag.present import writable_output_file, write_output_file
-    from gpudiag.present.compare import comparison_markdown, comparison_table, grouped_notes
+    from gpudiag.diagnose.compare import compare_runs  # noqa: PLC0415  (scipy)
+    from gpudiag.present import writable_output_file, write_output_file  # noqa: PLC0415  (pandas)
+    from gpudiag.present.compare import (  # noqa: PLC0415  (scipy, pandas)
+        comparison_markdown,
+        comparison_table,
+        grouped_notes,
+    )
 
     if markdown is not None:
         writable_output_file(markdown, "--markdown", force=force)
@@ -532,13 +503,12 @@ def compare(
 
 
 def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
-               out: Path | None, force: bool, decide_now: Callable[[RunResult, RunResult], Any],
+               out: Path | None, force: bool,
+               decide_now: Callable[[RunResult, RunResult], GateDecision],
                ) -> tuple[RunResult, RunResult, Path]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
     (up to max_trials a side); both sides merged, and the directory holding the trials."""
-    from gpudiag.diagnose.trials import merge_trials
-    from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
-    from gpudiag.present import default_run_dir, prepare_run_dir
+    from gpudiag.present import default_run_dir, prepare_run_dir  # noqa: PLC0415  (pandas)
 
     def next_count(done: Interleaved) -> int:
         k = len(done.head)
@@ -562,7 +532,8 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
 
 
 def _check_gate_options(on_inconclusive: str, min_iters: int, trials: int,
-                        max_trials: int) -> None:
+                        max_trials: int) -> OnInconclusive:
+    """The gate's own options checked; what an undecided gate exits with."""
     if on_inconclusive not in ("pass", "fail"):
         raise BadInput(f"--on-inconclusive {on_inconclusive!r}: expected pass or fail")
     if min_iters < 1:
@@ -570,6 +541,7 @@ def _check_gate_options(on_inconclusive: str, min_iters: int, trials: int,
     if not 1 <= trials <= max_trials:
         raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
                        "max-trials")
+    return "pass" if on_inconclusive == "pass" else "fail"
 
 
 def _check_sources(ok: bool, message: str) -> None:
@@ -592,7 +564,7 @@ def _append_summary(text: str) -> None:
 
 
 @app.command()
-@_with_run_options
+@_with_options(RunOptions)
 def gate(
     options: RunOptions,
     baseline: Annotated[Path | None, typer.Argument(help="Baseline: run directory, run.json, "
@@ -628,32 +600,20 @@ def gate(
 ) -> None:
     """CI gate: exit 1 on a regression, 0 on pass (or an undecided gate under --on-inconclusive
     pass), 3 when undecided under --on-inconclusive fail."""
-    from gpudiag.diagnose.compare import compare_runs
-    from gpudiag.diagnose.gate import GATE_ALPHA, decide, parse_limits
-    from gpudiag.present import writable_output_file, write_output_file
-    from gpudiag.present.compare import gate_lines, gate_markdown
+    from gpudiag.diagnose.gate import GateRules, judge, parse_limits  # noqa: PLC0415  (scipy)
+    from gpudiag.present import writable_output_file, write_output_file  # noqa: PLC0415  (pandas)
+    from gpudiag.present.compare import gate_lines, gate_markdown  # noqa: PLC0415  (scipy)
 
-    _check_gate_options(on_inconclusive, min_iters, trials, max_trials)
-    limits = parse_limits(max_regression or [])
+    when_undecided = _check_gate_options(on_inconclusive, min_iters, trials, max_trials)
+    rules = GateRules(parse_limits(max_regression or []), min_iters, allow_mismatch)
     if markdown is not None:
         writable_output_file(markdown, "--markdown", force=force)
-
-    def judge(a: RunResult, b: RunResult) -> tuple[Any, Any]:
-        comparison = compare_runs(a, b, before_label=str(baseline or base_ref),
-                                  after_label=str(current or "this checkout"), alpha=GATE_ALPHA)
-        if comparison.mismatches and not allow_mismatch:
-            raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
-                           + "); pass --allow-mismatch to gate anyway")
-        unknown = sorted(limits.stages - {s.stage for s in comparison.stages})
-        if unknown:
-            raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
-        return decide(comparison, limits, min_iters=min_iters), comparison
-
+    labels = (str(baseline or base_ref), str(current or "this checkout"))
     if base_ref is not None:
         _check_sources(baseline is None and current is None, "give either BASELINE and "
                        "CURRENT or --base-ref, not both")
         a, b, trials_dir = _gate_runs(options, base_ref, trials, max_trials, out, force,
-                                      lambda x, y: judge(x, y)[0])
+                                      lambda x, y: judge(x, y, rules, labels=labels)[0])
         markdown = markdown or trials_dir / "gate.md"
     else:
         _check_sources(baseline is not None and current is not None, "give BASELINE and "
@@ -662,14 +622,14 @@ def gate(
                        "apply with --base-ref")
         assert baseline is not None and current is not None
         a, b = _load_pair(baseline, current)
-    decision, comparison = judge(a, b)
-    text = gate_markdown(decision, comparison, on_inconclusive)
+    decision, comparison = judge(a, b, rules, labels=labels)
+    text = gate_markdown(decision, comparison, when_undecided)
     if markdown is not None:
         write_output_file(markdown, text, "--markdown")
     _append_summary(text)
-    for line in gate_lines(decision, on_inconclusive):
+    for line in gate_lines(decision, when_undecided):
         typer.echo(line)
-    raise typer.Exit(decision.exit_code(on_inconclusive))  # type: ignore[arg-type]
+    raise typer.Exit(decision.exit_code(when_undecided))
 
 
 baseline_app = typer.Typer(help="Keep baselines in the repository for `gpudiag gate`.",
@@ -688,9 +648,6 @@ def baseline_save(
                                         "same name.")] = False,
 ) -> None:
     """Save a small, stable copy of a run (no traces, no evidence) as a gate baseline."""
-    from gpudiag.diagnose.trials import baseline_of, load_run_set
-    from gpudiag.model.results import run_json_text, save_run
-
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise BadInput(f"--name {name!r}: use a plain file name")
     target = directory / f"{name}.json"
@@ -709,11 +666,9 @@ def env(
     as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
 ) -> None:
     """Show what gpudiag sees: GPU, driver, CUDA, torch, power limit, NVML/GPM, TF32 flags."""
-    import dataclasses
-
-    from gpudiag.measure.env import describe_environment
-    from gpudiag.measure.plan import resolve_device
-    from gpudiag.present import env_table
+    from gpudiag.measure.env import describe_environment  # noqa: PLC0415  (torch)
+    from gpudiag.measure.plan import resolve_device  # noqa: PLC0415  (torch)
+    from gpudiag.present import env_table  # noqa: PLC0415  (pandas)
 
     environment = describe_environment(resolve_device(device))
     if as_json:
@@ -729,8 +684,7 @@ def rules(
                                            "documentation as markdown (docs/rules.md).")] = False,
 ) -> None:
     """List the diagnosis rules, or explain one: what it detects, thresholds, why, fix."""
-    from gpudiag.diagnose import all_rules, find_rule
-    from gpudiag.present import rule_panel, rules_markdown, rules_table
+    from gpudiag.present import rule_panel, rules_markdown, rules_table  # noqa: PLC0415  (pandas)
 
     if markdown:
         typer.echo(rules_markdown(all_rules()), nl=False)
@@ -747,7 +701,7 @@ def rules(
 @app.command()
 def models() -> None:
     """List the models `gpudiag run --model` accepts."""
-    from gpudiag.measure.models import model_specs
+    from gpudiag.measure.models import model_specs  # noqa: PLC0415  (torch)
 
     table = Table(title="Models", title_justify="left", header_style="bold")
     for column in ("name", "variants", "summary", "source"):

@@ -11,7 +11,7 @@ from gpudiag.measure.plan import build_config
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.measure.telemetry.fake import fake_spec
-from gpudiag.model.config import RunConfig
+from gpudiag.model.config import PRESETS, RunConfig
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
@@ -23,6 +23,17 @@ def tiny_config(model: str = "dgca", **overrides: Any) -> RunConfig:
     options.update(overrides)
     config, _ = build_config(model=model, **options)
     return config
+
+
+def ladder_config(**fields: Any) -> RunConfig:
+    """A recorded ladder run's config without building one (no device query): the tiny preset
+    on the CPU, with `fields` replaced."""
+    tiny = PRESETS["tiny"]
+    values: dict[str, Any] = {
+        "model": "dgca", "preset": "tiny", "device": "cpu", "stages": (), "shape": tiny.shape,
+        "batch_size": tiny.batch_size, "seq_len": tiny.seq_len, "iters": tiny.iters,
+        "warmup": tiny.warmup, "min_seconds": tiny.min_seconds}
+    return RunConfig(**{**values, **fields})
 
 
 @pytest.fixture(scope="session")

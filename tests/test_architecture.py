@@ -103,3 +103,59 @@ def test_sources_cite_nothing_outside_the_repository() -> None:
             for i, line in enumerate(path.read_text().splitlines(), 1)
             if OUTSIDE_DOCS.search(line)]
     assert not hits, hits
+
+
+def _config_reads(path: Path) -> list[str]:
+    """`x.config["key"]` and `x.config.get("key")`, and the same through a name bound to
+    `x.config`: a config read by string key instead of a typed field."""
+    tree = ast.parse(path.read_text())
+    aliases = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and isinstance(n.value, ast.Attribute) and n.value.attr == "config"
+               for t in n.targets if isinstance(t, ast.Name)}
+
+    def is_config(node: ast.expr) -> bool:
+        return ((isinstance(node, ast.Attribute) and node.attr == "config")
+                or (isinstance(node, ast.Name) and node.id in aliases))
+
+    def is_key(node: ast.expr) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and is_config(node.value) and is_key(node.slice):
+            found.append(f"{path}:{node.lineno}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get" and is_config(node.func.value)
+                and node.args and is_key(node.args[0])):
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_layer_reads_the_run_config_by_string_key() -> None:
+    """A run's config is typed (RunConfig or ProfileConfig, gpudiag/model/config.py): only
+    model/ turns it into or out of JSON."""
+    reads = [read for path in sorted(PACKAGE.rglob("*.py"))
+             if "model" not in path.relative_to(PACKAGE).parts for read in _config_reads(path)]
+    assert not reads, reads
+
+
+def test_the_string_key_check_sees_both_spellings(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text('a = run.config["warmup"]\nc = run.config\nb = c.get("model")\n'
+                      'd = run.config.warmup\n')
+    assert [r.rsplit(":", 1)[1] for r in _config_reads(sample)] == ["1", "3"]
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    """Imports belong at the top; one inside a function is there for start-up time or an
+    optional dependency, and its line says which (`# noqa: PLC0415  (reason)`)."""
+    silent = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in _functions(path):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    line = lines[node.lineno - 1]
+                    if not re.search(r"#\s*noqa: [A-Z0-9, ]*PLC0415\s+\(\w", line):
+                        silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not silent, silent

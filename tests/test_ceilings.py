@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ladder_config
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
@@ -51,7 +52,7 @@ def _run(gpu: str | None, flops: float, ms: float, precision: str,
         stages.append(StageResult(name="peak", status="ok", facts=StageFacts(peak=PeakFacts(
             matmul_n=8192, matmul_tflops=peak, copy_gbps=3000.0, copy_bytes=2**30))))
     return RunResult(tool_version="t", env=Env(device="cuda", gpu_name=gpu, tf32_matmul=False),
-                     config={}, created_utc="2026-11-23T00:00:00+00:00", stages=stages)
+                     config=ladder_config(), created_utc="2026-11-23T00:00:00+00:00", stages=stages)
 
 
 def test_mfu_against_measured_then_datasheet_peaks() -> None:

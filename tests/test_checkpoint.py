@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ladder_config
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
@@ -81,7 +82,7 @@ def _stage(name: str, times: list[float], checkpoint: CheckpointFacts | None = N
 
 
 def _run(*stages: StageResult) -> RunResult:
-    return RunResult(tool_version="test", env=Env(device="cuda"), config={},
+    return RunResult(tool_version="test", env=Env(device="cuda"), config=ladder_config(),
                      created_utc="2026-11-23T00:00:00+00:00", stages=list(stages))
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def _one_line_error(result: object, contains: str) -> None:
     (["--batch-size", "0"], "--batch-size must be positive"),
     (["--batch-size", "lots"], "Invalid value for '--batch-size'"),
     (["--seq-len", "100000"], "exceeds the model's"),
-    (["--amp-dtype", "fp8"], "--amp-dtype must be fp16, bf16 or fp32"),
+    (["--amp-dtype", "fp8"], "--amp-dtype must be one of fp16, bf16, fp32"),
     (["--device", "tpu:0"], "expected cpu, cuda or cuda:N"),
     (["--nonsense"], "No such option"),
 ])
@@ -81,3 +83,17 @@ def test_env_and_models() -> None:
 def test_no_arguments_shows_help() -> None:
     result = runner.invoke(app, [])
     assert "run" in result.output and "Usage" in result.output
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["profile", "--help"],
+                                  ["gate", "--help"]])
+def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
+    """The commands' imports of torch (measure), scipy (statistics) and pandas (reports) wait
+    until a command runs: help is instant, and reading runs needs no torch."""
+    code = ("import sys\nfrom gpudiag.cli import app\n"
+            f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('imported:', [m for m in ('torch', 'scipy', 'pandas') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert "Usage" in done.stdout
+    assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-300:]

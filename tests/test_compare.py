@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ladder_config
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
@@ -45,8 +47,8 @@ def _run(mean_ms: float, *, rng: np.random.Generator, steps: int = 40, step_nois
                         samples_per_step=BATCH, samples_per_s=BATCH / mean_ms * 1e3,
                         telemetry=TelemetrySummary(available=True))
     return RunResult(tool_version="test", env=Env(device=device, gpu_name="H100"),
-                     config={"model": model, "preset": "full", "batch_size": BATCH,
-                             "seq_len": 128}, stages=[stage])
+                     config=ladder_config(model=model, preset="full", batch_size=BATCH,
+                                          seq_len=128), stages=[stage])
 
 
 def _side(mean_ms: float, trials: int, trial_noise: float, seed: int, **kw: object) -> RunResult:
@@ -133,7 +135,7 @@ def test_gate_cli_exit_codes(tmp_path: Path) -> None:
     slow = _save(_side(56.0, 5, 0.005, 3), tmp_path / "slow")
     noisy = _save(_side(56.0, 3, 0.30, 4), tmp_path / "noisy")
     other = _side(50.0, 5, 0.005, 5)
-    other.config["model"] = "bert"
+    other.config = dataclasses.replace(other.config, model="bert")
     other_dir = _save(other, tmp_path / "other")
     gate = ["gate", "--max-regression", "5"]
     assert runner.invoke(app, [*gate, str(base), str(same)]).exit_code == 0

@@ -13,10 +13,19 @@ from typer.testing import CliRunner
 
 from gpudiag.cli import app, options_from_params
 from gpudiag.measure.plan import build_config, cpu_bf16_native
+from gpudiag.measure.profile.protocol import ENV_CONFIG, config_env, config_from_env
 from gpudiag.measure.stages import DEFAULT_LADDER
-from gpudiag.model.config import PRESETS, RunConfig
+from gpudiag.model.config import PRESETS, ProfileConfig, RunConfig
 from gpudiag.model.errors import BadInput
-from gpudiag.model.options import RunOptions, option_fields, options_of, to_argv
+from gpudiag.model.options import (
+    ProfileOptions,
+    RunOptions,
+    option_fields,
+    options_of,
+    profile_config,
+    to_argv,
+)
+from gpudiag.model.results import RunFileError
 
 
 def test_cpu_defaults_to_tiny_and_says_so() -> None:
@@ -78,7 +87,7 @@ def test_overrides_apply() -> None:
     ({"batch_size": 0}, "--batch-size must be positive"),
     ({"iters": -3}, "--iters must be positive"),
     ({"warmup": -1}, "--warmup must be zero or more"),
-    ({"amp_dtype": "fp8"}, "--amp-dtype must be fp16, bf16 or fp32"),
+    ({"amp_dtype": "fp8"}, "--amp-dtype must be one of fp16, bf16, fp32"),
     ({"preset": "huge"}, "unknown preset 'huge'"),
     ({"seq_len": 4096}, "exceeds the model's"),
     ({"device": "tpu"}, "expected cpu, cuda or cuda:N"),
@@ -100,7 +109,7 @@ def _parse_run(argv: list[str]) -> RunOptions:
     """`gpudiag run ARGV` parsed by the real command line, as the options it would run."""
     command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
     with command.make_context("run", list(argv)) as ctx:
-        return options_from_params(ctx.params)
+        return options_from_params(RunOptions, ctx.params)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -132,5 +141,42 @@ def test_every_config_field_is_an_option_or_derived() -> None:
     preset) or fixed by gpudiag (telemetry periods, seed, the dgca candidate count): listed
     here on purpose, so a new setting is either an option or a decision."""
     options = {f.name for f, _, _ in option_fields()}
-    derived = {"shape", "sample_period_s", "gpm_period_s", "seed", "candidates"}
+    derived = {"shape", "sample_period_s", "gpm_period_s", "seed", "candidates", "mode"}
     assert {f.name for f in dataclasses.fields(RunConfig)} - options == derived
+
+
+def test_profile_options_make_the_profile_config() -> None:
+    """ProfileConfig is what a profile measured: its schedule and telemetry are options of the
+    same name; the command is the argument; remedies, losses and the seed are --try-fixes'."""
+    options = {f.name for f, _, _ in option_fields(ProfileOptions)}
+    fields = {f.name for f in dataclasses.fields(ProfileConfig)}
+    assert fields - options == {"command", "remedies", "losses", "seed", "mode"}
+    assert options - fields == {"rerun", "try_fixes", "fixes"}
+    config = profile_config(ProfileOptions(warmup=2, timed=6, evidence_steps=1,
+                                           telemetry="off", try_fixes=True, fixes=("tf32",)),
+                            ["python", "train.py"])
+    assert (config.command, config.warmup, config.timed, config.evidence_steps,
+            config.telemetry) == (("python", "train.py"), 2, 6, 1, "off")
+    assert config.stop_after_window and config.losses == 2 and config.seed is not None
+    with pytest.raises(BadInput, match="--fix goes with --try-fixes"):
+        profile_config(ProfileOptions(fixes=("tf32",)), ["true"])
+    with pytest.raises(BadInput, match="--telemetry must be one of full, basic, off"):
+        profile_config(ProfileOptions(telemetry="loud"), ["true"])
+
+
+def test_profile_config_round_trips_through_run_json_and_the_child_env() -> None:
+    """The parent hands the recorder its config in one variable, validated like run.json."""
+    config = ProfileConfig(command=("python", "t.py"), warmup=1, timed=4, evidence_steps=2,
+                           telemetry="basic", remedies=("tf32",), losses=3, seed=7)
+    assert config_from_env(config_env(config)) == config
+    assert config_from_env({}) == ProfileConfig()
+    with pytest.raises(RunFileError, match="telemetry"):
+        config_from_env({ENV_CONFIG: '{"telemetry": "loud"}'})
+
+
+def test_a_profile_schedule_fits_a_short_script() -> None:
+    asked = ProfileConfig(command=("x",))
+    assert asked.fitted(3) is None
+    fitted = asked.fitted(20)
+    assert fitted is not None and fitted.steps_needed <= 20
+    assert (fitted.warmup, fitted.evidence_steps, fitted.command) == (4, 3, ("x",))

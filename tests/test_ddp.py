@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ladder_config
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.stages.ddp.launch import _failure_line, launch_command, merge_parts
+from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import (
     DdpFacts,
     DdpJobFacts,
@@ -78,7 +80,7 @@ def test_straggler_is_the_rank_with_slow_compute() -> None:
     straggler = _info(merge_parts(slow, _config(), "ddp", "t")).straggler
     assert straggler is not None and straggler.rank == 1 and straggler.ratio >= 1.8
     # ... and GD801 names it: the rule's own threshold decides, not a flag in the facts.
-    run = RunResult(tool_version="t", env=Env(device="cpu"), config={},
+    run = RunResult(tool_version="t", env=Env(device="cpu"), config=ladder_config(),
                     stages=[merge_parts(slow, _config(), "ddp", "t")])
     run.stages[0].facts.ddp.scaling_efficiency = 0.5  # type: ignore[union-attr]
     assert _one(run, "GD801")[0].evidence["cause"] == "a straggler"
@@ -120,7 +122,7 @@ def _stage(*, step: float, single: float, efficiency: float, transfer: float | N
         sweep=[DdpVariant(**row) for row in sweep or []])
     stage = StageResult(name="ddp", status="ok", ms_per_iter=step, samples_per_s=128 / step * 1e3,
                         iter_ms=[step] * 10, facts=StageFacts(ddp=info), evidence=evidence)
-    return RunResult(tool_version="t", env=Env(device="cuda"), config={},
+    return RunResult(tool_version="t", env=Env(device="cuda"), config=ladder_config(),
                      created_utc="2026-11-23T00:00:00+00:00", stages=[stage])
 
 
@@ -228,7 +230,7 @@ def _rank(rank: int, *, step: float, exposed: float, compute: float, window: flo
 
 
 def _job(*ranks: StageResult) -> RunResult:
-    return RunResult(tool_version="t", env=Env(device="cuda"), config={"mode": "profile"},
+    return RunResult(tool_version="t", env=Env(device="cuda"), config=ProfileConfig(),
                      stages=list(ranks))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import ladder_config
 
 from gpudiag.diagnose.compare import DEVICE_NOISE_FLOOR, compare_runs
 from gpudiag.diagnose.counters import CounterChange, compare_counters, line_deltas
@@ -91,7 +92,7 @@ def _run(device_ms: list[float], *, syncs: float = 3.0, wall_ms: float = 90.0) -
                         samples_per_s=64 / wall_ms * 1e3, evidence=evidence,
                         telemetry=TelemetrySummary(available=True))
     return RunResult(tool_version="t", env=Env(device="cuda:0", gpu_name="H100"),
-                     config={"model": "m"}, stages=[stage])
+                     config=ladder_config(model="m"), stages=[stage])
 
 
 def test_device_time_decides_what_wall_time_cannot() -> None:

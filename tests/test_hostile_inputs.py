@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ladder_config
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
@@ -37,8 +38,8 @@ def _valid_run(model: str = "dgca", batch: int = 8, device: str = "cpu",
                         ms_per_iter=10.03, samples_per_s=batch / 10.03 * 1e3,
                         samples_per_step=batch, timing=TimingStats.of(times))
     return RunResult(tool_version="0.1.0", env=Env(device=device, gpu_name=gpu),
-                     config={"model": model, "preset": "tiny", "batch_size": batch,
-                             "seq_len": 64, "device": device}, stages=[stage])
+                     config=ladder_config(model=model, batch_size=batch, seq_len=64,
+                                          device=device), stages=[stage])
 
 
 def _valid_dict() -> dict[str, Any]:
@@ -246,7 +247,7 @@ GATE_CASES = [
     for name, where, second in [
         ("model", "config.model 'bert'", _valid_run(model="bert")),
         ("batch", "config.batch_size 16", _valid_run(batch=16)),
-        ("device", "config.device 'cuda'", _valid_run(device="cuda")),
+        ("device", "env.device 'cuda'", _valid_run(device="cuda")),
         ("gpu", "env.gpu_name 'NVIDIA H100'", _valid_run(gpu="NVIDIA H100")),
     ]
 ] + [
@@ -299,7 +300,8 @@ PROFILE_CASES = [
          "cannot run", [_write_text("plain", "echo hi\n"), _mode("plain", stat.S_IRWXU)]),
     Case("profile-missing-command", ["profile", "--out", "{ws}/p", "--", "gpudiag-no-such"],
          "command not found"),
-    Case("profile-steps-negative", ["profile", "--steps", "-1", "--", "true"], "--steps"),
+    Case("profile-steps-negative", ["profile", "--steps", "-1", "--", "true"],
+         "--evidence-steps"),
     Case("profile-timed-zero", ["profile", "--timed", "0", "--", "true"], "--timed"),
     Case("profile-telemetry", ["profile", "--telemetry", "loud", "--", "true"], "--telemetry"),
     Case("profile-out-is-a-file", ["profile", "--out", "{ws}/notes.txt", "--", "true"],
@@ -307,7 +309,7 @@ PROFILE_CASES = [
     Case("profile-out-not-empty", ["profile", "--out", "{ws}/mine", "--", "true"],
          "not empty; pass --force"),
     Case("profile-unknown-fix", ["profile", "--try-fixes", "--fix", "magic", "--", "true"],
-         "--fix 'magic': known fixes are"),
+         "--fix must be one of tf32, bf16-autocast"),
     Case("profile-fix-without-try", ["profile", "--fix", "tf32", "--", "true"],
          "--fix goes with --try-fixes"),
 ]

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import ladder_config
 
 from gpudiag.model.results import (
     SCHEMA_VERSION,
@@ -37,7 +38,7 @@ def _run() -> RunResult:
     failed = StageResult(name="full-loop", status="error", error="out of device memory",
                          advice="lower --batch-size")
     return RunResult(tool_version="0.1.0", env=Env(device="cuda:0", gpu_name="H100"),
-                     config={"model": "dgca"}, stages=[stage, failed],
+                     config=ladder_config(), stages=[stage, failed],
                      findings=[Finding(id="GD101", rule="python-loop-launches",
                                        severity="warning", stage="full-loop", title="x",
                                        evidence={"ops_per_step": 5000}, impact=0.6,

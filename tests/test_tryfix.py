@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
+from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import NO_REMEDY, REMEDIES
 from gpudiag.model.results import Env, Finding, MeasuredFix, RunResult, load_run
 from gpudiag.present.fixes import fixes_markdown
@@ -38,7 +39,8 @@ OBSERVING_SCRIPT = """
             if step == 0:
                 seen["forward_dtype"] = str(out.dtype)
                 with open(f"seen-{os.getpid()}.json", "w") as f:
-                    json.dump({**seen, "fixes": os.environ["GPUDIAG_PROFILE_REMEDIES"]}, f)
+                    config = json.loads(os.environ["GPUDIAG_PROFILE_CONFIG"])
+                    json.dump({**seen, "fixes": ",".join(config["remedies"])}, f)
             loss = torch.nn.functional.mse_loss(out.float(), y)
             loss.backward()
             opt.step()
@@ -96,7 +98,7 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
 
 
 def _run(*findings: tuple[str, str], device: str = "cuda") -> RunResult:
-    return RunResult(tool_version="t", env=Env(device=device), config={},
+    return RunResult(tool_version="t", env=Env(device=device), config=ProfileConfig(),
                      findings=[Finding(id=code, rule="r", severity=severity, stage="s",
                                        title=f"{code} seen", fix=f"fix {code}")
                                for code, severity in findings])

@@ -181,7 +181,6 @@ class Comparison:
 
 _ENV_FIELDS = ("gpu_name", "driver_version", "cuda_runtime", "torch_version", "power_limit_w",
                "device")
-_CONFIG_FIELDS = ("model", "preset", "batch_size", "seq_len", "amp_dtype", "loader_workers")
 # Differences that make throughputs incomparable for a gate (unless --allow-mismatch).
 _GATE_CONFIG_FIELDS = ("model", "preset", "batch_size", "seq_len")
 
@@ -213,6 +212,13 @@ def _add_exact_and_device(stage: StageComparison, a: StageResult, b: StageResult
     if da is not None and db is not None:
         stage.device_samples = (da, db)
         stage.device = estimate_ratio(da, db, DEVICE_NOISE_FLOOR, alpha)
+
+
+def _differences(before: dict[str, object], after: dict[str, object]
+                 ) -> list[tuple[str, object, object]]:
+    """(name, before, after) for each setting that differs, either side's missing as None."""
+    names = list(dict.fromkeys([*before, *after]))
+    return [(n, before.get(n), after.get(n)) for n in names if before.get(n) != after.get(n)]
 
 
 def _finding_key(f: Finding) -> tuple[str, str | None, str | None]:
@@ -251,9 +257,9 @@ def compare_runs(before: RunResult, after: RunResult, *, before_label: str = "be
         stages.append(stage)
     env_diff = [(f, getattr(before.env, f), getattr(after.env, f)) for f in _ENV_FIELDS
                 if getattr(before.env, f) != getattr(after.env, f)]
-    config_diff = [(f, before.config.get(f), after.config.get(f)) for f in _CONFIG_FIELDS
-                   if before.config.get(f) != after.config.get(f)]
-    mismatches = [f"{f}: {a!r} vs {b!r}" for f, a, b in config_diff if f in _GATE_CONFIG_FIELDS]
+    config_diff = _differences(before.config.settings(), after.config.settings())
+    identity = {*before.config.identity(), *after.config.identity()}
+    mismatches = [f"{f}: {a!r} vs {b!r}" for f, a, b in config_diff if f in identity]
     if before.env.gpu_name != after.env.gpu_name:
         mismatches.append(f"GPU: {before.env.gpu_name!r} vs {after.env.gpu_name!r}")
     only = sorted({s.name for s in before.stages} ^ {s.name for s in after.stages})

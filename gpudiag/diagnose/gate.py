@@ -19,10 +19,10 @@ from typing import Literal
 
 from scipy import stats
 
-from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison
+from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison, compare_runs
 from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
 from gpudiag.model.errors import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION, BadInput
-from gpudiag.model.results import SEVERITY_RANK, Finding
+from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult
 
 GATE_ALPHA = 0.01  # a gate fails builds: it decides on 99% intervals
 DEFAULT_LIMIT = 0.05  # wall-clock throughput, when the user sets none
@@ -315,3 +315,28 @@ def decide(comparison: Comparison, limits: GateLimits | None = None, *,
     changes = [(s.stage, c) for s in comparison.stages for c in s.counter_changes]
     return GateDecision(outcome=outcome, stages=gates, new_findings=new, changes=changes,
                         unseen=_unseen(comparison, gates))
+
+
+@dataclass(frozen=True)
+class GateRules:
+    """What the user asked the gate to hold two runs to (`gpudiag gate`'s options)."""
+
+    limits: GateLimits = field(default_factory=GateLimits)
+    min_iters: int = 10
+    allow_mismatch: bool = False
+
+
+def judge(before: RunResult, after: RunResult, rules: GateRules, *,
+          labels: tuple[str, str] = ("before", "after")) -> tuple[GateDecision, Comparison]:
+    """Compare two runs on the gate's 99% intervals and decide. BadInput when they cannot be
+    compared (different model, batch or GPU, unless allowed) or a limit names a stage neither
+    run has."""
+    comparison = compare_runs(before, after, before_label=labels[0], after_label=labels[1],
+                              alpha=GATE_ALPHA)
+    if comparison.mismatches and not rules.allow_mismatch:
+        raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
+                       + "); pass --allow-mismatch to gate anyway")
+    unknown = sorted(rules.limits.stages - {s.stage for s in comparison.stages})
+    if unknown:
+        raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
+    return decide(comparison, rules.limits, min_iters=rules.min_iters), comparison

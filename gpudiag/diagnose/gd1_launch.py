@@ -309,7 +309,7 @@ SMALL_RECOVERABLE = 0.5
 
 
 def _larger_batch(run: RunResult, stage: StageResult) -> str:
-    batch = stage.samples_per_step or run.config.get("batch_size")
+    batch = stage.samples_per_step or run.config.batch
     return f"a larger batch than {batch}" if batch else "a larger batch"
 
 
@@ -381,7 +381,7 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
                        "busy: too little work per kernel"),
                 impact=max(0.0, 1 - sm / 100) * SMALL_RECOVERABLE,
                 evidence={"kernel_active_pct": active, "sm_active_pct": sm,
-                          "batch_size": stage.samples_per_step or run.config.get("batch_size")},
+                          "batch_size": stage.samples_per_step or run.config.batch},
                 fix=(f"Increase the batch ({_larger_batch(run, stage)}) or sequence "
                      "length per step, or fuse ops so each kernel does more work."),
             )

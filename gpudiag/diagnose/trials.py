@@ -167,8 +167,8 @@ def load_run_set(path: Path) -> RunResult:
 
 
 def _identity(run: RunResult) -> dict[str, object]:
-    return {**{f"config.{k}": run.config.get(k) for k in TRIAL_IDENTITY},
-            "env.gpu_name": run.env.gpu_name}
+    return {**{f"config.{k}": v for k, v in run.config.identity().items()},
+            "env.device": run.env.device, "env.gpu_name": run.env.gpu_name}
 
 
 def _check_one_configuration(found: list[tuple[Path, RunResult]]) -> None:

@@ -2,7 +2,8 @@
 bought when the script ran with it (step time with an interval, energy, equivalence).
 
 Pure functions of recorded runs, like the rules: the runs themselves are made by
-gpudiag/measure/profile (the remedies applied inside the script) and sequenced by the CLI.
+gpudiag/measure/profile (the remedies applied inside the script, the runs sequenced by
+tryfixes.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import PROCESS_NOISE_FLOOR, estimate_ratio
 from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
-from gpudiag.model.remedies import NO_REMEDY, REMEDIES, Remedy, remedies_for
-from gpudiag.model.results import Finding, MeasuredFix, RunResult, StageResult
+from gpudiag.model.remedies import (
+    BASELINE_RUNS,
+    COMBINED_RUN,
+    NO_REMEDY,
+    REMEDIES,
+    Numerics,
+    Remedy,
+    remedies_for,
+)
+from gpudiag.model.results import Equivalence, Finding, MeasuredFix, RunResult, StageResult
 
 FIX_ALPHA = 0.05  # 95% intervals, as compare shows
 # Losses of two runs without any fix differ by this much at least (a relative difference):
@@ -102,14 +111,11 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
         fix.before_j_per_step = fix.after_j_per_step = None
     fix.note = _no_effect(fix.evidence) or _queued_saves(fix.evidence)
     fix.change = _switched_off(fix.evidence) or fix.change
-    numerics = "precision" if any(REMEDIES[n].numerics == "precision" for n in names) else "exact"
+    numerics: Numerics = ("precision" if any(REMEDIES[n].numerics == "precision" for n in names)
+                          else "exact")
     fix.equivalence, fix.loss_gap, fix.loss_floor = equivalence(
         baseline_losses, _losses(a), _losses(b), numerics)
     return fix
-
-
-BASELINE_RUNS = ("without-fixes-1", "without-fixes-2")
-COMBINED_RUN = "combined"
 
 
 def assess(run: RunResult, plan: FixPlan, runs: dict[str, RunResult]) -> list[MeasuredFix]:
@@ -160,7 +166,7 @@ def bracketed(first: RunResult, last: RunResult) -> RunResult:
 
 
 def equivalence(baseline: list[float], repeat: list[float], fixed: list[float],
-                numerics: str) -> tuple[str, float | None, float | None]:
+                numerics: Numerics) -> tuple[Equivalence, float | None, float | None]:
     """(verdict, gap, floor): the largest relative difference of the fixed run's first losses
     from the baseline's, and of a second run without the fix (the floor)."""
     gap = _largest_difference(baseline, fixed)
@@ -279,9 +285,11 @@ def _site_seen(evidence: dict[str, dict[str, object]]) -> str | None:
     for seen in evidence.values():
         loaders = seen.get("loaders")
         if isinstance(loaders, list) and loaders and isinstance(loaders[0], dict):
-            return loaders[0].get("site")  # type: ignore[return-value]
-        if isinstance(seen.get("site"), str):
-            return seen["site"]  # type: ignore[return-value]
+            site = loaders[0].get("site")
+            return site if isinstance(site, str) else None
+        site = seen.get("site")
+        if isinstance(site, str):
+            return site
     return None
 
 

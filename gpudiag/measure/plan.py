@@ -14,7 +14,6 @@ import torch
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import DEFAULT_LADDER, stage_names
 from gpudiag.model.config import (
-    AMP_DTYPES,
     DEFAULT_EVIDENCE_STEPS,
     PRESETS,
     ModelShape,
@@ -70,8 +69,6 @@ def build_config(options: RunOptions | None = None, /,
     check_ranges(options)
     chosen = PRESETS[preset]
     amp_dtype = options.amp_dtype or default_amp_dtype(device, notes)
-    if amp_dtype not in AMP_DTYPES:
-        raise BadInput(f"--amp-dtype must be fp16, bf16 or fp32 (got {amp_dtype!r})")
     seq = options.seq_len or chosen.seq_len
     _check_sequence(seq, chosen.shape.max_positions, options.prompt_length)
     if model.source == "built-in":  # their shapes are the preset's (others' are their own)
@@ -127,9 +124,6 @@ def _check_distributed(options: RunOptions, device: str) -> None:
                        f"for --nnodes {options.nnodes}")
     if options.nnodes > 1 and not options.rdzv_endpoint:
         raise BadInput("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-    if options.ddp_no_sync not in ("correct", "backward-only"):
-        raise BadInput("--ddp-no-sync must be correct or backward-only "
-                       f"(got {options.ddp_no_sync!r})")
     if (device.startswith("cuda") and options.nproc is not None
             and options.nproc > torch.cuda.device_count()):
         raise BadInput(f"--nproc {options.nproc}: only {torch.cuda.device_count()} CUDA "

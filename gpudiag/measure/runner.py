@@ -77,7 +77,7 @@ def run_stages(
     run = RunResult(
         tool_version=__version__,
         env=collect_env(device, sampler.reader, sampler.unavailable_reason),
-        config=config.to_dict(),
+        config=config,
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         notes=list(notes or []),
     )

@@ -1,11 +1,23 @@
-"""RunConfig and the presets: what decides what a run measures. Serialised into run.json."""
+"""What decides what a run measures, per mode: `RunConfig` (the ladder of `gpudiag run`) and
+`ProfileConfig` (`gpudiag profile` of a user's command), and the ladder's presets. Serialised
+into run.json as `config`; `AnyConfig` tells the two apart on load by their `mode`."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Tag
+
+# The ddp stage's no_sync use: "correct" (forward and backward under no_sync) or
+# "backward-only", the seed's misuse (forward outside).
+DdpNoSync = Literal["correct", "backward-only"]
+DDP_NO_SYNC = ("correct", "backward-only")
+# profile: GPU telemetry inside the script, NVML and GPM, NVML only, or none.
+ProfileTelemetry = Literal["full", "basic", "off"]
+PROFILE_TELEMETRY = ("full", "basic", "off")
 
 # "fp32": no autocast, for CPUs without native bf16 (and by request).
 AmpDtype = Literal["fp16", "bf16", "fp32"]
@@ -110,21 +122,92 @@ class RunConfig:
     rdzv_endpoint: str | None = None
     ddp_sweep: bool = False
     ddp_accum: int = 1  # micro-steps per optimizer step
-    ddp_no_sync: str = "correct"  # or "backward-only", the seed's misuse (forward outside)
+    ddp_no_sync: DdpNoSync = "correct"
+    mode: Literal["ladder"] = "ladder"
 
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-native (tuples as lists), so a config survives a run.json round trip."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+    @property
+    def batch(self) -> int | None:
+        """Samples per step the config asks for (a profiled script's are its own)."""
+        return self.batch_size
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        """The inverse of to_dict (for child processes such as DDP ranks)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in names}
-        values["shape"] = ModelShape(**values["shape"])
-        values["stages"] = tuple(values["stages"])
-        return cls(**values)
+    def identity(self) -> dict[str, object]:
+        """What two runs must share to be compared or merged as trials: the work measured."""
+        return {"mode": self.mode, "model": self.model, "preset": self.preset,
+                "batch_size": self.batch_size, "seq_len": self.seq_len}
+
+    def settings(self) -> dict[str, object]:
+        """The identity and the settings a comparison should mention when they differ."""
+        return {**self.identity(), "amp_dtype": self.amp_dtype,
+                "loader_workers": self.loader_workers}
+
+
+MIN_FITTED_STEPS = 4  # a script this short still gets warm-up 1, timed 2, profiled 1
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """A `gpudiag profile` of a user's command, as measured. Serialised into run.json as
+    `config`, and handed to the recorder inside the script (gpudiag/measure/profile/).
+
+    The schedule: steps [0, warmup) warm up, [warmup, warmup + timed) are timed, the next
+    `evidence_steps` are the profiler window."""
+
+    command: tuple[str, ...] = ()
+    warmup: int = 5
+    timed: int = 30
+    evidence_steps: int = 3
+    telemetry: ProfileTelemetry = "full"
+    stop_after_window: bool = False  # end the script once its window has closed
+    # --try-fixes: remedies applied in the script (gpudiag.model.remedies names), the first
+    # backward() losses to record, and a seed set before the script runs (its own wins).
+    remedies: tuple[str, ...] = ()
+    losses: int = 0
+    seed: int | None = None
+    mode: Literal["profile"] = "profile"
+
+    @property
+    def batch(self) -> int | None:
+        return None
+
+    @property
+    def steps_needed(self) -> int:
+        return self.warmup + self.timed + self.evidence_steps
+
+    def identity(self) -> dict[str, object]:
+        return {"mode": self.mode}
+
+    def settings(self) -> dict[str, object]:
+        return {**self.identity(), "command": " ".join(self.command), "warmup": self.warmup,
+                "timed": self.timed, "evidence_steps": self.evidence_steps}
+
+    def fitted(self, made: int) -> ProfileConfig | None:
+        """This schedule shrunk to fit a script that made `made` steps, or None when it is too
+        short to time and profile at all. Warm-up keeps a fifth of the steps (at least one, for
+        first-step costs), the window up to this schedule's size and a sixth, the rest is timed;
+        one step is left spare for scripts whose step count varies a little."""
+        if made < MIN_FITTED_STEPS:
+            return None
+        spare = 1 if made >= 2 * MIN_FITTED_STEPS else 0
+        evidence = max(1, min(self.evidence_steps, made // 6))
+        warmup = max(1, min(self.warmup, math.floor(made / 5)))
+        timed = made - spare - warmup - evidence
+        if timed < 2:
+            return None
+        return dataclasses.replace(self, warmup=warmup, timed=timed, evidence_steps=evidence)
+
+
+def _mode(data: Any) -> str:
+    """A config's mode; run.json files from before `mode` was written hold ladder configs."""
+    mode = data.get("mode") if isinstance(data, dict) else getattr(data, "mode", None)
+    return "profile" if mode == "profile" else "ladder"
+
+
+# run.json's `config`: either mode, told apart by `mode` when validated (gpudiag.model.schema).
+AnyConfig = Annotated[
+    Annotated[RunConfig, Tag("ladder")] | Annotated[ProfileConfig, Tag("profile")],
+    Discriminator(_mode),
+]

@@ -1,10 +1,12 @@
-"""Every option of `gpudiag run`, defined once.
+"""Every option of `gpudiag run` and `gpudiag profile`, defined once.
 
-`RunOptions` is what the user asked for, field by field, with its flag, help and range beside
-it. The command line's `run` options are generated from it (gpudiag/cli.py), `build_config`
-validates it into a `RunConfig` (gpudiag/measure/plan.py), and `to_argv(options_of(config))`
-turns a config back into the arguments that rebuild it, for `--trials` children: one spelling
-of each option, and tests/test_config.py checks the round trip.
+`RunOptions` and `ProfileOptions` are what the user asked for, field by field, with the flag,
+help, range and choices beside each. The command line's options are generated from them
+(gpudiag/cli.py); `build_config` validates a RunOptions into a `RunConfig`
+(gpudiag/measure/plan.py) and `profile_config` a ProfileOptions into a `ProfileConfig`; and
+`to_argv(options_of(config))` turns a ladder config back into the arguments that rebuild it,
+for `--trials` children: one spelling of each option, and tests/test_config.py checks the round
+trip.
 """
 
 from __future__ import annotations
@@ -12,26 +14,37 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from gpudiag.model.config import RunConfig
+from gpudiag.model.config import (
+    AMP_DTYPES,
+    DDP_NO_SYNC,
+    PROFILE_TELEMETRY,
+    ProfileConfig,
+    ProfileTelemetry,
+    RunConfig,
+)
 from gpudiag.model.errors import BadInput
+from gpudiag.model.remedies import FIX_SEED, REMEDIES
 
 Check = Literal["", "positive", "non-negative"]
 
 
 @dataclass(frozen=True)
 class OptionSpec:
-    flag: str
+    flag: str  # a boolean's may be "--on/--off"
     help: str
-    short: str | None = None
+    aliases: tuple[str, ...] = ()  # other spellings: a short flag, an older name
     check: Check = ""
+    choices: tuple[str, ...] = ()  # the values allowed (each element, for a tuple option)
 
 
-def _option(default: Any, flag: str, help: str, *, short: str | None = None,
-            check: Check = "") -> Any:
-    return field(default=default, metadata={"spec": OptionSpec(flag, help, short, check)})
+def _option(default: Any, flag: str, help: str, *, aliases: tuple[str, ...] = (),
+            check: Check = "", choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default,
+                 metadata={"spec": OptionSpec(flag, help, aliases, check, choices)})
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,7 @@ class RunOptions:
     names are RunConfig's, so a config maps back onto options one to one."""
 
     model: str = _option("dgca", "--model", "Model name (gpudiag models) or "
-                         "path/to/file.py:factory.", short="-m")
+                         "path/to/file.py:factory.", aliases=("-m",))
     preset: str | None = _option(None, "--preset", "full or tiny (default: full on CUDA, tiny "
                                  "on CPU).")
     device: str | None = _option(None, "--device", "cpu, cuda or cuda:N (default: cuda if "
@@ -56,9 +69,9 @@ class RunOptions:
                                  check="non-negative")
     min_seconds: float | None = _option(None, "--min-seconds", "Keep timing each stage at "
                                         "least this long.", check="non-negative")
-    amp_dtype: str | None = _option(None, "--amp-dtype", "Mixed-precision dtype: fp16, bf16 "
-                                    "or fp32 (default: fp16 on CUDA; on a CPU bf16 where "
-                                    "native, else fp32).")
+    amp_dtype: str | None = _option(None, "--amp-dtype", "Mixed-precision dtype (default: "
+                                    "fp16 on CUDA; on a CPU bf16 where native, else fp32).",
+                                    choices=AMP_DTYPES)
     loader_workers: int | None = _option(None, "--workers", "DataLoader workers (default: "
                                          "min(4, CPUs)).", check="non-negative")
     prompt_length: int = _option(3, "--prompt-length", "dgca: prompt slots on each side of "
@@ -85,27 +98,85 @@ class RunOptions:
                              check="positive")
     ddp_no_sync: str = _option("correct", "--ddp-no-sync", "ddp stage: 'correct' (forward "
                                "and backward under no_sync) or 'backward-only' (the common "
-                               "mistake, to see what it costs).")
+                               "mistake, to see what it costs).", choices=DDP_NO_SYNC)
 
 
-def option_fields() -> list[tuple[dataclasses.Field[Any], OptionSpec, Any]]:
-    """(field, spec, type hint) of every option, in declaration order."""
-    hints = typing.get_type_hints(RunOptions)
-    return [(f, f.metadata["spec"], hints[f.name]) for f in dataclasses.fields(RunOptions)]
+@dataclass(frozen=True)
+class ProfileOptions:
+    """A `gpudiag profile` as asked for (the command itself is its argument, not an option)."""
+
+    warmup: int = _option(5, "--warmup", "Steps before timing starts.", check="non-negative")
+    timed: int = _option(30, "--timed", "Timed steps, before the profiler window.",
+                         check="positive")
+    evidence_steps: int = _option(3, "--evidence-steps", "Profiled steps (the evidence "
+                                  "window; 0: none).", aliases=("--steps",),
+                                  check="non-negative")
+    telemetry: str = _option("full", "--telemetry", "GPU telemetry in the script: full (NVML "
+                             "and GPM), basic (NVML only) or off.", choices=PROFILE_TELEMETRY)
+    stop_after_window: bool = _option(False, "--stop-after-window", "End the script once the "
+                                      "profiler window has closed and the diagnosis is "
+                                      "written (a long job answers in minutes).")
+    rerun: bool = _option(True, "--rerun/--no-rerun", "When the script ends before the "
+                          "profiler window, run it once more with a schedule that fits its "
+                          "length.")
+    try_fixes: bool = _option(False, "--try-fixes", "After the diagnosis, run the script "
+                              "again with each fix its findings call for applied (no file "
+                              "edited) and report what each buys, measured, and whether the "
+                              "losses stay the same. Every run stops after its profiler "
+                              "window.")
+    fixes: tuple[str, ...] = _option((), "--fix", "With --try-fixes, also try this fix "
+                                     "whatever the findings say. Repeat, or separate with "
+                                     "commas.", choices=tuple(REMEDIES))
 
 
-def check_ranges(options: RunOptions) -> None:
-    """Each option's declared range, as a one-line BadInput naming its flag."""
-    for f, spec, _ in option_fields():
+def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileConfig:
+    """The config a `gpudiag profile` runs `command` with, its options checked. Every run of
+    a --try-fixes stops after its window, shares a seed and records its first losses."""
+    check_ranges(options)
+    if options.fixes and not options.try_fixes:
+        raise BadInput("--fix goes with --try-fixes")
+    return ProfileConfig(
+        command=tuple(command), warmup=options.warmup, timed=options.timed,
+        evidence_steps=options.evidence_steps,
+        telemetry=typing.cast(ProfileTelemetry, options.telemetry),  # its choices are checked
+        stop_after_window=options.stop_after_window or options.try_fixes,
+        losses=max(1, options.warmup) if options.try_fixes else 0,
+        seed=FIX_SEED if options.try_fixes else None)
+
+
+Options = RunOptions | ProfileOptions
+OptionsT = TypeVar("OptionsT", RunOptions, ProfileOptions)
+
+
+def option_fields(cls: type[Options] = RunOptions
+                  ) -> list[tuple[dataclasses.Field[Any], OptionSpec, Any]]:
+    """(field, spec, type hint) of every option of `cls`, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return [(f, f.metadata["spec"], hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def check_ranges(options: Options) -> None:
+    """Each option's declared range and choices, as a one-line BadInput naming its flag."""
+    for f, spec, _ in option_fields(type(options)):
         value = getattr(options, f.name)
-        if value is None or isinstance(value, bool) or not spec.check:
+        if value is None or isinstance(value, bool):
             continue
+        _check_choices(spec, value)
         if isinstance(value, float) and not math.isfinite(value):
             raise BadInput(f"{spec.flag} must be a finite number (got {value})")
         if spec.check == "positive" and value <= 0:
             raise BadInput(f"{spec.flag} must be positive (got {value})")
         if spec.check == "non-negative" and value < 0:
             raise BadInput(f"{spec.flag} must be zero or more (got {value})")
+
+
+def _check_choices(spec: OptionSpec, value: Any) -> None:
+    if not spec.choices:
+        return
+    for item in value if isinstance(value, tuple) else (value,):
+        if item not in spec.choices:
+            raise BadInput(f"{spec.flag} must be one of {', '.join(spec.choices)} "
+                           f"(got {item!r})")
 
 
 def options_of(config: RunConfig) -> RunOptions:

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 Numerics = Literal["exact", "precision"]
+FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
+# The runs of a --try-fixes besides one per remedy (fixes/<label>/): two without any fix that
+# bracket the others, and the fixes that paid, together.
+BASELINE_RUNS = ("without-fixes-1", "without-fixes-2")
+COMBINED_RUN = "combined"
 
 
 @dataclass(frozen=True)

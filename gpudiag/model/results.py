@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import Field
 
 from gpudiag.model.atomic import write_text_atomic
+from gpudiag.model.config import AnyConfig
 from gpudiag.model.facts import StageFacts, facts_from_details
 from gpudiag.model.schema import SchemaError, parse_json, validate_as
 
@@ -28,6 +29,7 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 
 StageStatus = Literal["ok", "error", "skipped"]
+Equivalence = Literal["same", "mixed-precision", "differs", "unchecked"]
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 
@@ -331,7 +333,7 @@ class MeasuredFix:
     after_j_per_step: NonNegative | None = None
     # "same": losses equal within the run-to-run floor; "mixed-precision": different by no
     # more than a precision change does; "differs"; "unchecked": no losses to compare.
-    equivalence: Literal["same", "mixed-precision", "differs", "unchecked"] = "unchecked"
+    equivalence: Equivalence = "unchecked"
     loss_gap: NonNegative | None = None  # largest relative loss difference over the first steps
     loss_floor: NonNegative | None = None  # the same between two runs without the fix
     evidence: dict[str, Any] = field(default_factory=dict)  # what the script saw of it
@@ -373,7 +375,7 @@ class RunResult:
 
     tool_version: str
     env: Env
-    config: dict[str, Any]
+    config: AnyConfig  # RunConfig (gpudiag run) or ProfileConfig (gpudiag profile)
     stages: list[StageResult] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     created_utc: str = ""

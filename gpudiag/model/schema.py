@@ -102,7 +102,8 @@ def validate_as(cls: type[T], data: Any) -> T:
     if wrong is not None:
         raise SchemaError(wrong)
     try:
-        return _adapter(cls).validate_json(json.dumps(data))
+        adapter: TypeAdapter[T] = _adapter(typing.cast(type, cls))
+        return adapter.validate_json(json.dumps(data))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         value = repr(first.get("input"))

@@ -14,6 +14,7 @@ from gpudiag.present.findings import (
     rules_markdown,
     rules_table,
 )
+from gpudiag.present.fixes import fixes_table
 from gpudiag.present.markdown import render_markdown
 from gpudiag.present.terminal import env_table, problems, stage_table
 
@@ -21,6 +22,7 @@ __all__ = [
     "default_run_dir",
     "env_table",
     "findings_panel",
+    "fixes_table",
     "prepare_run_dir",
     "problems",
     "render_markdown",

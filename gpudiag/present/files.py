@@ -110,10 +110,12 @@ def write_output_file(path: Path, text: str, flag: str) -> None:
         raise BadInput(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
 
 
-def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame, *,
+def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame | None = None, *,
                   plots: bool = True) -> None:
-    """run.json, samples.csv, trace.json, report.md and (unless `plots` is False, as for the
-    partial writes during a run) the PNG plots the report links."""
+    """run.json, samples.csv (empty without `samples`: a profiled script's telemetry is on its
+    stages), trace.json, report.md and (unless `plots` is False, as for the partial writes
+    during a run) the PNG plots the report links."""
+    samples = pd.DataFrame() if samples is None else samples
     save_run(run, path / RUN_FILE)
     samples.to_csv(path / SAMPLES_FILE, index=False, float_format="%.6g")
     write_trace(path / TRACE_FILE, run, samples)

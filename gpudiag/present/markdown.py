@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.model.config import PEAK_STAGE
+from gpudiag.model.config import GPM_PERIOD_S, PEAK_STAGE, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
@@ -26,12 +26,11 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     gpu = env.gpu_name or env.device
     subject, setting = run_subject(run)
     out = [f"# gpudiag: `{subject}` on {gpu}", ""]
-    if c.get("mode") == "profile":
+    if isinstance(c, ProfileConfig):
         head = f"{run.created_utc} · gpudiag {run.tool_version} · {setting}"
     else:
-        head = (f"{run.created_utc} · gpudiag {run.tool_version} · preset `{c.get('preset')}` "
-                f"(batch {c.get('batch_size')}, seq {c.get('seq_len')}) · "
-                f"mixed precision {c.get('amp_dtype')}")
+        head = (f"{run.created_utc} · gpudiag {run.tool_version} · preset `{c.preset}` "
+                f"(batch {c.batch_size}, seq {c.seq_len}) · mixed precision {c.amp_dtype}")
     out.append(head + (f" · power limit {env.power_limit_w:.0f} W" if env.power_limit_w
                        else ""))
     out.append("")
@@ -223,17 +222,20 @@ def _method(run: RunResult) -> list[str]:
     c = run.config
     timers = sorted({s.timer for s in run.ok_stages() if s.timer})
     lines = ["## How it was measured", ""]
-    if c.get("mode") == "profile":
+    # A profiled script's recorder samples at the defaults (gpudiag/measure/profile/).
+    sample_period_s, gpm_period_s = SAMPLE_PERIOD_S, GPM_PERIOD_S
+    if isinstance(c, ProfileConfig):
         lines.append(f"- The script's own steps, counted at optimizer.step() (or gpudiag.step()):"
-                     f" {c.get('warmup')} warm-up steps, {c.get('timed')} timed steps, then a "
-                     f"{c.get('evidence_steps')}-step profiler window. Every timed step's time "
+                     f" {c.warmup} warm-up steps, {c.timed} timed steps, then a "
+                     f"{c.evidence_steps}-step profiler window. Every timed step's time "
                      "is kept in run.json (`iter_ms`); the table shows medians and "
                      "interquartile ranges.")
     else:
+        sample_period_s, gpm_period_s = c.sample_period_s, c.gpm_period_s
         lines.append(
-            f"- Each stage builds its workload, runs {c.get('warmup')} warm-up steps, then at "
-            f"least {c.get('iters')} timed steps"
-            + (f" and at least {c.get('min_seconds'):g} s" if c.get("min_seconds") else "")
+            f"- Each stage builds its workload, runs {c.warmup} warm-up steps, then at "
+            f"least {c.iters} timed steps"
+            + (f" and at least {c.min_seconds:g} s" if c.min_seconds else "")
             + ". Every timed step's time is kept in run.json (`iter_ms`); the table shows "
               "medians and interquartile ranges.")
     if "cuda-events" in timers:
@@ -245,7 +247,7 @@ def _method(run: RunResult) -> list[str]:
                      "clock.")
     if run.env.nvml == "available":
         lines.append(
-            f"- Telemetry: NVML sampled every {c.get('sample_period_s', 0) * 1e3:.0f} ms in a "
+            f"- Telemetry: NVML sampled every {sample_period_s * 1e3:.0f} ms in a "
             "background thread: instantaneous power (field 186), the driver's 1-second average "
             "power, utilization.gpu (reported as *kernel-active time*: the share of time any "
             "kernel ran, not how much of the chip worked), SM clock, temperature, throttle "
@@ -255,7 +257,7 @@ def _method(run: RunResult) -> list[str]:
         if run.env.gpm == "available":
             lines.append(f"- GPM (SM activity, occupancy, tensor-pipe activity, DRAM bandwidth) "
                          f"over each stage's whole window, and every "
-                         f"{c.get('gpm_period_s', 0) * 1e3:.0f} ms for the timeline.")
+                         f"{gpm_period_s * 1e3:.0f} ms for the timeline.")
         else:
             lines.append(f"- GPM: {run.env.gpm}.")
     else:

@@ -9,10 +9,16 @@ text and mid-tone colours, so they read in dark and light viewers alike.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from gpudiag.model.results import RunResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PLOTS = {"throughput": "throughput.png", "timeline": "timeline.png",
          "steps": "step-times.png"}
@@ -20,7 +26,7 @@ BLUE, ORANGE, GREEN, GREY = "#1f77b4", "#d9730d", "#2a9d4b", "#888888"
 DPI = 110
 
 
-def _figure(width: float = 9.0, height: float = 4.0):  # type: ignore[no-untyped-def]
+def _figure(width: float = 9.0, height: float = 4.0) -> tuple[ModuleType, Figure, Axes]:
     import matplotlib  # noqa: PLC0415 (optional at run time: the GPU machine may lack it)
 
     matplotlib.use("Agg")
@@ -31,7 +37,7 @@ def _figure(width: float = 9.0, height: float = 4.0):  # type: ignore[no-untyped
     return plt, fig, ax
 
 
-def _save(plt, fig, path: Path) -> None:  # type: ignore[no-untyped-def]
+def _save(plt: ModuleType, fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI, facecolor="white")
     plt.close(fig)
@@ -43,7 +49,7 @@ def throughput_plot(run: RunResult, path: Path) -> bool:
         return False
     plt, fig, ax = _figure()
     names = [s.name for s in stages]
-    ax.bar(names, [s.samples_per_s for s in stages], color=BLUE)
+    ax.bar(names, [s.samples_per_s or 0.0 for s in stages], color=BLUE)
     ax.set_ylabel("throughput (samples/s)", color=BLUE)
     ax.set_title(f"Throughput and power per stage - {run.env.gpu_name or run.env.device}")
     ax.tick_params(axis="x", rotation=30)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.model.config import PEAK_STAGE, REFERENCE_STAGE
+from gpudiag.model.config import PEAK_STAGE, REFERENCE_STAGE, ProfileConfig
 from gpudiag.model.results import RunResult, StageResult
 
 # The stage the ladder compares against: the seed's "GPU saturated, fp16" rung.
@@ -128,9 +128,8 @@ def run_subject(run: RunResult) -> tuple[str, str]:
     """(what ran, how it was set up) for report headings: a ladder's model and preset, or a
     profiled command."""
     c = run.config
-    if c.get("mode") == "profile":
-        return (" ".join(c.get("command", [])),
-                f"profiled: warm-up {c.get('warmup')}, timed {c.get('timed')}, "
-                f"evidence {c.get('evidence_steps')} steps")
-    return (str(c.get("model")), f"preset {c.get('preset')}, batch {c.get('batch_size')}, "
-            f"seq {c.get('seq_len')}, {c.get('amp_dtype')}")
+    if isinstance(c, ProfileConfig):
+        return (" ".join(c.command), f"profiled: warm-up {c.warmup}, timed {c.timed}, "
+                f"evidence {c.evidence_steps} steps")
+    return (c.model, f"preset {c.preset}, batch {c.batch_size}, seq {c.seq_len}, "
+            f"{c.amp_dtype}")

@@ -38,25 +38,27 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
 from gpudiag.measure.profile.protocol import (
-    ENV_LOSSES,
     ENV_OUT,
     ENV_PARENT,
-    ENV_REMEDIES,
-    ENV_SEED,
-    ENV_STOP,
-    ENV_TELEMETRY,
     ENV_TRACE_DIR,
-    Schedule,
+    config_from_env,
     part_name,
     window_done_name,
 )
-from gpudiag.measure.profile.remedies import Applied, LossLog, parse_names, seed_everything
+from gpudiag.measure.profile.remedies import Applied, LossLog, seed_everything
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
 from gpudiag.model.atomic import write_text_atomic
-from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S
-from gpudiag.model.facts import CheckpointFacts, DdpJobFacts, SaveRecord, ScriptFacts, StageFacts
+from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
+from gpudiag.model.facts import (
+    CheckpointFacts,
+    DdpJobFacts,
+    LinkProbe,
+    SaveRecord,
+    ScriptFacts,
+    StageFacts,
+)
 from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_jsonable
 
 NO_GPM_PERIOD_S = 1e9
@@ -66,8 +68,10 @@ STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 
 
 class Recorder:
-    def __init__(self, out: Path, warmup: int, timed: int, profiled: int) -> None:
-        self.out, self.warmup, self.timed, self.profiled = out, warmup, timed, profiled
+    def __init__(self, out: Path, config: ProfileConfig) -> None:
+        self.out, self.config = out, config
+        self.warmup, self.timed, self.evidence_steps = (config.warmup, config.timed,
+                                                        config.evidence_steps)
         self.pid = os.getpid()
         self.host_marks: list[float] = [time.perf_counter()]
         self.events: list[Any] = []
@@ -80,7 +84,7 @@ class Recorder:
         self.data_calls: dict[int, list[int]] = defaultdict(list)  # iterator -> steps it served
         self.batch_size: int | None = None
         self.saves: list[SaveRecord] = []
-        self.stop_after_window = os.environ.get(ENV_STOP) == "1"
+        self.stop_after_window = config.stop_after_window
         trace_dir = os.environ.get(ENV_TRACE_DIR)
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.sampler: Any = None
@@ -96,8 +100,8 @@ class Recorder:
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
         # --try-fixes (gpudiag/measure/profile/remedies.py): remedies applied, first losses.
-        self.applied = Applied(parse_names(os.environ.get(ENV_REMEDIES)))
-        self.losses = LossLog(int(os.environ.get(ENV_LOSSES) or 0))
+        self.applied = Applied(config.remedies)
+        self.losses = LossLog(config.losses)
 
     @property
     def steps(self) -> int:
@@ -147,11 +151,11 @@ class Recorder:
         if done == start_profile:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
-            if self.profiled:
+            if self.evidence_steps:
                 self.window = ProfilerWindow(self._device(), annotate=not _compiled())
                 self.window.start()
         elif self.window is not None and self.window.open:
-            if done == start_profile + self.profiled:
+            if done == start_profile + self.evidence_steps:
                 self._stop_profiler(keep=True, at_boundary=True)
                 self._probe_link()
                 self._window_closed()
@@ -212,7 +216,10 @@ class Recorder:
             return
         device = (torch.device("cuda", torch.cuda.current_device())
                   if self.ddp.backend == "nccl" else torch.device("cpu"))
-        self.ddp.allreduce_probe = allreduce_probe(self.ddp.grad_bytes, device)
+        probe = allreduce_probe(self.ddp.grad_bytes, device)
+        # The probe reports a plain dict (it also goes into the DDP worker's JSON part): the
+        # same fields as LinkProbe, so facts hold it as one (and serialise it the same).
+        self.ddp.allreduce_probe = None if probe is None else LinkProbe(**probe)
 
     # --- data, saves, telemetry ----------------------------------------------------------
 
@@ -243,7 +250,7 @@ class Recorder:
             write_gbps=size / blocking_ms / 1e6 if size and blocking_ms else None))
 
     def _open_telemetry(self) -> None:
-        mode = os.environ.get(ENV_TELEMETRY, "full")
+        mode = self.config.telemetry
         if not self.cuda or mode == "off":
             return
         try:
@@ -314,19 +321,19 @@ class Recorder:
         return facts
 
     def _why_no_evidence(self) -> str:
-        if not self.profiled:
-            return "--steps 0: no profiler window was asked for"
+        if not self.evidence_steps:
+            return "--evidence-steps 0: no profiler window was asked for"
         window_at = self.warmup + self.timed
         if self.steps <= window_at:
             ended = (f"the script ended after {self.steps} steps, before the profiler window "
                      f"at step {window_at}")
-            fitted = Schedule(self.warmup, self.timed, self.profiled).fitted(self.steps)
+            fitted = self.config.fitted(self.steps)
             if fitted is None:
                 return (f"{ended}, too few to time and profile: mark shorter steps with "
                         "gpudiag.step(), or run it longer")
             return (f"{ended}: profile it with --warmup {fitted.warmup} --timed {fitted.timed} "
-                    f"--steps {fitted.profiled}, or let gpudiag re-run it with that schedule "
-                    "(the default, --rerun)")
+                    f"--evidence-steps {fitted.evidence_steps}, or let gpudiag re-run it with "
+                    "that schedule (the default, --rerun)")
         return f"the profiler window failed: {self.error}" if self.error else \
             "the script ended inside the profiler window"
 
@@ -459,11 +466,10 @@ def install() -> Recorder:
     global RECORDER  # noqa: PLW0603  (one recorder per interpreter, found by gpudiag.step())
     if RECORDER is not None:
         return RECORDER
-    schedule = Schedule.from_env(os.environ)
-    if os.environ.get(ENV_SEED):
-        seed_everything(int(os.environ[ENV_SEED]))
-    recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), schedule.warmup, schedule.timed,
-                                   schedule.profiled)
+    config = config_from_env(os.environ)
+    if config.seed is not None:
+        seed_everything(config.seed)
+    recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), config)
     register_optimizer_step_post_hook(recorder.optimizer_stepped)
     _hook_loader(recorder)
     _hook_saves(recorder)

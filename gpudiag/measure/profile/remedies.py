@@ -20,7 +20,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -60,7 +60,7 @@ def _tf32(evidence: Evidence) -> Callable[[], None]:
     def overruled(what: str) -> None:
         evidence["kept_on"].append({"site": _site(depth=3), "set": what})
 
-    def guard(cls: type) -> None:
+    def guard(cls: type[object]) -> None:
         original = cls.__setattr__
 
         def __setattr__(self: object, name: str, value: object) -> None:
@@ -132,7 +132,7 @@ def _loader_options(evidence: Evidence, change: Callable[[dict[str, Any]], dict[
             bound.apply_defaults()
             given = dict(bound.arguments)
             given.pop("self")
-            note = {"site": _site()}
+            note: dict[str, Any] = {"site": _site()}
             if isinstance(given["dataset"], IterableDataset):
                 # More workers would each iterate the whole dataset: not the same training.
                 note["kept"] = "an IterableDataset: worker count left as it was"
@@ -263,7 +263,10 @@ assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 class Applied:
     """The remedies applied in this process and what each saw; `observe()` at the end."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in APPLIERS]
+        if unknown:
+            raise ValueError(f"unknown remedy {unknown[0]!r}")
         self.evidence: dict[str, Evidence] = {name: {} for name in names}
         self.observers = [APPLIERS[name](self.evidence[name]) for name in names]
 
@@ -303,11 +306,4 @@ def seed_everything(seed: int) -> None:
     if numpy is not None:
         numpy.random.seed(seed)
 
-
-def parse_names(text: str | None) -> list[str]:
-    names = [n for n in (text or "").split(",") if n]
-    unknown = [n for n in names if n not in APPLIERS]
-    if unknown:
-        raise ValueError(f"unknown remedy {unknown[0]!r}")
-    return names
 

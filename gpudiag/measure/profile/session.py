@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-import gpudiag
 from gpudiag._version import __version__
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S
 from gpudiag.measure.profile import protocol
-from gpudiag.measure.profile.protocol import Schedule
+from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import BadInput
 from gpudiag.model.results import Env, RunFileError, RunResult, StageResult, from_jsonable
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds gpudiag/: the child imports it
 PARTS_DIR = "parts"
 STOP_GRACE_S = 30.0  # after a forwarded signal, before the command's process group is killed
 POLL_S = 0.5
@@ -52,21 +52,15 @@ class ProfileOutput:
     messages: list[str] = field(default_factory=list)
 
 
-def child_env(parts: Path, request: ProfileRequest, schedule: Schedule) -> dict[str, str]:
+def child_env(parts: Path, out: Path, config: ProfileConfig) -> dict[str, str]:
     env = dict(os.environ)
-    package_root = str(Path(gpudiag.__file__).resolve().parent.parent)
+    package_root = str(PACKAGE_ROOT)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(BOOTSTRAP), package_root, env.get("PYTHONPATH", "")) if p)
-    env.update(schedule.env())
+    env.update(protocol.config_env(config))
     # Absolute: a script that changes directory (Hydra's job.chdir) must still find them.
     env.update({protocol.ENV_OUT: str(parts.resolve()), protocol.ENV_PARENT: str(os.getpid()),
-                protocol.ENV_TELEMETRY: request.telemetry,
-                protocol.ENV_STOP: "1" if request.stop_after_window else "0",
-                protocol.ENV_TRACE_DIR: str(request.out.resolve()),
-                protocol.ENV_REMEDIES: ",".join(request.remedies),
-                protocol.ENV_LOSSES: str(request.losses)})
-    if request.seed is not None:
-        env[protocol.ENV_SEED] = str(request.seed)
+                protocol.ENV_TRACE_DIR: str(out.resolve())})
     return env
 
 
@@ -263,19 +257,11 @@ def _clear(parts_dir: Path) -> None:
             old.unlink()
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileRequest:
-    command: Sequence[str]
+    config: ProfileConfig  # the command and what the recorder does in it
     out: Path  # the run directory
-    schedule: Schedule = field(default_factory=Schedule)
-    telemetry: str = "full"
-    stop_after_window: bool = False
     rerun: bool = True  # re-run a script too short for the schedule once, with one that fits
-    # --try-fixes: remedies applied in the script, the first backward() losses to record, and
-    # a seed set before the script runs (its own seeding overrides it).
-    remedies: tuple[str, ...] = ()
-    losses: int = 0
-    seed: int | None = None
 
 
 def profile_command(request: ProfileRequest,
@@ -283,38 +269,39 @@ def profile_command(request: ProfileRequest,
     """Run the command under the recorder. `on_window` hears the run as soon as a process's
     profiler window closed (the script may still be running)."""
     started = time.perf_counter()
-    output = _profile_once(request, request.schedule, on_window)
+    asked = request.config
+    output = _profile_once(request.out, asked, on_window)
     made = max((s.facts.script.steps for s in output.run.stages if s.facts.script), default=0)
-    fitted = request.schedule.fitted(made)
+    fitted = asked.fitted(made)
     if (request.rerun and output.exit_code == 0 and made
-            and made < request.schedule.steps_needed and fitted is not None):
-        note = (f"the script made {made} steps, fewer than the {request.schedule.steps_needed} "
-                f"gpudiag's schedule needs (warm-up {request.schedule.warmup}, timed "
-                f"{request.schedule.timed}, profiled {request.schedule.profiled}); ran it once "
-                f"more with warm-up {fitted.warmup}, timed {fitted.timed}, profiled "
-                f"{fitted.profiled} (--no-rerun to keep the first run)")
-        output = _profile_once(request, fitted, on_window)
+            and made < asked.steps_needed and fitted is not None):
+        note = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
+                f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
+                f"profiled {asked.evidence_steps}); ran it once more with warm-up "
+                f"{fitted.warmup}, timed {fitted.timed}, profiled {fitted.evidence_steps} "
+                "(--no-rerun to keep the first run)")
+        output = _profile_once(request.out, fitted, on_window)
         output.messages.insert(0, note)
         output.run.notes.insert(0, note)
     output.run.duration_s = time.perf_counter() - started
     return output
 
 
-def _profile_once(request: ProfileRequest, schedule: Schedule,
+def _profile_once(out: Path, config: ProfileConfig,
                   on_window: Callable[[ProfileOutput], None] | None) -> ProfileOutput:
-    parts_dir = request.out / PARTS_DIR
+    parts_dir = out / PARTS_DIR
     _clear(parts_dir)
-    env = child_env(parts_dir, request, schedule)
+    env = child_env(parts_dir, out, config)
     announced: list[bool] = []
 
     def tick() -> None:
         if on_window is not None and not announced and any(
                 parts_dir.glob(protocol.WINDOW_DONE_GLOB)):
             announced.append(True)
-            on_window(_output(request, schedule, parts_dir, ended=None))
+            on_window(_output(config, parts_dir, ended=None))
 
-    ended = run_command(request.command, env, on_tick=tick)
-    output = _output(request, schedule, parts_dir, ended=ended)
+    ended = run_command(config.command, env, on_tick=tick)
+    output = _output(config, parts_dir, ended=ended)
     if not any(s.facts.script for s in output.run.stages):  # no process recorded a step
         failures = bootstrap_failures(parts_dir)
         if failures:
@@ -323,21 +310,16 @@ def _profile_once(request: ProfileRequest, schedule: Schedule,
     return output
 
 
-def _output(request: ProfileRequest, schedule: Schedule, parts_dir: Path,
-            ended: Ended | None) -> ProfileOutput:
+def _output(config: ProfileConfig, parts_dir: Path, ended: Ended | None) -> ProfileOutput:
     """The run so far (`ended` None: the command still runs) or as the command left it."""
     found = collect(parts_dir)
     run = RunResult(
-        tool_version=__version__, env=found.env or _no_environment(),
-        config={"command": list(request.command), "warmup": schedule.warmup,
-                "timed": schedule.timed, "evidence_steps": schedule.profiled,
-                "telemetry": request.telemetry, "mode": "profile",
-                "stop_after_window": request.stop_after_window},
+        tool_version=__version__, env=found.env or _no_environment(), config=config,
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         stages=found.stages, interrupted=ended is not None and ended.interrupted)
     messages = found.messages
     if ended is not None and ended.failed:
-        _mark_failure(run, found, ended, request.command)
+        _mark_failure(run, found, ended, config.command)
         messages.append(f"the command {ended.describe()}")
         run.notes.append(f"The command {ended.describe()}.")
     if not run.stages:

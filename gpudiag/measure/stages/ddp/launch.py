@@ -39,7 +39,13 @@ from gpudiag.model.facts import (
     StageFacts,
     Straggler,
 )
-from gpudiag.model.results import Evidence, StageResult, TelemetrySummary, from_jsonable
+from gpudiag.model.results import (
+    Evidence,
+    StageResult,
+    TelemetrySummary,
+    from_jsonable,
+    to_jsonable,
+)
 
 CPU_DEFAULT_NPROC = 2
 
@@ -81,7 +87,7 @@ def _failure_line(log: str) -> str:
 def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
     """Run the ranks; return every rank's part (this node's alone when not node 0)."""
     config_file = work / "config.json"
-    config_file.write_text(json.dumps(config.to_dict()))
+    config_file.write_text(json.dumps(to_jsonable(config)))
     out = work / "parts"
     log_path = work / "launch.log"
     with log_path.open("w") as log:

@@ -42,7 +42,7 @@ from gpudiag.measure.timing import PhaseRecorder
 from gpudiag.measure.window import measure_window
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import DdpVariant
-from gpudiag.model.results import TimingStats, to_jsonable
+from gpudiag.model.results import TimingStats, from_jsonable, to_jsonable
 
 PARTS_FILE = "parts.json"
 TIMEOUT = dt.timedelta(minutes=10)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    config = RunConfig.from_dict(json.loads(args.config.read_text()))
+    config = from_jsonable(RunConfig, json.loads(args.config.read_text()))
     run_rank(config, args.out)
     # Everything is written: skip interpreter teardown, where the profiler's and the process
     # group's native threads have aborted a rank now and then (SIGABRT after a clean run).

@@ -1,0 +1,66 @@
+"""`gpudiag profile --try-fixes`: the runs. Each remedy the diagnosis calls for is one more run
+of the script with it applied (gpudiag/measure/profile/remedies.py), between two runs without
+any; then, when more than one paid, the ones that paid together. Which remedies, and which of
+them paid, are gpudiag.diagnose.tryfix's to say: the caller passes both in, so that measuring
+never imports diagnosing (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest, profile_command
+from gpudiag.model.config import ProfileConfig
+from gpudiag.model.errors import EXIT_INTERRUPTED
+from gpudiag.model.remedies import BASELINE_RUNS, COMBINED_RUN
+from gpudiag.model.results import RunResult
+
+FIXES_DIR = "fixes"  # each run is kept in <run dir>/fixes/<label>/
+
+
+@dataclass
+class FixRuns:
+    """The runs made, by label (BASELINE_RUNS, a remedy's name, COMBINED_RUN); a stop keeps
+    those finished and the command's exit code."""
+
+    runs: dict[str, RunResult] = field(default_factory=dict)
+    interrupted: bool = False
+    exit_code: int = 0
+
+
+def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], *,
+              paid: Callable[[dict[str, RunResult]], Sequence[str]],
+              on_start: Callable[[str], None],
+              on_done: Callable[[Path, ProfileOutput], None]) -> FixRuns:
+    """Run the script once per remedy, on the schedule the diagnosis ended with (a short
+    script's fitted one) and never re-run; without fixes first and last, so a machine that
+    drifts meanwhile shows in the baseline's spread, not as a fix's effect. `paid(runs)` names
+    the remedies worth combining; `on_done` hears each run's output and its folder."""
+    done = FixRuns()
+
+    def measure(names: tuple[str, ...], label: str) -> bool:
+        on_start(label)
+        out_dir = run_dir / FIXES_DIR / label
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = dataclasses.replace(diagnosed, remedies=names)
+        output = profile_command(ProfileRequest(config, out_dir, rerun=False))
+        on_done(out_dir, output)
+        if output.run.interrupted:
+            done.interrupted, done.exit_code = True, output.exit_code
+            return False
+        done.runs[label] = output.run
+        return True
+
+    plan = [((), BASELINE_RUNS[0]), *(((name,), name) for name in remedies),
+            ((), BASELINE_RUNS[1])]
+    try:
+        if all(measure(names, label) for names, label in plan):
+            together = tuple(paid(done.runs))
+            if len(together) > 1:
+                measure(together, COMBINED_RUN)
+    except KeyboardInterrupt:  # between runs, where no child holds the signal
+        done.interrupted, done.exit_code = True, EXIT_INTERRUPTED
+    return done
