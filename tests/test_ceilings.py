@@ -49,7 +49,8 @@ def _run(gpu: str | None, flops: float, ms: float, precision: str,
                         facts=StageFacts(flops_per_step=flops, precision=precision))
     stages = [stage]
     if peak is not None:
-        stages.append(StageResult(name="peak", status="ok", facts=StageFacts(peak=PeakFacts(
+        stages.append(StageResult(name="peak", status="ok", role="ceiling",
+                                  facts=StageFacts(peak=PeakFacts(
             matmul_n=8192, matmul_tflops=peak, copy_gbps=3000.0, copy_bytes=2**30))))
     return RunResult(tool_version="t", env=Env(device="cuda", gpu_name=gpu, tf32_matmul=False),
                      config=ladder_config(), created_utc="2026-11-23T00:00:00+00:00", stages=stages)

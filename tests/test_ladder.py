@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import EXAMPLES, tiny_config
 
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
@@ -38,6 +39,23 @@ def test_training_stages_split_their_steps(tiny_ladder: RunOutput) -> None:
         assert all(len(v) == len(stage.iter_ms) for v in stage.phases_ms.values())
     data_train = tiny_ladder.run.stage("data-train")
     assert data_train is not None and "data_wait" in data_train.phases_ms
+
+
+def test_each_stage_carries_the_role_it_was_registered_with(tiny_ladder: RunOutput) -> None:
+    """Rules and renderers find the reference and the loader-only stage by role, not name."""
+    roles = {s.name: s.role for s in tiny_ladder.run.stages}
+    assert roles["train-fp16"] == "reference" and roles["dataloader"] == "loader"
+    assert {r for n, r in roles.items() if n not in ("train-fp16", "dataloader")} == {"step"}
+    assert tiny_ladder.run.stage_in_role("reference") is tiny_ladder.run.stage("train-fp16")
+
+
+def test_runs_from_before_roles_get_them_from_the_built_in_names(tmp_path: Path) -> None:
+    data = json.loads((EXAMPLES / "h100-dgca" / "run.json").read_text())
+    assert data["schema_version"] == 1 and "role" not in data["stages"][0]
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    run = load_run(tmp_path)
+    assert {s.name: s.role for s in run.stages if s.role != "step"} == {
+        "train-fp16": "reference", "dataloader": "loader"}
 
 
 def test_dataloader_stage_reports_its_configuration(tiny_ladder: RunOutput) -> None:

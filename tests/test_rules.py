@@ -174,7 +174,9 @@ def make_stage(name: str, *, ms: float = STEP_MS, evidence: Evidence | None = No
                                  kernel_active_pct=kernel_active_pct, gpm=gpm or {},
                                  throttle_share=throttle or {})
     phases = {"data_wait": [data_wait_ms] * 5} if data_wait_ms is not None else {}
+    # The ladder's roles: train-fp16 is the reference the other steps are held against.
     return StageResult(name=name, status="ok", ms_per_iter=ms, iter_ms=[ms] * 5,
+                       role="reference" if name == "train-fp16" else "step",
                        samples_per_step=8, telemetry=telemetry, memory=memory,
                        phases_ms=phases, facts=facts or StageFacts(), evidence=evidence)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpudiag.model.config import PEAK_STAGE
 from gpudiag.model.hardware import datasheet_tflops
 
 if TYPE_CHECKING:
@@ -27,7 +26,7 @@ def compute_dtype(precision: str | None, tf32: bool) -> str:
 
 def ceiling(run: RunResult, dtype: str) -> tuple[float | None, str | None]:
     """(TFLOP/s, where it comes from) for `dtype`: measured by the peak stage, else datasheet."""
-    peak = run.stage(PEAK_STAGE)
+    peak = run.stage_in_role("ceiling")
     if peak is not None and peak.ok and peak.facts.peak is not None:
         measured = peak.facts.peak.matmul_tflops.get(dtype)
         if measured:

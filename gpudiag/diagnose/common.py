@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import statistics
 
-from gpudiag.model.config import REFERENCE_STAGE
 from gpudiag.model.results import RunResult, SourceLine, StageResult
 
 
 def reference_stage(run: RunResult, stage: StageResult) -> StageResult | None:
-    """train-fp16 when it ran (and is not `stage`), else the highest-power training stage."""
-    ref = run.stage(REFERENCE_STAGE)
+    """The reference stage (the ladder's train-fp16) when it ran and is not `stage`, else the
+    highest-power training stage."""
+    ref = run.stage_in_role("reference")
     if ref is not None and ref.ok and ref.name != stage.name:
         return ref
     others = [s for s in run.ok_stages() if s.name != stage.name

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
-from gpudiag.model.config import REFERENCE_STAGE
 from gpudiag.model.results import RunResult, StageResult
 
 # fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper
@@ -66,7 +65,7 @@ def fp32_matmul(run: RunResult) -> Iterator[Draft]:
         evidence: dict[str, object] = {"fp32_matmul_ms_per_step": round(ms, 2),
                                        "share_of_kernel_time": round(share, 3),
                                        "tf32_matmul": run.env.tf32_matmul}
-        ref = run.stage(REFERENCE_STAGE)
+        ref = run.stage_in_role("reference")
         note = ""
         if (ref is not None and ref.ok and ref.ms_per_iter and stage.ms_per_iter
                 and not stage.facts.inference):

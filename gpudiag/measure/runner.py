@@ -134,6 +134,7 @@ class _Session:
                 name=name, status="error", title=definition.title, interrupted=True,
                 error=f"interrupted ({signal.Signals(signal_of(exc)).name}) before the stage "
                       "finished"), True
+        result.role = definition.role
         self.run.interrupted = self.run.interrupted or result.interrupted
         self.run.stages.append(result)
         if self.listener is not None:

@@ -25,10 +25,18 @@ from gpudiag.model.facts import StageFacts, facts_from_details
 from gpudiag.model.schema import SchemaError, parse_json, validate_as
 
 # 2: stages[].facts (typed, gpudiag.model.facts) replaced stages[].details (an untyped dict).
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+# 3: stages[].role says what a stage is to the others; config.mode tells the two configs apart.
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)
 
 StageStatus = Literal["ok", "error", "skipped"]
+# What a stage is to the others: a training (or inference) step; the reference step others are
+# held against (the ladder's compute-bound rung); batches only, no model step; the device's
+# ceilings, not a step.
+StageRole = Literal["step", "reference", "loader", "ceiling"]
+# Before schema 3 the roles were the built-in stages' names.
+_ROLES_BY_NAME: dict[str, StageRole] = {"train-fp16": "reference", "dataloader": "loader",
+                                        "peak": "ceiling"}
 Equivalence = Literal["same", "mixed-precision", "differs", "unchecked"]
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
@@ -261,6 +269,7 @@ class StageResult:
     name: str
     status: StageStatus
     title: str = ""
+    role: StageRole = "step"
     workload: str = ""  # what ran, e.g. "dgca (prompt: loop)"
     ms_per_iter: StepMs | None = None
     samples_per_s: Positive | None = None
@@ -394,6 +403,10 @@ class RunResult:
     def stages_with_evidence(self) -> Iterator[StageResult]:
         return (s for s in self.stages if s.ok and s.evidence is not None)
 
+    def stage_in_role(self, role: StageRole) -> StageResult | None:
+        """The stage that plays `role` (the reference step, the ceiling), if one ran."""
+        return next((s for s in self.stages if s.role == role), None)
+
     def to_dict(self) -> dict[str, Any]:
         return to_jsonable(self)
 
@@ -409,6 +422,8 @@ class RunResult:
             )
         if version == 1:
             data = _upgrade_from_1(data)
+        if version in (1, 2):
+            data = _upgrade_from_2(data)
         try:
             run = validate_as(cls, data)
         except SchemaError as exc:
@@ -421,6 +436,12 @@ class RunResult:
 
 def _upgrade_from_1(data: dict[str, Any]) -> dict[str, Any]:
     stages = [dict(s, facts=facts_from_details(s.get("details") or {}))
+              if isinstance(s, dict) else s for s in data.get("stages") or []]
+    return {**data, "stages": stages, "schema_version": 2}
+
+
+def _upgrade_from_2(data: dict[str, Any]) -> dict[str, Any]:
+    stages = [dict(s, role=_ROLES_BY_NAME.get(str(s.get("name")), "step"))
               if isinstance(s, dict) else s for s in data.get("stages") or []]
     return {**data, "stages": stages, "schema_version": SCHEMA_VERSION}
 

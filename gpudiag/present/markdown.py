@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.model.config import GPM_PERIOD_S, PEAK_STAGE, SAMPLE_PERIOD_S, ProfileConfig
+from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
@@ -74,7 +74,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
 def _ceilings(run: RunResult) -> list[str]:
     """The peak stage's measurements and each stage's share of its ceiling, in words."""
     lines = []
-    peak = run.stage(PEAK_STAGE)
+    peak = run.stage_in_role("ceiling")
     facts = peak.facts.peak if peak is not None and peak.ok else None
     if facts is not None:
         sheet = facts.datasheet_tflops

@@ -44,7 +44,7 @@ def _save(plt: ModuleType, fig: Figure, path: Path) -> None:
 
 
 def throughput_plot(run: RunResult, path: Path) -> bool:
-    stages = [s for s in run.ok_stages() if s.samples_per_s and s.name != "dataloader"]
+    stages = [s for s in run.ok_stages() if s.samples_per_s and s.role != "loader"]
     if not stages:
         return False
     plt, fig, ax = _figure()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.model.config import PEAK_STAGE, REFERENCE_STAGE, ProfileConfig
+from gpudiag.model.config import REFERENCE_STAGE, ProfileConfig
 from gpudiag.model.results import RunResult, StageResult
 
 # The stage the ladder compares against: the seed's "GPU saturated, fp16" rung.
@@ -28,8 +28,8 @@ class Column:
 
 
 def _vs_reference(stage: StageResult, run: RunResult) -> str:
-    ref = run.stage(REFERENCE_STAGE)
-    if (stage.name in (REFERENCE_STAGE, "dataloader", PEAK_STAGE) or ref is None or not ref.ok
+    ref = run.stage_in_role("reference")
+    if (stage.role != "step" or ref is None or not ref.ok
             or not stage.ms_per_iter or not ref.ms_per_iter):
         return DASH
     return f"{stage.ms_per_iter / ref.ms_per_iter:.2f}x"

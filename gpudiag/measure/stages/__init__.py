@@ -1,11 +1,12 @@
-"""Stages: registered by name; the built-in ladder is the seed's diagnosis, in order."""
+"""Stages: registered by name (`@stage`, `@launched_stage`) in the modules of this package,
+which are all imported here, as the rules are (gpudiag/diagnose/__init__.py): a new stage
+module needs no list edited. The built-in ladder is the seed's diagnosis, in order."""
 
 from __future__ import annotations
 
-from gpudiag.measure.stages import checkpoint as _checkpoint  # noqa: F401  (registers its stages)
-from gpudiag.measure.stages import ddp as _ddp  # noqa: F401  (registers the ddp stage)
-from gpudiag.measure.stages import ladder as _ladder  # noqa: F401  (registers the built-in stages)
-from gpudiag.measure.stages import peak as _peak  # noqa: F401  (registers the peak stage)
+import importlib
+import pkgutil
+
 from gpudiag.measure.stages.base import (
     StageContext,
     StageDef,
@@ -22,8 +23,20 @@ DEFAULT_LADDER: tuple[str, ...] = (
 )
 
 
+def load_builtin_stages() -> None:
+    """Import every stage module (and stage package, such as ddp/) of this package."""
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+load_builtin_stages()
+
+
 def stage_names() -> list[str]:
-    return [s.name for s in registered_stages()]
+    """The ladder's stages in its order, then the opt-in ones."""
+    names = [s.name for s in registered_stages()]
+    return [*DEFAULT_LADDER, *(n for n in names if n not in DEFAULT_LADDER)]
 
 
 def get_stage(name: str) -> StageDef:

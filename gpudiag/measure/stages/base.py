@@ -15,7 +15,7 @@ from gpudiag.measure.models import Example, ModelBundle, ModelOptions, ModelSpec
 from gpudiag.measure.timing import PhaseRecorder
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import StageFacts
-from gpudiag.model.results import StageResult
+from gpudiag.model.results import StageResult, StageRole
 
 # Enough examples that no stage runs out (a map-style dataset of this length allocates nothing).
 DATASET_LENGTH = 10_000_000
@@ -146,26 +146,29 @@ class StageDef:
     title: str
     build: StageFunction | None = None
     launch: LaunchFunction | None = None
+    role: StageRole = "step"  # copied onto the stage's result (gpudiag.model.results)
 
 
 _STAGES: dict[str, StageDef] = {}
 
 
-def stage(name: str, title: str) -> Callable[[StageFunction], StageFunction]:
-    """Register a stage under `name`; registration order is the ladder's order."""
+def stage(name: str, title: str, *, role: StageRole = "step",
+          ) -> Callable[[StageFunction], StageFunction]:
+    """Register a stage under `name`, playing `role` for the others."""
 
     def register(fn: StageFunction) -> StageFunction:
-        _STAGES[name] = StageDef(name=name, title=title, build=fn)
+        _STAGES[name] = StageDef(name=name, title=title, build=fn, role=role)
         return fn
 
     return register
 
 
-def launched_stage(name: str, title: str) -> Callable[[LaunchFunction], LaunchFunction]:
+def launched_stage(name: str, title: str, *, role: StageRole = "step",
+                   ) -> Callable[[LaunchFunction], LaunchFunction]:
     """Register a stage that runs in its own processes and times itself (see StageDef)."""
 
     def register(fn: LaunchFunction) -> LaunchFunction:
-        _STAGES[name] = StageDef(name=name, title=title, launch=fn)
+        _STAGES[name] = StageDef(name=name, title=title, launch=fn, role=role)
         return fn
 
     return register

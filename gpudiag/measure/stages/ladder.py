@@ -117,7 +117,7 @@ def train(ctx: StageContext) -> Workload:
                     description=f"{bundle.description}, fp32", facts=fp32_rung())
 
 
-@stage(REFERENCE_STAGE, "training step with mixed precision (autocast)")
+@stage(REFERENCE_STAGE, "training step with mixed precision (autocast)", role="reference")
 def train_fp16(ctx: StageContext) -> Workload:
     bundle = ctx.bundle()
     batch = ctx.batch(bundle)
@@ -134,7 +134,8 @@ def _loader_facts(ctx: StageContext) -> LoaderFacts:
                        persistent_workers=workers > 0)
 
 
-@stage("dataloader", "DataLoader alone (workers, pinned memory): time per batch")
+@stage("dataloader", "DataLoader alone (workers, pinned memory): time per batch",
+       role="loader")
 def dataloader(ctx: StageContext) -> Workload:
     bundle = ctx.bundle(weights=False)  # only the data is needed
     data_loader = ctx.loader(bundle)

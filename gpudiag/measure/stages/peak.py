@@ -69,7 +69,7 @@ def copy_gbps(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (TimingStats.of(times).median_ms / 1e3) / 1e9
 
 
-@launched_stage(PEAK_STAGE, TITLE)
+@launched_stage(PEAK_STAGE, TITLE, role="ceiling")
 def peak(ctx: StageContext) -> StageResult:
     device = ctx.device
     kind = "cuda" if device.type == "cuda" else "cpu"
