@@ -22,19 +22,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Column as ProgressColumn
 from rich.table import Table
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
+from gpudiag.diagnose.counters import COUNTER_NAMES
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
 from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
 from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
@@ -65,7 +56,6 @@ from gpudiag.model.options import (
 from gpudiag.model.results import (
     RunFileError,
     RunResult,
-    StageResult,
     load_run,
     run_json_text,
     save_run,
@@ -149,46 +139,6 @@ app = typer.Typer(
 
 def _split(value: str | None) -> list[str] | None:
     return [s.strip() for s in value.split(",") if s.strip()] if value else None
-
-
-class _LiveProgress:
-    """Progress bars on stderr, one per stage, fed by the runner's listener calls."""
-
-    def __init__(self, console: Console) -> None:
-        self.progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}", table_column=ProgressColumn(min_width=15,
-                                                                          no_wrap=True)),
-            BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[note]}", table_column=ProgressColumn(no_wrap=True)),
-            console=console,
-        )
-        self.tasks: dict[str, TaskID] = {}
-
-    def stage_started(self, name: str, title: str, planned_steps: int) -> None:
-        self.tasks[name] = self.progress.add_task(name, total=planned_steps, note="")
-
-    def step_done(self, name: str, done: int) -> None:
-        task = self.tasks[name]
-        total = self.progress.tasks[task].total or 0
-        self.progress.update(task, completed=done, total=max(total, done))
-
-    def stage_finished(self, result: StageResult) -> None:
-        task = self.tasks.get(result.name)
-        if task is None:
-            return
-        note = (f"{result.ms_per_iter:.1f} ms/iter" if result.ok and result.ms_per_iter
-                else f"{result.status}: {result.error}")
-        done = self.progress.tasks[task].total if result.ok else None  # a stop: where it was
-        self.progress.update(task, completed=done, note=note)
-
-    def evidence_started(self, name: str) -> None:
-        self.tasks[f"evidence {name}"] = self.progress.add_task(
-            f"evidence {name}", total=None, note="profiler window")
-
-    def evidence_finished(self, name: str) -> None:
-        task = self.tasks[f"evidence {name}"]
-        self.progress.update(task, total=1, completed=1, note="done")
 
 
 def _option_parameters(cls: type[OptionsT]) -> list[inspect.Parameter]:
@@ -325,7 +275,9 @@ def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int,
         return RunOutput(merged, done.samples)
     if quiet:
         return run_stages(config, notes=notes, on_stage_done=save, trace_dir=run_dir)
-    live = _LiveProgress(stderr)
+    from gpudiag.present.progress import LiveProgress  # noqa: PLC0415  (pandas)
+
+    live = LiveProgress(stderr)
     with live.progress:
         return run_stages(config, notes=notes, listener=live, on_stage_done=save,
                           trace_dir=run_dir)
@@ -583,9 +535,8 @@ def gate(
              "see) or fail (3).")] = "pass",
     max_regression: Annotated[list[str] | None, typer.Option(
         help="Allowed loss in percent: PCT (wall time, all stages), STAGE=PCT, METRIC=PCT or "
-             "STAGE:METRIC=PCT; METRIC: wall, device, energy, or an exact counter (ops, "
-             "launches, kernels, syncs, copies, copy-bytes, flops, memory, graphs, "
-             "graph-breaks; 0 = no increase). Repeat.")]
+             "STAGE:METRIC=PCT; METRIC: wall, device, energy, or an exact counter "
+             f"({', '.join(COUNTER_NAMES)}; 0 = no increase). Repeat.")]
     = None,
     min_iters: Annotated[int, typer.Option(help="Steady-state steps a side needs per stage.")]
     = 10,
