@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -321,3 +322,102 @@ def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> Non
     lines = run.stages[0].evidence.source_lines  # type: ignore[union-attr]
     assert lines and all("gpudiag" not in line.location for line in lines)
     assert lines[0].location.startswith("lit.py:"), lines[0]
+
+
+# A plain loop that times itself: each step's body, each evaluation, each save (the ground
+# truth gpudiag's whole-run figures are held against). Steps of ~10 ms: a loaded CI host's
+# jitter is no spike.
+PERIODIC_SCRIPT = """
+    import json, time
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train = DataLoader(TensorDataset(torch.randn(8192, 32), torch.randn(8192, 1)), batch_size=16)
+    val = DataLoader(TensorDataset(torch.randn(320, 32), torch.randn(320, 1)), batch_size=16)
+    state = {{"weights": torch.randn(4_000_000)}}  # 16 MB a save
+    truth = {{"eval_ms": [], "save_ms": [], "step_ms": []}}
+
+
+    def evaluate():
+        with torch.no_grad():
+            for x, y in val:
+                torch.nn.functional.mse_loss(model(x), y)
+                time.sleep(0.003)
+
+
+    step = 0
+    for x, y in train:
+        if step == 199:  # the last step's optimizer.step() ends the timeline: nothing after it
+            break
+        started = time.perf_counter()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)
+        truth["step_ms"].append((time.perf_counter() - started) * 1e3)
+        step += 1
+        if {slow_after} and step % {eval_every} == 1 and step > 1:
+            time.sleep(0.002)  # the step after an evaluation is a little slower
+        if step % {eval_every} == 0:
+            started = time.perf_counter()
+            evaluate()
+            truth["eval_ms"].append((time.perf_counter() - started) * 1e3)
+        if {save_every} and step % {save_every} == 0:
+            started = time.perf_counter()
+            torch.save(state, "ckpt.pt")
+            truth["save_ms"].append((time.perf_counter() - started) * 1e3)
+    json.dump(truth, open("truth.json", "w"))
+"""
+
+
+def _periodic(tmp_path: Path, **plant: object) -> tuple[RunResult, dict[str, list[float]], str]:
+    script = _write(tmp_path / "periodic.py", PERIODIC_SCRIPT.format(**plant))
+    code, run, output = _profile(tmp_path, script)
+    assert code == 0, output
+    return run, json.loads((tmp_path / "truth.json").read_text()), output
+
+
+def _line(script: Path, statement: str) -> int:
+    return next(n for n, line in enumerate(script.read_text().splitlines(), 1)
+                if line.strip() == statement)
+
+
+def test_an_evaluation_every_20_steps_is_named_at_its_call_and_priced_on_the_whole_run(
+        tmp_path: Path) -> None:
+    run, truth, output = _periodic(tmp_path, eval_every=20, save_every=0, slow_after=True)
+    found = [f for f in run.findings if f.id == "GD703"]
+    assert len(found) == 1, output
+    evaluation = found[0]
+    script = tmp_path / "periodic.py"
+    assert evaluation.location == f"periodic.py:{_line(script, 'evaluate()')}"
+    assert evaluation.evidence["period_steps"] == 20
+    assert evaluation.evidence["occurrences"] == len(truth["eval_ms"]) == 9
+    per_eval = statistics.fmean(truth["eval_ms"])
+    assert evaluation.evidence["extra_ms_per_occurrence"] == pytest.approx(per_eval, rel=0.15)
+    wall = evaluation.evidence["run_wall_ms"]
+    assert evaluation.evidence["wall_share"] == pytest.approx(sum(truth["eval_ms"]) / wall,
+                                                             rel=0.15)
+    assert "GD701" not in {f.id for f in run.findings}  # no save, no stall blamed on one
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "Where the run's time went" in report and "evaluate()" in report
+
+
+def test_a_save_every_7_and_an_evaluation_every_10_both_priced_shares_add_up(
+        tmp_path: Path) -> None:
+    run, truth, output = _periodic(tmp_path, eval_every=10, save_every=7, slow_after=True)
+    ids = {f.id: f for f in run.findings}
+    assert {"GD701", "GD703"} <= set(ids), output
+    save, evaluation = ids["GD701"], ids["GD703"]
+    assert save.evidence["period_steps"] == 7 and evaluation.evidence["period_steps"] == 10
+    assert save.evidence["stall_ms_per_save"] == pytest.approx(
+        statistics.fmean(truth["save_ms"]), rel=0.25)
+    assert evaluation.evidence["extra_ms_per_occurrence"] == pytest.approx(
+        statistics.fmean(truth["eval_ms"]), rel=0.2)
+    # One wall: the run's; the two shares and every other part add up to it.
+    assert save.evidence["run_wall_ms"] == evaluation.evidence["run_wall_ms"]
+    assert save.impact + evaluation.impact < 1.0
+    truth_share = (sum(truth["save_ms"]) + sum(truth["eval_ms"])) / save.evidence["run_wall_ms"]
+    assert save.impact + evaluation.impact == pytest.approx(truth_share, rel=0.2)

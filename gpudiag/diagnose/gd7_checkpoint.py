@@ -20,6 +20,7 @@ from gpudiag.diagnose.spikes import (
     find_spikes,
     lost_share,
 )
+from gpudiag.diagnose.timeline import PeriodicWork, RunAccount, account, describe
 from gpudiag.model.facts import SaveRecord
 from gpudiag.model.results import RunResult, StageResult
 
@@ -85,6 +86,22 @@ def _periodic_spikes(times: list[float], source: str) -> Stalls | None:
                  if i % period.steps == period.phase)
     return Stalls(source, period.steps, period.hits, spikes.median_ms, excess / period.hits,
                   excess / (spikes.median_ms * len(times)), lost_share(times))
+
+
+def run_account(stage: StageResult) -> RunAccount | None:
+    """The whole run's accounting, for a profiled script that recorded its timeline: then its
+    periodic work is priced on every step of the run, not on the timed window."""
+    script = stage.facts.script
+    return account(script.timeline) if script is not None and script.timeline else None
+
+
+def _timeline_evidence(run_wall: RunAccount, work: PeriodicWork) -> dict[str, Any]:
+    return {"source": "the whole run's steps", "period_steps": work.period,
+            "occurrences": work.occurrences,
+            "extra_ms_per_occurrence": round(work.per_occurrence_ms, 1),
+            "baseline_step_ms": round(run_wall.step_ms, 2),
+            "wall_share": round(run_wall.share(work.extra_ms), 4),
+            "run_wall_ms": round(run_wall.wall_ms, 1)}
 
 
 def saves_are_seen(stage: StageResult) -> bool:
@@ -155,6 +172,10 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
     period (random spikes are not stalls). Severity by that time lost as a share of the
     steady time; CheckFreq's overhead over all slow steps is reported beside it."""
     for stage in run.ok_stages():
+        whole = run_account(stage)
+        if whole is not None:
+            yield from _timeline_save_stalls(stage, whole)
+            continue
         if len(stage.iter_ms) < MIN_STEPS:
             continue
         stalls = measure_stalls(run, stage)
@@ -208,6 +229,35 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
                    f"({pct(share)} of wall time, step {stalls.baseline_ms:.1f} ms without a "
                    "save)"),
             evidence=evidence, impact=min(1.0, share), fix=fix)
+
+
+def _timeline_save_stalls(stage: StageResult, whole: RunAccount) -> Iterator[Draft]:
+    """GD701 on a profiled script's whole run: what its saves held the training thread beyond
+    the steady step, as a share of the run's wall time."""
+    work = next((w for w in whole.works if w.kind == "save"), None)
+    if work is None or whole.share(work.extra_ms) < INFO_LOST:
+        return
+    share = whole.share(work.extra_ms)
+    interval = max(1, math.ceil(work.per_occurrence_ms / (TARGET_OVERHEAD * whole.step_ms)))
+    every = f"every {work.period} steps" if work.period else f"{work.occurrences} times"
+    script = stage.facts.script
+    blocking = [s.blocking_ms for s in script.timeline.saves] if (
+        script is not None and script.timeline is not None) else []
+    evidence = {**_timeline_evidence(whole, work), "saves": work.occurrences,
+                "stall_ms_per_save": round(work.per_occurrence_ms, 1),
+                "blocking_ms_median": round(statistics.median(blocking), 1) if blocking
+                else None, "interval_for_3pct": interval}
+    yield Draft(
+        severity=severity_for(share, warning=WARNING_LOST, critical=CRITICAL_LOST),
+        stage=stage.name,
+        title=(f"Checkpoint stalls: {work.per_occurrence_ms:.0f} ms lost per save {every} "
+               f"({pct(share)} of the run's wall time, step {whole.step_ms:.1f} ms without a "
+               "save)"),
+        evidence=evidence, impact=min(1.0, share),
+        fix=(f"Save asynchronously (pinned-host staging, a background writer, one save in "
+             "flight: torch.distributed.checkpoint.async_save), only on rank 0 or sharded with "
+             f"DCP; at {work.per_occurrence_ms:.0f} ms per save, a 3% overhead needs a save "
+             f"every >= {interval} steps (now {every})."))
 
 
 def _in_flight_steps(times: list[float], saves: list[SaveRecord]) -> set[int]:
@@ -351,6 +401,10 @@ def periodic_step_work(run: RunResult) -> Iterator[Draft]:
     spike with one period. Severity by the
     time lost as a share of the steady time, as for checkpoint stalls."""
     for stage in run.ok_stages():
+        whole = run_account(stage)
+        if whole is not None:
+            yield from _timeline_periodic_work(stage, whole)
+            continue
         # A profiled script, whose every save gpudiag times: the ladder's own stages do no
         # other periodic work (a checkpoint stage's after-effects are its saves').
         if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or stage.facts.script is None:
@@ -378,3 +432,33 @@ def periodic_step_work(run: RunResult) -> Iterator[Draft]:
                  f"{work.stall_ms:.0f} ms every {work.period_steps} steps. Run it less often or "
                  "on fewer batches, or move it off the training process; an evaluation's "
                  "price is this time per occurrence."))
+
+
+def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[Draft]:
+    """GD703 on a profiled script's whole run: each other DataLoader loop (an evaluation) and
+    each periodic spike that no save, loop or data wait explains, priced as a share of the
+    run's wall time (the same wall as every other part of the account)."""
+    for work in whole.works:
+        share = whole.share(work.extra_ms)
+        if work.kind not in ("loop", "other") or share < INFO_LOST:
+            continue
+        what = describe(work, period=False)
+        often = f"every {work.period} steps" if work.period else f"{work.occurrences} times"
+        loop = work.loop
+        where = (f" It runs at {loop.location} in {loop.function}()"
+                 + (f", called at {loop.caller}" if loop.caller else "") + "."
+                 if loop is not None else
+                 " What runs there is neither a save nor a DataLoader loop (logging, metrics, "
+                 "generation, a host sync): gpudiag sees the steps, not the line.")
+        yield Draft(
+            severity=severity_for(share, warning=WARNING_LOST, critical=CRITICAL_LOST),
+            stage=stage.name,
+            title=(f"{what[0].upper()}{what[1:]}: {work.per_occurrence_ms:.0f} ms {often} "
+                   f"({pct(share)} of the run's wall time)"),
+            evidence={**_timeline_evidence(whole, work), "kind": work.kind},
+            impact=min(1.0, share),
+            location=(loop.caller or loop.location) if loop is not None else None,
+            fix=(f"Periodic work beside training: {work.per_occurrence_ms:.0f} ms {often}."
+                 f"{where} Run it less often or on fewer batches, or move it off the training "
+                 "process (a separate evaluation job on saved checkpoints); keep an evaluation "
+                 "DataLoader's workers persistent so they do not restart each time."))

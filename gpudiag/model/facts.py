@@ -163,6 +163,39 @@ class DdpJobFacts:
 
 
 @dataclass
+class OtherLoop:
+    """A DataLoader the script iterated besides the one that feeds training (an evaluation,
+    say): where its loop is, and on which steps of the timeline it ran."""
+
+    location: str  # "path:line": the script's line that iterates it (`for batch in loader`)
+    function: str
+    caller: str | None  # "path:line": the script's line that called that function
+    steps: list[int] = field(default_factory=list)  # timeline steps it served batches on
+    batches: int = 0
+
+
+@dataclass
+class StepTimeline:
+    """Every step of a profiled script's run on the host clock, not only the timed ones: what
+    periodic work (evaluation every N steps, a save every M) costs of the whole run.
+
+    `step_ms[i]` is step i, from one optimizer step (or gpudiag.step()) to the next; step 0
+    runs from the recorder's start (imports, model and data set-up) to the first. Past
+    TIMELINE_STEPS the steps are only counted, into `steps` and `total_ms`."""
+
+    step_ms: list[float] = field(default_factory=list)
+    steps: int = 0  # steps the run made
+    total_ms: float = 0.0  # wall time of all of them, and of the tail
+    tail_ms: float = 0.0  # after the last step, to the process's exit (a final evaluation...)
+    data_wait_ms: list[float] = field(default_factory=list)  # training loader's, per step
+    saves: list[SaveRecord] = field(default_factory=list)  # steps on the timeline's clock
+    loops: list[OtherLoop] = field(default_factory=list)
+    # [start, end): the profiler window's steps, slowed by the profiler itself.
+    window_start: int | None = None
+    window_end: int | None = None
+
+
+@dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
 
@@ -179,6 +212,7 @@ class ScriptFacts:
     # what each remedy applied in this process saw (gpudiag/measure/profile/remedies.py).
     losses: list[float] = field(default_factory=list)
     remedies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timeline: StepTimeline | None = None
 
 
 @dataclass

@@ -17,7 +17,11 @@ _STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
 
 
 def _at_stake(finding: Finding) -> str:
-    return f"{finding.impact:.0%} of the step" if finding.impact > 0 else "risk, not time"
+    if finding.impact <= 0:
+        return "risk, not time"
+    # Priced on the whole run (gpudiag/diagnose/timeline.py), not on the timed steps.
+    whole = "run_wall_ms" in finding.evidence
+    return f"{finding.impact:.0%} of {'the run' if whole else 'the step'}"
 
 
 def _value(value: Any) -> str:

@@ -155,6 +155,24 @@ def call_site(frame: FrameType | None) -> Site | None:
                 direct and not via, via=via)
 
 
+def _is_users(filename: str) -> bool:
+    return not (is_library(filename) or _is_internal(filename))
+
+
+def caller_site(frame: FrameType | None) -> str | None:
+    """`path:line` of the user's line that called the function holding the user's innermost
+    frame (the evaluation call in the training loop, for a loop inside evaluate()); None
+    when that function was called from outside the user's code."""
+    while frame is not None and not _is_users(frame.f_code.co_filename):
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    while caller is not None and not _is_users(caller.f_code.co_filename):
+        caller = caller.f_back
+    if caller is None:
+        return None
+    return f"{display_path(caller.f_code.co_filename)}:{caller.f_lineno}"
+
+
 class SourceAnnotator(TorchFunctionMode):
     """Names a profiler range after the call site of every torch call made while active."""
 

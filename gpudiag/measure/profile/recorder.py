@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
 from gpudiag.measure.env import collect_env, device_identity
+from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
 from gpudiag.measure.profile.protocol import (
     ENV_OUT,
@@ -46,6 +47,7 @@ from gpudiag.measure.profile.protocol import (
     window_done_name,
 )
 from gpudiag.measure.profile.remedies import Applied, LossLog, seed_everything
+from gpudiag.measure.profile.timeline import Site, build_timeline, training_loaders
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
@@ -58,11 +60,13 @@ from gpudiag.model.facts import (
     SaveRecord,
     ScriptFacts,
     StageFacts,
+    StepTimeline,
 )
 from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_jsonable
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
+MAX_LOOP_SITES = 10_000  # DataLoader iterations whose line is looked up (one per epoch or eval)
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
 STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 
@@ -82,6 +86,11 @@ class Recorder:
         # an evaluation loop's loaders are told apart (see _training_waits).
         self.data_wait: dict[tuple[int, int], float] = defaultdict(float)
         self.data_calls: dict[int, list[int]] = defaultdict(list)  # iterator -> steps it served
+        self.loop_sites: dict[int, Site] = {}  # iterator -> the script's line that iterates it
+        # Past MAX_STEPS steps are only counted: how many, and when the last one ended.
+        self.extra_steps = 0
+        self.end_mark: float | None = None
+        self.exit_mark: float | None = None
         self.batch_size: int | None = None
         self.saves: list[SaveRecord] = []
         self.stop_after_window = config.stop_after_window
@@ -124,7 +133,10 @@ class Recorder:
     def boundary(self) -> None:
         if self.stop_signal is not None:
             raise SystemExit(128 + self.stop_signal)
-        if self.finished or self.steps >= MAX_STEPS:
+        if self.finished:
+            return
+        if self.steps >= MAX_STEPS:
+            self.extra_steps, self.end_mark = self.extra_steps + 1, time.perf_counter()
             return
         if self.cuda is None:
             self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -230,14 +242,25 @@ class Recorder:
         if self.batch_size is None:
             self.batch_size = _batch_size(batch)
 
+    def loader_iterated(self, iterator: object, frame: Any) -> None:
+        """A DataLoader was iterated (`for batch in loader`, once per epoch or evaluation):
+        where, in the script, for the loops that are not training's."""
+        key = id(iterator)
+        if key not in self.loop_sites and len(self.loop_sites) < MAX_LOOP_SITES:
+            site = call_site(frame)
+            if site is not None:
+                self.loop_sites[key] = (site.location, site.function, caller_site(frame))
+
     def _training_waits(self, steps: range) -> list[float]:
-        """Per step, the wait for the loader(s) that feed training. A loader whose batches all
-        come between two optimizer steps, more than two of them, is an evaluation (or other)
-        loop: its waits belong to that work, not to the next training step's input."""
-        training = {key for key, served in self.data_calls.items()
-                    if len(set(served)) > 1 or len(served) <= 2}
-        return [sum(ms for (step, key), ms in self.data_wait.items()
-                    if step == i and key in training) for i in steps]
+        """Per step, the wait for the loader(s) that feed training. An evaluation (or other)
+        loop's waits belong to that work, not to the next training step's input
+        (gpudiag/measure/profile/timeline.py tells them apart)."""
+        training = training_loaders(self.data_calls)
+        waits: dict[int, float] = defaultdict(float)
+        for (step, key), ms in self.data_wait.items():
+            if key in training:
+                waits[step] += ms
+        return [waits.get(i, 0.0) for i in steps]
 
     def saved(self, blocking_ms: float, path: Any) -> None:
         """A blocking torch.save returned (the script's own saves are synchronous)."""
@@ -315,10 +338,20 @@ class Recorder:
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
-            losses=list(self.losses.values), remedies=self.applied.observe()))
+            losses=list(self.losses.values), remedies=self.applied.observe(),
+            timeline=self._timeline()))
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts
+
+    def _timeline(self) -> StepTimeline:
+        start = self.warmup + self.timed
+        window = (start, start + self.evidence_steps) if self.evidence is not None else None
+        return build_timeline(self.host_marks, extra_steps=self.extra_steps,
+                              end_mark=self.end_mark, exit_mark=self.exit_mark,
+                              waits=self.data_wait,
+                              calls=self.data_calls, sites=self.loop_sites, saves=self.saves,
+                              window=window)
 
     def _why_no_evidence(self) -> str:
         if not self.evidence_steps:
@@ -341,6 +374,7 @@ class Recorder:
         if self.finished:
             return
         self.finished = True
+        self.exit_mark = time.perf_counter()  # the run's end: after its last step, at exit
         try:
             self._stop_profiler(keep=True)
         except Exception as exc:
@@ -533,7 +567,15 @@ def _hook_loader(recorder: Recorder) -> None:
             return batch
         return __next__
 
+    def sited_iter(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __iter__(self: Any) -> Any:
+            iterator = original(self)
+            recorder.loader_iterated(iterator, sys._getframe(1))
+            return iterator
+        return __iter__
+
     _wrap(_BaseDataLoaderIter, "__next__", timed_next)
+    _wrap(DataLoader, "__iter__", sited_iter)
 
 
 def _hook_saves(recorder: Recorder) -> None:

@@ -1,0 +1,163 @@
+"""One accounting of a profiled script's whole run: where its wall time went, step by step.
+
+The run's wall time is every step's time (gpudiag.model.facts.StepTimeline). Step 0 is the
+start-up (imports, set-up, the first step). Every later step is the steady step (the median of
+the steps where nothing else ran) plus, on some steps, extra time, and that extra time is
+charged to what ran there, in this order: the script's saves (no more than the time they held
+the training thread), the training DataLoader's wait beyond its usual, another DataLoader loop
+(an evaluation) that ran on that step, and otherwise work that is none of these: periodic when
+its spikes recur with one period, irregular when they do not. The profiler window's steps are
+slowed by gpudiag itself: their extra is its own part. Steps past those listed are one part.
+Each step's time goes to exactly one part, or is split between them, so the parts add up to
+the wall time: every share a finding prices is of the same whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gpudiag.diagnose.spikes import detect_period, find_spikes
+from gpudiag.model.facts import OtherLoop, StepTimeline
+
+WorkKind = Literal["save", "data", "loop", "other"]
+KINDS: tuple[WorkKind, ...] = ("save", "data", "loop", "other")  # the order extra is charged in
+MIN_TIMELINE_STEPS = 20  # fewer steps than this show no period
+MIN_OCCURRENCES = 2  # a part recurring fewer times has no period
+
+
+@dataclass
+class PeriodicWork:
+    """Work beside the training step on some of its steps: what, where, how often, what extra."""
+
+    kind: WorkKind
+    steps: list[int]  # the steps it ran on (for "other": the ones that spiked)
+    extra_ms: float  # over the run, above the steady step
+    period: int | None = None  # steps between occurrences, when regular
+    loop: OtherLoop | None = None  # for "loop": the DataLoader loop
+
+    @property
+    def occurrences(self) -> int:
+        return len(self.steps)
+
+    @property
+    def per_occurrence_ms(self) -> float:
+        return self.extra_ms / len(self.steps) if self.steps else 0.0
+
+
+@dataclass
+class RunAccount:
+    wall_ms: float
+    startup_ms: float  # step 0
+    steady_ms: float  # every later step's own work, at most the steady step each
+    step_ms: float  # the steady step: median of the steps where nothing else ran
+    window_ms: float = 0.0  # the profiler window's extra: gpudiag's own
+    irregular_ms: float = 0.0  # slow steps no cause or period explains
+    unlisted_ms: float = 0.0  # steps past the listed ones: not itemised
+    tail_ms: float = 0.0  # after the last step, to the exit
+    works: list[PeriodicWork] = field(default_factory=list)
+
+    def share(self, ms: float) -> float:
+        return ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+    def parts(self) -> list[tuple[str, float]]:
+        """(part, ms) adding up to the wall time."""
+        named = [("start-up (step 0: imports, set-up, first step)", self.startup_ms),
+                 (f"training steps at {self.step_ms:.1f} ms", self.steady_ms)]
+        named += [(describe(w), w.extra_ms) for w in self.works]
+        named += [("irregular slow steps", self.irregular_ms),
+                  ("gpudiag's profiler window", self.window_ms),
+                  ("steps past those listed", self.unlisted_ms),
+                  ("after the last step, to the exit", self.tail_ms)]
+        return [(name, ms) for name, ms in named if ms > 0]
+
+
+def describe(work: PeriodicWork, *, period: bool = True) -> str:
+    every = f" every {work.period} steps" if work.period and period else ""
+    if work.kind == "save":
+        return f"checkpoint saves{every}"
+    if work.kind == "data":
+        return f"training DataLoader stalls{every}"
+    if work.kind == "loop" and work.loop is not None:
+        called = f", called at {work.loop.caller}" if work.loop.caller else ""
+        return (f"DataLoader loop at {work.loop.location} ({work.loop.function}(){called})"
+                f"{every}")
+    return f"other work{every} (not a save, not a DataLoader loop)"
+
+
+def _period(steps: Sequence[int]) -> int | None:
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
+    if len(steps) < MIN_OCCURRENCES or not gaps:
+        return None
+    common = statistics.mode(gaps)
+    return common if gaps.count(common) >= 0.8 * len(gaps) else None
+
+
+def account(timeline: StepTimeline) -> RunAccount | None:
+    """The run's wall time in parts, or None for a timeline too short to tell."""
+    times = timeline.step_ms
+    n = len(times)
+    if n < MIN_TIMELINE_STEPS + 1:
+        return None
+    window = (set(range(timeline.window_start, timeline.window_end or 0))
+              if timeline.window_start is not None else set())
+    blocking: dict[int, float] = {}
+    for save in timeline.saves:
+        blocking[save.step] = blocking.get(save.step, 0.0) + save.blocking_ms
+    loop_of = {s: loop for loop in timeline.loops for s in loop.steps}
+    waits = timeline.data_wait_ms if len(timeline.data_wait_ms) == n else [0.0] * n
+    candidates = [i for i in range(1, n) if i not in window]
+    spikes = find_spikes([times[i] for i in candidates])
+    spiked = {candidates[k] for k in spikes.indices}
+    plain = [i for i in candidates if i not in spiked and i not in blocking and i not in loop_of]
+    step = statistics.median([times[i] for i in plain] or [times[i] for i in candidates])
+    usual_wait = statistics.median([waits[i] for i in plain] or [0.0])
+    result = RunAccount(wall_ms=max(timeline.total_ms, sum(times) + timeline.tail_ms),
+                        startup_ms=times[0], steady_ms=0.0, step_ms=step,
+                        tail_ms=timeline.tail_ms)
+    result.unlisted_ms = result.wall_ms - sum(times) - timeline.tail_ms
+    charged: dict[WorkKind, dict[int, float]] = {k: {} for k in KINDS}
+    for i in range(1, n):
+        extra = times[i] - step
+        result.steady_ms += min(times[i], step)
+        if extra <= 0:
+            continue
+        if i in window:
+            result.window_ms += extra
+            continue
+        caps = (blocking.get(i, 0.0), max(0.0, waits[i] - usual_wait) if i in spiked else 0.0,
+                extra if i in loop_of else 0.0, extra if i in spiked else 0.0)
+        for kind, cap in zip(KINDS, caps, strict=True):
+            part = min(extra, cap)
+            if part > 0:
+                charged[kind][i] = part
+                extra -= part
+        result.steady_ms += extra  # jitter on an ordinary step: the step's own
+    _works(result, charged, timeline.loops, n)
+    return result
+
+
+def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
+           loops: Sequence[OtherLoop], n: int) -> None:
+    for kind in KINDS[:2]:
+        steps = sorted(charged[kind])
+        if steps:
+            result.works.append(PeriodicWork(kind, steps, sum(charged[kind].values()),
+                                             _period(steps)))
+    for loop in loops:
+        steps = [s for s in loop.steps if s in charged["loop"]]
+        if steps:
+            extra = sum(charged["loop"][s] for s in steps)
+            result.works.append(PeriodicWork("loop", steps, extra, _period(steps), loop))
+    other = sorted(charged["other"])
+    period = detect_period(other, n)
+    if period is not None:
+        steps = [s for s in other if s % period.steps == period.phase]
+        result.works.append(PeriodicWork("other", steps, sum(charged["other"][s] for s in steps),
+                                         period.steps))
+        other = [s for s in other if s % period.steps != period.phase]
+    result.irregular_ms = sum(charged["other"][s] for s in other)
+    result.works.sort(key=lambda w: -w.extra_ms)

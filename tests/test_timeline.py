@@ -1,0 +1,107 @@
+"""The whole run's accounting (gpudiag/diagnose/timeline.py) on planted timelines: periodic
+work at any period, two periods interleaved, a slow step after each occurrence, jitter; and
+parts that add up to the wall time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpudiag.diagnose.timeline import account
+from gpudiag.model.facts import OtherLoop, SaveRecord, StepTimeline
+
+STEP_MS = 23.0
+
+
+def _timeline(n: int = 200, *, eval_every: int | None = None, eval_ms: float = 0.0,
+              save_every: int | None = None, save_ms: float = 0.0, after_ms: float = 0.0,
+              other_every: int | None = None, other_ms: float = 0.0, jitter: float = 0.02,
+              seed: int = 0) -> StepTimeline:
+    rng = random.Random(seed)
+    times = [1000.0] + [STEP_MS * (1 + rng.uniform(-jitter, jitter)) for _ in range(n - 1)]
+    loop = OtherLoop(location="train.py:40", function="evaluate", caller="train.py:88")
+    saves = []
+    for i in range(1, n):
+        if eval_every and i % eval_every == 0:
+            times[i] += eval_ms
+            loop.steps.append(i)
+            loop.batches += 10
+            if i + 1 < n:
+                times[i + 1] += after_ms  # the step after an evaluation is a little slower
+        if save_every and i % save_every == 0:
+            times[i] += save_ms
+            saves.append(SaveRecord(step=i, blocking_ms=save_ms))
+        if other_every and i % other_every == 0:
+            times[i] += other_ms
+    return StepTimeline(step_ms=times, steps=n, total_ms=sum(times),
+                        data_wait_ms=[0.0] * n, saves=saves,
+                        loops=[loop] if loop.steps else [])
+
+
+def _parts_add_up(timeline: StepTimeline) -> None:
+    whole = account(timeline)
+    assert whole is not None
+    assert sum(ms for _, ms in whole.parts()) == pytest.approx(whole.wall_ms)
+    assert sum(whole.share(ms) for _, ms in whole.parts()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("every", [3, 10, 20, 50, 90])
+def test_an_evaluation_at_any_period_is_priced_on_the_whole_run(every: int) -> None:
+    timeline = _timeline(eval_every=every, eval_ms=218.0, after_ms=2.0)
+    whole = account(timeline)
+    assert whole is not None
+    loop = next(w for w in whole.works if w.kind == "loop")
+    assert loop.period == every and loop.per_occurrence_ms == pytest.approx(218.0, rel=0.03)
+    planted = 218.0 * (199 // every)
+    assert whole.share(loop.extra_ms) == pytest.approx(planted / timeline.total_ms, rel=0.03)
+    assert whole.step_ms == pytest.approx(STEP_MS, rel=0.02)
+    _parts_add_up(timeline)
+
+
+def test_a_save_every_7_and_an_evaluation_every_10_are_two_parts_that_add_up() -> None:
+    timeline = _timeline(eval_every=10, eval_ms=218.0, save_every=7, save_ms=60.0, after_ms=2.0)
+    whole = account(timeline)
+    assert whole is not None
+    kinds = {w.kind: w for w in whole.works}
+    assert kinds["save"].period == 7 and kinds["loop"].period == 10
+    assert kinds["save"].per_occurrence_ms == pytest.approx(60.0, rel=0.05)
+    assert kinds["loop"].per_occurrence_ms == pytest.approx(218.0, rel=0.05)
+    truth = (60.0 * (199 // 7) + 218.0 * (199 // 10)) / timeline.total_ms
+    assert whole.share(kinds["save"].extra_ms + kinds["loop"].extra_ms) == pytest.approx(
+        truth, rel=0.03)
+    _parts_add_up(timeline)
+
+
+def test_periodic_work_that_is_neither_save_nor_loop_is_found_by_its_period() -> None:
+    timeline = _timeline(other_every=13, other_ms=120.0, eval_every=20, eval_ms=80.0)
+    whole = account(timeline)
+    assert whole is not None
+    other = next(w for w in whole.works if w.kind == "other")
+    assert other.period == 13 and other.per_occurrence_ms == pytest.approx(120.0, rel=0.05)
+    assert whole.irregular_ms < 0.01 * whole.wall_ms
+    _parts_add_up(timeline)
+
+
+def test_a_steady_run_has_no_periodic_work() -> None:
+    timeline = _timeline(jitter=0.1)
+    whole = account(timeline)
+    assert whole is not None and not whole.works
+    assert whole.share(whole.steady_ms + whole.startup_ms) > 0.98
+    _parts_add_up(timeline)
+
+
+def test_a_short_timeline_is_not_accounted() -> None:
+    assert account(_timeline(n=12, eval_every=3, eval_ms=100.0)) is None
+
+
+def test_the_profiler_window_is_gpudiags_own_part() -> None:
+    timeline = _timeline()
+    timeline.window_start, timeline.window_end = 35, 38
+    for i in range(35, 38):
+        timeline.step_ms[i] += 300.0
+    timeline.total_ms = sum(timeline.step_ms)
+    whole = account(timeline)
+    assert whole is not None and not whole.works
+    assert whole.window_ms == pytest.approx(900.0, rel=0.02)
+    _parts_add_up(timeline)
