@@ -15,6 +15,7 @@ SYNC_MIN, SYNC_WARNING, SYNC_CRITICAL = 4, 0.05, 0.30
 SMALL_MIN_KERNELS, SMALL_SHORT_SHARE, SMALL_IDLE, SMALL_MAX_SM = 500, 0.5, 0.20, 40
 
 MAX_PRICED_SHARE = 0.95  # a loop's share is capped here when it is turned into a speedup
+MAX_LINES_NAMED = 3  # lines a fix names, busiest first
 
 
 def _loop_thresholds(prefix: str = "", *, severity: bool = True) -> tuple[Threshold, ...]:
@@ -169,6 +170,8 @@ STARVED_THRESHOLDS = (
     Threshold("critical_idle_fraction", IDLE_CRITICAL, "the GPU waits more than it works"),
     Threshold("max_data_wait_share", MAX_DATA_WAIT,
               "above this the input-pipeline rule explains the idle time instead"),
+    Threshold("max_lines_named", MAX_LINES_NAMED,
+              "without a loop finding, the fix names this many lines, by host time"),
     *_loop_thresholds("loop_"),
 )
 
@@ -179,8 +182,9 @@ STARVED_THRESHOLDS = (
     why=("Power far below the ceiling that the same run's compute-bound stage reached, and "
          "device idle time inside the step, mean the host (Python, launches, syncs) sets the "
          "pace. NVML's utilization does not show it: it counts any kernel as busy."),
-    fix=("Remove host work from the step: the loop and sync findings name the lines; batch "
-         "small ops, avoid per-step .item()/.cpu(), use CUDA graphs or torch.compile."),
+    fix=("Remove host work from the step: the finding names the lines whose torch calls and "
+         "syncs take the host's time (or says none does); batch small ops, avoid per-step "
+         ".item()/.cpu(), use CUDA graphs or torch.compile."),
     thresholds=STARVED_THRESHOLDS,
     references=("docs/field-cases.md#case-1 (stage 6 vs stage 3)",
                 "reports/examples/h100-dgca (the ladder on an H100)"),
@@ -232,10 +236,28 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             severity = min(severity, loop_severity(loop_impact), key=SEVERITY_RANK.__getitem__)
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
-            fix=("Look at this stage's loop and sync findings first: they name the lines that "
-                 "keep the host busy. Then batch small ops, remove per-step host syncs, and "
-                 "capture the step with CUDA graphs or torch.compile where shapes are static."),
-        )
+            fix=_starved_fix(stage, loop) + " Then batch small ops, remove per-step host syncs, "
+                "and capture the step with CUDA graphs or torch.compile where shapes are "
+                "static.")
+
+
+def _starved_fix(stage: StageResult, loop: SourceLine | None) -> str:
+    """Where the host's time goes, from this stage's own evidence: the loop when there is one,
+    else the lines whose torch calls or syncs take the most host time; or that no line does."""
+    if loop is not None:
+        return f"Vectorize the Python loop at {loop.location} (GD101)."
+    ev = stage.evidence
+    lines = sorted((line for line in (ev.source_lines if ev is not None else [])
+                    if line.host_ms_per_step + line.sync_idle_ms_per_step > 0),
+                   key=lambda line: -(line.host_ms_per_step + line.sync_idle_ms_per_step))
+    if not lines:
+        return ("No line's torch calls take the host's time: it goes to Python or numpy work "
+                "between them (data preparation, logging, metrics in the loop).")
+    named = "; ".join(
+        f"{line.location} {line.host_ms_per_step:.1f} ms"
+        + (f" and {line.syncs_per_step:.0f} syncs" if line.syncs_per_step >= 1 else "")
+        for line in lines[:MAX_LINES_NAMED])
+    return f"The host's time per step in torch calls goes to: {named}."
 
 
 SYNC_THRESHOLDS = (

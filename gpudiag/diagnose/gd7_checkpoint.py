@@ -167,10 +167,13 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
                 "(median * n)", "https://pytorch.org/docs/stable/distributed.checkpoint.html"),
 )
 def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
-    """For each stage of at least 20 steps: with save records, the excess of the steps saves
-    held up over the median step without a save; without them, spikes that recur with one
-    period (random spikes are not stalls). Severity by that time lost as a share of the
-    steady time; CheckFreq's overhead over all slow steps is reported beside it."""
+    """A profiled script with its whole run's timeline: the time its saves held the training
+    thread beyond the steady step, as a share of the run's wall time (the account of
+    gpudiag/diagnose/timeline.py). Other stages of at least 20 steps: with save records, the
+    excess of the steps saves held up over the median step without a save; without them,
+    spikes that recur with one period (random spikes are not stalls). Severity by that time
+    lost as a share of the steady time; CheckFreq's overhead over all slow steps is reported
+    beside it."""
     for stage in run.ok_stages():
         whole = run_account(stage)
         if whole is not None:
@@ -396,10 +399,12 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     references=("docs/field-cases.md#case-4 (stalls that were not the save)",),
 )
 def periodic_step_work(run: RunResult) -> Iterator[Draft]:
-    """Profiled scripts of at least 20 timed steps (their every torch.save and safetensors save
-    is on record): the step times less the saves' blocking and the training data wait still
-    spike with one period. Severity by the
-    time lost as a share of the steady time, as for checkpoint stalls."""
+    """Profiled scripts (their every torch.save and safetensors save is on record). With the
+    whole run's timeline: each other DataLoader loop (an evaluation, named at its call) and
+    each periodic spike no save, loop or data wait explains, as a share of the run's wall
+    time. Without one (older runs), over at least 20 timed steps: the step times less the
+    saves' blocking and the training data wait still spike with one period. Severity by the
+    time lost as a share, as for checkpoint stalls."""
     for stage in run.ok_stages():
         whole = run_account(stage)
         if whole is not None:
