@@ -6,8 +6,9 @@ the steps where nothing else ran) plus, on some steps, extra time, and that extr
 charged to what ran there, in this order: the script's saves (no more than the time they held
 the training thread), the training DataLoader's wait beyond its usual, another DataLoader loop
 (an evaluation) that ran on that step, and otherwise work that is none of these: periodic when
-its spikes recur with one period, irregular when they do not. The profiler window's steps are
-slowed by gpudiag itself: their extra is its own part. Steps past those listed are one part.
+its spikes recur with one period, irregular when they do not. The profiler window's steps, and the
+one after it that carries its closing, are slowed by gpudiag itself: their extra, less any
+save's, is its own part. Steps past those listed are one part.
 Each step's time goes to exactly one part, or is split between them, so the parts add up to
 the wall time: every share a finding prices is of the same whole.
 """
@@ -102,7 +103,8 @@ def account(timeline: StepTimeline) -> RunAccount | None:
     n = len(times)
     if n < MIN_TIMELINE_STEPS + 1:
         return None
-    window = (set(range(timeline.window_start, timeline.window_end or 0))
+    # The step after the window carries its closing (the trace analysed, the part written).
+    window = (set(range(timeline.window_start, (timeline.window_end or 0) + 1))
               if timeline.window_start is not None else set())
     blocking: dict[int, float] = {}
     for save in timeline.saves:
@@ -125,8 +127,11 @@ def account(timeline: StepTimeline) -> RunAccount | None:
         result.steady_ms += min(times[i], step)
         if extra <= 0:
             continue
-        if i in window:
-            result.window_ms += extra
+        if i in window:  # a save there is still the script's
+            saved = min(extra, blocking.get(i, 0.0))
+            if saved > 0:
+                charged["save"][i] = saved
+            result.window_ms += extra - saved
             continue
         caps = (blocking.get(i, 0.0), max(0.0, waits[i] - usual_wait) if i in spiked else 0.0,
                 extra if i in loop_of else 0.0, extra if i in spiked else 0.0)
