@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gpudiag.diagnose.spikes import detect_period, find_spikes
+from gpudiag.diagnose.spikes import PERIODIC_SHARE, detect_period, find_spikes
 from gpudiag.model.facts import OtherLoop, StepTimeline
 
 WorkKind = Literal["save", "data", "loop", "other"]
@@ -94,7 +94,7 @@ def _period(steps: Sequence[int]) -> int | None:
     if len(steps) < MIN_OCCURRENCES or not gaps:
         return None
     common = statistics.mode(gaps)
-    return common if gaps.count(common) >= 0.8 * len(gaps) else None
+    return common if gaps.count(common) >= PERIODIC_SHARE * len(gaps) else None
 
 
 def account(timeline: StepTimeline) -> RunAccount | None:
