@@ -285,11 +285,18 @@ def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int,
 
 def _print_run(run: RunResult) -> None:
     """The terminal view of a run: the stage table, stages that did not run, the diagnosis."""
-    from gpudiag.present import findings_panel, problems, stage_table  # noqa: PLC0415  (pandas)
+    from gpudiag.present import (  # noqa: PLC0415  (pandas)
+        findings_panel,
+        problems,
+        stage_table,
+        waterfall_tables,
+    )
 
     stdout.print(stage_table(run, width=stdout.width))
     for line in problems(run):
         stdout.print(line)
+    for table in waterfall_tables(run):
+        stdout.print(table)
     stdout.print(findings_panel(run))
 
 

@@ -20,7 +20,7 @@ from gpudiag.diagnose.spikes import (
     find_spikes,
     lost_share,
 )
-from gpudiag.diagnose.timeline import PeriodicWork, RunAccount, account, describe
+from gpudiag.diagnose.timeline import PeriodicWork, RunAccount, describe, stage_account
 from gpudiag.model.facts import SaveRecord
 from gpudiag.model.results import RunResult, StageResult
 
@@ -86,13 +86,6 @@ def _periodic_spikes(times: list[float], source: str) -> Stalls | None:
                  if i % period.steps == period.phase)
     return Stalls(source, period.steps, period.hits, spikes.median_ms, excess / period.hits,
                   excess / (spikes.median_ms * len(times)), lost_share(times))
-
-
-def run_account(stage: StageResult) -> RunAccount | None:
-    """The whole run's accounting, for a profiled script that recorded its timeline: then its
-    periodic work is priced on every step of the run, not on the timed window."""
-    script = stage.facts.script
-    return account(script.timeline) if script is not None and script.timeline else None
 
 
 def _timeline_evidence(run_wall: RunAccount, work: PeriodicWork) -> dict[str, Any]:
@@ -175,7 +168,7 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
     lost as a share of the steady time; CheckFreq's overhead over all slow steps is reported
     beside it."""
     for stage in run.ok_stages():
-        whole = run_account(stage)
+        whole = stage_account(stage)
         if whole is not None:
             yield from _timeline_save_stalls(stage, whole)
             continue
@@ -406,7 +399,7 @@ def periodic_step_work(run: RunResult) -> Iterator[Draft]:
     saves' blocking and the training data wait still spike with one period. Severity by the
     time lost as a share, as for checkpoint stalls."""
     for stage in run.ok_stages():
-        whole = run_account(stage)
+        whole = stage_account(stage)
         if whole is not None:
             yield from _timeline_periodic_work(stage, whole)
             continue
@@ -450,11 +443,16 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
         what = describe(work, period=False)
         often = f"every {work.period} steps" if work.period else f"{work.occurrences} times"
         loop = work.loop
-        where = (f" It runs at {loop.location} in {loop.function}()"
-                 + (f", called at {loop.caller}" if loop.caller else "") + "."
-                 if loop is not None else
-                 " What runs there is neither a save nor a DataLoader loop (logging, metrics, "
-                 "generation, a host sync): gpudiag sees the steps, not the line.")
+        if loop is not None:
+            where = (f" It runs at {loop.location} in {loop.function}()"
+                     + (f", called at {loop.caller}" if loop.caller else "") + ".")
+        elif work.line is not None:
+            where = (f" It runs at {work.line}" + (f" `{work.line_text}`" if work.line_text else "")
+                     + f": {work.line_share:.0%} of those steps' extra time in the host samples"
+                       f" of {work.sampled_steps} of them.")
+        else:
+            where = (" What runs there is neither a save nor a DataLoader loop, and no host "
+                     "samples of those steps name its line (--host-sample-hz 0, or too few).")
         yield Draft(
             severity=severity_for(share, warning=WARNING_LOST, critical=CRITICAL_LOST),
             stage=stage.name,
@@ -462,7 +460,7 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
                    f"({pct(share)} of the run's wall time)"),
             evidence={**_timeline_evidence(whole, work), "kind": work.kind},
             impact=min(1.0, share),
-            location=(loop.caller or loop.location) if loop is not None else None,
+            location=(loop.caller or loop.location) if loop is not None else work.line,
             fix=(f"Periodic work beside training: {work.per_occurrence_ms:.0f} ms {often}."
                  f"{where} Run it less often or on fewer batches, or move it off the training "
                  "process (a separate evaluation job on saved checkpoints); keep an evaluation "

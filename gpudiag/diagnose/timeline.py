@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gpudiag.diagnose.spikes import PERIODIC_SHARE, detect_period, find_spikes
-from gpudiag.model.facts import OtherLoop, StepTimeline
+from gpudiag.diagnose.spikes import MIN_PERIODIC_SPIKES, PERIODIC_SHARE, find_spikes
+from gpudiag.model.facts import HostSamples, OtherLoop, StepTimeline
+from gpudiag.model.results import StageResult
 
 WorkKind = Literal["save", "data", "loop", "other"]
 KINDS: tuple[WorkKind, ...] = ("save", "data", "loop", "other")  # the order extra is charged in
@@ -39,6 +41,12 @@ class PeriodicWork:
     extra_ms: float  # over the run, above the steady step
     period: int | None = None  # steps between occurrences, when regular
     loop: OtherLoop | None = None  # for "loop": the DataLoader loop
+    # The training loop's line that held those steps beyond their usual (the host samples of
+    # the slow steps), its source, its share of their sampled extra, and on how many steps.
+    line: str | None = None
+    line_text: str = ""
+    line_share: float | None = None
+    sampled_steps: int = 0
 
     @property
     def occurrences(self) -> int:
@@ -78,6 +86,9 @@ class RunAccount:
 
 def describe(work: PeriodicWork, *, period: bool = True) -> str:
     every = f" every {work.period} steps" if work.period and period else ""
+    if work.kind == "other" and work.line is not None:
+        text = f" (`{work.line_text}`)" if work.line_text else ""
+        return f"work at {work.line}{text}{every}"
     if work.kind == "save":
         return f"checkpoint saves{every}"
     if work.kind == "data":
@@ -97,8 +108,18 @@ def _period(steps: Sequence[int]) -> int | None:
     return common if gaps.count(common) >= PERIODIC_SHARE * len(gaps) else None
 
 
-def account(timeline: StepTimeline) -> RunAccount | None:
-    """The run's wall time in parts, or None for a timeline too short to tell."""
+def stage_account(stage: StageResult) -> RunAccount | None:
+    """A profiled script's whole run, when it recorded its timeline (with its host samples,
+    to name the line of periodic work)."""
+    script = stage.facts.script
+    if script is None or script.timeline is None:
+        return None
+    return account(script.timeline, script.host)
+
+
+def account(timeline: StepTimeline, host: HostSamples | None = None) -> RunAccount | None:
+    """The run's wall time in parts, or None for a timeline too short to tell. With `host`,
+    each periodic work is named by the line that held its steps."""
     times = timeline.step_ms
     n = len(times)
     if n < MIN_TIMELINE_STEPS + 1:
@@ -141,12 +162,67 @@ def account(timeline: StepTimeline) -> RunAccount | None:
                 charged[kind][i] = part
                 extra -= part
         result.steady_ms += extra  # jitter on an ordinary step: the step's own
-    _works(result, charged, timeline.loops, n)
+    _works(result, charged, timeline.loops, n, host, window)
     return result
 
 
+def _attribute(work: PeriodicWork, host: HostSamples) -> None:
+    """The training loop's line whose time on the work's steps most exceeds its usual: the
+    call that does the work (an evaluation, a save, a log). Only slow steps keep their
+    samples (gpudiag/measure/profile/hostsampler.py), which the work's steps are."""
+    slow = {s.step: s for s in host.slow_steps}
+    covered = [slow[step] for step in work.steps if step in slow]
+    if not covered or not host.steady_steps:
+        return
+    extra: dict[str, float] = defaultdict(float)
+    for step in covered:
+        for line, ms in step.loop_ms.items():
+            extra[line] += ms - host.per_step(host.loop_ms.get(line, 0.0))
+    positive = {line: ms for line, ms in extra.items() if ms > 0}
+    if not positive:
+        return
+    line = max(positive, key=lambda k: positive[k])
+    work.line, work.line_text = line, host.text.get(line, "")
+    work.line_share, work.sampled_steps = positive[line] / sum(positive.values()), len(covered)
+
+
+def periodic_groups(extra: Mapping[int, float], n: int,
+                    unseen: Collection[int] = ()) -> list[tuple[int, list[int]]]:
+    """(period, steps) of each periodic work among the spiking steps (step -> extra ms) of a
+    run of `n` steps, largest first: the period and phase whose steps hold the most extra
+    time, where at least PERIODIC_SHARE of the steps at that phase spiked (the `unseen` ones,
+    the profiler window's, are not counted). A spike on the step right after one of them is
+    the same work's after-effect (a restarted iterator, a cold cache) and joins it. Repeated
+    on what is left, so an evaluation every N and a save every M are two works; jitter that
+    no period explains stays out."""
+    left = dict(extra)
+    groups = []
+    while len(left) >= MIN_PERIODIC_SPIKES:
+        best: tuple[float, int, int] | None = None  # (extra ms, period, phase)
+        for p in range(2, n // MIN_PERIODIC_SPIKES + 1):
+            by_phase: dict[int, float] = defaultdict(float)
+            for step, ms in left.items():
+                by_phase[step % p] += ms
+            phase = max(by_phase, key=lambda r: by_phase[r])
+            hits = sum(1 for step in left if step % p == phase)
+            slots = sum(1 for i in range(phase, n, p) if i >= 1 and i not in unseen)
+            if hits >= MIN_PERIODIC_SPIKES and hits >= PERIODIC_SHARE * slots and (
+                    best is None or by_phase[phase] > best[0]):
+                best = (by_phase[phase], p, phase)
+        if best is None:
+            break
+        _, period, phase = best
+        steps = [s for s in left if s % period == phase]
+        steps += [s + 1 for s in steps if s + 1 in left]
+        groups.append((period, sorted(steps)))
+        for step in steps:
+            del left[step]
+    return groups
+
+
 def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
-           loops: Sequence[OtherLoop], n: int) -> None:
+           loops: Sequence[OtherLoop], n: int, host: HostSamples | None,
+           window: Collection[int]) -> None:
     for kind in KINDS[:2]:
         steps = sorted(charged[kind])
         if steps:
@@ -157,12 +233,12 @@ def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
         if steps:
             extra = sum(charged["loop"][s] for s in steps)
             result.works.append(PeriodicWork("loop", steps, extra, _period(steps), loop))
-    other = sorted(charged["other"])
-    period = detect_period(other, n)
-    if period is not None:
-        steps = [s for s in other if s % period.steps == period.phase]
-        result.works.append(PeriodicWork("other", steps, sum(charged["other"][s] for s in steps),
-                                         period.steps))
-        other = [s for s in other if s % period.steps != period.phase]
-    result.irregular_ms = sum(charged["other"][s] for s in other)
+    other = dict(charged["other"])
+    for period, steps in periodic_groups(other, n, window):
+        result.works.append(PeriodicWork("other", steps, sum(other.pop(s) for s in steps),
+                                         period))
+    result.irregular_ms = sum(other.values())
     result.works.sort(key=lambda w: -w.extra_ms)
+    if host is not None:
+        for work in result.works:
+            _attribute(work, host)

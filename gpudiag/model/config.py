@@ -145,6 +145,9 @@ class RunConfig:
                 "loader_workers": self.loader_workers}
 
 
+# Host samples per second in a profiled script (gpudiag/measure/profile/hostsampler.py): its
+# cost on a 2 ms and a 100 ms step is benchmarks/host_sampler.py's.
+HOST_SAMPLE_HZ = 100.0
 MIN_FITTED_STEPS = 4  # a script this short still gets warm-up 1, timed 2, profiled 1
 
 
@@ -161,6 +164,7 @@ class ProfileConfig:
     timed: int = 30
     evidence_steps: int = 3
     telemetry: ProfileTelemetry = "full"
+    host_sample_hz: float = HOST_SAMPLE_HZ  # the training thread's stack; 0: not sampled
     stop_after_window: bool = False  # end the script once its window has closed
     # --try-fixes: remedies applied in the script (gpudiag.model.remedies names), the first
     # backward() losses to record, and a seed set before the script runs (its own wins).

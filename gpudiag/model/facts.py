@@ -9,7 +9,7 @@ ranks and link, a profiled script how its steps were counted. Everything here is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 @dataclass
@@ -195,6 +195,57 @@ class StepTimeline:
     window_end: int | None = None
 
 
+# What the training thread was doing in a host sample (gpudiag/measure/profile/hostsampler.py):
+# blocked reading a device value back, inside a torch call (launching work, or the op itself on
+# a CPU), waiting for the training DataLoader, running Python or numpy, in a C call or operator
+# at the user's line whose target the sample cannot tell (torch or not: the profiler window
+# tells, by the line's torch calls), or in gpudiag's own code.
+HostKind = Literal["sync", "torch", "data", "python", "call", "gpudiag"]
+HOST_KINDS: tuple[HostKind, ...] = get_args(HostKind)
+
+
+@dataclass
+class HostLine:
+    """Host time the samples charged to one line of the user's code, on the steady steps."""
+
+    location: str  # "path:line": the innermost frame of the user's own code
+    function: str
+    kind: HostKind
+    ms: float  # over all steady steps sampled
+    via: str = ""  # "path:line" of the innermost library frame below it (not torch's)
+
+
+@dataclass
+class HostStep:
+    """A slow step's samples: which lines of the training loop its time went to."""
+
+    step: int  # on the timeline's clock
+    ms: float  # the step's wall time
+    loop_ms: dict[str, float] = field(default_factory=dict)  # training-loop line -> ms
+
+
+@dataclass
+class HostSamples:
+    """The training thread's Python stack sampled at a fixed period over the whole run (all
+    steps after warm-up, less the profiler window's): where the host's time per step goes, by
+    the user's line and by what the thread was doing there."""
+
+    period_ms: float
+    samples: int = 0
+    steady_steps: int = 0  # steps whose samples make up `lines` (not slow, not warm-up)
+    steady_wall_ms: float = 0.0  # those steps' wall time on the host clock
+    sampled_ms: float = 0.0  # of which the samples covered
+    kind_ms: dict[str, float] = field(default_factory=dict)  # steady steps, per HOST_KINDS
+    lines: list[HostLine] = field(default_factory=list)  # steady steps, busiest first
+    loop: str | None = None  # "path:line" of the training loop's function (where it steps)
+    loop_ms: dict[str, float] = field(default_factory=dict)  # steady steps, by loop line
+    slow_steps: list[HostStep] = field(default_factory=list)
+    text: dict[str, str] = field(default_factory=dict)  # location -> its source line
+
+    def per_step(self, ms: float) -> float:
+        return ms / self.steady_steps if self.steady_steps else 0.0
+
+
 @dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
@@ -213,6 +264,7 @@ class ScriptFacts:
     losses: list[float] = field(default_factory=list)
     remedies: dict[str, dict[str, Any]] = field(default_factory=dict)
     timeline: StepTimeline | None = None
+    host: HostSamples | None = None
 
 
 @dataclass

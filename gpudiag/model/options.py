@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 from gpudiag.model.config import (
     AMP_DTYPES,
     DDP_NO_SYNC,
+    HOST_SAMPLE_HZ,
     PROFILE_TELEMETRY,
     ProfileConfig,
     ProfileTelemetry,
@@ -30,6 +31,7 @@ from gpudiag.model.errors import BadInput
 from gpudiag.model.remedies import FIX_SEED, REMEDIES
 
 Check = Literal["", "positive", "non-negative"]
+MAX_HOST_SAMPLE_HZ = 1000.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,9 @@ class ProfileOptions:
                                   check="non-negative")
     telemetry: str = _option("full", "--telemetry", "GPU telemetry in the script: full (NVML "
                              "and GPM), basic (NVML only) or off.", choices=PROFILE_TELEMETRY)
+    host_sample_hz: float = _option(HOST_SAMPLE_HZ, "--host-sample-hz", "How often the "
+                                    "training thread's Python stack is sampled, for host time "
+                                    "by line (0: not sampled).", check="non-negative")
     stop_after_window: bool = _option(False, "--stop-after-window", "End the script once the "
                                       "profiler window has closed and the diagnosis is "
                                       "written (a long job answers in minutes).")
@@ -135,10 +140,15 @@ def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileCo
     check_ranges(options)
     if options.fixes and not options.try_fixes:
         raise BadInput("--fix goes with --try-fixes")
+    if options.host_sample_hz > MAX_HOST_SAMPLE_HZ:
+        raise BadInput(f"--host-sample-hz must be at most {MAX_HOST_SAMPLE_HZ:.0f} (the "
+                       f"sampler would cost the script its own time); got "
+                       f"{options.host_sample_hz:g}")
     return ProfileConfig(
         command=tuple(command), warmup=options.warmup, timed=options.timed,
         evidence_steps=options.evidence_steps,
         telemetry=typing.cast(ProfileTelemetry, options.telemetry),  # its choices are checked
+        host_sample_hz=options.host_sample_hz,
         stop_after_window=options.stop_after_window or options.try_fixes,
         losses=max(1, options.warmup) if options.try_fixes else 0,
         seed=FIX_SEED if options.try_fixes else None)

@@ -17,6 +17,7 @@ from gpudiag.present.findings import (
 from gpudiag.present.fixes import fixes_table
 from gpudiag.present.markdown import render_markdown
 from gpudiag.present.terminal import env_table, problems, stage_table
+from gpudiag.present.waterfall import terminal_tables as waterfall_tables
 
 __all__ = [
     "default_run_dir",
@@ -31,6 +32,7 @@ __all__ = [
     "rules_markdown",
     "rules_table",
     "stage_table",
+    "waterfall_tables",
     "writable_output_file",
     "write_output_file",
     "write_run_dir",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.diagnose.timeline import account
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
@@ -12,6 +11,7 @@ from gpudiag.present.fixes import fixes_markdown
 from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
 from gpudiag.present.tables import markdown_table
 from gpudiag.present.terminal import env_rows
+from gpudiag.present.waterfall import markdown_sections
 
 PHASE_ORDER = ("data_wait", "h2d_copy", "forward", "backward", "optimizer")
 
@@ -51,7 +51,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += [f"- **{col.header}**: {col.help}" for col in COLUMNS if col.help]
     out.append("")
     out += _ceilings(run)
-    out += _run_account(run)
+    out += markdown_sections(run)
     if plots:
         out += ["### Plots", ""]
         out += [f"![{PLOT_CAPTIONS.get(p, p)}]({p})" for p in plots]
@@ -71,27 +71,6 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out.append("")
     out += _method(run)
     return "\n".join(out).rstrip() + "\n"
-
-
-def _run_account(run: RunResult) -> list[str]:
-    """Where each profiled process's whole run went (gpudiag/diagnose/timeline.py): parts
-    that add up to its wall time."""
-    lines: list[str] = []
-    for stage in run.ok_stages():
-        script = stage.facts.script
-        whole = account(script.timeline) if script is not None and script.timeline else None
-        if whole is None or script is None or script.timeline is None:
-            continue
-        steps = script.timeline.steps
-        lines += [f"### Where the run's time went: `{stage.name}`", "",
-                  f"All {steps:,} steps of the run, {whole.wall_ms / 1e3:,.1f} s of wall time "
-                  "(host clock), not only the timed ones; each part is a share of that whole.",
-                  ""]
-        rows = [[name, f"{ms:,.0f}", f"{whole.share(ms):.1%}"] for name, ms in whole.parts()]
-        rows.append(["**all**", f"{whole.wall_ms:,.0f}", "100%"])
-        lines += markdown_table(["part", "ms", "share"], rows, right=1)
-        lines.append("")
-    return lines
 
 
 def _ceilings(run: RunResult) -> list[str]:

@@ -15,7 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -155,8 +155,24 @@ def call_site(frame: FrameType | None) -> Site | None:
                 direct and not via, via=via)
 
 
+FrameRole = Literal["user", "library", "torch", "gpudiag"]
+
+
+@functools.cache
+def frame_role(filename: str) -> FrameRole:
+    """Whose code a frame runs: the user's, an installed library's (or the standard library's),
+    torch's, or gpudiag's own instrumentation."""
+    if filename.startswith(_TORCH_DIR):
+        return "torch"
+    if filename.startswith(_INSTRUMENTATION):
+        return "gpudiag"
+    if filename.startswith("<frozen") or is_library(filename):
+        return "library"
+    return "user"
+
+
 def _is_users(filename: str) -> bool:
-    return not (is_library(filename) or _is_internal(filename))
+    return frame_role(filename) == "user"
 
 
 def caller_site(frame: FrameType | None) -> str | None:

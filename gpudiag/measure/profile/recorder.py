@@ -26,6 +26,7 @@ import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import nvtx
@@ -38,6 +39,7 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
+from gpudiag.measure.profile.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.protocol import (
     ENV_OUT,
     ENV_PARENT,
@@ -47,7 +49,12 @@ from gpudiag.measure.profile.protocol import (
     window_done_name,
 )
 from gpudiag.measure.profile.remedies import Applied, LossLog, seed_everything
-from gpudiag.measure.profile.timeline import Site, build_timeline, training_loaders
+from gpudiag.measure.profile.timeline import (
+    TIMELINE_STEPS,
+    Site,
+    build_timeline,
+    training_loaders,
+)
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.window import Window, fill_timed
@@ -56,6 +63,7 @@ from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import (
     CheckpointFacts,
     DdpJobFacts,
+    HostSamples,
     LinkProbe,
     SaveRecord,
     ScriptFacts,
@@ -97,6 +105,9 @@ class Recorder:
         trace_dir = os.environ.get(ENV_TRACE_DIR)
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.sampler: Any = None
+        self.host_sampler: HostSampler | None = None
+        self.host: HostSamples | None = None
+        self.first_stack: list[FrameType] = []  # at the first step's end, to find the loop
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
         self.evidence: Evidence | None = None
@@ -147,6 +158,8 @@ class Recorder:
             self.events.append(event)
         self.host_marks.append(time.perf_counter())
         done = self.steps
+        if done <= 2 and self.config.host_sample_hz > 0:
+            self._start_host_sampler(done)
         if self.nvtx_range is not None:
             nvtx.end_range(self.nvtx_range)
         self.nvtx_range = nvtx.start_range(f"step {done}", domain="gpudiag")
@@ -155,6 +168,23 @@ class Recorder:
         except Exception as exc:  # evidence is optional; the script must go on
             self.error = f"{type(exc).__name__}: {exc}"
             self._stop_profiler(keep=False)
+
+    def _start_host_sampler(self, done: int) -> None:
+        """The training loop is the frame on the stack at both of the first two step ends:
+        sampling starts at the second, in the thread that steps."""
+        if done == 1:
+            self.first_stack = stack(sys._getframe())
+            return
+        loop = loop_frame(self.first_stack, sys._getframe())
+        self.first_stack = []  # frames hold their locals: let them go
+        start = self.warmup + self.timed
+        window = range(start, start + self.evidence_steps + 1) if self.evidence_steps else ()
+        self.host_sampler = HostSampler(
+            self.host_marks, thread_id=threading.get_ident(),
+            loop_code=loop.f_code if loop is not None else None, cuda=bool(self.cuda),
+            warmup=self.warmup, skip=window, max_steps=TIMELINE_STEPS,
+            period_s=1 / self.config.host_sample_hz)
+        self.host_sampler.start()
 
     def _windows(self, done: int) -> None:
         start_profile = self.warmup + self.timed
@@ -339,7 +369,7 @@ class Recorder:
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
             losses=list(self.losses.values), remedies=self.applied.observe(),
-            timeline=self._timeline()))
+            timeline=self._timeline(), host=self.host))
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts
@@ -379,6 +409,8 @@ class Recorder:
             self._stop_profiler(keep=True)
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+        if self.host_sampler is not None:
+            self.host = self.host_sampler.stop()
         if self.sampler is not None:
             try:
                 if self.telemetry is None and self.steps > self.warmup:

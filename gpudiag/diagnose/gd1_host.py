@@ -1,0 +1,92 @@
+"""Host work by line: the user's lines that hold the training thread in Python or numpy, from
+the host samples of every steady step (gpudiag/diagnose/host.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gpudiag.diagnose.common import on_gpu, pct
+from gpudiag.diagnose.host import HostLineTime, StepAccount, step_account
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.facts import HostKind
+from gpudiag.model.results import RunResult
+
+LINE_SHARE, INFO_SHARE, WARNING_SHARE, CRITICAL_SHARE = 0.05, 0.05, 0.10, 0.40
+MAX_LINES_NAMED = 3
+HOST_ONLY: tuple[HostKind, ...] = ("python", "call")
+
+HOST_THRESHOLDS = (
+    Threshold("min_line_share", LINE_SHARE,
+              "a line holding a twentieth of the step is worth naming; below that, sampling "
+              "noise on short runs"),
+    Threshold("info_share", INFO_SHARE, "host-only work reported at all"),
+    Threshold("warning_share", WARNING_SHARE, "a tenth of the step is worth a code change"),
+    Threshold("critical_share", CRITICAL_SHARE, "the host's own work is the step's largest part"),
+)
+
+
+@rule(
+    "GD105", "host-work-by-line", concern="launch",
+    summary="Lines of the training loop hold the host in Python or numpy work every step.",
+    why=("Work on the training thread that is not a torch call (per-sample augmentation in "
+         "numpy, tokenisation, metrics and logging in Python) runs between the step's launches: "
+         "on a GPU the device waits for it, on a CPU it competes with the step's own compute. "
+         "The profiler window sees only torch operators; the host samples see every line."),
+    fix=("Move per-sample preparation into a Dataset and load it with DataLoader(num_workers=N) "
+         "so workers do it beside the step, or do it on the whole batch with torch ops; compute "
+         "metrics on the device and log them every N steps."),
+    thresholds=HOST_THRESHOLDS,
+    references=("gpudiag/measure/profile/hostsampler.py (how host time is sampled)",),
+)
+def host_work_by_line(run: RunResult) -> Iterator[Draft]:
+    """A profiled script's steady steps, sampled: the lines whose Python/numpy time is at least
+    5% of the step each. On a GPU, what it costs is at most the share the GPU idles (host work
+    beside a busy GPU is free); without a profiler window's idle share it is information only."""
+    for stage in run.ok_stages():
+        account = step_account(stage)
+        if account is None:
+            continue
+        lines = account.lines_of(*HOST_ONLY, min_share=LINE_SHARE)
+        host_ms = sum(line.ms(*HOST_ONLY) for line in lines)
+        share = account.share(host_ms)
+        if not lines or share < INFO_SHARE:
+            continue
+        gpu = on_gpu(run, stage)
+        idle = stage.evidence.idle_fraction if stage.evidence is not None else None
+        cost = min(share, idle) if gpu and idle is not None else share
+        severity = severity_for(cost, warning=WARNING_SHARE, critical=CRITICAL_SHARE,
+                                cap="info" if gpu and idle is None else "critical")
+        top = lines[0]
+        beside = (f" while the GPU idles {pct(idle)} of it" if gpu and idle is not None else
+                  " (the GPU's idle time was not measured: no profiler window)" if gpu else "")
+        yield Draft(
+            severity=severity, stage=stage.name,
+            title=(f"Host-only work (Python, numpy) takes {host_ms:.1f} ms of each "
+                   f"{account.step_ms:.1f} ms step ({pct(share)}){beside}; most at "
+                   f"{top.location} in {top.function}() ({top.ms(*HOST_ONLY):.1f} ms/step)"),
+            location=top.location, impact=min(1.0, cost),
+            evidence=_evidence(account, lines, share, idle if gpu else None),
+            fix=_fix(lines))
+
+
+def _evidence(account: StepAccount, lines: list[HostLineTime], share: float,
+              idle: float | None) -> dict[str, object]:
+    return {"step_ms": round(account.step_ms, 2), "host_only_share": round(share, 3),
+            "host_only_ms_per_step": round(sum(x.ms(*HOST_ONLY) for x in lines), 2),
+            "gpu_idle_fraction": None if idle is None else round(idle, 3),
+            "steps_sampled": account.steps, "samples": account.samples,
+            "sample_period_ms": account.period_ms,
+            "lines": {x.location: {"ms_per_step": round(x.ms(*HOST_ONLY), 2),
+                                   "share": round(account.share(x.ms(*HOST_ONLY)), 3),
+                                   "function": x.function, "source": x.text,
+                                   "via": x.via} for x in lines}}
+
+
+def _fix(lines: list[HostLineTime]) -> str:
+    named = "; ".join(f"{x.location} `{x.text}` {x.ms(*HOST_ONLY):.1f} ms/step" if x.text
+                      else f"{x.location} {x.ms(*HOST_ONLY):.1f} ms/step"
+                      for x in lines[:MAX_LINES_NAMED])
+    return (f"Take this work off the training thread: {named}. Per-sample preparation belongs "
+            "in a Dataset's __getitem__, loaded by DataLoader(num_workers=N) so it "
+            "runs beside the step; batch-wide work can be torch ops on the device; metrics and "
+            "logging can stay on the device and be read every N steps.")

@@ -1,0 +1,152 @@
+"""One accounting of a profiled script's steady step, from its host samples
+(gpudiag.model.facts.HostSamples): the training thread's time per step, by what it was doing
+(blocked in device syncs, in torch calls, waiting for the DataLoader, in Python or numpy, in
+gpudiag) and by the user's line. The parts add up to the sampled step: every share a finding
+quotes of "the step" is of this one.
+
+A sample at a C call or operator whose target its source does not name (`x.sum()`, `a @ b`)
+is told torch or not by the profiler window: torch when the window saw that line issue torch
+operators, else Python/numpy; without a window it stays "a call, torch or not".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from gpudiag.model.facts import HOST_KINDS, HostKind, HostSamples
+from gpudiag.model.results import StageResult
+
+MIN_SAMPLES = 20  # fewer samples on the steady steps say nothing per line
+MAX_VIA = 2  # library frames named per line
+UNSAMPLED_NOISE = 0.02  # samples short of the step by less than this are noise, not a part
+
+KIND_LABELS: dict[HostKind, str] = {
+    "sync": "blocked in device syncs (waiting for the GPU)",
+    "torch": "in torch calls (launches, CPU-side op work)",
+    "data": "waiting for the training DataLoader",
+    "python": "Python and numpy (host-only work)",
+    "call": "C calls and operators, torch or not (no profiler window to tell)",
+    "gpudiag": "gpudiag's own step bookkeeping",
+}
+
+
+@dataclass
+class HostLineTime:
+    """One line of the user's code: its host time per steady step, split by kind."""
+
+    location: str
+    function: str
+    text: str
+    ms_per_step: float
+    share: float  # of the sampled step
+    kinds: dict[HostKind, float] = field(default_factory=dict)  # ms per step
+    via: list[str] = field(default_factory=list)
+    syncs_per_step: float = 0.0  # the profiler window's count, when it saw the line
+
+    @property
+    def main_kind(self) -> HostKind:
+        return max(self.kinds, key=lambda k: self.kinds[k])
+
+    def ms(self, *kinds: HostKind) -> float:
+        return sum(self.kinds.get(k, 0.0) for k in kinds)
+
+
+@dataclass
+class StepAccount:
+    """The steady step's host time in parts that add up to it, and its lines."""
+
+    step_ms: float  # mean steady step, host clock
+    steps: int
+    samples: int
+    period_ms: float
+    parts: dict[HostKind, float]  # ms per step, by kind; with `unsampled_ms`, the step
+    unsampled_ms: float
+    lines: list[HostLineTime]
+    gpu_busy_share: float | None = None  # the profiler window's, for the device's side
+
+    def share(self, ms: float) -> float:
+        return ms / self.step_ms if self.step_ms > 0 else 0.0
+
+    def lines_of(self, *kinds: HostKind, min_share: float = 0.0) -> list[HostLineTime]:
+        """Lines by their time in `kinds`, busiest first, at least `min_share` of the step."""
+        chosen = [line for line in self.lines if self.share(line.ms(*kinds)) >= min_share
+                  and line.ms(*kinds) > 0]
+        return sorted(chosen, key=lambda line: -line.ms(*kinds))
+
+
+def _torch_lines(stage: StageResult) -> tuple[set[str], dict[str, float]]:
+    """Lines the profiler window saw issue torch operators, and their syncs per step."""
+    ev = stage.evidence
+    if ev is None:
+        return set(), {}
+    counts = ev.line_counts or []
+    issued = {c.location for c in counts if c.ops > 0 or c.kernels > 0}
+    issued |= {s.location for s in ev.source_lines if s.calls_per_step > 0}
+    syncs = {c.location: c.syncs for c in counts if c.syncs > 0}
+    syncs.update({s.location: s.syncs_per_step for s in ev.source_lines if s.syncs_per_step})
+    return issued, syncs
+
+
+def step_account(stage: StageResult) -> StepAccount | None:
+    """The stage's steady step from its host samples, or None without enough of them."""
+    script = stage.facts.script
+    host: HostSamples | None = script.host if script is not None else None
+    if host is None or host.samples < MIN_SAMPLES or not host.steady_steps \
+            or host.sampled_ms <= 0:
+        return None
+    issued, syncs = _torch_lines(stage)
+    windowed = stage.evidence is not None
+    step_ms = host.per_step(host.steady_wall_ms)
+    # Samples weigh the time since the one before: over many steps they add up to the steps'
+    # wall time, give or take sampling noise (scaled away); well short of it is time no
+    # sample could see (the sampler kept from the GIL), shown as "not sampled".
+    seen = host.sampled_ms >= (1 - UNSAMPLED_NOISE) * host.steady_wall_ms
+    scale = host.steady_wall_ms / host.sampled_ms if seen else 1.0
+
+    def per_step(ms: float) -> float:
+        return host.per_step(ms) * scale
+
+    def resolved(kind: HostKind, location: str) -> HostKind:
+        if kind != "call" or not windowed:
+            return kind
+        return "torch" if location in issued else "python"
+
+    per_line: dict[str, HostLineTime] = {}
+    vias: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for sample in host.lines:
+        kind = resolved(sample.kind, sample.location)
+        ms = per_step(sample.ms)
+        line = per_line.setdefault(sample.location, HostLineTime(
+            sample.location, sample.function, host.text.get(sample.location, ""), 0.0, 0.0,
+            syncs_per_step=syncs.get(sample.location, 0.0)))
+        line.ms_per_step += ms
+        line.kinds[kind] = line.kinds.get(kind, 0.0) + ms
+        if sample.via:
+            vias[sample.location][sample.via] += ms
+    parts: dict[HostKind, float] = dict.fromkeys(HOST_KINDS, 0.0)
+    for kind in HOST_KINDS:
+        parts[kind] = per_step(host.kind_ms.get(kind, 0.0))
+    if windowed:
+        # Calls are told apart line by line; those on lines past the MAX_LINES listed, by
+        # no window record of torch work there, are Python's.
+        call_torch = sum(per_step(s.ms) for s in host.lines
+                         if s.kind == "call" and s.location in issued)
+        parts["torch"] += min(call_torch, parts["call"])
+        parts["python"] += max(0.0, parts["call"] - call_torch)
+        parts["call"] = 0.0
+    sampled = per_step(host.sampled_ms)
+    for line in per_line.values():
+        line.share = line.ms_per_step / step_ms if step_ms else 0.0
+        line.via = [v for v, _ in sorted(vias[line.location].items(),
+                                         key=lambda kv: -kv[1])[:MAX_VIA]]
+    ev = stage.evidence
+    busy = (ev.device_busy_ms_per_step / ev.step_ms
+            if ev is not None and ev.backend == "cuda" and ev.device_busy_ms_per_step
+            and ev.step_ms else None)
+    return StepAccount(
+        step_ms=step_ms, steps=host.steady_steps, samples=host.samples,
+        period_ms=host.period_ms, parts={k: v for k, v in parts.items() if v > 0},
+        unsampled_ms=0.0 if seen else step_ms - sampled,
+        lines=sorted(per_line.values(), key=lambda line: -line.ms_per_step),
+        gpu_busy_share=min(1.0, busy) if busy is not None else None)

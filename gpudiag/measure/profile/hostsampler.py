@@ -1,0 +1,361 @@
+"""Where a profiled script's host time goes, by line: the training thread's Python stack,
+sampled at a fixed period from a daemon thread (`sys._current_frames`, the in-process form of
+what py-spy reads from outside), each sample weighted by the time since the previous one.
+
+A sample is charged to the innermost frame of the user's own code (a library frame below it
+kept as `via`, as device work is charged in gpudiag/measure/evidence/source.py) and to what the
+thread was doing there (gpudiag.model.facts.HOST_KINDS), read from the innermost frame:
+- in torch's own Python code (a module's forward, backward(), an optimizer) -> torch; under
+  torch.utils.data -> data; in torch's tensor printing or a synchronize() -> sync;
+- at a call whose target the source names (`loss.item()`, `np.rot90(x)`, `torch.cat(...)`,
+  found from the call instruction's source position): a read-back (.item(), .cpu(), .tolist(),
+  .numpy(), .nonzero()...) -> sync on a GPU; a name that resolves through the frame's globals
+  to torch -> torch, to anything else -> python; a method of a local (x.sum()) or an operator
+  (a @ b) -> call, which the profiler window's record of the line's torch calls decides;
+- anything else (bytecode running, a library's Python) -> python.
+
+Steps after warm-up are kept apart from the slow ones (over SLOW_STEP x the recent median: an
+evaluation, a save): the steady steps' samples are summed by line, a slow step keeps which
+lines of the training loop held it. The profiler window's steps are not sampled (the
+profiler slows their host work).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dis
+import functools
+import linecache
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Container, Sequence
+from pathlib import Path
+from types import BuiltinFunctionType, CodeType, FrameType, FunctionType, ModuleType
+from typing import NamedTuple
+
+from gpudiag.measure.evidence.source import display_path, frame_role
+from gpudiag.model.facts import HostKind, HostLine, HostSamples, HostStep
+
+PERIOD_S = 0.01  # 100 Hz: a 100 ms step gets 10 samples, a 2 ms step one in 5
+MAX_WEIGHT_PERIODS = 4  # a sample taken late (the GIL held) counts at most this many periods
+SLOW_STEP = 1.5  # a step this many times the recent median is slow: kept apart...
+# ... and this much above it: a sample delays the step it lands in (the training thread waits
+# for the GIL while the sampler holds it), which must not make sampled steps "slow".
+SLOW_STEP_MIN_EXTRA_MS = 1.0
+RECENT_STEPS = 64  # steps the running median is over
+MIN_RECENT = 5  # before this many steps, none is slow
+MAX_SLOW_STEPS = 2_000  # slow steps kept one by one
+MAX_KEYS = 5_000  # distinct (line, via, kind) kept; later ones are summed as "other lines"
+MAX_LINES = 40  # lines written to run.json, busiest first
+MAX_STEP_LINES = 5  # training-loop lines kept per slow step
+
+# Calls that read a device value back to the host: each waits for the GPU's queue to drain.
+SYNC_CALLS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "nonzero",
+                        "argwhere", "unique", "masked_select", "_local_scalar_dense"})
+_TORCH = "torch"
+_DATA_DIR = "/torch/utils/data/"
+_SYNC_FILES = ("/torch/_tensor_str.py",)
+_OPERATORS = frozenset({"BINARY_OP", "BINARY_SUBSCR", "STORE_SUBSCR", "COMPARE_OP",
+                        "UNARY_NEGATIVE", "UNARY_INVERT", "CONTAINS_OP", "BINARY_MATRIX_MULTIPLY"})
+OTHER_LINES = "(other lines)"
+
+
+class Callee(NamedTuple):
+    """What a call instruction calls, as its source spells it: `root.a.b(...)`."""
+
+    root: str | None  # the leftmost name, when the callee is a (dotted) name
+    chain: tuple[str, ...]  # the attributes after it
+    name: str  # the last name: the method or function called
+
+
+_OPERATOR = Callee(None, (), "")
+
+
+@functools.cache
+def _calls_by_end(filename: str) -> dict[tuple[int, int], Callee]:
+    """Every call in a source file, by where it ends (line, column): a call instruction's
+    source position ends where its call expression does (CPython moves only its start)."""
+    try:
+        tree = ast.parse(Path(filename).read_text())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return {}
+    calls = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or node.end_lineno is None:
+            continue
+        chain: list[str] = []
+        func = node.func
+        while isinstance(func, ast.Attribute):
+            chain.append(func.attr)
+            func = func.value
+        root = func.id if isinstance(func, ast.Name) else None
+        name = chain[0] if chain else (root or "")
+        calls[(node.end_lineno, node.end_col_offset or 0)] = Callee(root, tuple(reversed(chain)),
+                                                                    name)
+    return calls
+
+
+@functools.cache
+def _callees(code: CodeType) -> dict[int, Callee]:
+    """Instruction offset -> its callee, for a code object's calls and operators (Python
+    3.11+: instructions carry source positions; on 3.10 none are known)."""
+    found: dict[int, Callee] = {}
+    if sys.version_info < (3, 11):
+        return found
+    calls = _calls_by_end(code.co_filename)
+    for instr in dis.get_instructions(code):
+        if instr.opname in _OPERATORS:
+            found[instr.offset] = _OPERATOR
+        elif instr.opname.startswith(("CALL", "PRECALL")) and instr.positions is not None:
+            end = (instr.positions.end_lineno, instr.positions.end_col_offset)
+            callee = calls.get(end) if None not in end else None
+            if callee is not None:
+                found[instr.offset] = callee
+    return found
+
+
+def _resolves_to_torch(frame: FrameType, callee: Callee) -> bool | None:
+    """Whether a named callee is torch's, by what its leftmost name is in the frame's globals
+    (a module-level training loop's names all are): a module (torch, F, np), a function or
+    class (where it is defined), an object (its type's module: a global tensor's `x.cuda()`).
+    None for a local's method (`x.sum()`): unknown. Nothing is called or looked into: that
+    could run the user's code."""
+    code = frame.f_code
+    root = callee.root
+    if root is None or root in code.co_varnames or root in code.co_cellvars \
+            or root in code.co_freevars:
+        return None
+    target = frame.f_globals.get(root, getattr(builtins, root, None))
+    if isinstance(target, ModuleType):
+        owner = target.__name__
+    elif isinstance(target, (type, FunctionType, BuiltinFunctionType)):
+        owner = getattr(target, "__module__", None) or ""
+    else:
+        owner = type(target).__module__
+    return owner.split(".")[0] == _TORCH
+
+
+def _call_kind(frame: FrameType, cuda: bool) -> HostKind:
+    """What the innermost frame is doing at its current instruction."""
+    callee = _callees(frame.f_code).get(frame.f_lasti)
+    if callee is None:
+        return "python"
+    if callee is _OPERATOR:
+        return "call"
+    if callee.name in SYNC_CALLS:
+        return "sync" if cuda else "torch"
+    torch_call = _resolves_to_torch(frame, callee)
+    if torch_call is None:
+        return "call"
+    return "torch" if torch_call else "python"
+
+
+class Key(NamedTuple):
+    location: str
+    function: str
+    via: str
+    kind: HostKind
+
+
+class Sample(NamedTuple):
+    key: Key
+    loop_line: str | None
+
+
+class _Walk(NamedTuple):
+    user: FrameType | None  # innermost frame of the user's code
+    library: FrameType | None  # innermost library frame below it
+    data: bool  # torch.utils.data below it: the DataLoader
+    sync: bool  # torch's printing or a synchronize() below it
+    loop_line: str | None  # the training loop's current line
+
+
+def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
+    user = library = None
+    data = sync = False
+    f: FrameType | None = frame
+    while f is not None:
+        code = f.f_code
+        if user is None:
+            role = frame_role(code.co_filename)
+            if role == "user":
+                user = f
+            elif role == "library":
+                library = library or f
+            elif role == "torch":
+                data = data or _DATA_DIR in code.co_filename
+                sync = sync or code.co_filename.endswith(_SYNC_FILES) or \
+                    code.co_name == "synchronize"
+        if code is loop_code:
+            return _Walk(user, library, data, sync, _location(code.co_filename, f.f_lineno))
+        f = f.f_back
+    return _Walk(user, library, data, sync, None)
+
+
+def classify(frame: FrameType, loop_code: CodeType | None, cuda: bool) -> Sample:
+    """One stack: the user's line it is charged to, and what the thread was doing there."""
+    walk = _walk(frame, loop_code)
+    innermost = frame_role(frame.f_code.co_filename)
+    kind: HostKind
+    if walk.data:
+        kind = "data"
+    elif walk.sync:
+        kind = "sync" if cuda else "torch"
+    elif innermost in ("gpudiag", "torch"):
+        kind = innermost
+    else:
+        kind = _call_kind(frame, cuda)
+    charged = walk.user or walk.library or frame
+    via = "" if walk.user is None or walk.library is None else \
+        _location(walk.library.f_code.co_filename, walk.library.f_lineno)
+    return Sample(Key(_location(charged.f_code.co_filename, charged.f_lineno),
+                      charged.f_code.co_name, via, kind), walk.loop_line)
+
+
+@functools.cache
+def _path(filename: str) -> str:
+    return display_path(filename)
+
+
+def _location(filename: str, line: int | None) -> str:
+    _FILES.setdefault(_path(filename), filename)
+    return f"{_path(filename)}:{line or 0}"
+
+
+_FILES: dict[str, str] = {}  # display path -> the file, for the source text of named lines
+
+
+def loop_frame(before: Sequence[FrameType], now: FrameType | None) -> FrameType | None:
+    """The training loop's frame: the innermost frame, not torch's or gpudiag's, that is on
+    the stack at two step boundaries (a wrapper's `step()` is a new frame each time; the loop
+    that calls it is not). Works for a plain loop, HF Trainer's inner loop, Lightning's."""
+    held = {id(f) for f in before}
+    f = now
+    while f is not None:
+        if id(f) in held and frame_role(f.f_code.co_filename) in ("user", "library"):
+            return f
+        f = f.f_back
+    return None
+
+
+def stack(frame: FrameType | None) -> list[FrameType]:
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+class HostSampler:
+    """Samples one thread's stack until stopped; `marks` are the recorder's step marks
+    (perf_counter seconds: the start, then each step's end), read, never written, here."""
+
+    def __init__(self, marks: list[float], *, thread_id: int, loop_code: CodeType | None,
+                 cuda: bool, warmup: int, skip: Container[int], max_steps: int,
+                 period_s: float = PERIOD_S) -> None:
+        self.marks, self.thread_id, self.loop_code, self.cuda = marks, thread_id, loop_code, cuda
+        self.warmup, self.skip, self.max_steps, self.period_s = warmup, skip, max_steps, period_s
+        self.result = HostSamples(period_ms=period_s * 1e3)
+        self.open_step = len(marks) - 1
+        self.current: dict[Key, float] = defaultdict(float)
+        self.current_loop: dict[str, float] = defaultdict(float)
+        self.steady: dict[Key, float] = defaultdict(float)
+        self.steady_loop: dict[str, float] = defaultdict(float)
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpudiag-host-sampler",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = self.period_s
+        previous = next_at = time.perf_counter()
+        while True:
+            next_at += period
+            if self._stop.wait(max(0.0, next_at - time.perf_counter())):
+                return
+            now = time.perf_counter()
+            next_at = max(next_at, now - period)  # late: no burst of catch-up samples
+            weight = min(now - previous, MAX_WEIGHT_PERIODS * period) * 1e3
+            previous = now
+            step = len(self.marks) - 1
+            if step >= self.max_steps:
+                return
+            frame = sys._current_frames().get(self.thread_id)
+            self._close_steps(step)
+            if frame is None or step < self.warmup or step in self.skip:
+                continue
+            sample = classify(frame, self.loop_code, self.cuda)
+            del frame
+            self.result.samples += 1
+            self.current[sample.key] += weight
+            if sample.loop_line is not None:
+                self.current_loop[sample.loop_line] += weight
+
+    def _close_steps(self, step: int) -> None:
+        """Every step before `step` has ended: file the samples of the one that was open."""
+        while self.open_step < step:
+            self._close(self.open_step)
+            self.open_step += 1
+
+    def _close(self, step: int) -> None:
+        current, loop = self.current, self.current_loop
+        self.current, self.current_loop = defaultdict(float), defaultdict(float)
+        if step < self.warmup or step in self.skip or step + 1 >= len(self.marks):
+            return
+        wall = (self.marks[step + 1] - self.marks[step]) * 1e3
+        usual = statistics.median(self.recent) if len(self.recent) >= MIN_RECENT else None
+        slow = usual is not None and wall > max(SLOW_STEP * usual, usual + SLOW_STEP_MIN_EXTRA_MS)
+        self.recent.append(wall)
+        result = self.result
+        if slow:
+            if len(result.slow_steps) < MAX_SLOW_STEPS:
+                top = sorted(loop.items(), key=lambda kv: -kv[1])[:MAX_STEP_LINES]
+                result.slow_steps.append(HostStep(step, round(wall, 3),
+                                                  {k: round(v, 3) for k, v in top}))
+            return
+        result.steady_steps += 1
+        result.steady_wall_ms += wall
+        for key, ms in current.items():
+            full = key not in self.steady and len(self.steady) >= MAX_KEYS
+            self.steady[Key(OTHER_LINES, "", "", key.kind) if full else key] += ms
+            result.sampled_ms += ms
+        for line, ms in loop.items():
+            self.steady_loop[line] += ms
+
+    def stop(self) -> HostSamples:
+        """Stop sampling; the steps that ended are filed (the one in progress is not a step)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        self._close_steps(min(len(self.marks) - 1, self.max_steps))
+        result = self.result
+        kinds: dict[str, float] = defaultdict(float)
+        for key, ms in self.steady.items():
+            kinds[key.kind] += ms
+        result.kind_ms = {k: round(v, 3) for k, v in kinds.items()}
+        busiest = sorted(self.steady.items(), key=lambda kv: -kv[1])[:MAX_LINES]
+        result.lines = [HostLine(k.location, k.function, k.kind, round(ms, 3), k.via)
+                        for k, ms in busiest]
+        result.loop_ms = {k: round(v, 3) for k, v in
+                          sorted(self.steady_loop.items(), key=lambda kv: -kv[1])}
+        if self.loop_code is not None:
+            result.loop = _location(self.loop_code.co_filename, self.loop_code.co_firstlineno)
+        named = {line.location for line in result.lines} | set(result.loop_ms) | {
+            line for step in result.slow_steps for line in step.loop_ms}
+        result.text = {loc: text for loc in sorted(named) if (text := _source(loc))}
+        return result
+
+
+def _source(location: str) -> str:
+    path, _, line = location.rpartition(":")
+    filename = _FILES.get(path)
+    if filename is None or not line.isdigit():
+        return ""
+    return linecache.getline(filename, int(line)).strip()

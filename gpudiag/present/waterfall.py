@@ -1,0 +1,136 @@
+"""Where a profiled script's time went, as waterfalls: its steady step by what the training
+thread did (gpudiag/diagnose/host.py), and its whole run by part (gpudiag/diagnose/timeline.py).
+Each waterfall's parts add up to its whole. Rows are shared by report.md and the terminal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from gpudiag.diagnose.host import KIND_LABELS, StepAccount, step_account
+from gpudiag.diagnose.timeline import RunAccount, stage_account
+from gpudiag.model.results import RunResult, StageResult
+from gpudiag.present.tables import markdown_table
+
+LINES_PER_PART = 3
+BAR_WIDTH = 24
+MIN_SHARE = 0.001  # parts below this share are summed into one row
+
+
+@dataclass
+class Row:
+    part: str
+    ms: float
+    share: float
+    lines: str = ""  # the busiest lines of this part, with ms each
+
+
+def step_rows(step: StepAccount) -> list[Row]:
+    """The steady step: one row per kind of host work, then what the samples missed."""
+    rows = []
+    for kind, ms in sorted(step.parts.items(), key=lambda kv: -kv[1]):
+        named = step.lines_of(kind)[:LINES_PER_PART]
+        lines = ", ".join(f"{x.location} {x.ms(kind):.2f}" for x in named)
+        rows.append(Row(KIND_LABELS[kind], ms, step.share(ms), lines))
+    if step.unsampled_ms > 0:
+        rows.append(Row("not sampled", step.unsampled_ms, step.share(step.unsampled_ms)))
+    return rows
+
+
+def run_rows(whole: RunAccount) -> list[Row]:
+    return [Row(name, ms, whole.share(ms)) for name, ms in whole.parts()]
+
+
+def shown(rows: list[Row]) -> list[Row]:
+    """The rows worth a line; parts under MIN_SHARE each are summed into one, so that what is
+    shown still adds up to the whole."""
+    big = [row for row in rows if row.share >= MIN_SHARE]
+    small = [row for row in rows if row.share < MIN_SHARE]
+    if sum(row.share for row in small) >= MIN_SHARE:
+        big.append(Row(f"{len(small)} smaller part(s)", sum(r.ms for r in small),
+                       sum(r.share for r in small)))
+    return big
+
+
+def _step_intro(stage: StageResult, step: StepAccount) -> str:
+    busy = (f" On the device side, the profiler window saw the GPU busy "
+            f"{step.gpu_busy_share:.0%} of its step." if step.gpu_busy_share is not None else "")
+    return (f"The training thread's time in a steady step ({step.step_ms:.2f} ms, mean of "
+            f"{step.steps:,} steps on the host clock, slow steps and the profiler window left "
+            f"out), from {step.samples:,} stack samples every {step.period_ms:g} ms: each part is "
+            f"a share of that step.{busy}")
+
+
+def markdown_sections(run: RunResult) -> list[str]:
+    """report.md: for each profiled process, the run's parts and the step's."""
+    out: list[str] = []
+    for stage in run.ok_stages():
+        script = stage.facts.script
+        whole = stage_account(stage)
+        if whole is not None and script is not None and script.timeline is not None:
+            out += [f"### Where the run's time went: `{stage.name}`", "",
+                    f"All {script.timeline.steps:,} steps of the run, "
+                    f"{whole.wall_ms / 1e3:,.1f} s of wall time (host clock), not only the "
+                    "timed ones; each part is a share of that whole.", ""]
+            out += _markdown_table(run_rows(whole), "ms", whole.wall_ms, lines=False)
+        step = step_account(stage)
+        if step is not None:
+            out += [f"### Where each step's time went: `{stage.name}`", "",
+                    _step_intro(stage, step), ""]
+            out += _markdown_table(step_rows(step), "ms/step", step.step_ms, lines=True)
+    return out
+
+
+def _markdown_table(rows: list[Row], unit: str, total: float, *, lines: bool) -> list[str]:
+    def cells(row: Row) -> list[str]:
+        base = [row.part, f"{row.ms:,.2f}" if unit == "ms/step" else f"{row.ms:,.0f}",
+                f"{row.share:.1%}"]
+        return [*base, row.lines or "-"] if lines else base
+
+    header = ["part", unit, "share", *(["busiest lines (ms/step)"] if lines else [])]
+    body = [cells(row) for row in shown(rows)]
+    body.append(["**all**", f"{total:,.2f}" if unit == "ms/step" else f"{total:,.0f}", "100%",
+                 *([""] if lines else [])])
+    return [*markdown_table(header, body, right=[False, True, True, False][:len(header)]), ""]
+
+
+def terminal_tables(run: RunResult) -> list[Table]:
+    """The terminal's waterfalls, one per account, with a bar per part."""
+    tables = []
+    for stage in run.ok_stages():
+        whole = stage_account(stage)
+        if whole is not None and len(whole.parts()) > 2:
+            tables.append(_table(f"{stage.name}: the run's {whole.wall_ms / 1e3:,.1f} s",
+                                 run_rows(whole), "ms", lines=False))
+        step = step_account(stage)
+        if step is not None:
+            tables.append(_table(f"{stage.name}: a steady step's {step.step_ms:.2f} ms "
+                                 f"({step.samples:,} host samples)", step_rows(step),
+                                 "ms/step", lines=True))
+    return tables
+
+
+def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  header_style="bold")
+    table.add_column("part", overflow="fold")
+    table.add_column(unit, justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("", no_wrap=True)
+    if lines:
+        table.add_column("busiest lines", overflow="fold")
+    start = 0.0
+    for row in shown(rows):
+        # A waterfall: each bar starts where the previous part ended.
+        lead = round(start * BAR_WIDTH)
+        width = max(1, round((start + row.share) * BAR_WIDTH) - lead) if row.share > 0 else 0
+        bar = " " * lead + "█" * width
+        start += row.share
+        ms = f"{row.ms:,.2f}" if unit == "ms/step" else f"{row.ms:,.0f}"
+        cells: list[Text | str] = [Text(row.part), ms, f"{row.share:.1%}",
+                                   Text(bar.ljust(BAR_WIDTH))]
+        table.add_row(*cells, *([Text(row.lines)] if lines else []))
+    return table
