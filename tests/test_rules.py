@@ -18,6 +18,8 @@ from gpudiag.measure.runner import RunOutput
 from gpudiag.model.facts import (
     CheckpointFacts,
     DdpFacts,
+    HostLine,
+    HostSamples,
     LinkProbe,
     LoaderFacts,
     SaveRecord,
@@ -224,6 +226,23 @@ def gd103(*, syncs: float, idle_share: float = limit("GD103", "critical_idle_sha
     return make_run(make_stage("train", evidence=ev))
 
 
+def gd105(*, share: float, idle: float | None = 0.9) -> RunResult:
+    """A profiled script's host samples: one numpy line holding `share` of a 100 ms step, the
+    rest torch calls; the window saw the GPU idle `idle` of the step (None: no window)."""
+    steps = 50
+    numpy_ms = share * STEP_MS * steps
+    lines = [HostLine("train.py:20", "augment", "python", numpy_ms, via="numpy/_methods.py:1"),
+             HostLine("train.py:30", "<module>", "torch", STEP_MS * steps - numpy_ms)]
+    host = HostSamples(period_ms=10.0, samples=500, steady_steps=steps,
+                       steady_wall_ms=STEP_MS * steps, sampled_ms=STEP_MS * steps,
+                       kind_ms={"python": numpy_ms, "torch": STEP_MS * steps - numpy_ms},
+                       lines=lines, text={"train.py:20": "x = np.rot90(x)"})
+    facts = StageFacts(script=ScriptFacts(steps=100, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", host=host))
+    ev = make_evidence(idle_fraction=idle) if idle is not None else None
+    return make_run(make_stage("train.py", facts=facts, evidence=ev))
+
+
 def gd104(*, kernels: float, idle: float = limit("GD104", "min_idle_fraction"),
           short_share: float = limit("GD104", "min_short_kernel_share")) -> RunResult:
     ev = make_evidence(kernels_per_step=kernels, short_kernels_per_step=kernels * short_share,
@@ -388,6 +407,15 @@ CASES: dict[str, Case] = {
                   {"kernels_per_step": 500, "short_kernel_share": 0.5, "idle_fraction": 0.2},
                   (P(gd104, kernels=499), P(gd104, kernels=500, idle=0.199),
                    P(gd104, kernels=500, short_share=0.49))),
+    # A numpy line at the critical share of the step, the GPU idle; below the share a line is
+    # named at all, nothing; a GPU busy beside the host's work makes it cost little; without
+    # a window's idle share a GPU run's finding is information only.
+    "GD105": Case(P(gd105, share=limit("GD105", "critical_share")), "train.py", "critical",
+                  {"host_only_share": 0.4, "host_only_ms_per_step": 40.0,
+                   "gpu_idle_fraction": 0.9, "steps_sampled": 50},
+                  (P(gd105, share=limit("GD105", "min_line_share") - 1e-3),
+                   P(gd105, share=0.4, idle=limit("GD105", "warning_share") - 1e-3),
+                   P(gd105, share=0.4, idle=None))),
     "GD201": Case(P(gd201, share=0.3), "data-train", "critical",
                   {"data_wait_ms": 30.0, "share": 0.3, "num_workers": 1},
                   (P(gd201, share=0.099),)),

@@ -22,6 +22,7 @@ HOST_THRESHOLDS = (
     Threshold("info_share", INFO_SHARE, "host-only work reported at all"),
     Threshold("warning_share", WARNING_SHARE, "a tenth of the step is worth a code change"),
     Threshold("critical_share", CRITICAL_SHARE, "the host's own work is the step's largest part"),
+    Threshold("max_lines_named", MAX_LINES_NAMED, "the fix names this many lines, busiest first"),
 )
 
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import data_wait_share, device_ops, pct, reference_stage
+from gpudiag.diagnose.host import SHORT_KIND, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
 
@@ -246,6 +247,14 @@ def _starved_fix(stage: StageResult, loop: SourceLine | None) -> str:
     else the lines whose torch calls or syncs take the most host time; or that no line does."""
     if loop is not None:
         return f"Vectorize the Python loop at {loop.location} (GD101)."
+    step = step_account(stage)
+    if step is not None:
+        busiest = [line for line in step.lines if line.main_kind != "data"][:MAX_LINES_NAMED]
+        if busiest:
+            named = "; ".join(f"{line.location} {line.ms_per_step:.1f} ms "
+                              f"({SHORT_KIND[line.main_kind]})" for line in busiest)
+            return (f"The host's time per step (sampled, {step.step_ms:.1f} ms) goes most to: "
+                    f"{named}.")
     ev = stage.evidence
     lines = sorted((line for line in (ev.source_lines if ev is not None else [])
                     if line.host_ms_per_step + line.sync_idle_ms_per_step > 0),
@@ -299,26 +308,37 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
                        key=lambda s: s.syncs_per_step, reverse=True)
         remaining = (ev.syncs_per_step - (loop.syncs_per_step if loop else 0.0) if cuda
                      else sum(s.syncs_per_step for s in lines))
-        if remaining < SYNC_MIN or not lines:
-            continue
         # What syncs cost is the device idle they leave behind, as a share of the profiled step
         # (instrumentation slows the host's refill and the step alike).
         idle = sum(s.sync_idle_ms_per_step for s in lines)
         cost = idle / ev.step_ms if cuda and ev.step_ms else 0.0
+        if remaining < SYNC_MIN or not lines:
+            continue
         top = lines[0]
+        # Every line that syncs (the window's count of each), and the time the host samples
+        # saw each blocked, where they did.
+        every = {c.location: round(c.syncs, 1) for c in ev.line_counts
+                 if c.syncs > 0 and (loop is None or c.location != loop.location)} \
+            if cuda and ev.line_counts else {s.location: round(s.syncs_per_step, 1)
+                                             for s in lines}
+        step = step_account(stage)
+        blocked = {line.location: round(line.ms("sync"), 2)
+                   for line in (step.lines_of("sync") if step is not None else [])}
         yield Draft(
             severity=severity_for(cost, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
                                   cap="critical" if cuda else "info"),
             stage=stage.name,
             title=(f"{remaining:.0f} host-device syncs per step"
                    + (f" leave the GPU idle {pct(cost)} of the step" if cuda else "")
-                   + f"; most from {top.function} ({top.syncs_per_step:.0f}/step)"),
+                   + f"; most from {top.location} in {top.function}() "
+                     f"({top.syncs_per_step:.0f}/step)"),
             location=top.location,
             impact=min(cost, 1.0),
             evidence={"syncs_per_step": round(remaining, 1),
                       "blocked_ms_per_step": round(ev.sync_ms_per_step, 2),
                       "idle_after_syncs_ms_per_step": round(idle, 2),
-                      "lines": {s.location: round(s.syncs_per_step, 1) for s in lines[:5]}},
+                      "lines": every,
+                      "sampled_blocked_ms_per_step": blocked},
             fix=(f"At {top.location}: keep the value on the device instead of reading it back "
                  "every step (log every N steps; use torch.where or masks instead of Python "
                  "branches on tensors; avoid .item(), .cpu(), .nonzero())."),

@@ -30,6 +30,11 @@ KIND_LABELS: dict[HostKind, str] = {
     "gpudiag": "gpudiag's own step bookkeeping",
 }
 
+SHORT_KIND: dict[HostKind, str] = {
+    "sync": "blocked in syncs", "torch": "torch calls", "data": "DataLoader",
+    "python": "Python/numpy", "call": "C calls", "gpudiag": "gpudiag",
+}
+
 
 @dataclass
 class HostLineTime:

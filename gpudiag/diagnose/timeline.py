@@ -16,13 +16,14 @@ the wall time: every share a finding prices is of the same whole.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
-from gpudiag.diagnose.spikes import MIN_PERIODIC_SPIKES, PERIODIC_SHARE, find_spikes
+from gpudiag.diagnose.spikes import PERIODIC_SHARE, find_spikes
 from gpudiag.model.facts import HostSamples, OtherLoop, StepTimeline
 from gpudiag.model.results import StageResult
 
@@ -30,6 +31,13 @@ WorkKind = Literal["save", "data", "loop", "other"]
 KINDS: tuple[WorkKind, ...] = ("save", "data", "loop", "other")  # the order extra is charged in
 MIN_TIMELINE_STEPS = 20  # fewer steps than this show no period
 MIN_OCCURRENCES = 2  # a part recurring fewer times has no period
+# Each occurrence of a period's work holds this many times the extra of the average other
+# step: on a loaded machine a third of all steps may spike, and some period then catches most
+# of its few slots.
+STANDOUT = 5.0
+ALIKE = 0.25  # an occurrence is at least this share of the typical one
+MIN_PERIOD_HITS = 4  # occurrences a period needs: three fall on one phase by chance too often
+FALSE_PERIOD = 0.01  # chance of a period found in jitter alone, at most
 
 
 @dataclass
@@ -186,38 +194,63 @@ def _attribute(work: PeriodicWork, host: HostSamples) -> None:
     work.line_share, work.sampled_steps = positive[line] / sum(positive.values()), len(covered)
 
 
+class PeriodGroup(NamedTuple):
+    period: int
+    steps: list[int]  # the work's occurrences
+    after: list[int]  # steps right after them that spiked too: the same work's after-effect
+
+
 def periodic_groups(extra: Mapping[int, float], n: int,
-                    unseen: Collection[int] = ()) -> list[tuple[int, list[int]]]:
-    """(period, steps) of each periodic work among the spiking steps (step -> extra ms) of a
+                    unseen: Collection[int] = ()) -> list[PeriodGroup]:
+    """Each periodic work among the spiking steps (step -> extra ms) of a
     run of `n` steps, largest first: the period and phase whose steps hold the most extra
     time, where at least PERIODIC_SHARE of the steps at that phase spiked (the `unseen` ones,
-    the profiler window's, are not counted). A spike on the step right after one of them is
-    the same work's after-effect (a restarted iterator, a cold cache) and joins it. Repeated
-    on what is left, so an evaluation every N and a save every M are two works; jitter that
-    no period explains stays out."""
+    the profiler window's, are not counted) with work alike and standing out from the other
+    steps (ALIKE, STANDOUT), MIN_PERIOD_HITS times at least. A spike on the step right after
+    one of them is the same work's after-effect (a restarted iterator, a cold cache) and
+    joins it. The hits must be unlikely by chance, given how often other steps stand out as
+    much, over all the periods and phases tried (FALSE_PERIOD). Repeated on what is left,
+    so an evaluation every N and a save every M are two works; jitter that no period
+    explains stays out."""
     left = dict(extra)
-    groups = []
-    while len(left) >= MIN_PERIODIC_SPIKES:
+    groups: list[PeriodGroup] = []
+    tried = sum(range(2, n // MIN_PERIOD_HITS + 1))  # (period, phase) pairs looked at
+    while len(left) >= MIN_PERIOD_HITS:
         best: tuple[float, int, int] | None = None  # (extra ms, period, phase)
-        for p in range(2, n // MIN_PERIODIC_SPIKES + 1):
+        for p in range(2, n // MIN_PERIOD_HITS + 1):
             by_phase: dict[int, float] = defaultdict(float)
             for step, ms in left.items():
                 by_phase[step % p] += ms
             phase = max(by_phase, key=lambda r: by_phase[r])
-            hits = sum(1 for step in left if step % p == phase)
+            on_phase = [ms for step, ms in left.items() if step % p == phase]
             slots = sum(1 for i in range(phase, n, p) if i >= 1 and i not in unseen)
-            if hits >= MIN_PERIODIC_SPIKES and hits >= PERIODIC_SHARE * slots and (
-                    best is None or by_phase[phase] > best[0]):
+            elsewhere = (sum(left.values()) - by_phase[phase]) / max(1, n - 1 - slots)
+            # Occurrences of one work are alike, and each stands out from the other steps:
+            # jitter that falls on the phase does not fill its slots.
+            floor = max(ALIKE * statistics.median(on_phase), STANDOUT * elsewhere)
+            hits = sum(1 for ms in on_phase if ms >= floor)
+            if (hits >= MIN_PERIOD_HITS and hits >= PERIODIC_SHARE * slots
+                    and (best is None or by_phase[phase] > best[0])):
+                others = sum(1 for step, ms in left.items() if step % p != phase and ms >= floor)
+                rate = others / max(1, n - 1 - slots)
+                if _tail(hits, slots, rate) * tried > FALSE_PERIOD:
+                    continue
                 best = (by_phase[phase], p, phase)
         if best is None:
             break
         _, period, phase = best
-        steps = [s for s in left if s % period == phase]
-        steps += [s + 1 for s in steps if s + 1 in left]
-        groups.append((period, sorted(steps)))
-        for step in steps:
+        steps = sorted(s for s in left if s % period == phase)
+        after = [s + 1 for s in steps if s + 1 in left]
+        groups.append(PeriodGroup(period, steps, after))
+        for step in steps + after:
             del left[step]
     return groups
+
+
+def _tail(hits: int, slots: int, rate: float) -> float:
+    """P(at least `hits` of `slots` steps stand out) when each does with probability `rate`."""
+    return sum(math.comb(slots, k) * rate**k * (1 - rate) ** (slots - k)
+               for k in range(hits, slots + 1))
 
 
 def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
@@ -234,9 +267,10 @@ def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
             extra = sum(charged["loop"][s] for s in steps)
             result.works.append(PeriodicWork("loop", steps, extra, _period(steps), loop))
     other = dict(charged["other"])
-    for period, steps in periodic_groups(other, n, window):
-        result.works.append(PeriodicWork("other", steps, sum(other.pop(s) for s in steps),
-                                         period))
+    for group in periodic_groups(other, n, window):
+        result.works.append(PeriodicWork("other", group.steps,
+                                         sum(other.pop(s) for s in group.steps + group.after),
+                                         group.period))
     result.irregular_ms = sum(other.values())
     result.works.sort(key=lambda w: -w.extra_ms)
     if host is not None:
