@@ -15,6 +15,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--eval-every", type=int, default=20)
 parser.add_argument("--save-every", type=int, default=0)
+parser.add_argument("--tensor-eval", action="store_true",
+                    help="evaluate over in-memory tensors, not a DataLoader")
+parser.add_argument("--slow-after-ms", type=float, default=0.0,
+                    help="make the step after each evaluation this much slower")
 args = parser.parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,6 +31,7 @@ train = DataLoader(TensorDataset(torch.randn(64 * 256, 512), torch.randn(64 * 25
                    batch_size=256, shuffle=True)
 val = DataLoader(TensorDataset(torch.randn(64 * 256, 512), torch.randn(64 * 256, 1)),
                  batch_size=256)
+val_x, val_y = (t.to(device) for t in val.dataset.tensors)  # type: ignore[attr-defined]
 truth: dict[str, list[float]] = {"step_ms": [], "eval_ms": [], "save_ms": []}
 
 
@@ -37,8 +42,10 @@ def sync() -> None:
 
 def evaluate() -> float:
     total = 0.0
+    batches = (zip(val_x.split(256), val_y.split(256), strict=True) if args.tensor_eval
+               else val)
     with torch.no_grad():
-        for x, y in val:
+        for x, y in batches:
             x, y = x.to(device), y.to(device)
             total += torch.nn.functional.mse_loss(model(x), y).item()
     return total
@@ -48,6 +55,8 @@ step = 0
 while step < args.steps:
     for x, y in train:
         started = time.perf_counter()
+        if args.slow_after_ms and step % args.eval_every == 1 and step > 1:
+            time.sleep(args.slow_after_ms / 1e3)
         x, y = x.to(device), y.to(device)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
