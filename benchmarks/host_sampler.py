@@ -4,9 +4,11 @@ One process runs the same training step in blocks, interleaved: plain; with the 
 recorder's step bookkeeping (its step boundary every step: host mark, CUDA event, NVTX range:
 the timeline) and no host sampler; and with the host sampler at its default rate (or
 --hz). Each block is timed on the host clock between two device syncs; each variant's block
-is divided by the plain block next to it, and the ratio's median comes with a bootstrap 95%
-interval over those pairs. Two steps: a ~2 ms step of many small kernels (the host holds the
-GIL most of the step, the sampler's worst case) and a ~100 ms step of large matmuls.
+is divided by the plain block of its round, and the ratio of the variants' mean step times
+comes with a bootstrap 95% interval over rounds. The process is pinned to a few cores and its
+garbage collector run before each block, so that core migrations and collections do not
+swamp a 1% effect. Three steps: ~2 ms of many small kernels (the host holds the GIL most of
+the step: the sampler's worst case), ~2 ms of mid-size matmuls, ~100 ms of large matmuls.
 
     python benchmarks/host_sampler.py --out host_sampler.json
 """
@@ -14,7 +16,9 @@ GIL most of the step, the sampler's worst case) and a ~100 ms step of large matm
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -22,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,9 +51,10 @@ def small_kernels(device: torch.device, target_ms: float) -> Callable[[], None]:
     return _repeat_to(once, device, target_ms)
 
 
-def large_matmuls(device: torch.device, target_ms: float) -> Callable[[], None]:
-    """A device-bound step: big matmuls, forward and backward."""
-    width = 8192 if device.type == "cuda" else 512
+def large_matmuls(device: torch.device, target_ms: float, width: int = 8192
+                  ) -> Callable[[], None]:
+    """A device-bound step: matmuls, forward and backward."""
+    width = width if device.type == "cuda" else 512
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)]).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(2048 if device.type == "cuda" else 64, width, device=device)
@@ -110,53 +116,64 @@ def run_block(step: Callable[[], None], steps: int, device: torch.device, hz: fl
     return elapsed
 
 
-def interval(ratios: list[float]) -> tuple[float, float]:
+def ratio_interval(variant: list[float], plain: list[float]) -> tuple[float, float, float]:
+    """mean(variant) / mean(plain), and its bootstrap 95% interval over rounds."""
     rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
-                     for _ in range(BOOTSTRAP))
-    return medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1]
+    rounds = range(len(plain))
+    ratios = []
+    for _ in range(BOOTSTRAP):
+        picked = rng.choices(rounds, k=len(plain))
+        ratios.append(sum(variant[i] for i in picked) / sum(plain[i] for i in picked))
+    ratios.sort()
+    return (statistics.fmean(variant) / statistics.fmean(plain),
+            ratios[int(0.025 * BOOTSTRAP)], ratios[int(0.975 * BOOTSTRAP) - 1])
 
 
-def measure(name: str, step: Callable[[], None], steps: int, blocks: int,
+def measure(name: str, step: Callable[[], None], steps: int, rounds: int,
             device: torch.device, hz: float, scratch: Path) -> dict[str, object]:
     variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz}
     samples: dict[str, list[float]] = {v: [] for v in variants}
     order = list(variants)
-    for k in range(blocks):
+    for k in range(rounds):
         # Rotate which variant goes first, so drift favours none.
         for v in order[k % 3:] + order[:k % 3]:
+            gc.collect()
             samples[v].append(run_block(step, steps, device, variants[v], scratch))
-    result: dict[str, object] = {"step": name, "steps_per_block": steps, "blocks": blocks,
+    result: dict[str, object] = {"step": name, "steps_per_block": steps, "rounds": rounds,
                                  "hz": hz, "ms_per_step": samples}
     for v in ("timeline", "sampler"):
-        ratios = [a / b for a, b in zip(samples[v], samples["plain"], strict=True)]
-        low, high = interval(ratios)
-        result[f"{v}_ratio"] = {"median": statistics.median(ratios), "ci95": [low, high]}
-        print(f"{name}: {v} / plain = {statistics.median(ratios):.4f} "
-              f"(95% CI {low:.4f}-{high:.4f}; plain {statistics.median(samples['plain']):.2f}"
-              f" ms/step)", flush=True)
+        ratio, low, high = ratio_interval(samples[v], samples["plain"])
+        result[f"{v}_ratio"] = {"mean_ratio": ratio, "ci95": [low, high]}
+        print(f"{name}: {v} / plain = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; plain "
+              f"{statistics.fmean(samples['plain']):.3f} ms/step)", flush=True)
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--hz", type=float, default=HOST_SAMPLE_HZ)
-    parser.add_argument("--quick", action="store_true", help="a few blocks (a smoke test)")
+    parser.add_argument("--cores", type=int, default=4, help="pin to this many cores (0: not)")
+    parser.add_argument("--quick", action="store_true", help="a few rounds (a smoke test)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.cores and hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, allowed[-args.cores:])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    blocks = 3 if args.quick else args.blocks
-    report: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
-                                 else "cpu", "torch": torch.__version__,
-                                 "python": sys.version.split()[0], "results": []}
+    rounds = 3 if args.quick else args.rounds
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
+                              else "cpu", "torch": torch.__version__,
+                              "python": sys.version.split()[0], "rounds": rounds,
+                              "cores": sorted(os.sched_getaffinity(0))
+                              if hasattr(os, "sched_getaffinity") else None, "results": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [("2 ms, small kernels", small_kernels(device, 2.0), 200),
-                 ("100 ms, large matmuls", large_matmuls(device, 100.0), 8)]
+        cases = [("2 ms, small kernels (host-bound)", small_kernels(device, 2.0), 50),
+                 ("2 ms, matmuls (device-bound)", large_matmuls(device, 2.0, width=2048), 50),
+                 ("100 ms, large matmuls (device-bound)", large_matmuls(device, 100.0), 4)]
         for name, step, steps in cases:
-            report["results"].append(  # type: ignore[attr-defined]
-                measure(name, step, max(2, steps // (20 if args.quick else 1)), blocks, device,
-                        args.hz, Path(tmp)))
+            report["results"].append(measure(name, step, steps, rounds, device, args.hz,
+                                             Path(tmp)))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     return 0

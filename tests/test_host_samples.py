@@ -197,7 +197,7 @@ def test_the_step_waterfall_adds_up_and_the_window_decides_what_a_call_was() -> 
              HostLine("train.py:41", "<module>", "call", 150.0),  # x @ w: torch, says the window
              HostLine("aug.py:9", "augment", "call", 100.0),  # arr.std(): the window saw nothing
              HostLine("train.py:44", "<module>", "sync", 50.0)]
-    window = Evidence(steps=3, step_ms=10.0, backend="cuda", device_busy_ms_per_step=4.0,
+    window = Evidence(steps=3, step_ms=10.0, backend="cuda", idle_fraction=0.6,
                       line_counts=[LineCount("train.py:41", "<module>", ops=2, kernels=2),
                                    LineCount("train.py:44", "<module>", syncs=1)])
     account = step_account(_stage(_host(lines), window))

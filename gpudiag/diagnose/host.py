@@ -146,12 +146,12 @@ def step_account(stage: StageResult) -> StepAccount | None:
         line.via = [v for v, _ in sorted(vias[line.location].items(),
                                          key=lambda kv: -kv[1])[:MAX_VIA]]
     ev = stage.evidence
-    busy = (ev.device_busy_ms_per_step / ev.step_ms
-            if ev is not None and ev.backend == "cuda" and ev.device_busy_ms_per_step
-            and ev.step_ms else None)
+    # The window's own reading (GD102's), not busy time over its instrumented step.
+    busy = (1 - ev.idle_fraction if ev is not None and ev.backend == "cuda"
+            and ev.idle_fraction is not None else None)
     return StepAccount(
         step_ms=step_ms, steps=host.steady_steps, samples=host.samples,
         period_ms=host.period_ms, parts={k: v for k, v in parts.items() if v > 0},
         unsampled_ms=0.0 if seen else step_ms - sampled,
         lines=sorted(per_line.values(), key=lambda line: -line.ms_per_step),
-        gpu_busy_share=min(1.0, busy) if busy is not None else None)
+        gpu_busy_share=busy)
