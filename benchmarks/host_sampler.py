@@ -2,13 +2,18 @@
 
 One process runs the same training step in blocks, interleaved: plain; with the profile
 recorder's step bookkeeping (its step boundary every step: host mark, CUDA event, NVTX range:
-the timeline) and no host sampler; and with the host sampler at its default rate (or
---hz). Each block is timed on the host clock between two device syncs; each variant's block
-is divided by the plain block of its round, and the ratio of the variants' mean step times
-comes with a bootstrap 95% interval over rounds. The process is pinned to a few cores and its
-garbage collector run before each block, so that core migrations and collections do not
-swamp a 1% effect. Three steps: ~2 ms of many small kernels (the host holds the GIL most of
-the step: the sampler's worst case), ~2 ms of mid-size matmuls, ~100 ms of large matmuls.
+the timeline) and no host sampler; with the host sampler at its default rate (or --hz); and
+with it at ten times that rate. Each block is timed on the host clock between two device
+syncs; the ratio of a variant's mean step time to the plain one's comes with a bootstrap 95%
+interval over rounds. The process is pinned to a few cores and its garbage collector run
+before each block, so that core migrations and collections do not swamp a 1% effect.
+
+A host-bound step's own time still varies by 10-25% from block to block on an H100 host, more
+than a 1% effect: the sampler at ten times its rate makes its cost per sample measurable, and
+that cost, scaled back, is what the default rate costs (with its interval). Four steps: ~2 ms
+of per-sample numpy and Python (the training thread holds the GIL nearly all the step: the
+sampler's worst case), ~2 ms of many small kernels (launch-bound), ~4 ms of mid-size matmuls,
+~100 ms of large matmuls (device-bound).
 
     python benchmarks/host_sampler.py --out host_sampler.json
 """
@@ -28,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +41,7 @@ from gpudiag.measure.profile.recorder import Recorder
 from gpudiag.model.config import HOST_SAMPLE_HZ, ProfileConfig
 
 BOOTSTRAP = 2000
+AMPLIFY = 10.0  # the amplified sampler's rate, in multiples of the default
 
 
 def small_kernels(device: torch.device, target_ms: float) -> Callable[[], None]:
@@ -44,6 +51,26 @@ def small_kernels(device: torch.device, target_ms: float) -> Callable[[], None]:
     x = torch.randn(32, 64, device=device)
 
     def once() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _repeat_to(once, device, target_ms)
+
+
+def python_and_numpy(device: torch.device, target_ms: float) -> Callable[[], None]:
+    """A host-bound step: per-sample numpy and Python on the training thread (it holds the
+    GIL nearly all the step), then a small device step on the batch."""
+    rng = np.random.default_rng(0)
+    images = rng.random((16, 16, 16, 3), dtype=np.float32)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16 * 16 * 3, 64), nn.ReLU(),
+                          nn.Linear(64, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def once() -> None:
+        batch = np.stack([np.rot90(image, k=k % 4) - image.mean() for k, image in
+                          enumerate(images)])
+        x = torch.from_numpy(batch).to(device)
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -131,27 +158,37 @@ def ratio_interval(variant: list[float], plain: list[float]) -> tuple[float, flo
 
 def measure(name: str, step: Callable[[], None], steps: int, rounds: int,
             device: torch.device, hz: float, scratch: Path) -> dict[str, object]:
-    variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz}
+    """Plain, timeline, sampler at `hz`, and sampler at AMPLIFY x `hz`: the last makes the
+    per-sample cost ten times larger than the step's own noise hides at `hz`."""
+    variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz,
+                                         "sampler_x10": AMPLIFY * hz}
     samples: dict[str, list[float]] = {v: [] for v in variants}
     order = list(variants)
     for k in range(rounds):
         # Rotate which variant goes first, so drift favours none.
-        for v in order[k % 3:] + order[:k % 3]:
+        for v in order[k % len(order):] + order[:k % len(order)]:
             gc.collect()
             samples[v].append(run_block(step, steps, device, variants[v], scratch))
     result: dict[str, object] = {"step": name, "steps_per_block": steps, "rounds": rounds,
                                  "hz": hz, "ms_per_step": samples}
-    for v in ("timeline", "sampler"):
+    for v in ("timeline", "sampler", "sampler_x10"):
         ratio, low, high = ratio_interval(samples[v], samples["plain"])
         result[f"{v}_ratio"] = {"mean_ratio": ratio, "ci95": [low, high]}
         print(f"{name}: {v} / plain = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; plain "
               f"{statistics.fmean(samples['plain']):.3f} ms/step)", flush=True)
+    # What each sample costs the step, from the amplified rate over the timeline alone, and
+    # what that makes the default rate cost.
+    ratio, low, high = ratio_interval(samples["sampler_x10"], samples["timeline"])
+    implied = [1 + (r - 1) / AMPLIFY for r in (ratio, low, high)]
+    result["implied_sampler_ratio_at_hz"] = {"mean_ratio": implied[0], "ci95": implied[1:]}
+    print(f"{name}: implied by x{AMPLIFY:g}: sampler at {hz:g} Hz / timeline = {implied[0]:.4f}"
+          f" (95% CI {implied[1]:.4f}-{implied[2]:.4f})", flush=True)
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--hz", type=float, default=HOST_SAMPLE_HZ)
     parser.add_argument("--cores", type=int, default=4, help="pin to this many cores (0: not)")
     parser.add_argument("--quick", action="store_true", help="a few rounds (a smoke test)")
@@ -168,8 +205,9 @@ def main() -> int:
                               "cores": sorted(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else None, "results": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [("2 ms, small kernels (host-bound)", small_kernels(device, 2.0), 50),
-                 ("2 ms, matmuls (device-bound)", large_matmuls(device, 2.0, width=2048), 50),
+        cases = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0), 200),
+                 ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0), 200),
+                 ("4 ms, matmuls (device-bound)", large_matmuls(device, 4.0, width=2048), 50),
                  ("100 ms, large matmuls (device-bound)", large_matmuls(device, 100.0), 4)]
         for name, step, steps in cases:
             report["results"].append(measure(name, step, steps, rounds, device, args.hz,
