@@ -114,7 +114,7 @@ def _holds_distributions(directory: str) -> bool:
 @functools.cache
 def display_path(filename: str) -> str:
     """A short, stable name: relative to site-packages for an installed package (wherever the
-    environment lives), else to the working directory."""
+    environment lives), else to the working directory or the script's."""
     path = Path(filename)
     parts = path.parts
     for marker in ("site-packages", "dist-packages"):
@@ -123,10 +123,17 @@ def display_path(filename: str) -> str:
     for root in path.parents:
         if _holds_distributions(str(root)):
             return str(path.relative_to(root))
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+    # The working directory, else the script's own (a script run from elsewhere, `python
+    # ../train.py`): a path the user recognises, not the machine's absolute one.
+    script = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else None
+    for base in (Path.cwd(), script):
+        if base is None:
+            continue
+        try:
+            return str(path.resolve().relative_to(base))
+        except ValueError:
+            continue
+    return str(path)
 
 
 def call_site(frame: FrameType | None) -> Site | None:
