@@ -8,9 +8,11 @@ syncs; the ratio of a variant's mean step time to the plain one's comes with a b
 interval over rounds. The process is pinned to a few cores and its garbage collector run
 before each block, so that core migrations and collections do not swamp a 1% effect.
 
-A host-bound step's own time still varies by 10-25% from block to block on an H100 host, more
-than a 1% effect: the sampler at ten times its rate makes its cost per sample measurable, and
-that cost, scaled back, is what the default rate costs (with its interval). Four steps: ~2 ms
+A host-bound step's own time varies by 10-25% from block to block on an H100 host, more than a
+1% effect. For host-bound steps the sampler (and, separately, the timeline) is therefore also
+switched on and off every 100 ms within one run, and the host time per step in on windows is
+held against the adjacent off windows': drift slower than that cancels. The sampler at ten
+times its rate, in blocks, gives its cost per sample too. Four steps: ~2 ms
 of per-sample numpy and Python (the training thread holds the GIL nearly all the step: the
 sampler's worst case), ~2 ms of many small kernels (launch-bound), ~4 ms of mid-size matmuls,
 ~100 ms of large matmuls (device-bound).
@@ -28,6 +30,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from gpudiag.measure.profile.hostsampler import HostSampler
 from gpudiag.measure.profile.recorder import Recorder
 from gpudiag.model.config import HOST_SAMPLE_HZ, ProfileConfig
 
 BOOTSTRAP = 2000
 AMPLIFY = 10.0  # the amplified sampler's rate, in multiples of the default
+WINDOW_S = 0.1  # on and off windows of the alternating measurement
 
 
 def small_kernels(device: torch.device, target_ms: float) -> Callable[[], None]:
@@ -186,6 +191,83 @@ def measure(name: str, step: Callable[[], None], steps: int, rounds: int,
     return result
 
 
+class DutyCycledSampler(HostSampler):
+    """The host sampler on for one window, asleep for the next, alternately (its samples are
+    the production sampler's `take`): steps in on and off windows a window apart tell its
+    cost, with the host's drift cancelled at that scale."""
+
+    def __init__(self, *args: Any, window_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.window_s = window_s
+        self.origin = time.perf_counter()
+
+    def window(self, t: float) -> int:
+        return int((t - self.origin) / self.window_s)
+
+    def _run(self) -> None:
+        period, width = self.period_s, self.window_s
+        previous = next_at = self.origin = time.perf_counter()
+        while True:
+            index = self.window(next_at)
+            if index % 2 or next_at + period >= self.origin + (index + 1) * width:
+                # Asleep to the next on window: no wake-up inside an off one.
+                wake = self.origin + (index + 1 + (index + 1) % 2) * width
+                if self._stop.wait(max(0.0, wake - time.perf_counter())):
+                    return
+                previous = next_at = time.perf_counter()
+                continue
+            next_at += period
+            if self._stop.wait(max(0.0, next_at - time.perf_counter())):
+                return
+            now = time.perf_counter()
+            self.take(min(now - previous, 4 * period) * 1e3)
+            previous = next_at = now
+
+
+def alternating(name: str, step: Callable[[], None], seconds: float, window_s: float,
+                hz: float, scratch: Path) -> dict[str, object]:
+    """Host-bound steps: the sampler (timeline on throughout), then the timeline (no
+    sampler), each switched on and off every `window_s` within one run; the ratio of the
+    mean host time per step in on windows to that in off windows, by window pair."""
+    result: dict[str, object] = {"step": name, "method": "alternating windows",
+                                 "window_s": window_s, "seconds": seconds, "hz": hz}
+    for what in ("sampler", "timeline"):
+        config = ProfileConfig(warmup=0, timed=10**9, evidence_steps=0, telemetry="off",
+                               host_sample_hz=0.0)
+        recorder = Recorder(scratch, config)
+        sampler = DutyCycledSampler(recorder.host_marks, thread_id=threading.get_ident(),
+                                    loop_code=None, cuda=torch.cuda.is_available(), warmup=0,
+                                    skip=(), max_steps=10**9, period_s=1 / hz,
+                                    window_s=window_s)
+        if what == "sampler":
+            sampler.start()
+        spans: list[tuple[float, float]] = []
+        end = time.perf_counter() + seconds
+        gc.collect()
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            step()
+            if what == "sampler" or sampler.window(started) % 2 == 0:
+                recorder.boundary()
+            spans.append((started, time.perf_counter()))
+        sampler.stop()
+        by_window: dict[int, list[float]] = {}
+        for a, b in spans:
+            if sampler.window(a) == sampler.window(b):
+                by_window.setdefault(sampler.window(a), []).append((b - a) * 1e3)
+        on, off = [], []
+        for k in range(0, max(by_window, default=0), 2):
+            if by_window.get(k) and by_window.get(k + 1):
+                on.append(statistics.fmean(by_window[k]))
+                off.append(statistics.fmean(by_window[k + 1]))
+        ratio, low, high = ratio_interval(on, off)
+        result[f"{what}_ratio"] = {"mean_ratio": ratio, "ci95": [low, high], "pairs": len(on),
+                                   "on_ms": on, "off_ms": off}
+        print(f"{name}: {what} on / off = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; "
+              f"{len(on)} window pairs, off {statistics.fmean(off):.3f} ms/step)", flush=True)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
@@ -205,11 +287,16 @@ def main() -> int:
                               "cores": sorted(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else None, "results": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0), 200),
-                 ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0), 200),
-                 ("4 ms, matmuls (device-bound)", large_matmuls(device, 4.0, width=2048), 50),
-                 ("100 ms, large matmuls (device-bound)", large_matmuls(device, 100.0), 4)]
-        for name, step, steps in cases:
+        host_bound = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0)),
+                      ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0))]
+        for name, step in host_bound:
+            report["results"].append(alternating(name, step, 2.0 if args.quick else 30.0,
+                                                 WINDOW_S, args.hz, Path(tmp)))
+        blocks = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0), 200),
+                  ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0), 200),
+                  ("4 ms, matmuls (device-bound)", large_matmuls(device, 4.0, width=2048), 50),
+                  ("100 ms, large matmuls (device-bound)", large_matmuls(device, 100.0), 4)]
+        for name, step, steps in blocks:
             report["results"].append(measure(name, step, steps, rounds, device, args.hz,
                                              Path(tmp)))
     if args.out:

@@ -282,21 +282,27 @@ class HostSampler:
                 return
             now = time.perf_counter()
             next_at = max(next_at, now - period)  # late: no burst of catch-up samples
-            weight = min(now - previous, MAX_WEIGHT_PERIODS * period) * 1e3
-            previous = now
-            step = len(self.marks) - 1
-            if step >= self.max_steps:
+            if not self.take(min(now - previous, MAX_WEIGHT_PERIODS * period) * 1e3):
                 return
-            frame = sys._current_frames().get(self.thread_id)
-            self._close_steps(step)
-            if frame is None or step < self.warmup or step in self.skip:
-                continue
-            sample = classify(frame, self.loop_code, self.cuda)
-            del frame
-            self.result.samples += 1
-            self.current[sample.key] += weight
-            if sample.loop_line is not None:
-                self.current_loop[sample.loop_line] += weight
+            previous = now
+
+    def take(self, weight_ms: float) -> bool:
+        """One sample of the training thread, standing for the `weight_ms` before it; False
+        once the run is past the steps sampled."""
+        step = len(self.marks) - 1
+        if step >= self.max_steps:
+            return False
+        frame = sys._current_frames().get(self.thread_id)
+        self._close_steps(step)
+        if frame is None or step < self.warmup or step in self.skip:
+            return True
+        sample = classify(frame, self.loop_code, self.cuda)
+        del frame
+        self.result.samples += 1
+        self.current[sample.key] += weight_ms
+        if sample.loop_line is not None:
+            self.current_loop[sample.loop_line] += weight_ms
+        return True
 
     def _close_steps(self, step: int) -> None:
         """Every step before `step` has ended: file the samples of the one that was open."""
