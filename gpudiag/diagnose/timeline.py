@@ -275,4 +275,5 @@ def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
     result.works.sort(key=lambda w: -w.extra_ms)
     if host is not None:
         for work in result.works:
-            _attribute(work, host)
+            if work.kind == "other":  # saves and DataLoader loops are named by their hooks
+                _attribute(work, host)

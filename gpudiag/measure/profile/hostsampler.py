@@ -14,9 +14,9 @@ thread was doing there (gpudiag.model.facts.HOST_KINDS), read from the innermost
   (a @ b) -> call, which the profiler window's record of the line's torch calls decides;
 - anything else (bytecode running, a library's Python) -> python.
 
-Steps after warm-up are kept apart from the slow ones (over SLOW_STEP x the recent median: an
-evaluation, a save): the steady steps' samples are summed by line, a slow step keeps which
-lines of the training loop held it. The profiler window's steps are not sampled (the
+Steps after warm-up are kept apart from the slow ones (over SLOW_STEP x the median of the steps
+around them: an evaluation, a save): the steady steps' samples are summed by line, a slow step
+keeps which lines of the training loop held it. The profiler window's steps are not sampled (the
 profiler slows their host work).
 """
 
@@ -42,12 +42,13 @@ from gpudiag.model.facts import HostKind, HostLine, HostSamples, HostStep
 
 PERIOD_S = 0.01  # 100 Hz: a 100 ms step gets 10 samples, a 2 ms step one in 5
 MAX_WEIGHT_PERIODS = 4  # a sample taken late (the GIL held) counts at most this many periods
-SLOW_STEP = 1.5  # a step this many times the recent median is slow: kept apart...
+SLOW_STEP = 1.5  # a step this many times the median around it is slow: kept apart...
 # ... and this much above it: a sample delays the step it lands in (the training thread waits
 # for the GIL while the sampler holds it), which must not make sampled steps "slow".
 SLOW_STEP_MIN_EXTRA_MS = 1.0
-RECENT_STEPS = 64  # steps the running median is over
-MIN_RECENT = 5  # before this many steps, none is slow
+RECENT_STEPS = 48  # steps before a step that its "usual" is the median over...
+LOOKAHEAD = 16  # ... and steps after it: a step is filed once these have ended
+MIN_RECENT = 5  # with fewer steps around it than this, no step is slow
 MAX_SLOW_STEPS = 2_000  # slow steps kept one by one
 MAX_KEYS = 5_000  # distinct (line, via, kind) kept; later ones are summed as "other lines"
 MAX_LINES = 40  # lines written to run.json, busiest first
@@ -265,7 +266,8 @@ class HostSampler:
         self.current_loop: dict[str, float] = defaultdict(float)
         self.steady: dict[Key, float] = defaultdict(float)
         self.steady_loop: dict[str, float] = defaultdict(float)
-        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        # Ended steps waiting for the LOOKAHEAD steps after them: (step, samples, loop lines).
+        self.pending: deque[tuple[int, dict[Key, float], dict[str, float]]] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpudiag-host-sampler",
                                         daemon=True)
@@ -305,20 +307,30 @@ class HostSampler:
         return True
 
     def _close_steps(self, step: int) -> None:
-        """Every step before `step` has ended: file the samples of the one that was open."""
+        """Every step before `step` has ended: the open one waits in `pending` until the
+        steps after it tell whether it was slow."""
         while self.open_step < step:
-            self._close(self.open_step)
+            current, loop = self.current, self.current_loop
+            self.current, self.current_loop = defaultdict(float), defaultdict(float)
+            if self.open_step >= self.warmup and self.open_step not in self.skip:
+                self.pending.append((self.open_step, current, loop))
             self.open_step += 1
+        while self.pending and self.pending[0][0] + LOOKAHEAD < step:
+            self._file(*self.pending.popleft())
 
-    def _close(self, step: int) -> None:
-        current, loop = self.current, self.current_loop
-        self.current, self.current_loop = defaultdict(float), defaultdict(float)
-        if step < self.warmup or step in self.skip or step + 1 >= len(self.marks):
-            return
-        wall = (self.marks[step + 1] - self.marks[step]) * 1e3
-        usual = statistics.median(self.recent) if len(self.recent) >= MIN_RECENT else None
+    def _wall(self, step: int) -> float:
+        return (self.marks[step + 1] - self.marks[step]) * 1e3
+
+    def _file(self, step: int, current: dict[Key, float], loop: dict[str, float]) -> None:
+        """A step's samples, to the steady steps' sums or kept apart as a slow step's: slow
+        against the median of the steps around it (before and after, warm-up included, the
+        profiler window's and the start-up's not), so the first steps are judged too."""
+        around = [self._wall(k) for k in range(max(1, step - RECENT_STEPS),
+                                                min(len(self.marks) - 1, step + LOOKAHEAD + 1))
+                  if k not in self.skip]
+        wall = self._wall(step)
+        usual = statistics.median(around) if len(around) >= MIN_RECENT else None
         slow = usual is not None and wall > max(SLOW_STEP * usual, usual + SLOW_STEP_MIN_EXTRA_MS)
-        self.recent.append(wall)
         result = self.result
         if slow:
             if len(result.slow_steps) < MAX_SLOW_STEPS:
@@ -341,6 +353,8 @@ class HostSampler:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
         self._close_steps(min(len(self.marks) - 1, self.max_steps))
+        while self.pending:
+            self._file(*self.pending.popleft())
         result = self.result
         kinds: dict[str, float] = defaultdict(float)
         for key, ms in self.steady.items():
