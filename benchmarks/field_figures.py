@@ -63,15 +63,18 @@ def periodic_rows(name: str, run: RunResult, truth: dict[str, list[float]]) -> l
     whole = _account(run)
     rows = []
     for work in whole.works:
-        key = {"loop": "eval_ms", "other": "eval_ms", "save": "save_ms"}.get(work.kind)
-        if key is None or not truth.get(key):
+        # The script's evaluations or saves: the timed work that ran as often.
+        key = "save_ms" if work.kind == "save" else "eval_ms"
+        ours = (f"{work.per_occurrence_ms:.1f} ms each, {whole.share(work.extra_ms):.2%}"
+                f" at {work.line or (work.loop.caller if work.loop else '-')}")
+        what = f"{work.kind} every {work.period} ({work.occurrences} x)"
+        if work.kind not in ("loop", "other", "save") or len(truth.get(key, [])) != \
+                work.occurrences:
+            rows.append([name, what, "- (no timer around it)", ours])
             continue
         plain = statistics.fmean(truth[key])
         share_plain = sum(truth[key]) / whole.wall_ms
-        rows.append([name, f"{work.kind} every {work.period} ({work.occurrences} x)",
-                     f"{plain:.1f} ms each, {share_plain:.2%} of the run",
-                     f"{work.per_occurrence_ms:.1f} ms each, {whole.share(work.extra_ms):.2%}"
-                     f" at {work.line or (work.loop.caller if work.loop else '-')}"])
+        rows.append([name, what, f"{plain:.1f} ms each, {share_plain:.2%} of the run", ours])
     return rows
 
 
