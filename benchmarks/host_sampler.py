@@ -47,6 +47,7 @@ from gpudiag.model.config import HOST_SAMPLE_HZ, ProfileConfig
 BOOTSTRAP = 2000
 AMPLIFY = 10.0  # the amplified sampler's rate, in multiples of the default
 WINDOW_S = 0.1  # on and off windows of the alternating measurement
+STALL_GAP_S = 5e-6  # a gap this long between two iterations of a tight loop is a stall
 
 
 def small_kernels(device: torch.device, target_ms: float) -> Callable[[], None]:
@@ -268,6 +269,47 @@ def alternating(name: str, step: Callable[[], None], seconds: float, window_s: f
     return result
 
 
+def stalls(seconds: float, hz: float, windows: int = 8) -> dict[str, object]:
+    """The training thread's stall per sample, directly: a pure-Python loop (it holds the GIL
+    all the time, the sampler's worst case) notes every gap between its iterations over
+    STALL_GAP_S; the sampler is on in alternate windows of `seconds`. The extra stalled time
+    per sample taken, times the rate, is what the sampler costs a GIL-bound step."""
+    marks = [time.perf_counter()]
+    on_stalled, off_stalled = 0.0, 0.0
+    for k in range(2 * windows):
+        sampler = None
+        if k % 2 == 0:
+            sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=None,
+                                  cuda=False, warmup=0, skip=(), max_steps=10**9,
+                                  period_s=1 / hz)
+            sampler.start()
+        gc.collect()
+        stalled = 0.0
+        previous = start = time.perf_counter()
+        while previous - start < seconds:
+            now = time.perf_counter()
+            if now - previous > STALL_GAP_S:
+                stalled += now - previous
+            previous = now
+            sum(range(20))
+        if sampler is not None:
+            sampler.stop()  # every wake-up takes the GIL, whether or not it keeps a sample
+            on_stalled += stalled
+        else:
+            off_stalled += stalled
+    taken = max(1, round(windows * seconds * hz))
+    per_sample_us = (on_stalled - off_stalled) / taken * 1e6
+    result = {"method": "stalls of a GIL-bound loop", "seconds_per_window": seconds,
+              "windows": windows, "hz": hz, "stalled_on_s": on_stalled,
+              "stalled_off_s": off_stalled, "samples": taken,
+              "stall_per_sample_us": per_sample_us,
+              "overhead_at_hz": per_sample_us * 1e-6 * hz}
+    print(f"GIL-bound loop: {per_sample_us:.1f} us stalled per sample: "
+          f"{per_sample_us * 1e-6 * hz:.2%} of its time at {hz:g} Hz "
+          f"(stalled {on_stalled:.3f} s with, {off_stalled:.3f} s without)", flush=True)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
@@ -286,6 +328,7 @@ def main() -> int:
                               "python": sys.version.split()[0], "rounds": rounds,
                               "cores": sorted(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else None, "results": []}
+    report["results"].append(stalls(0.5 if args.quick else 2.0, args.hz))
     with tempfile.TemporaryDirectory() as tmp:
         host_bound = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0)),
                       ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0))]

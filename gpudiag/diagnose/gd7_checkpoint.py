@@ -463,5 +463,6 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
             location=(loop.caller or loop.location) if loop is not None else work.line,
             fix=(f"Periodic work beside training: {work.per_occurrence_ms:.0f} ms {often}."
                  f"{where} Run it less often or on fewer batches, or move it off the training "
-                 "process (a separate evaluation job on saved checkpoints); keep an evaluation "
-                 "DataLoader's workers persistent so they do not restart each time."))
+                 "process (a separate evaluation job on saved checkpoints)"
+                 + ("; keep the evaluation DataLoader's workers persistent so they do not "
+                    "restart each time." if loop is not None else ".")))
