@@ -696,3 +696,11 @@ def test_every_stage_of_a_clean_run_is_silent() -> None:
                        kernel_active_pct=99.0,
                        memory=MemoryStats(4000.0, 4500.0, 80_000.0), data_wait_ms=1.0)
     assert evaluate(make_run(stage)) == []
+
+
+def test_starved_gpu_with_host_only_work_ranks_below_its_lines() -> None:
+    """GD102 is the symptom when GD105 names the lines holding the host: it says so and ranks
+    just below (as it does below a Python loop)."""
+    found = [f for f in evaluate(gd105(share=0.5, idle=0.9)) if f.id in ("GD102", "GD105")]
+    assert [f.id for f in found] == ["GD105", "GD102"]
+    assert "see GD105" in found[1].title and "train.py:20" in found[1].title

@@ -9,7 +9,7 @@ from gpudiag.diagnose.common import on_gpu, pct
 from gpudiag.diagnose.host import HostLineTime, StepAccount, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import HostKind
-from gpudiag.model.results import RunResult
+from gpudiag.model.results import RunResult, Severity, StageResult
 
 LINE_SHARE, INFO_SHARE, WARNING_SHARE, CRITICAL_SHARE = 0.05, 0.05, 0.10, 0.40
 MAX_LINES_NAMED = 3
@@ -44,22 +44,17 @@ def host_work_by_line(run: RunResult) -> Iterator[Draft]:
     5% of the step each. On a GPU, what it costs is at most the share the GPU idles (host work
     beside a busy GPU is free); without a profiler window's idle share it is information only."""
     for stage in run.ok_stages():
-        account = step_account(stage)
-        if account is None:
+        work = host_only_work(run, stage)
+        if work is None:
             continue
-        lines = account.lines_of(*HOST_ONLY, min_share=LINE_SHARE)
-        host_ms = sum(line.ms(*HOST_ONLY) for line in lines)
-        share = account.share(host_ms)
-        if not lines or share < INFO_SHARE:
-            continue
+        account, lines, share, cost = work
         gpu = on_gpu(run, stage)
         idle = stage.evidence.idle_fraction if stage.evidence is not None else None
-        cost = min(share, idle) if gpu and idle is not None else share
-        severity = severity_for(cost, warning=WARNING_SHARE, critical=CRITICAL_SHARE,
-                                cap="info" if gpu and idle is None else "critical")
+        severity = host_severity(run, stage, cost)
         top = lines[0]
         beside = (f" while the GPU idles {pct(idle)} of it" if gpu and idle is not None else
                   " (the GPU's idle time was not measured: no profiler window)" if gpu else "")
+        host_ms = sum(line.ms(*HOST_ONLY) for line in lines)
         yield Draft(
             severity=severity, stage=stage.name,
             title=(f"Host-only work (Python, numpy) takes {host_ms:.1f} ms of each "
@@ -68,6 +63,30 @@ def host_work_by_line(run: RunResult) -> Iterator[Draft]:
             location=top.location, impact=min(1.0, cost),
             evidence=_evidence(account, lines, share, idle if gpu else None),
             fix=_fix(lines))
+
+
+def host_only_work(run: RunResult, stage: StageResult
+                   ) -> tuple[StepAccount, list[HostLineTime], float, float] | None:
+    """(the step's account, the lines holding the host in Python or numpy, their share of the
+    step, what they cost it) when GD105 has something to say about `stage`; GD102 defers to
+    it as it does to a Python loop."""
+    account = step_account(stage)
+    if account is None:
+        return None
+    lines = account.lines_of(*HOST_ONLY, min_share=LINE_SHARE)
+    share = account.share(sum(line.ms(*HOST_ONLY) for line in lines))
+    if not lines or share < INFO_SHARE:
+        return None
+    idle = stage.evidence.idle_fraction if stage.evidence is not None else None
+    cost = min(share, idle) if on_gpu(run, stage) and idle is not None else share
+    return account, lines, share, cost
+
+
+def host_severity(run: RunResult, stage: StageResult, cost: float) -> Severity:
+    unmeasured = on_gpu(run, stage) and (stage.evidence is None
+                                        or stage.evidence.idle_fraction is None)
+    return severity_for(cost, warning=WARNING_SHARE, critical=CRITICAL_SHARE,
+                        cap="info" if unmeasured else "critical")
 
 
 def _evidence(account: StepAccount, lines: list[HostLineTime], share: float,

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import data_wait_share, device_ops, pct, reference_stage
+from gpudiag.diagnose.gd1_host import host_only_work, host_severity
 from gpudiag.diagnose.host import SHORT_KIND, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
@@ -16,6 +17,7 @@ SYNC_MIN, SYNC_WARNING, SYNC_CRITICAL = 4, 0.05, 0.30
 SMALL_MIN_KERNELS, SMALL_SHORT_SHARE, SMALL_IDLE, SMALL_MAX_SM = 500, 0.5, 0.20, 40
 
 MAX_PRICED_SHARE = 0.95  # a loop's share is capped here when it is turned into a speedup
+SYMPTOM_RANK = 0.99  # GD102's impact, of its cause's, when it points to a later rule
 MAX_LINES_NAMED = 3  # lines a fix names, busiest first
 
 
@@ -173,6 +175,8 @@ STARVED_THRESHOLDS = (
               "above this the input-pipeline rule explains the idle time instead"),
     Threshold("max_lines_named", MAX_LINES_NAMED,
               "without a loop finding, the fix names this many lines, by host time"),
+    Threshold("symptom_rank", SYMPTOM_RANK,
+              "pointing to host-only work (GD105), the idle GPU ranks just below it"),
     *_loop_thresholds("loop_"),
 )
 
@@ -229,12 +233,19 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
         severity = severity_for(excess, warning=IDLE_WARNING, critical=IDLE_CRITICAL)
         impact = excess
         loop = loop_line(stage)
+        host = host_only_work(run, stage) if loop is None else None
         if loop is not None:
             # The loop is the cause: this symptom never ranks above its finding.
             loop_impact, _ = loop_price(run, stage, loop)
             title += f"; the Python loop at {loop.location} is why (see GD101)"
             impact = min(excess, loop_impact)
             severity = min(severity, loop_severity(loop_impact), key=SEVERITY_RANK.__getitem__)
+        elif host is not None and host_severity(run, stage, host[3]) != "info":
+            # So is host-only work by line (GD105), where it explains the idle time.
+            title += f"; Python/numpy work at {host[1][0].location} is why (see GD105)"
+            impact = min(excess, host[3]) * SYMPTOM_RANK
+            severity = min(severity, host_severity(run, stage, host[3]),
+                           key=SEVERITY_RANK.__getitem__)
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=_starved_fix(stage, loop) + " Then batch small ops, remove per-step host syncs, "
