@@ -129,9 +129,7 @@ def step_account(stage: StageResult) -> StepAccount | None:
         line.kinds[kind] = line.kinds.get(kind, 0.0) + ms
         if sample.via:
             vias[sample.location][sample.via] += ms
-    parts: dict[HostKind, float] = dict.fromkeys(HOST_KINDS, 0.0)
-    for kind in HOST_KINDS:
-        parts[kind] = per_step(host.kind_ms.get(kind, 0.0))
+    parts = {kind: per_step(host.kind_ms.get(kind, 0.0)) for kind in HOST_KINDS}
     if windowed:
         # Calls are told apart line by line; those on lines past the MAX_LINES listed, by
         # no window record of torch work there, are Python's.

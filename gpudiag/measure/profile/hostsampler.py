@@ -73,15 +73,22 @@ class Callee(NamedTuple):
     name: str  # the last name: the method or function called
 
 
-_OPERATOR = Callee(None, (), "")
+_OPERATOR = Callee(None, (), "")  # an operator: a @ b, x[i] = y
+_UNKNOWN = Callee(None, (), "?")  # a call whose source is not read
+MAX_PARSED_BYTES = 64_000
 
 
 @functools.cache
 def _calls_by_end(filename: str) -> dict[tuple[int, int], Callee]:
     """Every call in a source file, by where it ends (line, column): a call instruction's
-    source position ends where its call expression does (CPython moves only its start)."""
+    source position ends where its call expression does (CPython moves only its start). A
+    library's file over MAX_PARSED_BYTES is not read: parsing it would hold the GIL, so the
+    training thread, for tens of ms; its calls stay unknown."""
     try:
-        tree = ast.parse(Path(filename).read_text())
+        path = Path(filename)
+        if frame_role(filename) != "user" and path.stat().st_size > MAX_PARSED_BYTES:
+            return {}
+        tree = ast.parse(path.read_text())
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return {}
     calls = {}
@@ -113,9 +120,7 @@ def _callees(code: CodeType) -> dict[int, Callee]:
             found[instr.offset] = _OPERATOR
         elif instr.opname.startswith(("CALL", "PRECALL")) and instr.positions is not None:
             end = (instr.positions.end_lineno, instr.positions.end_col_offset)
-            callee = calls.get(end) if None not in end else None
-            if callee is not None:
-                found[instr.offset] = callee
+            found[instr.offset] = calls.get(end, _UNKNOWN) if None not in end else _UNKNOWN
     return found
 
 
@@ -145,7 +150,7 @@ def _call_kind(frame: FrameType, cuda: bool) -> HostKind:
     callee = _callees(frame.f_code).get(frame.f_lasti)
     if callee is None:
         return "python"
-    if callee is _OPERATOR:
+    if callee is _OPERATOR or callee is _UNKNOWN:
         return "call"
     if callee.name in SYNC_CALLS:
         return "sync" if cuda else "torch"
@@ -217,14 +222,10 @@ def classify(frame: FrameType, loop_code: CodeType | None, cuda: bool) -> Sample
                       charged.f_code.co_name, via, kind), walk.loop_line)
 
 
-@functools.cache
-def _path(filename: str) -> str:
-    return display_path(filename)
-
-
 def _location(filename: str, line: int | None) -> str:
-    _FILES.setdefault(_path(filename), filename)
-    return f"{_path(filename)}:{line or 0}"
+    path = display_path(filename)
+    _FILES.setdefault(path, filename)
+    return f"{path}:{line or 0}"
 
 
 _FILES: dict[str, str] = {}  # display path -> the file, for the source text of named lines
