@@ -97,6 +97,8 @@ def _evidence(account: StepAccount, lines: list[HostLineTime], share: float,
             "steps_sampled": account.steps, "samples": account.samples,
             "sample_period_ms": account.period_ms,
             "lines": {x.location: {"ms_per_step": round(x.ms(*HOST_ONLY), 2),
+                                   "sampling_error_ms": round(account.error(x.ms(*HOST_ONLY)),
+                                                              2),
                                    "share": round(account.share(x.ms(*HOST_ONLY)), 3),
                                    "function": x.function, "source": x.text,
                                    "via": x.via} for x in lines}}

@@ -11,6 +11,7 @@ operators, else Python/numpy; without a window it stays "a call, torch or not".
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -72,6 +73,13 @@ class StepAccount:
 
     def share(self, ms: float) -> float:
         return ms / self.step_ms if self.step_ms > 0 else 0.0
+
+    def error(self, ms_per_step: float) -> float:
+        """The sampling error (one standard error) of a line's ms per step: it stands on
+        k = ms x steps / period samples, known to about sqrt(k) of them."""
+        if self.steps <= 0:
+            return 0.0
+        return math.sqrt(max(ms_per_step, 0.0) * self.period_ms / self.steps)
 
     def lines_of(self, *kinds: HostKind, min_share: float = 0.0) -> list[HostLineTime]:
         """Lines by their time in `kinds`, busiest first, at least `min_share` of the step."""

@@ -58,10 +58,12 @@ def shown(rows: list[Row]) -> list[Row]:
 def _step_intro(stage: StageResult, step: StepAccount) -> str:
     busy = (f" On the device side, the profiler window saw the GPU busy "
             f"{step.gpu_busy_share:.0%} of its step." if step.gpu_busy_share is not None else "")
+    top = step.lines[0].ms_per_step if step.lines else 0.0
     return (f"The training thread's time in a steady step ({step.step_ms:.2f} ms, mean of "
             f"{step.steps:,} steps on the host clock, slow steps and the profiler window left "
             f"out), from {step.samples:,} stack samples every {step.period_ms:g} ms: each part is "
-            f"a share of that step.{busy}")
+            f"a share of that step. A line's figure is a count of samples: one of {top:.2f} "
+            f"ms/step is known to about +-{step.error(top):.2f} ms.{busy}")
 
 
 def markdown_sections(run: RunResult) -> list[str]:
