@@ -196,6 +196,11 @@ def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
     # Kernels are charged to the user's line (trainer.train()), through the library.
     top = stage.evidence.source_lines[0]
     assert top.location.startswith("hf_train.py:") and top.via, top
+    # The training loop the host samples follow is the Trainer's own (the frame that stays
+    # on the stack from one optimizer step to the next), not the script's trainer.train().
+    host = stage.facts.script.host  # type: ignore[union-attr]
+    assert host is not None and host.loop is not None
+    assert host.loop.startswith("transformers/trainer.py:"), host.loop
 
 
 def test_torch_compile_is_not_recompiled_or_broken_by_gpudiag(tmp_path: Path) -> None:
@@ -322,6 +327,9 @@ def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> Non
     lines = run.stages[0].evidence.source_lines  # type: ignore[union-attr]
     assert lines and all("gpudiag" not in line.location for line in lines)
     assert lines[0].location.startswith("lit.py:"), lines[0]
+    host = run.stages[0].facts.script.host  # type: ignore[union-attr]
+    assert host is not None and host.loop is not None
+    assert host.loop.startswith("lightning/pytorch/loops/"), host.loop
 
 
 # A plain loop that times itself: each step's body, each evaluation, each save (the ground

@@ -3,8 +3,9 @@ sampled at a fixed period from a daemon thread (`sys._current_frames`, the in-pr
 what py-spy reads from outside), each sample weighted by the time since the previous one.
 
 A sample is charged to the innermost frame of the user's own code (a library frame below it
-kept as `via`, as device work is charged in gpudiag/measure/evidence/source.py) and to what the
-thread was doing there (gpudiag.model.facts.HOST_KINDS), read from the innermost frame:
+kept as `via`, as device work is charged in gpudiag/measure/evidence/source.py), looking no
+further out than the training loop (a library's loop is charged to its own lines), and to
+what the thread was doing there (gpudiag.model.facts.HOST_KINDS), read from the innermost frame:
 - in torch's own Python code (a module's forward, backward(), an optimizer) -> torch; under
   torch.utils.data -> data; in torch's tensor printing or a synchronize() -> sync;
 - at a call whose target the source names (`loss.item()`, `np.rot90(x)`, `torch.cat(...)`,
@@ -181,6 +182,10 @@ class _Walk(NamedTuple):
 
 
 def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
+    """The stack from the innermost frame out to the training loop's. It stops there: above
+    the loop every sample shares the same lines, so a loop that is a library's (HF Trainer's
+    inner loop, Lightning's) charges its samples to that library's lines rather than all to
+    the script's one `trainer.train()`."""
     user = library = None
     data = sync = False
     f: FrameType | None = frame
