@@ -193,3 +193,27 @@ def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:
     _assert_clean_stop(code, stderr, seconds, below, signal.SIGINT)
     stage = load_run(out).stage("ddp")
     assert stage is not None and stage.interrupted
+
+
+def test_a_dataloader_peer_gone_in_the_resource_sharer_is_not_printed() -> None:
+    """The resource_sharer thread's ConnectionResetError, when a stop killed a DataLoader
+    worker mid-handshake, is the stop: not passed on. Other threads' errors still are."""
+    import threading
+
+    from gpudiag.measure.interrupts import _quiet_resource_sharer
+
+    def sharer() -> None:
+        exec(compile("raise ConnectionResetError(104, 'Connection reset by peer')",
+                     "/usr/lib/python3/multiprocessing/resource_sharer.py", "exec"))
+
+    def other() -> None:
+        raise ConnectionResetError(104, "a real one")
+
+    passed_on: list[BaseException | None] = []
+    hook = _quiet_resource_sharer(lambda args: passed_on.append(args.exc_value))
+    for target in (sharer, other):
+        try:
+            target()
+        except ConnectionResetError as exc:
+            hook(threading.ExceptHookArgs([type(exc), exc, exc.__traceback__, None]))
+    assert [str(e) for e in passed_on] == ["[Errno 104] a real one"]

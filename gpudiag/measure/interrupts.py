@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -64,6 +66,27 @@ def _raise_for(stop: Stop) -> Callable[[int, FrameType | None], None]:
     return handler
 
 
+# A peer that went away mid-handshake, as multiprocessing's resource_sharer thread (how
+# DataLoader workers pass file descriptors to the main process) reports it.
+_PEER_GONE = (ConnectionResetError, BrokenPipeError, EOFError)
+_RESOURCE_SHARER = "multiprocessing/resource_sharer.py"
+
+
+def _quiet_resource_sharer(
+        previous: Callable[[threading.ExceptHookArgs], Any],
+) -> Callable[[threading.ExceptHookArgs], None]:
+    def hook(args: threading.ExceptHookArgs) -> None:
+        # A stop kills the DataLoader's workers, one perhaps in the middle of handing the main
+        # process a file descriptor: the sharer's background thread then prints a traceback
+        # that is the stop, not a failure (the loader itself reports a worker it lost).
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
+        if issubclass(args.exc_type, _PEER_GONE) and any(
+                f.filename.endswith(_RESOURCE_SHARER) for f in frames):
+            return
+        previous(args)
+    return hook
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[Stop]:
     """SIGINT and SIGTERM raise KeyboardInterrupt (Terminated) in the main thread while this is
@@ -71,11 +94,15 @@ def stop_on_signals() -> Iterator[Stop]:
     stop = Stop()
     handler = _raise_for(stop)
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    previous_hook = threading.excepthook
+    threading.excepthook = _quiet_resource_sharer(previous_hook)
     try:
         yield stop
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
+        if stop.signum is None:  # a stopped run is ending: its workers' threads may still speak
+            threading.excepthook = previous_hook
 
 
 @contextlib.contextmanager
