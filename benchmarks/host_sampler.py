@@ -3,19 +3,18 @@
 One process runs the same training step in blocks, interleaved: plain; with the profile
 recorder's step bookkeeping (its step boundary every step: host mark, CUDA event, NVTX range:
 the timeline) and no host sampler; with the host sampler at its default rate (or --hz); and
-with it at ten times that rate. Each block is timed on the host clock between two device
+with it at 10 and 50 times that rate. Each block is timed on the host clock between two device
 syncs; the ratio of a variant's mean step time to the plain one's comes with a bootstrap 95%
 interval over rounds. The process is pinned to a few cores and its garbage collector run
 before each block, so that core migrations and collections do not swamp a 1% effect.
 
 A host-bound step's own time varies by 10-25% from block to block on an H100 host, more than a
-1% effect. For host-bound steps the sampler (and, separately, the timeline) is therefore also
-switched on and off every 100 ms within one run, and the host time per step in on windows is
-held against the adjacent off windows': drift slower than that cancels. The sampler at ten
-times its rate, in blocks, gives its cost per sample too. Four steps: ~2 ms
-of per-sample numpy and Python (the training thread holds the GIL nearly all the step: the
-sampler's worst case), ~2 ms of many small kernels (launch-bound), ~4 ms of mid-size matmuls,
-~100 ms of large matmuls (device-bound).
+1% effect: the amplified rates carry the measurement there (the cost at the default rate is
+the amplified cost over the amplification, read to a fiftieth of the noise). Four steps:
+~2 ms of per-sample numpy and Python (the training thread holds the GIL nearly all the step),
+~2 ms of many small kernels (launch-bound), ~4 ms of mid-size matmuls, ~100 ms of large
+matmuls (device-bound). First, the stall each sample causes a pure-Python loop, for samples
+taken by the timer signal (the default) and by a sampling thread (the fallback).
 
     python benchmarks/host_sampler.py --out host_sampler.json
 """
@@ -40,13 +39,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpudiag.measure.profile.hostsampler import HostSampler
+from gpudiag.measure.profile.hostsampler import Clock, HostSampler
 from gpudiag.measure.profile.recorder import Recorder
 from gpudiag.model.config import HOST_SAMPLE_HZ, ProfileConfig
 
 BOOTSTRAP = 2000
-AMPLIFY = 10.0  # the amplified sampler's rate, in multiples of the default
-WINDOW_S = 0.1  # on and off windows of the alternating measurement
+# The amplified sampler's rates, in multiples of the default: at 50x (5 kHz) the samples
+# cost a 2 ms step tens of percent, well above the host's block-to-block noise, and the cost
+# per sample, so at the default rate, is read to a fiftieth of that noise.
+AMPLIFY = (10.0, 50.0)
 STALL_GAP_S = 5e-6  # a gap this long between two iterations of a tight loop is a stall
 
 
@@ -126,8 +127,9 @@ def _sync(device: torch.device) -> None:
 
 
 def run_block(step: Callable[[], None], steps: int, device: torch.device, hz: float | None,
-              scratch: Path) -> float:
-    """Mean ms per step over one block; `hz` None: plain, else recorded with that rate."""
+              scratch: Path) -> tuple[float, float]:
+    """Mean ms per step over one block, and host samples taken per step; `hz` None: plain,
+    else recorded with that rate."""
     recorder = None
     if hz is not None:
         config = ProfileConfig(warmup=0, timed=10**9, evidence_steps=0, telemetry="off",
@@ -144,9 +146,11 @@ def run_block(step: Callable[[], None], steps: int, device: torch.device, hz: fl
             recorder.boundary()
     _sync(device)
     elapsed = (time.perf_counter() - start) * 1e3 / steps
+    taken = 0
     if recorder is not None and recorder.host_sampler is not None:
-        recorder.host_sampler.stop()
-    return elapsed
+        sampler = recorder.host_sampler
+        taken = sampler.stop().samples
+    return elapsed, taken / (steps + 1)  # (sampling starts at the second boundary)
 
 
 def ratio_interval(variant: list[float], plain: list[float]) -> tuple[float, float, float]:
@@ -164,124 +168,57 @@ def ratio_interval(variant: list[float], plain: list[float]) -> tuple[float, flo
 
 def measure(name: str, step: Callable[[], None], steps: int, rounds: int,
             device: torch.device, hz: float, scratch: Path) -> dict[str, object]:
-    """Plain, timeline, sampler at `hz`, and sampler at AMPLIFY x `hz`: the last makes the
-    per-sample cost ten times larger than the step's own noise hides at `hz`."""
-    variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz,
-                                         "sampler_x10": AMPLIFY * hz}
+    """Plain, timeline, sampler at `hz`, and sampler at each AMPLIFY x `hz`: an amplified
+    rate makes the per-sample cost stand well above the step's own noise, which hides it at
+    `hz`; the cost at `hz` is then the amplified one over the amplification."""
+    variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz}
+    variants.update({f"sampler_x{k:g}": k * hz for k in AMPLIFY})
     samples: dict[str, list[float]] = {v: [] for v in variants}
+    taken: dict[str, list[float]] = {v: [] for v in variants}
     order = list(variants)
     for k in range(rounds):
         # Rotate which variant goes first, so drift favours none.
         for v in order[k % len(order):] + order[:k % len(order)]:
             gc.collect()
-            samples[v].append(run_block(step, steps, device, variants[v], scratch))
+            ms, per_step = run_block(step, steps, device, variants[v], scratch)
+            samples[v].append(ms)
+            taken[v].append(per_step)
+    per_step = {v: statistics.fmean(taken[v]) for v in variants}
     result: dict[str, object] = {"step": name, "steps_per_block": steps, "rounds": rounds,
-                                 "hz": hz, "ms_per_step": samples}
-    for v in ("timeline", "sampler", "sampler_x10"):
+                                 "hz": hz, "ms_per_step": samples,
+                                 "samples_per_step": per_step}
+    for v in order[1:]:
         ratio, low, high = ratio_interval(samples[v], samples["plain"])
         result[f"{v}_ratio"] = {"mean_ratio": ratio, "ci95": [low, high]}
         print(f"{name}: {v} / plain = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; plain "
               f"{statistics.fmean(samples['plain']):.3f} ms/step)", flush=True)
-    # What each sample costs the step, from the amplified rate over the timeline alone, and
-    # what that makes the default rate cost.
-    ratio, low, high = ratio_interval(samples["sampler_x10"], samples["timeline"])
-    implied = [1 + (r - 1) / AMPLIFY for r in (ratio, low, high)]
-    result["implied_sampler_ratio_at_hz"] = {"mean_ratio": implied[0], "ci95": implied[1:]}
-    print(f"{name}: implied by x{AMPLIFY:g}: sampler at {hz:g} Hz / timeline = {implied[0]:.4f}"
-          f" (95% CI {implied[1]:.4f}-{implied[2]:.4f})", flush=True)
+    # What each sample costs the step, from an amplified rate over the timeline alone, and
+    # what that makes the default rate cost: scaled by the samples each actually took per
+    # step (at a high rate the timer's periods merge while a sample is being taken).
+    for k in AMPLIFY:
+        ratio, low, high = ratio_interval(samples[f"sampler_x{k:g}"], samples["timeline"])
+        scale = per_step["sampler"] / max(per_step[f"sampler_x{k:g}"], 1e-9)
+        implied = [1 + (r - 1) * scale for r in (ratio, low, high)]
+        result[f"implied_by_x{k:g}"] = {"mean_ratio": implied[0], "ci95": implied[1:]}
+        print(f"{name}: implied by x{k:g}: sampler at {hz:g} Hz / timeline = {implied[0]:.4f}"
+              f" (95% CI {implied[1]:.4f}-{implied[2]:.4f})", flush=True)
     return result
 
 
-class DutyCycledSampler(HostSampler):
-    """The host sampler on for one window, asleep for the next, alternately (its samples are
-    the production sampler's `take`): steps in on and off windows a window apart tell its
-    cost, with the host's drift cancelled at that scale."""
-
-    def __init__(self, *args: Any, window_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.window_s = window_s
-        self.origin = time.perf_counter()
-
-    def window(self, t: float) -> int:
-        return int((t - self.origin) / self.window_s)
-
-    def _run(self) -> None:
-        period, width = self.period_s, self.window_s
-        previous = next_at = self.origin = time.perf_counter()
-        while True:
-            index = self.window(next_at)
-            if index % 2 or next_at + period >= self.origin + (index + 1) * width:
-                # Asleep to the next on window: no wake-up inside an off one.
-                wake = self.origin + (index + 1 + (index + 1) % 2) * width
-                if self._stop.wait(max(0.0, wake - time.perf_counter())):
-                    return
-                previous = next_at = time.perf_counter()
-                continue
-            next_at += period
-            if self._stop.wait(max(0.0, next_at - time.perf_counter())):
-                return
-            now = time.perf_counter()
-            self.take(min(now - previous, 4 * period) * 1e3)
-            previous = next_at = now
-
-
-def alternating(name: str, step: Callable[[], None], seconds: float, window_s: float,
-                hz: float, scratch: Path) -> dict[str, object]:
-    """Host-bound steps: the sampler (timeline on throughout), then the timeline (no
-    sampler), each switched on and off every `window_s` within one run; the ratio of the
-    mean host time per step in on windows to that in off windows, by window pair."""
-    result: dict[str, object] = {"step": name, "method": "alternating windows",
-                                 "window_s": window_s, "seconds": seconds, "hz": hz}
-    for what in ("sampler", "timeline"):
-        config = ProfileConfig(warmup=0, timed=10**9, evidence_steps=0, telemetry="off",
-                               host_sample_hz=0.0)
-        recorder = Recorder(scratch, config)
-        sampler = DutyCycledSampler(recorder.host_marks, thread_id=threading.get_ident(),
-                                    loop_code=None, cuda=torch.cuda.is_available(), warmup=0,
-                                    skip=(), max_steps=10**9, period_s=1 / hz,
-                                    window_s=window_s)
-        if what == "sampler":
-            sampler.start()
-        spans: list[tuple[float, float]] = []
-        end = time.perf_counter() + seconds
-        gc.collect()
-        while time.perf_counter() < end:
-            started = time.perf_counter()
-            step()
-            if what == "sampler" or sampler.window(started) % 2 == 0:
-                recorder.boundary()
-            spans.append((started, time.perf_counter()))
-        sampler.stop()
-        by_window: dict[int, list[float]] = {}
-        for a, b in spans:
-            if sampler.window(a) == sampler.window(b):
-                by_window.setdefault(sampler.window(a), []).append((b - a) * 1e3)
-        on, off = [], []
-        for k in range(0, max(by_window, default=0), 2):
-            if by_window.get(k) and by_window.get(k + 1):
-                on.append(statistics.fmean(by_window[k]))
-                off.append(statistics.fmean(by_window[k + 1]))
-        ratio, low, high = ratio_interval(on, off)
-        result[f"{what}_ratio"] = {"mean_ratio": ratio, "ci95": [low, high], "pairs": len(on),
-                                   "on_ms": on, "off_ms": off}
-        print(f"{name}: {what} on / off = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; "
-              f"{len(on)} window pairs, off {statistics.fmean(off):.3f} ms/step)", flush=True)
-    return result
-
-
-def stalls(seconds: float, hz: float, windows: int = 8) -> dict[str, object]:
+def stalls(seconds: float, hz: float, clock: Clock, windows: int = 8) -> dict[str, object]:
     """The training thread's stall per sample, directly: a pure-Python loop (it holds the GIL
-    all the time, the sampler's worst case) notes every gap between its iterations over
-    STALL_GAP_S; the sampler is on in alternate windows of `seconds`. The extra stalled time
-    per sample taken, times the rate, is what the sampler costs a GIL-bound step."""
+    all the time, a sampling thread's worst case) notes every gap between its iterations over
+    STALL_GAP_S; the sampler (taking samples by `clock`) is on in alternate windows of
+    `seconds`. The extra stalled time per sample taken, times the rate, is what the sampler
+    costs a GIL-bound step."""
     marks = [time.perf_counter()]
-    on_stalled, off_stalled = 0.0, 0.0
+    on_stalled, off_stalled, taken = 0.0, 0.0, 0
     for k in range(2 * windows):
         sampler = None
         if k % 2 == 0:
             sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=None,
                                   cuda=False, warmup=0, skip=(), max_steps=10**9,
-                                  period_s=1 / hz)
+                                  period_s=1 / hz, clock=clock)
             sampler.start()
         gc.collect()
         stalled = 0.0
@@ -293,18 +230,18 @@ def stalls(seconds: float, hz: float, windows: int = 8) -> dict[str, object]:
             previous = now
             sum(range(20))
         if sampler is not None:
-            sampler.stop()  # every wake-up takes the GIL, whether or not it keeps a sample
+            # A sampling thread takes the GIL at every wake-up, keeping a sample or not.
+            taken += sampler.stop().samples if clock == "signal" else round(seconds * hz)
             on_stalled += stalled
         else:
             off_stalled += stalled
-    taken = max(1, round(windows * seconds * hz))
-    per_sample_us = (on_stalled - off_stalled) / taken * 1e6
-    result = {"method": "stalls of a GIL-bound loop", "seconds_per_window": seconds,
-              "windows": windows, "hz": hz, "stalled_on_s": on_stalled,
-              "stalled_off_s": off_stalled, "samples": taken,
+    per_sample_us = (on_stalled - off_stalled) / max(1, taken) * 1e6
+    result = {"method": "stalls of a GIL-bound loop", "clock": clock,
+              "seconds_per_window": seconds, "windows": windows, "hz": hz,
+              "stalled_on_s": on_stalled, "stalled_off_s": off_stalled, "samples": taken,
               "stall_per_sample_us": per_sample_us,
               "overhead_at_hz": per_sample_us * 1e-6 * hz}
-    print(f"GIL-bound loop: {per_sample_us:.1f} us stalled per sample: "
+    print(f"GIL-bound loop, samples by {clock}: {per_sample_us:.1f} us stalled per sample: "
           f"{per_sample_us * 1e-6 * hz:.2%} of its time at {hz:g} Hz "
           f"(stalled {on_stalled:.3f} s with, {off_stalled:.3f} s without)", flush=True)
     return result
@@ -328,13 +265,9 @@ def main() -> int:
                               "python": sys.version.split()[0], "rounds": rounds,
                               "cores": sorted(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else None, "results": []}
-    report["results"].append(stalls(0.5 if args.quick else 2.0, args.hz))
+    for clock in ("signal", "thread"):
+        report["results"].append(stalls(0.5 if args.quick else 2.0, args.hz, clock))
     with tempfile.TemporaryDirectory() as tmp:
-        host_bound = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0)),
-                      ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0))]
-        for name, step in host_bound:
-            report["results"].append(alternating(name, step, 2.0 if args.quick else 30.0,
-                                                 WINDOW_S, args.hz, Path(tmp)))
         blocks = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0), 200),
                   ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0), 200),
                   ("4 ms, matmuls (device-bound)", large_matmuls(device, 4.0, width=2048), 50),

@@ -15,6 +15,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -22,34 +23,46 @@ import torch
 
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import periodic_groups
-from gpudiag.measure.profile.hostsampler import HostSampler
+from gpudiag.measure.profile import threadtimer
+from gpudiag.measure.profile.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
 from gpudiag.model.results import Evidence, LineCount, RunResult, StageResult, load_run
 
 BLOCK_S = 0.4
 
 
-def _sample_while(body: Callable[[], None], *, cuda: bool) -> HostSamples:
-    """Run `body` once per step in a thread for a few steps, sampled at 200 Hz."""
+def _sample_while(body: Callable[[], None], *, cuda: bool, clock: Clock) -> HostSamples:
+    """Run `body` once per step for a few steps, sampled at 200 Hz: by a timer signal in this
+    (the main) thread, or by a thread sampling another thread that steps."""
     marks = [time.perf_counter()]
-    started = threading.Event()
     sampler: list[HostSampler] = []
 
     def steps() -> None:
         sampler.append(HostSampler(marks, thread_id=threading.get_ident(), loop_code=None,
                                    cuda=cuda, warmup=0, skip=(), max_steps=1000,
-                                   period_s=0.005))
+                                   period_s=0.005, clock=clock))
         sampler[0].start()
-        started.set()
         for _ in range(3):
             body()
             marks.append(time.perf_counter())
 
-    thread = threading.Thread(target=steps)
-    thread.start()
-    thread.join()
-    assert started.is_set()
-    return sampler[0].stop()
+    if clock == "signal":
+        steps()
+    else:
+        thread = threading.Thread(target=steps)
+        thread.start()
+        thread.join()
+    result = sampler[0].stop()
+    assert result.clock == clock
+    return result
+
+
+@pytest.fixture(params=["signal", "thread"])
+def clock(request: pytest.FixtureRequest) -> Clock:
+    """Both ways of taking samples: a timer signal (Linux, main thread), a sampling thread."""
+    if request.param == "signal" and threadtimer.unavailable() is not None:
+        pytest.skip(f"no timer signal here: {threadtimer.unavailable()}")
+    return cast(Clock, request.param)
 
 
 def _kinds(samples: HostSamples) -> dict[str, float]:
@@ -65,18 +78,18 @@ def _mostly(samples: HostSamples, kind: str) -> bool:
     return bool(kinds) and max(kinds, key=lambda k: kinds[k]) == kind
 
 
-def test_a_read_back_is_a_sync_on_a_gpu_and_a_torch_call_on_a_cpu() -> None:
+def test_a_read_back_is_a_sync_on_a_gpu_and_a_torch_call_on_a_cpu(clock: Clock) -> None:
     value = types.SimpleNamespace(item=time.sleep)  # stands for a CUDA tensor's .item()
 
     def step() -> None:
         value.item(BLOCK_S / 3)
 
     # The name is what the sample reads: `.item()` on a GPU waits for the device's queue.
-    assert _mostly(_sample_while(step, cuda=True), "sync")
-    assert _mostly(_sample_while(step, cuda=False), "torch")
+    assert _mostly(_sample_while(step, cuda=True, clock=clock), "sync")
+    assert _mostly(_sample_while(step, cuda=False, clock=clock), "torch")
 
 
-def test_torch_numpy_operators_and_python_are_told_apart() -> None:
+def test_torch_numpy_operators_and_python_are_told_apart(clock: Clock) -> None:
     a = torch.randn(600, 600)
     big = np.random.default_rng(0).random((400, 400))
     until = time.perf_counter
@@ -102,16 +115,18 @@ def test_torch_numpy_operators_and_python_are_told_apart() -> None:
         while until() < end:
             total += sum(i * i for i in range(200))
 
-    assert _mostly(_sample_while(torch_call, cuda=True), "torch")
+    assert _mostly(_sample_while(torch_call, cuda=True, clock=clock), "torch")
     # numpy's own large files are not parsed (the GIL): a call there stays "call", which the
     # window resolves to Python/numpy for a line that issued no torch operator.
-    numpy_kinds = _kinds(_sample_while(numpy_call, cuda=True))
+    numpy_kinds = _kinds(_sample_while(numpy_call, cuda=True, clock=clock))
     assert numpy_kinds and "torch" not in numpy_kinds and "sync" not in numpy_kinds
-    assert _mostly(_sample_while(operator, cuda=True), "call")  # torch or not: the window says
-    assert _mostly(_sample_while(python, cuda=True), "python")
+    # torch or not: the window says
+    assert _mostly(_sample_while(operator, cuda=True, clock=clock), "call")
+    assert _mostly(_sample_while(python, cuda=True, clock=clock), "python")
 
 
-def test_samples_are_charged_to_the_users_innermost_line_with_the_library_as_via() -> None:
+def test_samples_are_charged_to_the_users_innermost_line_with_the_library_as_via(
+        clock: Clock) -> None:
     big = np.random.default_rng(0).random((300, 300))
 
     def step() -> None:
@@ -119,7 +134,7 @@ def test_samples_are_charged_to_the_users_innermost_line_with_the_library_as_via
         while time.perf_counter() < end:
             np.std(big)  # numpy's own Python frames below this line
 
-    samples = _sample_while(step, cuda=False)
+    samples = _sample_while(step, cuda=False, clock=clock)
     busiest = max(samples.lines, key=lambda line: line.ms)
     assert busiest.location.endswith(f"test_host_samples.py:{_line_of('np.std(big)')}")
     assert busiest.via.startswith("numpy/")

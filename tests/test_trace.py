@@ -17,7 +17,7 @@ import torch
 
 import gpudiag
 from gpudiag.measure.evidence import analyze, capture_trace
-from gpudiag.measure.evidence.source import annotation, display_path, is_library
+from gpudiag.measure.evidence.source import annotation, display_path, frame_role, is_library
 from gpudiag.measure.evidence.trace import memcpy_kind
 from gpudiag.model.results import Evidence, SourceLine
 
@@ -575,3 +575,12 @@ def test_installed_code_is_library_code_wherever_it_is_installed(tmp_path: Path)
     assert is_library("/venv/lib/python3.11/site-packages/transformers/trainer.py")
     assert not is_library(str(project))
     assert not is_library(str(Path(gpudiag.__file__).parent / "measure" / "models" / "dgca.py"))
+
+
+@pytest.mark.parametrize("filename", ["<eval_with_key>.7",
+                                      "/tmp/torchinductor_ada/xk/cxk4abc.py"])
+def test_code_torch_generates_is_torchs_not_the_users(filename: str) -> None:
+    # Compiled code's frames (FX graph modules, Inductor's wrappers) are torch's: a sample
+    # there is charged to the user's line that called the compiled function.
+    assert frame_role(filename) == "torch"
+    assert frame_role("/home/ada/project/train.py") == "user"

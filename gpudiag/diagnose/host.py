@@ -70,6 +70,8 @@ class StepAccount:
     unsampled_ms: float
     lines: list[HostLineTime]
     gpu_busy_share: float | None = None  # the profiler window's, for the device's side
+    clock: str = ""  # who took the samples (gpudiag.model.facts.HostSamples.clock)
+    clock_note: str = ""
 
     def share(self, ms: float) -> float:
         return ms / self.step_ms if self.step_ms > 0 else 0.0
@@ -160,4 +162,4 @@ def step_account(stage: StageResult) -> StepAccount | None:
         period_ms=host.period_ms, parts={k: v for k, v in parts.items() if v > 0},
         unsampled_ms=0.0 if seen else step_ms - sampled,
         lines=sorted(per_line.values(), key=lambda line: -line.ms_per_step),
-        gpu_busy_share=busy)
+        gpu_busy_share=busy, clock=host.clock, clock_note=host.clock_note)

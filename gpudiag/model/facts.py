@@ -231,6 +231,8 @@ class HostSamples:
     the user's line and by what the thread was doing there."""
 
     period_ms: float
+    clock: str = ""  # who took the samples: "signal" (a timer, in the thread) or "thread"
+    clock_note: str = ""  # why not a signal, or why sampling stopped early
     samples: int = 0
     steady_steps: int = 0  # steps whose samples make up `lines` (not slow, not warm-up)
     steady_wall_ms: float = 0.0  # those steps' wall time on the host clock

@@ -55,15 +55,22 @@ def shown(rows: list[Row]) -> list[Row]:
     return big
 
 
+# How the samples were taken (gpudiag/measure/profile/hostsampler.py).
+_CLOCKS = {"signal": "taken in the training thread at a timer signal",
+           "thread": "read from a sampling thread, each delaying the training thread ~0.1 ms"}
+
+
 def _step_intro(stage: StageResult, step: StepAccount) -> str:
     busy = (f" On the device side, the profiler window saw the GPU busy "
             f"{step.gpu_busy_share:.0%} of its step." if step.gpu_busy_share is not None else "")
     top = step.lines[0].ms_per_step if step.lines else 0.0
+    how = _CLOCKS.get(step.clock, "")
+    how = f" ({how}{': ' + step.clock_note if step.clock_note else ''})" if how else ""
     return (f"The training thread's time in a steady step ({step.step_ms:.2f} ms, mean of "
             f"{step.steps:,} steps on the host clock, slow steps and the profiler window left "
-            f"out), from {step.samples:,} stack samples every {step.period_ms:g} ms: each part is "
-            f"a share of that step. A line's figure is a count of samples: one of {top:.2f} "
-            f"ms/step is known to about +-{step.error(top):.2f} ms.{busy}")
+            f"out), from {step.samples:,} stack samples every {step.period_ms:g} ms{how}: each "
+            f"part is a share of that step. A line's figure is a count of samples: one of "
+            f"{top:.2f} ms/step is known to about +-{step.error(top):.2f} ms.{busy}")
 
 
 def markdown_sections(run: RunResult) -> list[str]:

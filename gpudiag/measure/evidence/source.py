@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -165,11 +166,23 @@ def call_site(frame: FrameType | None) -> Site | None:
 FrameRole = Literal["user", "library", "torch", "gpudiag"]
 
 
+def _generated_by_torch(filename: str) -> bool:
+    """Code torch writes and runs: torch.fx's graph modules (`<eval_with_key>.N`) and
+    Inductor's compiled kernels' wrappers (under its cache directory, by default
+    <tmp>/torchinductor_<user>, else $TORCHINDUCTOR_CACHE_DIR)."""
+    if filename.startswith("<eval_with_key>"):
+        return True
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache and filename.startswith(cache):
+        return True
+    return any(part.startswith("torchinductor_") for part in Path(filename).parts[:-1])
+
+
 @functools.cache
 def frame_role(filename: str) -> FrameRole:
     """Whose code a frame runs: the user's, an installed library's (or the standard library's),
     torch's, or gpudiag's own instrumentation."""
-    if filename.startswith(_TORCH_DIR):
+    if filename.startswith(_TORCH_DIR) or _generated_by_torch(filename):
         return "torch"
     if filename.startswith(_INSTRUMENTATION):
         return "gpudiag"

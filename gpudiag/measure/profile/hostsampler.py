@@ -1,6 +1,16 @@
 """Where a profiled script's host time goes, by line: the training thread's Python stack,
-sampled at a fixed period from a daemon thread (`sys._current_frames`, the in-process form of
-what py-spy reads from outside), each sample weighted by the time since the previous one.
+sampled at a fixed period, each sample standing for the time since the previous one.
+
+Who takes a sample: when the training thread is the main thread (on Linux), a timer signal
+to that thread (gpudiag/measure/profile/threadtimer.py), whose handler runs in it between two
+bytecodes with its frame, about 20 us a sample. Otherwise a daemon thread reads its stack
+(`sys._current_frames`, the in-process form of what py-spy reads from outside): to do so it
+must take the GIL, and from a thread running Python it gets it only by a forced switch after
+the switch interval (5 ms), which stalls the training thread ~100 us (two thread wake-ups;
+`stalls` in benchmarks/host_sampler.py) and shifts the sample to where the GIL was let go.
+A signal arriving while the thread is inside one long C call (a device sync, a GIL-holding
+numpy call) is handled when the call returns, on the call's line: the sample stands for the
+timer's periods since the previous one, all spent in that call.
 
 A sample is charged to the innermost frame of the user's own code (a library frame below it
 kept as `via`, as device work is charged in gpudiag/measure/evidence/source.py), looking no
@@ -36,13 +46,19 @@ from collections import defaultdict, deque
 from collections.abc import Container, Sequence
 from pathlib import Path
 from types import BuiltinFunctionType, CodeType, FrameType, FunctionType, ModuleType
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+import torch
 
 from gpudiag.measure.evidence.source import display_path, frame_role
+from gpudiag.measure.profile import threadtimer
 from gpudiag.model.facts import HostKind, HostLine, HostSamples, HostStep
 
 PERIOD_S = 0.01  # 100 Hz: a 100 ms step gets 10 samples, a 2 ms step one in 5
-MAX_WEIGHT_PERIODS = 4  # a sample taken late (the GIL held) counts at most this many periods
+MAX_WEIGHT_PERIODS = 4  # a thread's sample taken late (the GIL held) counts at most this many
+# A timer signal unanswered for this many periods means the training thread blocks it: the
+# sampler goes on from a thread.
+UNANSWERED_PERIODS = 20
 SLOW_STEP = 1.5  # a step this many times the median around it is slow: kept apart...
 # ... and this much above it: a sample delays the step it lands in (the training thread waits
 # for the GIL while the sampler holds it), which must not make sampled steps "slow".
@@ -257,16 +273,27 @@ def stack(frame: FrameType | None) -> list[FrameType]:
     return frames
 
 
+Clock = Literal["auto", "signal", "thread"]
+
+
 class HostSampler:
     """Samples one thread's stack until stopped; `marks` are the recorder's step marks
-    (perf_counter seconds: the start, then each step's end), read, never written, here."""
+    (perf_counter seconds: the start, then each step's end), read, never written, here.
+    `clock` "auto" takes the samples by a timer signal where the thread can get one, else by
+    a thread; "signal" or "thread" insists (tests)."""
 
     def __init__(self, marks: list[float], *, thread_id: int, loop_code: CodeType | None,
                  cuda: bool, warmup: int, skip: Container[int], max_steps: int,
-                 period_s: float = PERIOD_S) -> None:
+                 period_s: float = PERIOD_S, clock: Clock = "auto") -> None:
         self.marks, self.thread_id, self.loop_code, self.cuda = marks, thread_id, loop_code, cuda
         self.warmup, self.skip, self.max_steps, self.period_s = warmup, skip, max_steps, period_s
+        self.clock = clock
         self.result = HostSamples(period_ms=period_s * 1e3)
+        self.timer: threadtimer.ThreadTimer | None = None
+        self.timer_start = 0.0
+        self.ticks = 0  # timer periods accounted for by the samples so far
+        self.in_handler = False
+        self.dynamo_kept_out = False
         self.open_step = len(marks) - 1
         self.current: dict[Key, float] = defaultdict(float)
         self.current_loop: dict[str, float] = defaultdict(float)
@@ -279,7 +306,72 @@ class HostSampler:
                                         daemon=True)
 
     def start(self) -> None:
+        """Start sampling, from the thread sampled."""
+        reason = self._start_timer() if self.clock != "thread" else "asked for a thread"
+        if reason is None:
+            self.result.clock = "signal"
+            return
+        if self.clock == "signal":
+            raise OSError(f"no timer signal: {reason}")
+        self.result.clock, self.result.clock_note = "thread", reason
         self._thread.start()
+
+    def _start_timer(self) -> str | None:
+        if threading.get_ident() != self.thread_id:
+            return "started from another thread than the one sampled"
+        try:
+            self.timer = threadtimer.ThreadTimer(self.period_s, self._on_signal)
+            self._keep_dynamo_out()
+            self.timer_start = self.timer.start()
+        except OSError as exc:
+            self.timer = None
+            return str(exc)
+        return None
+
+    def _on_signal(self, _signum: int, frame: FrameType | None) -> None:
+        """A timer signal, in the training thread: one sample standing for every period of
+        the timer since the previous (those the thread spent in one C call come at once)."""
+        if self.in_handler or frame is None or self.timer is None:
+            return  # a signal handled inside this handler, or after stop()
+        ticks = int((time.perf_counter() - self.timer_start) / self.period_s)
+        if ticks <= self.ticks:
+            return
+        periods, self.ticks = ticks - self.ticks, ticks
+        self.in_handler = True
+        try:
+            if not self.take(periods * self.period_s * 1e3, frame):
+                self._stop_timer()
+        except Exception as exc:  # the handler runs inside the script: never raise into it
+            self._stop_timer()
+            self.result.clock_note = f"sampling stopped: {type(exc).__name__}: {exc}"
+        finally:
+            self.in_handler = False
+
+    def _keep_dynamo_out(self) -> None:
+        """Once torch.compile is in use, the handler runs under torch.compiler.disable: while
+        the thread runs compiled code Dynamo sees every new frame, the handler's too, and
+        would try to compile it (graph breaks counted against the script's)."""
+        if self.timer is not None and not self.dynamo_kept_out and \
+                "torch._dynamo" in sys.modules:
+            self.timer.wrap(torch.compiler.disable)
+            self.dynamo_kept_out = True
+
+    def watch(self, now: float) -> None:
+        """At a step's end (in the thread sampled): once torch.compile is in use, keep it
+        out of the handler; a timer signal never answered (the thread blocks the signal)
+        hands sampling to a thread."""
+        self._keep_dynamo_out()
+        if self.timer is None or self.ticks or now - self.timer_start < \
+                UNANSWERED_PERIODS * self.period_s:
+            return
+        self._stop_timer()
+        self.result.clock, self.result.clock_note = "thread", "the timer signal never came"
+        self._thread.start()
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.close()
+            self.timer = None
 
     def _run(self) -> None:
         period = self.period_s
@@ -294,13 +386,14 @@ class HostSampler:
                 return
             previous = now
 
-    def take(self, weight_ms: float) -> bool:
-        """One sample of the training thread, standing for the `weight_ms` before it; False
-        once the run is past the steps sampled."""
+    def take(self, weight_ms: float, frame: FrameType | None = None) -> bool:
+        """One sample of the training thread (its `frame`, else read from here), standing for
+        the `weight_ms` before it; False once the run is past the steps sampled."""
         step = len(self.marks) - 1
         if step >= self.max_steps:
             return False
-        frame = sys._current_frames().get(self.thread_id)
+        if frame is None:
+            frame = sys._current_frames().get(self.thread_id)
         self._close_steps(step)
         if frame is None or step < self.warmup or step in self.skip:
             return True
@@ -355,6 +448,7 @@ class HostSampler:
 
     def stop(self) -> HostSamples:
         """Stop sampling; the steps that ended are filed (the one in progress is not a step)."""
+        self._stop_timer()
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)

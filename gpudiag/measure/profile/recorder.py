@@ -161,6 +161,8 @@ class Recorder:
             self.events.append(event)
         self.host_marks.append(time.perf_counter())
         done = self.steps
+        if self.host_sampler is not None:
+            self.host_sampler.watch(self.host_marks[-1])
         if done <= 2 and self.config.host_sample_hz > 0:
             self._start_host_sampler(done)
         if self.nvtx_range is not None:

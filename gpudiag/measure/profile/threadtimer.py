@@ -1,0 +1,164 @@
+"""A periodic signal to one thread: a Linux POSIX timer (`timer_create(2)` with
+SIGEV_THREAD_ID) on the monotonic clock, driven through ctypes; no library wraps it, and the
+standard library's `signal.setitimer` signals the whole process (any thread's blocking call
+could be interrupted) on SIGALRM, which the script's own `signal.alarm()` shares.
+
+The signal is a real-time one that nothing in the process has claimed (its handler is the
+default one when gpudiag starts), handled with SA_RESTART so that the training thread's
+system calls resume rather than fail with EINTR (signal(7) lists the few that never do:
+sleeps and polls, which CPython retries itself, PEP 475).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+SIGEV_THREAD_ID = 4  # <asm-generic/siginfo.h>: deliver to the thread named in the event
+CLOCK_MONOTONIC = 1  # <linux/time.h>: time.perf_counter's clock on Linux
+# Real-time signals past the first few, which glibc, and libraries that borrow one, take first.
+TIMER_SIGNAL_FROM_TOP = 4
+
+
+class _Sigevent(ctypes.Structure):
+    """struct sigevent on Linux (64 bytes): the thread id sits where the union starts."""
+
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("thread_id", ctypes.c_int), ("_pad", ctypes.c_int * 11)]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval", _Timespec), ("value", _Timespec)]
+
+
+Handler = Callable[[int, FrameType | None], None]
+
+
+def _posix_timers() -> ctypes.CDLL | None:
+    """The C library holding timer_create (glibc >= 2.34; librt before)."""
+    for name in (ctypes.util.find_library("c"), ctypes.util.find_library("rt")):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError:
+            continue
+        if hasattr(lib, "timer_create"):
+            lib.timer_create.argtypes = [ctypes.c_int, ctypes.POINTER(_Sigevent),
+                                         ctypes.POINTER(ctypes.c_void_p)]
+            lib.timer_settime.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                          ctypes.POINTER(_Itimerspec),
+                                          ctypes.POINTER(_Itimerspec)]
+            lib.timer_delete.argtypes = [ctypes.c_void_p]
+            return lib
+    return None
+
+
+def timer_signal() -> int | None:
+    return signal.SIGRTMAX - TIMER_SIGNAL_FROM_TOP if hasattr(signal, "SIGRTMAX") else None
+
+
+def unavailable() -> str | None:
+    """Why the calling thread cannot be signalled by a timer (None: it can)."""
+    if not sys.platform.startswith("linux"):
+        return f"no POSIX thread timers on {sys.platform}"
+    if threading.current_thread() is not threading.main_thread():
+        return "the training thread is not the main thread (only it runs signal handlers)"
+    signum = timer_signal()
+    if signum is None or _posix_timers() is None:
+        return "the C library has no timer_create"
+    current = signal.getsignal(signum)
+    if current is not signal.SIG_DFL and not any(current is ours for ours in _INSTALLED):
+        return f"signal {signum} is the script's own"
+    return None
+
+
+# Timers not closed by the end of the interpreter are closed then: CPython puts the signal's
+# default action (ending the process) back at exit.
+_LIVE: dict[int, ThreadTimer] = {}
+
+
+@atexit.register
+def _close_live() -> None:
+    for timer in list(_LIVE.values()):
+        if timer.pid == os.getpid():  # (a forked child has none of its parent's timers)
+            timer.close()
+
+
+# The handler stays installed once set: a signal already on its way when a timer is deleted
+# must find a handler (the default action of a real-time signal ends the process).
+_HANDLERS: dict[int, Handler] = {}
+
+
+_INSTALLED: list[Handler] = []
+
+
+def _dispatch(signum: int, frame: FrameType | None) -> None:
+    handler = _HANDLERS.get(signum)
+    if handler is not None:
+        handler(signum, frame)
+
+
+def _install(signum: int, handler: Handler) -> None:
+    signal.signal(signum, handler)
+    signal.siginterrupt(signum, False)  # SA_RESTART
+    _INSTALLED.append(handler)
+
+
+class ThreadTimer:
+    """Signals the calling (main) thread every `period_s`, until closed; `handler` runs in it
+    between two bytecodes, with the frame it was running."""
+
+    def __init__(self, period_s: float, handler: Handler) -> None:
+        reason = unavailable()
+        if reason is not None:
+            raise OSError(reason)
+        lib, signum = _posix_timers(), timer_signal()
+        assert lib is not None and signum is not None
+        self.lib, self.signum, self.period_s = lib, signum, period_s
+        self.timer = ctypes.c_void_p()
+        event = _Sigevent(signo=signum, notify=SIGEV_THREAD_ID,
+                          thread_id=threading.get_native_id())
+        if lib.timer_create(CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(self.timer)):
+            raise OSError(ctypes.get_errno(), "timer_create failed")
+        self.created = True  # (the first timer's id is 0: its handle's value reads None)
+        self.pid = os.getpid()
+        _LIVE[id(self)] = self
+        _HANDLERS[signum] = handler
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            _install(signum, _dispatch)
+
+    def wrap(self, wrapper: Callable[[Handler], Handler]) -> None:
+        """Install the signal's handler as `wrapper(handler)`; from the thread signalled."""
+        _install(self.signum, wrapper(_dispatch))
+
+    def start(self) -> float:
+        """Arm the timer; returns the perf_counter time its period counts from (at or before
+        the kernel's: its n-th expiry is at or after start + n x period)."""
+        seconds, fraction = divmod(self.period_s, 1.0)
+        every = _Timespec(int(seconds), max(1, round(fraction * 1e9)))
+        spec = _Itimerspec(interval=every, value=every)
+        start = time.perf_counter()
+        if self.lib.timer_settime(self.timer, 0, ctypes.byref(spec), None):
+            self.close()
+            raise OSError(ctypes.get_errno(), "timer_settime failed")
+        return start
+
+    def close(self) -> None:
+        if self.created:
+            self.lib.timer_delete(self.timer)
+            self.created = False
+        _LIVE.pop(id(self), None)
+        _HANDLERS.pop(self.signum, None)

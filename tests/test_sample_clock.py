@@ -1,0 +1,195 @@
+"""Who takes the host samples (gpudiag/measure/profile/threadtimer.py, hostsampler.py): a timer
+signal handled in the training thread, and what it must never do to the script: interrupt its
+system calls, take a signal the script uses, compile in Dynamo, end the process at exit."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpudiag.measure.profile import threadtimer
+from gpudiag.measure.profile.hostsampler import Clock, HostSampler
+from gpudiag.model.facts import HostSamples
+
+pytestmark = pytest.mark.skipif(threadtimer.unavailable() is not None,
+                                reason=f"no timer signal here: {threadtimer.unavailable()}")
+SIGNUM = threadtimer.timer_signal() or 0
+
+
+@pytest.fixture(autouse=True)
+def _default_handler_after() -> Iterator[None]:
+    yield
+    if signal.getsignal(SIGNUM) is not signal.SIG_DFL:
+        signal.signal(SIGNUM, signal.SIG_DFL)
+
+
+def _run_steps(step: Callable[[], None], steps: int, *, period_s: float,
+               clock: Clock = "auto") -> HostSamples:
+    """`steps` steps in this (the main) thread, with the recorder's per-step call."""
+    marks = [time.perf_counter()]
+    sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=None, cuda=False,
+                          warmup=0, skip=(), max_steps=10_000, period_s=period_s, clock=clock)
+    sampler.start()
+    try:
+        for _ in range(steps):
+            step()
+            marks.append(time.perf_counter())
+            sampler.watch(marks[-1])
+    finally:
+        result = sampler.stop()
+    return result
+
+
+def _ms_at(samples: HostSamples, text: str) -> float:
+    line = next(n for n, source in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if source.strip().startswith(text))
+    return sum(entry.ms for entry in samples.lines
+               if entry.location.endswith(f"test_sample_clock.py:{line}"))
+
+
+def test_a_long_call_that_runs_no_bytecode_is_charged_all_its_time() -> None:
+    # The handler waits for the C call to return; the sample stands for every timer period
+    # since the previous one, spent in that call. A step is one long C call, then a Python
+    # part shorter than the period (weighting a sample by the time since the previous handler
+    # would give that part only the time since the call returned: a fifth of its time).
+    timers = {"c": 0.0, "python": 0.0}
+    n = 200_000
+    while True:  # a C call of ~20 ms on this machine
+        start = time.perf_counter()
+        sum(range(n))
+        if time.perf_counter() - start > 0.02:
+            break
+        n *= 2
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        sum(range(n))  # one C call
+        t1 = time.perf_counter()
+        end = t1 + 0.002
+        while time.perf_counter() < end:  # Python, 2 ms
+            pass
+        timers["c"] += t1 - t0
+        timers["python"] += time.perf_counter() - t1
+
+    samples = _run_steps(step, 60, period_s=0.005)
+    assert samples.clock == "signal"
+    c_call, python = _ms_at(samples, "sum(range(n))  # one C call"), \
+        _ms_at(samples, "while time.perf_counter() < end:")
+    # The Python part stands on ~24 samples: +-20%.
+    assert c_call == pytest.approx(timers["c"] * 1e3, rel=0.15)
+    assert python == pytest.approx(timers["python"] * 1e3, rel=0.5)
+
+
+def test_a_blocked_signal_hands_sampling_to_a_thread() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {SIGNUM})
+    try:
+        samples = _run_steps(lambda: time.sleep(0.01), 30, period_s=0.005)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {SIGNUM})  # the pending one finds a no-op
+    assert samples.clock == "thread"
+    assert "never came" in samples.clock_note
+    assert samples.samples > 10
+
+
+def test_a_signal_the_script_handles_is_left_to_it() -> None:
+    seen: list[int] = []
+    signal.signal(SIGNUM, lambda signum, frame: seen.append(signum))
+    samples = _run_steps(lambda: time.sleep(0.01), 20, period_s=0.005)
+    assert samples.clock == "thread"
+    assert "script's own" in samples.clock_note
+    assert not seen
+    with pytest.raises(OSError, match="script's own"):
+        _run_steps(lambda: None, 1, period_s=0.005, clock="signal")
+
+
+def test_system_calls_in_the_training_thread_resume_under_the_signal() -> None:
+    # A C library's read(2), as a C extension makes it (Python's own calls retry on EINTR,
+    # PEP 475; C code often does not): it must be restarted, not fail, under the signal.
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    read_end, write_end = os.pipe()
+    threading.Timer(0.15, os.write, (write_end, b"x")).start()
+    got: list[int] = []
+
+    def step() -> None:
+        if not got:
+            buffer = ctypes.create_string_buffer(1)
+            got.append(libc.read(read_end, buffer, 1))  # blocks 150 ms under a 1 kHz signal
+        start = time.perf_counter()
+        time.sleep(0.05)
+        assert time.perf_counter() - start >= 0.05
+        done = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.05)"],
+                              check=True, capture_output=True)
+        assert done.returncode == 0
+
+    samples = _run_steps(step, 3, period_s=0.001)
+    os.close(read_end)
+    os.close(write_end)
+    assert got == [1]
+    assert samples.clock == "signal" and samples.samples > 100
+
+
+def test_compiled_code_sampled_compiles_nothing_more() -> None:
+    dynamo = pytest.importorskip("torch._dynamo")
+    layer = torch.nn.Linear(32, 32)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = layer(x)
+        if y.sum() > 0:  # a graph break
+            y = y * 2
+        return y.relu()
+
+    compiled = torch.compile(forward, backend="eager")
+    x = torch.randn(8, 32)
+    compiled(x)
+
+    def counts() -> dict[str, dict[str, int]]:
+        # Every counter: without the handler kept out, Dynamo counts frames it tried to
+        # compile (the handler's) and the reasons it could not, not the graphs or breaks.
+        return {name: dict(counter) for name, counter in dynamo.utils.counters.items()}
+
+    before = counts()
+
+    def step() -> None:
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            compiled(x)
+
+    samples = _run_steps(step, 60, period_s=0.005)
+    assert samples.samples > 200
+    assert counts() == before
+
+
+def test_a_timer_left_running_does_not_end_the_process_at_exit(tmp_path: Path) -> None:
+    # CPython puts the signal's default action (end the process) back at exit: a timer still
+    # firing then would kill it with "Real-time signal".
+    script = tmp_path / "left.py"
+    script.write_text(textwrap.dedent("""
+        import threading, time
+        from gpudiag.measure.profile.hostsampler import HostSampler
+        marks = [time.perf_counter()]
+        sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=None,
+                              cuda=False, warmup=0, skip=(), max_steps=10**6,
+                              period_s=0.0005, clock="signal")
+        sampler.start()
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            marks.append(time.perf_counter())
+        print("done")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "done"
+
