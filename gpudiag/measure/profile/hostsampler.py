@@ -3,14 +3,17 @@ sampled at a fixed period, each sample standing for the time since the previous 
 
 Who takes a sample: when the training thread is the main thread (on Linux), a timer signal
 to that thread (gpudiag/measure/profile/threadtimer.py), whose handler runs in it between two
-bytecodes with its frame, about 20 us a sample. Otherwise a daemon thread reads its stack
-(`sys._current_frames`, the in-process form of what py-spy reads from outside): to do so it
+bytecodes with its frame (~30 us a sample on a Python loop; reports/examples/h100-host).
+Otherwise a daemon thread reads its stack (`sys._current_frames`, the in-process form of
+what py-spy reads from outside): to do so it
 must take the GIL, and from a thread running Python it gets it only by a forced switch after
 the switch interval (5 ms), which stalls the training thread ~100 us (two thread wake-ups;
 `stalls` in benchmarks/host_sampler.py) and shifts the sample to where the GIL was let go.
 A signal arriving while the thread is inside one long C call (a device sync, a GIL-holding
 numpy call) is handled when the call returns, on the call's line: the sample stands for the
-timer's periods since the previous one, all spent in that call.
+timer's periods since the previous one, all spent in that call. The interpreter looks for a
+signal only after a call, at a function's start and at a loop's jump back, so long work that
+is no call (an operator or a subscript on a large numpy array) is charged to the next call.
 
 A sample is charged to the innermost frame of the user's own code (a library frame below it
 kept as `via`, as device work is charged in gpudiag/measure/evidence/source.py), looking no
