@@ -193,3 +193,24 @@ def test_a_timer_left_running_does_not_end_the_process_at_exit(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "done"
 
+
+
+def test_a_signal_inside_the_handling_of_the_last_is_no_sample() -> None:
+    # Under torch.compiler.disable the handler runs inside torch's wrapper first; a signal
+    # handled there would be charged to torch's frames, not the script's.
+    seen: list[bool] = []
+    wrapped = torch.compiler.disable(threadtimer._dispatch)
+    threadtimer._WRAPPER_CODES.add(wrapped.__code__)
+    threadtimer._HANDLERS[SIGNUM] = lambda signum, frame: seen.append(
+        threadtimer.in_handling(sys._getframe(1)))
+    try:
+        wrapped(SIGNUM, None)
+    finally:
+        threadtimer._HANDLERS.pop(SIGNUM, None)
+
+    @torch.compiler.disable
+    def scripts_own() -> bool:  # the same wrapper around the script's function: a sample
+        return threadtimer.in_handling(sys._getframe())
+
+    assert seen == [True]
+    assert scripts_own() is False

@@ -334,8 +334,9 @@ class HostSampler:
     def _on_signal(self, _signum: int, frame: FrameType | None) -> None:
         """A timer signal, in the training thread: one sample standing for every period of
         the timer since the previous (those the thread spent in one C call come at once)."""
-        if self.in_handler or frame is None or self.timer is None:
-            return  # a signal handled inside this handler, or after stop()
+        if self.in_handler or frame is None or self.timer is None \
+                or threadtimer.in_handling(frame):
+            return  # a signal handled inside this handler (or on its way in), or after stop()
         ticks = int((time.perf_counter() - self.timer_start) / self.period_s)
         if ticks <= self.ticks:
             return

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 
 SIGEV_THREAD_ID = 4  # <asm-generic/siginfo.h>: deliver to the thread named in the event
 CLOCK_MONOTONIC = 1  # <linux/time.h>: time.perf_counter's clock on Linux
@@ -103,12 +103,30 @@ _HANDLERS: dict[int, Handler] = {}
 
 
 _INSTALLED: list[Handler] = []
+_WRAPPER_CODES: set[CodeType] = set()  # wrappers' code around _dispatch (they wrap others too)
+HANDLING_DEPTH = 3  # frames a signal's handling runs through before the handler proper
 
 
 def _dispatch(signum: int, frame: FrameType | None) -> None:
     handler = _HANDLERS.get(signum)
     if handler is not None:
         handler(signum, frame)
+
+
+def in_handling(frame: FrameType) -> bool:
+    """Whether a signal interrupted the handling of the one before: the frame, or one just
+    above it, is _dispatch or a wrapper around it (a wrapper such as torch.compiler.disable's
+    holds the function it wraps as `fn`; it wraps the script's own functions too)."""
+    f: FrameType | None = frame
+    for _ in range(HANDLING_DEPTH):
+        if f is None:
+            return False
+        code = f.f_code
+        if code is _dispatch.__code__ or (code in _WRAPPER_CODES
+                                          and f.f_locals.get("fn") is _dispatch):
+            return True
+        f = f.f_back
+    return False
 
 
 def _install(signum: int, handler: Handler) -> None:
@@ -142,7 +160,11 @@ class ThreadTimer:
 
     def wrap(self, wrapper: Callable[[Handler], Handler]) -> None:
         """Install the signal's handler as `wrapper(handler)`; from the thread signalled."""
-        _install(self.signum, wrapper(_dispatch))
+        wrapped = wrapper(_dispatch)
+        _install(self.signum, wrapped)
+        code = getattr(wrapped, "__code__", None)
+        if code is not None:
+            _WRAPPER_CODES.add(code)
 
     def start(self) -> float:
         """Arm the timer; returns the perf_counter time its period counts from (at or before
