@@ -14,12 +14,13 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 
 SIGEV_THREAD_ID = 4  # <asm-generic/siginfo.h>: deliver to the thread named in the event
@@ -46,9 +47,19 @@ class _Itimerspec(ctypes.Structure):
 Handler = Callable[[int, FrameType | None], None]
 
 
+def _library_names() -> Iterator[str | None]:
+    """glibc's sonames first; find_library (which runs ldconfig) only if they fail."""
+    yield "libc.so.6"
+    yield "librt.so.1"
+    yield ctypes.util.find_library("c")
+    yield ctypes.util.find_library("rt")
+
+
+@functools.cache
 def _posix_timers() -> ctypes.CDLL | None:
-    """The C library holding timer_create (glibc >= 2.34; librt before)."""
-    for name in (ctypes.util.find_library("c"), ctypes.util.find_library("rt")):
+    """The C library holding timer_create (glibc >= 2.34; librt before). Looked up once:
+    find_library runs ldconfig, tens of ms on the training thread."""
+    for name in _library_names():
         if not name:
             continue
         try:
