@@ -1,16 +1,17 @@
 """What the whole-run step timeline and the host sampler cost a training step.
 
-One process runs the same training step in blocks, interleaved: plain; with the profile
-recorder's step bookkeeping (its step boundary every step: host mark, CUDA event, NVTX range:
-the timeline) and no host sampler; with the host sampler at its default rate (or --hz); and
-with it at 10 and 50 times that rate. Each block is timed on the host clock between two device
-syncs; the ratio of a variant's mean step time to the plain one's comes with a bootstrap 95%
-interval over rounds. The process is pinned to a few cores and its garbage collector run
+One process runs the same training step in short blocks side by side, in a new random order
+every round: plain; with the profile recorder's step bookkeeping (its step boundary every
+step past the timed window: host mark, NVTX range: the timeline) and no host sampler; with the host
+sampler at its default rate (or --hz); and with it at 10 times that rate (what one sample
+costs, well above the noise). Each block is timed on the host clock between two device syncs;
+the median over rounds of the ratio of a variant's block to its base's comes with a
+bootstrap 95% interval. The process is pinned to a few cores and its garbage collector run
 before each block, so that core migrations and collections do not swamp a 1% effect.
 
-A host-bound step's own time varies by 10-25% from block to block on an H100 host, more than a
-1% effect: the amplified rates carry the measurement there (the cost at the default rate is
-the amplified cost over the amplification, read to a fiftieth of the noise). Four steps:
+A host-bound step's speed drifts by several percent over seconds on a shared host, far more
+than a 1% effect; blocks of ~50 ms a few tenths of a second apart share that drift, so
+hundreds of rounds of them read the sampler's cost at its own rate, directly. Four steps:
 ~2 ms of per-sample numpy and Python (the training thread holds the GIL nearly all the step),
 ~2 ms of many small kernels (launch-bound), ~4 ms of mid-size matmuls, ~100 ms of large
 matmuls (device-bound). First, the stall each sample causes a pure-Python loop, for samples
@@ -22,6 +23,7 @@ taken by the timer signal (the default) and by a sampling thread (the fallback).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -44,10 +46,9 @@ from gpudiag.measure.profile.recorder import Recorder
 from gpudiag.model.config import HOST_SAMPLE_HZ, ProfileConfig
 
 BOOTSTRAP = 2000
-# The amplified sampler's rates, in multiples of the default: at 50x (5 kHz) the samples
-# cost a 2 ms step tens of percent, well above the host's block-to-block noise, and the cost
-# per sample, so at the default rate, is read to a fiftieth of that noise.
-AMPLIFY = (10.0, 50.0)
+# The amplified sampler's rate, in multiples of the default: what one sample costs, read well
+# above the noise (the default rate's cost is measured directly).
+AMPLIFY = 10.0
 STALL_GAP_S = 5e-6  # a gap this long between two iterations of a tight loop is a stall
 
 
@@ -106,12 +107,7 @@ def _repeat_to(once: Callable[[], None], device: torch.device,
     """`once` repeated to take about `target_ms` per step."""
     for _ in range(3):
         once()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(5):
-        once()
-    _sync(device)
-    each = (time.perf_counter() - start) * 1e3 / 5
+    each = _time_step(once, device, 5)
     times = max(1, round(target_ms / each))
 
     def step() -> None:
@@ -119,6 +115,16 @@ def _repeat_to(once: Callable[[], None], device: torch.device,
             once()
 
     return step
+
+
+def _time_step(step: Callable[[], None], device: torch.device, times: int = 3) -> float:
+    """Mean ms of `step`, warm."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(times):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3 / times
 
 
 def _sync(device: torch.device) -> None:
@@ -129,14 +135,15 @@ def _sync(device: torch.device) -> None:
 def run_block(step: Callable[[], None], steps: int, device: torch.device, hz: float | None,
               scratch: Path) -> tuple[float, float]:
     """Mean ms per step over one block, and host samples taken per step; `hz` None: plain,
-    else recorded with that rate."""
+    else recorded with that rate (0: the recorder's step bookkeeping alone)."""
     recorder = None
     if hz is not None:
-        config = ProfileConfig(warmup=0, timed=10**9, evidence_steps=0, telemetry="off",
+        # Past the timed window, as most of a run's steps are: no CUDA event per step (the 30
+        # timed steps carry one each, ~12 us of host time on an H100 host).
+        config = ProfileConfig(warmup=0, timed=0, evidence_steps=0, telemetry="off",
                                host_sample_hz=hz)
         recorder = Recorder(scratch, config)
         for _ in range(3):  # the sampler starts at the second boundary: before timing
-            step()
             recorder.boundary()
     _sync(device)
     start = time.perf_counter()
@@ -148,60 +155,53 @@ def run_block(step: Callable[[], None], steps: int, device: torch.device, hz: fl
     elapsed = (time.perf_counter() - start) * 1e3 / steps
     taken = 0
     if recorder is not None and recorder.host_sampler is not None:
-        sampler = recorder.host_sampler
-        taken = sampler.stop().samples
-    return elapsed, taken / (steps + 1)  # (sampling starts at the second boundary)
+        taken = recorder.host_sampler.stop().samples
+    return elapsed, taken / steps
 
 
-def ratio_interval(variant: list[float], plain: list[float]) -> tuple[float, float, float]:
-    """mean(variant) / mean(plain), and its bootstrap 95% interval over rounds."""
+def ratio_interval(variant: list[float], base: list[float]) -> tuple[float, float, float]:
+    """The median over rounds of variant / base (the two blocks of one round ran side by
+    side), and its bootstrap 95% interval: a block hit by an outside interruption (the host's
+    other tenants, a core migration) moves one round, not the figure."""
+    ratios = [v / b for v, b in zip(variant, base, strict=True)]
     rng = random.Random(0)
-    rounds = range(len(plain))
-    ratios = []
-    for _ in range(BOOTSTRAP):
-        picked = rng.choices(rounds, k=len(plain))
-        ratios.append(sum(variant[i] for i in picked) / sum(plain[i] for i in picked))
-    ratios.sort()
-    return (statistics.fmean(variant) / statistics.fmean(plain),
-            ratios[int(0.025 * BOOTSTRAP)], ratios[int(0.975 * BOOTSTRAP) - 1])
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(BOOTSTRAP))
+    return (statistics.median(ratios), medians[int(0.025 * BOOTSTRAP)],
+            medians[int(0.975 * BOOTSTRAP) - 1])
 
 
 def measure(name: str, step: Callable[[], None], steps: int, rounds: int,
             device: torch.device, hz: float, scratch: Path) -> dict[str, object]:
-    """Plain, timeline, sampler at `hz`, and sampler at each AMPLIFY x `hz`: an amplified
-    rate makes the per-sample cost stand well above the step's own noise, which hides it at
-    `hz`; the cost at `hz` is then the amplified one over the amplification."""
-    variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz}
-    variants.update({f"sampler_x{k:g}": k * hz for k in AMPLIFY})
+    """Plain, the timeline alone, the timeline with the sampler at `hz`, and at AMPLIFY x
+    `hz`, in short blocks side by side, in a new random order every round: a host-bound
+    step's speed drifts by several percent over seconds on a shared host, far more than the
+    effect, and blocks a fraction of a second apart share the drift, so each round's ratio
+    cancels it. The sampler's cost is the sampler's blocks over the timeline's."""
+    variants: dict[str, float | None] = {"plain": None, "timeline": 0.0, "sampler": hz,
+                                         f"sampler_x{AMPLIFY:g}": AMPLIFY * hz}
     samples: dict[str, list[float]] = {v: [] for v in variants}
     taken: dict[str, list[float]] = {v: [] for v in variants}
-    order = list(variants)
-    for k in range(rounds):
-        # Rotate which variant goes first, so drift favours none.
-        for v in order[k % len(order):] + order[:k % len(order)]:
+    rng = random.Random(1)
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
             gc.collect()
-            ms, per_step = run_block(step, steps, device, variants[v], scratch)
+            ms, rate = run_block(step, steps, device, variants[v], scratch)
             samples[v].append(ms)
-            taken[v].append(per_step)
+            taken[v].append(rate)
     per_step = {v: statistics.fmean(taken[v]) for v in variants}
     result: dict[str, object] = {"step": name, "steps_per_block": steps, "rounds": rounds,
                                  "hz": hz, "ms_per_step": samples,
                                  "samples_per_step": per_step}
-    for v in order[1:]:
-        ratio, low, high = ratio_interval(samples[v], samples["plain"])
-        result[f"{v}_ratio"] = {"mean_ratio": ratio, "ci95": [low, high]}
-        print(f"{name}: {v} / plain = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; plain "
-              f"{statistics.fmean(samples['plain']):.3f} ms/step)", flush=True)
-    # What each sample costs the step, from an amplified rate over the timeline alone, and
-    # what that makes the default rate cost: scaled by the samples each actually took per
-    # step (at a high rate the timer's periods merge while a sample is being taken).
-    for k in AMPLIFY:
-        ratio, low, high = ratio_interval(samples[f"sampler_x{k:g}"], samples["timeline"])
-        scale = per_step["sampler"] / max(per_step[f"sampler_x{k:g}"], 1e-9)
-        implied = [1 + (r - 1) * scale for r in (ratio, low, high)]
-        result[f"implied_by_x{k:g}"] = {"mean_ratio": implied[0], "ci95": implied[1:]}
-        print(f"{name}: implied by x{k:g}: sampler at {hz:g} Hz / timeline = {implied[0]:.4f}"
-              f" (95% CI {implied[1]:.4f}-{implied[2]:.4f})", flush=True)
+    for v, base in (("timeline", "plain"), ("sampler", "timeline"),
+                    (f"sampler_x{AMPLIFY:g}", "timeline")):
+        ratio, low, high = ratio_interval(samples[v], samples[base])
+        result[f"{v}_over_{base}"] = {"median_ratio": ratio, "ci95": [low, high]}
+        print(f"{name}: {v} / {base} = {ratio:.4f} (95% CI {low:.4f}-{high:.4f}; "
+              f"{base} {statistics.fmean(samples[base]):.3f} ms/step, "
+              f"{per_step[v]:.2f} samples/step)", flush=True)
     return result
 
 
@@ -236,7 +236,7 @@ def stalls(seconds: float, hz: float, clock: Clock, windows: int = 8) -> dict[st
         else:
             off_stalled += stalled
     per_sample_us = (on_stalled - off_stalled) / max(1, taken) * 1e6
-    result = {"method": "stalls of a GIL-bound loop", "clock": clock,
+    result: dict[str, object] = {"method": "stalls of a GIL-bound loop", "clock": clock,
               "seconds_per_window": seconds, "windows": windows, "hz": hz,
               "stalled_on_s": on_stalled, "stalled_off_s": off_stalled, "samples": taken,
               "stall_per_sample_us": per_sample_us,
@@ -249,30 +249,44 @@ def stalls(seconds: float, hz: float, clock: Clock, windows: int = 8) -> dict[st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--seconds", type=float, default=90.0,
+                        help="time spent on each step's blocks")
     parser.add_argument("--hz", type=float, default=HOST_SAMPLE_HZ)
     parser.add_argument("--cores", type=int, default=4, help="pin to this many cores (0: not)")
     parser.add_argument("--quick", action="store_true", help="a few rounds (a smoke test)")
+    parser.add_argument("--only", default="", help="the steps whose name holds this text")
+    parser.add_argument("--no-stalls", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.cores and hasattr(os, "sched_setaffinity"):
         allowed = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, allowed[-args.cores:])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rounds = 3 if args.quick else args.rounds
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
                               else "cpu", "torch": torch.__version__,
-                              "python": sys.version.split()[0], "rounds": rounds,
+                              "python": sys.version.split()[0],
                               "cores": sorted(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else None, "results": []}
-    for clock in ("signal", "thread"):
+    clocks: tuple[Clock, ...] = () if args.no_stalls else ("signal", "thread")
+    for clock in clocks:
         report["results"].append(stalls(0.5 if args.quick else 2.0, args.hz, clock))
+    # (name, step, target ms, steps per block): a block of about 50 ms or two steps.
+    Make = Callable[[torch.device, float], Callable[[], None]]
+    blocks: list[tuple[str, Make, float, int]] = [
+              ("2 ms, Python and numpy (host-bound)", python_and_numpy, 2.0, 25),
+              ("2 ms, small kernels (launch-bound)", small_kernels, 2.0, 25),
+              ("4 ms, matmuls (device-bound)", functools.partial(large_matmuls, width=2048),
+               4.0, 12),
+              ("100 ms, large matmuls (device-bound)", large_matmuls, 100.0, 2)]
     with tempfile.TemporaryDirectory() as tmp:
-        blocks = [("2 ms, Python and numpy (host-bound)", python_and_numpy(device, 2.0), 200),
-                  ("2 ms, small kernels (launch-bound)", small_kernels(device, 2.0), 200),
-                  ("4 ms, matmuls (device-bound)", large_matmuls(device, 4.0, width=2048), 50),
-                  ("100 ms, large matmuls (device-bound)", large_matmuls(device, 100.0), 4)]
-        for name, step, steps in blocks:
+        for name, make, target_ms, steps in blocks:
+            if args.only not in name:
+                continue
+            step = make(device, target_ms)
+            gc.collect()
+            gc.freeze()  # what is alive now is never collected: a collection per block is short
+            block_ms = steps * _time_step(step, device)
+            rounds = 3 if args.quick else max(10, int(args.seconds * 1e3 / (4 * block_ms)))
             report["results"].append(measure(name, step, steps, rounds, device, args.hz,
                                              Path(tmp)))
     if args.out:

@@ -200,7 +200,7 @@ def test_a_signal_inside_the_handling_of_the_last_is_no_sample() -> None:
     # handled there would be charged to torch's frames, not the script's.
     seen: list[bool] = []
     wrapped = torch.compiler.disable(threadtimer._dispatch)
-    threadtimer._WRAPPER_CODES.add(wrapped.__code__)
+    threadtimer._WRAPPER_CODES[id(wrapped.__code__)] = wrapped.__code__
     threadtimer._HANDLERS[SIGNUM] = lambda signum, frame: seen.append(
         threadtimer.in_handling(sys._getframe(1)))
     try:

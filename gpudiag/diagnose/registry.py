@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from gpudiag.diagnose.ledger import account_findings
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult, Severity
 
 Check = Callable[[RunResult], Iterator["Draft"]]
@@ -82,6 +83,7 @@ def evaluate(run: RunResult) -> list[Finding]:
         for draft in r.check(run):
             findings.append(Finding(id=r.code, rule=r.name, **dataclasses.asdict(draft)))
     findings.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.impact), reverse=True)
+    account_findings(run, findings)
     return findings
 
 

@@ -145,9 +145,11 @@ class RunConfig:
                 "loader_workers": self.loader_workers}
 
 
-# Host samples per second in a profiled script (gpudiag/measure/profile/hostsampler.py): its
-# cost on a 2 ms and a 100 ms step is benchmarks/host_sampler.py's.
-HOST_SAMPLE_HZ = 100.0
+# Host samples per second in a profiled script (gpudiag/measure/profile/hostsampler.py). A
+# sample costs the training thread ~80-190 us on an H100 host (signal, handler, cold caches):
+# at 100 Hz 1.7% of a 2 ms host-bound step, at 50 Hz 0.5% (benchmarks/host_sampler.py,
+# reports/examples/h100-host/README.md).
+HOST_SAMPLE_HZ = 50.0
 MIN_FITTED_STEPS = 4  # a script this short still gets warm-up 1, timed 2, profiled 1
 
 

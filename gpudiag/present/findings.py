@@ -21,7 +21,12 @@ def _at_stake(finding: Finding) -> str:
         return "risk, not time"
     # Priced on the whole run (gpudiag/diagnose/timeline.py), not on the timed steps.
     whole = "run_wall_ms" in finding.evidence
-    return f"{finding.impact:.0%} of {'the run' if whole else 'the step'}"
+    stake = f"{finding.impact:.0%} of {'the run' if whole else 'the step'}"
+    # A step's share is also one of the run's wall, the same whole for every finding
+    # (gpudiag/diagnose/ledger.py).
+    account = finding.evidence.get("account")
+    wall = account.get("share_of_wall") if isinstance(account, dict) and not whole else None
+    return f"{stake} ({wall:.1%} of the run's wall time)" if isinstance(wall, float) else stake
 
 
 def _value(value: Any) -> str:

@@ -11,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.diagnose.host import KIND_LABELS, StepAccount, step_account
-from gpudiag.diagnose.timeline import RunAccount, stage_account
+from gpudiag.diagnose.ledger import findings_by_part
+from gpudiag.diagnose.timeline import RunAccount, describe, stage_account
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.tables import markdown_table
 
@@ -26,22 +27,29 @@ class Row:
     ms: float
     share: float
     lines: str = ""  # the busiest lines of this part, with ms each
+    findings: str = ""  # the findings that price this part (gpudiag/diagnose/ledger.py)
 
 
-def step_rows(step: StepAccount) -> list[Row]:
+def step_rows(step: StepAccount, priced: dict[str, list[str]] | None = None) -> list[Row]:
     """The steady step: one row per kind of host work, then what the samples missed."""
     rows = []
     for kind, ms in sorted(step.parts.items(), key=lambda kv: -kv[1]):
         named = step.lines_of(kind)[:LINES_PER_PART]
         lines = ", ".join(f"{x.location} {x.ms(kind):.2f}" for x in named)
-        rows.append(Row(KIND_LABELS[kind], ms, step.share(ms), lines))
+        # Without a profiler window, host-only work is among the unresolved calls.
+        codes = (priced or {}).get(kind, []) + ((priced or {}).get("python", [])
+                                               if kind == "call" else [])
+        rows.append(Row(KIND_LABELS[kind], ms, step.share(ms), lines, ", ".join(codes)))
     if step.unsampled_ms > 0:
         rows.append(Row("not sampled", step.unsampled_ms, step.share(step.unsampled_ms)))
     return rows
 
 
-def run_rows(whole: RunAccount) -> list[Row]:
-    return [Row(name, ms, whole.share(ms)) for name, ms in whole.parts()]
+def run_rows(whole: RunAccount, priced: dict[str, list[str]] | None = None) -> list[Row]:
+    by_work = {describe(w): w for w in whole.works}
+    return [Row(name, ms, whole.share(ms),
+                findings=", ".join((priced or {}).get(name, []) if name in by_work else []))
+            for name, ms in whole.parts()]
 
 
 def shown(rows: list[Row]) -> list[Row]:
@@ -79,31 +87,43 @@ def markdown_sections(run: RunResult) -> list[str]:
     for stage in run.ok_stages():
         script = stage.facts.script
         whole = stage_account(stage)
+        priced = findings_by_part(run, stage)
         if whole is not None and script is not None and script.timeline is not None:
             out += [f"### Where the run's time went: `{stage.name}`", "",
                     f"All {script.timeline.steps:,} steps of the run, "
                     f"{whole.wall_ms / 1e3:,.1f} s of wall time (host clock), not only the "
-                    "timed ones; each part is a share of that whole.", ""]
-            out += _markdown_table(run_rows(whole), "ms", whole.wall_ms, lines=False)
+                    "timed ones; each part is a share of that whole"
+                    + (", and the findings that price a part are named beside it: each "
+                       "finding's share of wall time is of this whole." if priced else "."),
+                    ""]
+            out += _markdown_table(run_rows(whole, priced), "ms", whole.wall_ms, lines=False)
         step = step_account(stage)
         if step is not None:
             out += [f"### Where each step's time went: `{stage.name}`", "",
                     _step_intro(stage, step), ""]
-            out += _markdown_table(step_rows(step), "ms/step", step.step_ms, lines=True)
+            out += _markdown_table(step_rows(step, priced), "ms/step", step.step_ms,
+                                   lines=True)
     return out
 
 
 def _markdown_table(rows: list[Row], unit: str, total: float, *, lines: bool) -> list[str]:
+    kept = shown(rows)
+    priced = any(row.findings for row in kept)
+
     def cells(row: Row) -> list[str]:
         base = [row.part, f"{row.ms:,.2f}" if unit == "ms/step" else f"{row.ms:,.0f}",
                 f"{row.share:.1%}"]
-        return [*base, row.lines or "-"] if lines else base
+        if lines:
+            base.append(row.lines or "-")
+        return [*base, row.findings or "-"] if priced else base
 
-    header = ["part", unit, "share", *(["busiest lines (ms/step)"] if lines else [])]
-    body = [cells(row) for row in shown(rows)]
+    header = ["part", unit, "share", *(["busiest lines (ms/step)"] if lines else []),
+              *(["priced by"] if priced else [])]
+    body = [cells(row) for row in kept]
     body.append(["**all**", f"{total:,.2f}" if unit == "ms/step" else f"{total:,.0f}", "100%",
-                 *([""] if lines else [])])
-    return [*markdown_table(header, body, right=[False, True, True, False][:len(header)]), ""]
+                 *([""] if lines else []), *([""] if priced else [])])
+    return [*markdown_table(header, body, right=[False, True, True, False, False][:len(header)]),
+            ""]
 
 
 def terminal_tables(run: RunResult) -> list[Table]:
@@ -111,18 +131,21 @@ def terminal_tables(run: RunResult) -> list[Table]:
     tables = []
     for stage in run.ok_stages():
         whole = stage_account(stage)
+        priced = findings_by_part(run, stage)
         if whole is not None and len(whole.parts()) > 2:
             tables.append(_table(f"{stage.name}: the run's {whole.wall_ms / 1e3:,.1f} s",
-                                 run_rows(whole), "ms", lines=False))
+                                 run_rows(whole, priced), "ms", lines=False))
         step = step_account(stage)
         if step is not None:
             tables.append(_table(f"{stage.name}: a steady step's {step.step_ms:.2f} ms "
-                                 f"({step.samples:,} host samples)", step_rows(step),
+                                 f"({step.samples:,} host samples)", step_rows(step, priced),
                                  "ms/step", lines=True))
     return tables
 
 
 def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
+    kept = shown(rows)
+    priced = any(row.findings for row in kept)
     table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   header_style="bold")
     table.add_column("part", overflow="fold")
@@ -131,8 +154,10 @@ def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
     table.add_column("", no_wrap=True)
     if lines:
         table.add_column("busiest lines", overflow="fold")
+    if priced:
+        table.add_column("priced by", no_wrap=True)
     start = 0.0
-    for row in shown(rows):
+    for row in kept:
         # A waterfall: each bar starts where the previous part ended.
         lead = round(start * BAR_WIDTH)
         width = max(1, round((start + row.share) * BAR_WIDTH) - lead) if row.share > 0 else 0
@@ -141,5 +166,9 @@ def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
         ms = f"{row.ms:,.2f}" if unit == "ms/step" else f"{row.ms:,.0f}"
         cells: list[Text | str] = [Text(row.part), ms, f"{row.share:.1%}",
                                    Text(bar.ljust(BAR_WIDTH))]
-        table.add_row(*cells, *([Text(row.lines)] if lines else []))
+        if lines:
+            cells.append(Text(row.lines))
+        if priced:
+            cells.append(row.findings)
+        table.add_row(*cells)
     return table

@@ -41,7 +41,6 @@ import builtins
 import dis
 import functools
 import linecache
-import statistics
 import sys
 import threading
 import time
@@ -55,9 +54,10 @@ import torch
 
 from gpudiag.measure.evidence.source import display_path, frame_role
 from gpudiag.measure.profile import threadtimer
+from gpudiag.model.config import HOST_SAMPLE_HZ
 from gpudiag.model.facts import HostKind, HostLine, HostSamples, HostStep
 
-PERIOD_S = 0.01  # 100 Hz: a 100 ms step gets 10 samples, a 2 ms step one in 5
+PERIOD_S = 1 / HOST_SAMPLE_HZ  # 50 Hz: a 100 ms step gets 5 samples, a 2 ms step one in 10
 MAX_WEIGHT_PERIODS = 4  # a thread's sample taken late (the GIL held) counts at most this many
 # A timer signal unanswered for this many periods means the training thread blocks it: the
 # sampler goes on from a thread.
@@ -69,6 +69,7 @@ SLOW_STEP_MIN_EXTRA_MS = 1.0
 RECENT_STEPS = 48  # steps before a step that its "usual" is the median over...
 LOOKAHEAD = 16  # ... and steps after it: a step is filed once these have ended
 MIN_RECENT = 5  # with fewer steps around it than this, no step is slow
+USUAL_EVERY = 8  # steps between two readings of that median
 MAX_SLOW_STEPS = 2_000  # slow steps kept one by one
 MAX_KEYS = 5_000  # distinct (line, via, kind) kept; later ones are summed as "other lines"
 MAX_LINES = 40  # lines written to run.json, busiest first
@@ -127,10 +128,21 @@ def _calls_by_end(filename: str) -> dict[tuple[int, int], Callee]:
     return calls
 
 
-@functools.cache
 def _callees(code: CodeType) -> dict[int, Callee]:
     """Instruction offset -> its callee, for a code object's calls and operators (Python
-    3.11+: instructions carry source positions; on 3.10 none are known)."""
+    3.11+: instructions carry source positions; on 3.10 none are known). Kept by the code's
+    id, with the code: hashing a code object hashes its bytecode and constants (microseconds
+    at every sample)."""
+    known = _CALLEES.get(id(code))
+    if known is None:
+        known = _CALLEES[id(code)] = (code, _find_callees(code))
+    return known[1]
+
+
+_CALLEES: dict[int, tuple[CodeType, dict[int, Callee]]] = {}
+
+
+def _find_callees(code: CodeType) -> dict[int, Callee]:
     found: dict[int, Callee] = {}
     if sys.version_info < (3, 11):
         return found
@@ -304,6 +316,9 @@ class HostSampler:
         self.steady_loop: dict[str, float] = defaultdict(float)
         # Ended steps waiting for the LOOKAHEAD steps after them: (step, samples, loop lines).
         self.pending: deque[tuple[int, dict[Key, float], dict[str, float]]] = deque()
+        self.walls: list[float | None] = []  # ms of each ended step (None: a skipped one)
+        self.usual: float | None = None  # the median step around the last one filed ...
+        self.usual_at: int | None = None  # ... taken at this step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpudiag-host-sampler",
                                         daemon=True)
@@ -428,11 +443,18 @@ class HostSampler:
         """A step's samples, to the steady steps' sums or kept apart as a slow step's: slow
         against the median of the steps around it (before and after, warm-up included, the
         profiler window's and the start-up's not), so the first steps are judged too."""
-        around = [self._wall(k) for k in range(max(1, step - RECENT_STEPS),
-                                                min(len(self.marks) - 1, step + LOOKAHEAD + 1))
-                  if k not in self.skip]
-        wall = self._wall(step)
-        usual = statistics.median(around) if len(around) >= MIN_RECENT else None
+        # This runs in the training thread at every step: each step's wall is read once, and
+        # the median around it, which moves slowly, is taken every USUAL_EVERY steps.
+        hi = min(len(self.marks) - 1, step + LOOKAHEAD + 1)
+        while len(self.walls) < hi:
+            k = len(self.walls)
+            self.walls.append(None if k in self.skip else self._wall(k))
+        if self.usual_at is None or step - self.usual_at >= USUAL_EVERY \
+                or hi < step + LOOKAHEAD + 1:
+            around = [w for w in self.walls[max(1, step - RECENT_STEPS):hi] if w is not None]
+            self.usual = _median(around) if len(around) >= MIN_RECENT else None
+            self.usual_at = step
+        wall, usual = self._wall(step), self.usual
         slow = usual is not None and wall > max(SLOW_STEP * usual, usual + SLOW_STEP_MIN_EXTRA_MS)
         result = self.result
         if slow:
@@ -475,6 +497,12 @@ class HostSampler:
             line for step in result.slow_steps for line in step.loop_ms}
         result.text = {loc: text for loc in sorted(named) if (text := _source(loc))}
         return result
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _source(location: str) -> str:

@@ -114,7 +114,9 @@ _HANDLERS: dict[int, Handler] = {}
 
 
 _INSTALLED: list[Handler] = []
-_WRAPPER_CODES: set[CodeType] = set()  # wrappers' code around _dispatch (they wrap others too)
+# Wrappers' code around _dispatch (they wrap others too), by id: a code object hashes its
+# whole bytecode and constants, microseconds in a handler that runs 100 times a second.
+_WRAPPER_CODES: dict[int, CodeType] = {}
 HANDLING_DEPTH = 3  # frames a signal's handling runs through before the handler proper
 
 
@@ -133,7 +135,7 @@ def in_handling(frame: FrameType) -> bool:
         if f is None:
             return False
         code = f.f_code
-        if code is _dispatch.__code__ or (code in _WRAPPER_CODES
+        if code is _dispatch.__code__ or (id(code) in _WRAPPER_CODES
                                           and f.f_locals.get("fn") is _dispatch):
             return True
         f = f.f_back
@@ -175,7 +177,7 @@ class ThreadTimer:
         _install(self.signum, wrapped)
         code = getattr(wrapped, "__code__", None)
         if code is not None:
-            _WRAPPER_CODES.add(code)
+            _WRAPPER_CODES[id(code)] = code
 
     def start(self) -> float:
         """Arm the timer; returns the perf_counter time its period counts from (at or before

@@ -1,0 +1,104 @@
+"""One accounting per profiled stage (gpudiag/diagnose/ledger.py): every finding that prices time
+prices a part of the same whole, says its share of the run's wall time, and the findings of a
+stage add up to at most all of it; the waterfalls name the findings beside the parts they
+price."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_timeline import _timeline
+
+from gpudiag.diagnose import evaluate
+from gpudiag.diagnose.ledger import SYMPTOMS, ledger, wall_shares
+from gpudiag.diagnose.timeline import stage_account
+from gpudiag.model.config import ProfileConfig
+from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
+from gpudiag.model.results import Env, Evidence, RunResult, StageResult, load_run
+from gpudiag.present.waterfall import markdown_sections
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
+PROFILED = sorted(p.parent for p in EXAMPLES.rglob("run.json")
+                  if '"timeline"' in p.read_text() or '"host"' in p.read_text())
+
+
+def _run(stage: StageResult) -> RunResult:
+    run = RunResult(tool_version="test", env=Env(device="cpu"), config=ProfileConfig(),
+                    stages=[stage])
+    run.findings = evaluate(run)
+    return run
+
+
+def _script_stage(host: HostSamples | None = None, **planted: float) -> StageResult:
+    timeline = _timeline(**planted)  # type: ignore[arg-type]
+    return StageResult(name="train.py", status="ok", iter_ms=timeline.step_ms[1:36],
+                       ms_per_iter=23.0,
+                       facts=StageFacts(script=ScriptFacts(steps=200, warmup=5, timed=30,
+                                                           step_clock="optimizer.step()",
+                                                           timeline=timeline, host=host)))
+
+
+def test_a_save_and_an_evaluation_are_priced_on_one_wall_and_named_in_the_waterfall() -> None:
+    stage = _script_stage(eval_every=10, eval_ms=218.0, save_every=7, save_ms=60.0,
+                          after_ms=2.0)
+    run = _run(stage)
+    whole = stage_account(stage)
+    assert whole is not None
+    by_code = {f.id: f for f in run.findings}
+    assert {"GD701", "GD703"} <= set(by_code)
+    truth = {"GD701": 60.0 * (199 // 7), "GD703": 218.0 * (199 // 10)}
+    for code, planted in truth.items():
+        account = by_code[code].evidence["account"]
+        assert account["share_of_wall"] == pytest.approx(planted / whole.wall_ms, rel=0.05)
+    assert sum(wall_shares(run, stage).values()) <= 1.0
+    report = "\n".join(markdown_sections(run))
+    assert "priced by" in report
+    save_row = next(line for line in report.splitlines() if line.startswith("| checkpoint saves"))
+    loop_row = next(line for line in report.splitlines() if line.startswith("| DataLoader loop"))
+    assert save_row.endswith("| GD701 |") and loop_row.endswith("| GD703 |")
+
+
+def test_a_step_finding_is_a_share_of_the_run_through_the_steady_steps_share() -> None:
+    # Host-only work at one line, 40% of a 23 ms step, in a run that also evaluates.
+    steps, step_ms = 150, 23.0
+    host = HostSamples(period_ms=10.0, samples=300, steady_steps=steps,
+                       steady_wall_ms=steps * step_ms, sampled_ms=steps * step_ms,
+                       kind_ms={"python": 0.4 * steps * step_ms, "torch": 0.6 * steps * step_ms},
+                       lines=[HostLine("train.py:40", "<module>", "python",
+                                       0.4 * steps * step_ms),
+                              HostLine("train.py:41", "<module>", "torch",
+                                       0.6 * steps * step_ms)])
+    stage = _script_stage(host, eval_every=20, eval_ms=300.0)
+    stage.evidence = Evidence(steps=3, step_ms=step_ms, backend="cpu")
+    run = _run(stage)
+    books = ledger(stage)
+    assert books is not None and books.steps_share is not None
+    host_work = next(f for f in run.findings if f.id == "GD105")
+    account = host_work.evidence["account"]
+    assert account["part"] == "python"
+    assert account["share_of_step"] == pytest.approx(0.4, abs=0.01)
+    assert account["share_of_wall"] == pytest.approx(0.4 * books.steps_share, abs=0.002)
+    assert account["ms_per_step"] == pytest.approx(0.4 * step_ms, rel=0.03)
+    assert sum(wall_shares(run, stage).values()) <= 1.0
+    report = "\n".join(markdown_sections(run))
+    python_row = next(line for line in report.splitlines() if line.startswith("| Python"))
+    assert python_row.endswith("| GD105 |")
+
+
+@pytest.mark.parametrize("run_dir", PROFILED, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_the_findings_of_a_recorded_stage_add_up_to_at_most_its_wall(run_dir: Path) -> None:
+    run = load_run(run_dir)
+    run.findings = evaluate(run)
+    for stage in run.ok_stages():
+        shares = wall_shares(run, stage)
+        assert sum(shares.values()) <= 1.0 + 1e-6, (stage.name, shares)
+        books = ledger(stage)
+        for finding in run.findings:
+            account = finding.evidence.get("account")
+            if finding.stage != stage.name or account is None or finding.id in SYMPTOMS:
+                continue
+            assert books is not None
+            if "share_of_step" in account and books.steps_share is not None:
+                assert account["share_of_wall"] == pytest.approx(
+                    account["share_of_step"] * books.steps_share, abs=1e-3)
