@@ -17,6 +17,8 @@ from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.measure.runner import RunOutput
 from gpudiag.model.facts import (
     CheckpointFacts,
+    CompileEvent,
+    CompileFacts,
     DdpFacts,
     HostLine,
     HostSamples,
@@ -375,6 +377,32 @@ def gd804(*, ratio: float) -> RunResult:
     return make_run(rank(0, 30.0, 30.0 * (ratio - 1) + 1.0), rank(1, 30.0 * ratio, 1.0))
 
 
+def gd9(*, recompiles: int, limit_hit: bool = False, breaks: int = 0) -> RunResult:
+    """A profiled script's compilations: model.py's forward compiled at step 0, then
+    recompiled at each of the next `recompiles` steps for a new length (1 s each), then, with
+    `limit_hit`, given up on; `breaks` graph breaks at a print."""
+    def event(step: int, seconds: float = 1.0, **fields: Any) -> CompileEvent:
+        return CompileEvent(function="forward", location="model.py:10", seconds=seconds,
+                            compile_id=f"0/{step}", step=step, call_site="train.py:30",
+                            **fields)
+    events = [event(0)]
+    events += [event(i, recompile_reason=f"0/{i - 1}: tensor 'x' size mismatch at index 1. "
+                                         f"expected {i + 7}, actual {i + 8}")
+               for i in range(1, recompiles + 1)]
+    if limit_hit:
+        events.append(event(recompiles + 1, seconds=0.0,
+                            recompile_reason="0/8: tensor 'x' size mismatch at index 1",
+                            failure="Dynamo recompile limit exceeded"))
+    reason = "Failed to trace builtin operator: Dynamo does not know how to trace `print`"
+    if breaks:
+        events[0].graph_break, events[0].graph_break_at = reason, "model.py:12"
+    compiles = CompileFacts(events=events, seconds=float(len(events)), recompile_limit=8,
+                            graph_breaks={reason: breaks} if breaks else {})
+    facts = StageFacts(script=ScriptFacts(steps=100, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", compiles=compiles))
+    return make_run(make_stage("train.py", facts=facts))
+
+
 @dataclass(frozen=True)
 class Case:
     """A run where the rule fires, what it must say, and near misses where it must not."""
@@ -473,6 +501,18 @@ CASES: dict[str, Case] = {
                   {"slow_rank": 1, "fast_rank": 0, "compute_ratio": 1.2,
                    "share_of_step_lost": 0.12},
                   (P(gd804, ratio=limit("GD804", "straggler_ratio") - 0.001),)),
+    # Two recompiles of one function (one is routine: a last, smaller batch).
+    "GD901": Case(P(gd9, recompiles=2), "train.py", "critical",
+                  {"recompiles": 2, "compilations": 3, "called_at": "train.py:30",
+                   "defined_at": "model.py:10", "recompile_seconds": 2.0},
+                  (P(gd9, recompiles=1),)),
+    "GD902": Case(P(gd9, recompiles=7, limit_hit=True), "train.py", "warning",
+                  {"recompile_limit": 8, "first_eager_step": 8, "compilations": 8},
+                  (P(gd9, recompiles=7),)),
+    "GD903": Case(P(gd9, recompiles=0, breaks=1), "train.py", "info",
+                  {"at": {"Failed to trace builtin operator: Dynamo does not know how to trace "
+                          "`print`": "model.py:12"}},
+                  (P(gd9, recompiles=0),)),
     "GD601": Case(P(gd601, shift=1.3), "train-fp16", "info",
                   {"fastest_block_ms": 50.0, "slowest_block_ms": 65.0},
                   (P(gd601, shift=limit("GD601", "max_block_shift")),)),

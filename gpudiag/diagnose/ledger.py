@@ -32,6 +32,7 @@ STEP_PARTS: dict[str, HostKind] = {
 RUN_PARTS: dict[str, tuple[str, ...]] = {
     "GD701": ("save",),  # checkpoint saves
     "GD703": ("loop", "other"),  # periodic work that is not a save
+    "GD901": ("compile",),  # torch.compile's recompilations
 }
 SYMPTOMS = frozenset({"GD102"})  # priced by the cause its finding names
 
@@ -90,9 +91,9 @@ def _run_part(books: Ledger, finding: Finding) -> str:
     """The run account's part a run-priced finding names: its work's description."""
     works = books.whole.works if books.whole is not None else []
     kinds = RUN_PARTS[finding.id]
-    return next((describe(w) for w in works if w.kind in kinds
-                 and (finding.location is None or finding.location in describe(w))),
-                kinds[0])
+    candidates = [describe(w) for w in works if w.kind in kinds]
+    named = [c for c in candidates if finding.location is not None and finding.location in c]
+    return (named or candidates or [kinds[0]])[0]
 
 
 def findings_by_part(run: RunResult, stage: StageResult) -> dict[str, list[str]]:

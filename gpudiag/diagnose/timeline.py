@@ -3,8 +3,9 @@
 The run's wall time is every step's time (gpudiag.model.facts.StepTimeline). Step 0 is the
 start-up (imports, set-up, the first step). Every later step is the steady step (the median of
 the steps where nothing else ran) plus, on some steps, extra time, and that extra time is
-charged to what ran there, in this order: the script's saves (no more than the time they held
-the training thread), the training DataLoader's wait beyond its usual, another DataLoader loop
+charged to what ran there, in this order: torch.compile's compilations on that step (Dynamo's
+own times; step 0's come out of the start-up), the script's saves (no more than the time they
+held the training thread), the training DataLoader's wait beyond its usual, another DataLoader loop
 (an evaluation) that ran on that step, and otherwise work that is none of these: periodic when
 its spikes recur with one period, irregular when they do not. The profiler window's steps, and the
 one after it that carries its closing, are slowed by gpudiag itself: their extra, less any
@@ -24,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from gpudiag.diagnose.spikes import PERIODIC_SHARE, find_spikes
-from gpudiag.model.facts import HostSamples, OtherLoop, StepTimeline
+from gpudiag.model.facts import CompileFacts, HostSamples, OtherLoop, StepTimeline
 from gpudiag.model.results import StageResult
 
-WorkKind = Literal["save", "data", "loop", "other"]
-KINDS: tuple[WorkKind, ...] = ("save", "data", "loop", "other")  # the order extra is charged in
+WorkKind = Literal["compile", "save", "data", "loop", "other"]
+# The order extra is charged in: a step that compiled spent its extra compiling.
+KINDS: tuple[WorkKind, ...] = ("compile", "save", "data", "loop", "other")
 MIN_TIMELINE_STEPS = 20  # fewer steps than this show no period
 MIN_OCCURRENCES = 2  # a part recurring fewer times has no period
 # Each occurrence of a period's work holds this many times the extra of the average other
@@ -68,13 +70,14 @@ class PeriodicWork:
 @dataclass
 class RunAccount:
     wall_ms: float
-    startup_ms: float  # step 0
+    startup_ms: float  # step 0, less its torch.compile compilations
     steady_ms: float  # every later step's own work, at most the steady step each
     step_ms: float  # the steady step: median of the steps where nothing else ran
     window_ms: float = 0.0  # the profiler window's extra: gpudiag's own
     irregular_ms: float = 0.0  # slow steps no cause or period explains
     unlisted_ms: float = 0.0  # steps past the listed ones: not itemised
     tail_ms: float = 0.0  # after the last step, to the exit
+    first_compile_ms: float = 0.0  # torch.compile's compilations in step 0
     works: list[PeriodicWork] = field(default_factory=list)
 
     def share(self, ms: float) -> float:
@@ -83,6 +86,7 @@ class RunAccount:
     def parts(self) -> list[tuple[str, float]]:
         """(part, ms) adding up to the wall time."""
         named = [("start-up (step 0: imports, set-up, first step)", self.startup_ms),
+                 ("torch.compile compiling in step 0", self.first_compile_ms),
                  (f"training steps at {self.step_ms:.1f} ms", self.steady_ms)]
         named += [(describe(w), w.extra_ms) for w in self.works]
         named += [("irregular slow steps", self.irregular_ms),
@@ -97,6 +101,8 @@ def describe(work: PeriodicWork, *, period: bool = True) -> str:
     if work.kind == "other" and work.line is not None:
         text = f" (`{work.line_text}`)" if work.line_text else ""
         return f"work at {work.line}{text}{every}"
+    if work.kind == "compile":
+        return f"torch.compile compiling ({work.occurrences} step(s) after the first)"
     if work.kind == "save":
         return f"checkpoint saves{every}"
     if work.kind == "data":
@@ -122,12 +128,14 @@ def stage_account(stage: StageResult) -> RunAccount | None:
     script = stage.facts.script
     if script is None or script.timeline is None:
         return None
-    return account(script.timeline, script.host)
+    return account(script.timeline, script.host, script.compiles)
 
 
-def account(timeline: StepTimeline, host: HostSamples | None = None) -> RunAccount | None:
+def account(timeline: StepTimeline, host: HostSamples | None = None,
+            compiles: CompileFacts | None = None) -> RunAccount | None:
     """The run's wall time in parts, or None for a timeline too short to tell. With `host`,
-    each periodic work is named by the line that held its steps."""
+    each periodic work is named by the line that held its steps; with `compiles`, the steps
+    that compiled are charged their compilations first (step 0's from the start-up)."""
     times = timeline.step_ms
     n = len(times)
     if n < MIN_TIMELINE_STEPS + 1:
@@ -135,6 +143,7 @@ def account(timeline: StepTimeline, host: HostSamples | None = None) -> RunAccou
     # The step after the window carries its closing (the trace analysed, the part written).
     window = (set(range(timeline.window_start, (timeline.window_end or 0) + 1))
               if timeline.window_start is not None else set())
+    compiled = _compile_ms(compiles, n)
     blocking: dict[int, float] = {}
     for save in timeline.saves:
         blocking[save.step] = blocking.get(save.step, 0.0) + save.blocking_ms
@@ -143,12 +152,14 @@ def account(timeline: StepTimeline, host: HostSamples | None = None) -> RunAccou
     candidates = [i for i in range(1, n) if i not in window]
     spikes = find_spikes([times[i] for i in candidates])
     spiked = {candidates[k] for k in spikes.indices}
-    plain = [i for i in candidates if i not in spiked and i not in blocking and i not in loop_of]
+    plain = [i for i in candidates if i not in spiked and i not in blocking and i not in loop_of
+             and i not in compiled]
     step = statistics.median([times[i] for i in plain] or [times[i] for i in candidates])
     usual_wait = statistics.median([waits[i] for i in plain] or [0.0])
+    first_compile = min(times[0], compiled.get(0, 0.0))
     result = RunAccount(wall_ms=max(timeline.total_ms, sum(times) + timeline.tail_ms),
-                        startup_ms=times[0], steady_ms=0.0, step_ms=step,
-                        tail_ms=timeline.tail_ms)
+                        startup_ms=times[0] - first_compile, steady_ms=0.0, step_ms=step,
+                        tail_ms=timeline.tail_ms, first_compile_ms=first_compile)
     result.unlisted_ms = result.wall_ms - sum(times) - timeline.tail_ms
     charged: dict[WorkKind, dict[int, float]] = {k: {} for k in KINDS}
     for i in range(1, n):
@@ -162,7 +173,8 @@ def account(timeline: StepTimeline, host: HostSamples | None = None) -> RunAccou
                 charged["save"][i] = saved
             result.window_ms += extra - saved
             continue
-        caps = (blocking.get(i, 0.0), max(0.0, waits[i] - usual_wait) if i in spiked else 0.0,
+        caps = (compiled.get(i, 0.0), blocking.get(i, 0.0),
+                max(0.0, waits[i] - usual_wait) if i in spiked else 0.0,
                 extra if i in loop_of else 0.0, extra if i in spiked else 0.0)
         for kind, cap in zip(KINDS, caps, strict=True):
             part = min(extra, cap)
@@ -172,6 +184,15 @@ def account(timeline: StepTimeline, host: HostSamples | None = None) -> RunAccou
         result.steady_ms += extra  # jitter on an ordinary step: the step's own
     _works(result, charged, timeline.loops, n, host, window)
     return result
+
+
+def _compile_ms(compiles: CompileFacts | None, n: int) -> dict[int, float]:
+    """Step -> ms its torch.compile compilations took (Dynamo's own times)."""
+    compiled: dict[int, float] = defaultdict(float)
+    for event in compiles.events if compiles is not None else []:
+        if event.step is not None and event.step < n:
+            compiled[event.step] += event.seconds * 1e3
+    return compiled
 
 
 def _attribute(work: PeriodicWork, host: HostSamples) -> None:
@@ -256,7 +277,7 @@ def _tail(hits: int, slots: int, rate: float) -> float:
 def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
            loops: Sequence[OtherLoop], n: int, host: HostSamples | None,
            window: Collection[int]) -> None:
-    for kind in KINDS[:2]:
+    for kind in KINDS[:3]:
         steps = sorted(charged[kind])
         if steps:
             result.works.append(PeriodicWork(kind, steps, sum(charged[kind].values()),

@@ -249,6 +249,34 @@ class HostSamples:
 
 
 @dataclass
+class CompileEvent:
+    """One torch.compile (Dynamo) compilation of a frame, from Dynamo's own compilation
+    metrics (torch._dynamo.utils.get_compilation_metrics)."""
+
+    function: str  # the compiled frame's function
+    location: str  # "path:line" where that function is defined
+    seconds: float  # the compilation's wall time
+    compile_id: str = ""  # Dynamo's: "frame/compilation" (a backward pass shares its forward's)
+    step: int | None = None  # the step it happened in (0: the first)
+    call_site: str | None = None  # the user's line that called the compiled code, if seen
+    recompile_reason: str | None = None  # the guard that failed: why this was a recompile
+    failure: str | None = None  # why Dynamo gave up on the frame (e.g. the recompile limit)
+    graph_break: str | None = None  # the reason Dynamo split the frame's graph, if it did
+    graph_break_at: str | None = None  # "path:line" of that break, if Dynamo names it
+
+
+@dataclass
+class CompileFacts:
+    """torch.compile over the whole profiled run."""
+
+    events: list[CompileEvent] = field(default_factory=list)
+    seconds: float = 0.0  # all compilations' wall time
+    recompile_limit: int | None = None  # torch._dynamo.config.recompile_limit
+    graph_breaks: dict[str, int] = field(default_factory=dict)  # Dynamo's count by reason
+    events_lost: int = 0  # compilations past the ones Dynamo keeps metrics for
+
+
+@dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
 
@@ -267,6 +295,7 @@ class ScriptFacts:
     remedies: dict[str, dict[str, Any]] = field(default_factory=dict)
     timeline: StepTimeline | None = None
     host: HostSamples | None = None
+    compiles: CompileFacts | None = None
 
 
 @dataclass

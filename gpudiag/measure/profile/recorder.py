@@ -39,6 +39,7 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
+from gpudiag.measure.profile.compiles import CompileWatch
 from gpudiag.measure.profile.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.protocol import (
     ENV_OUT,
@@ -62,6 +63,7 @@ from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import (
     CheckpointFacts,
+    CompileFacts,
     DdpJobFacts,
     HostSamples,
     LinkProbe,
@@ -112,6 +114,8 @@ class Recorder:
         self.window: ProfilerWindow | None = None
         self.evidence: Evidence | None = None
         self.compile_counts: tuple[int | None, int | None] = (None, None)
+        self.compile_watch = CompileWatch(self.host_marks)
+        self.compiles: CompileFacts | None = None
         self.nvtx_range: Any = None
         self.finished = False
         self.error: str | None = None
@@ -163,6 +167,7 @@ class Recorder:
         done = self.steps
         if self.host_sampler is not None:
             self.host_sampler.watch(self.host_marks[-1])
+        self.compile_watch.watch()
         if done <= 2 and self.config.host_sample_hz > 0:
             self._start_host_sampler(done)
         if self.nvtx_range is not None:
@@ -374,7 +379,7 @@ class Recorder:
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
             losses=list(self.losses.values), remedies=self.applied.observe(),
-            timeline=self._timeline(), host=self.host))
+            timeline=self._timeline(), host=self.host, compiles=self.compiles))
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts
@@ -416,6 +421,10 @@ class Recorder:
             self.error = f"{type(exc).__name__}: {exc}"
         if self.host_sampler is not None:
             self.host = self.host_sampler.stop()
+        try:
+            self.compiles = self.compile_watch.facts()
+        except Exception as exc:  # Dynamo's internals moved: the rest of the run stands
+            self.error = self.error or f"compile metrics: {type(exc).__name__}: {exc}"
         if self.sampler is not None:
             try:
                 if self.telemetry is None and self.steps > self.warmup:

@@ -1,0 +1,153 @@
+"""torch.compile as the script ran it: each Dynamo compilation of a frame, in which step, of
+which function, called from which of the user's lines, why it was a recompile (the guard that
+failed), and what Dynamo gave up on (the recompile limit, graph breaks).
+
+Everything comes from Dynamo's own interfaces, nothing from its log text: its compilation
+metrics (`torch._dynamo.utils.get_compilation_metrics()`, one record per compilation with
+`recompile_reason`, `fail_reason`, `restart_reasons` and times), its compile-start callback
+(`torch._dynamo.callback.on_compile_start`, where the user's calling line is on the stack) and
+its graph-break counters. gpudiag imports none of it: Dynamo costs ~0.8 s to import, so the
+callback is registered at the first step boundary after the script has loaded it (the first
+compilation, in step 0, then has no call site but the compiled function's place).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gpudiag.measure.evidence.source import call_site, display_path
+from gpudiag.model.facts import CompileEvent, CompileFacts
+
+MAX_EVENTS = 200  # compilations listed in run.json; Dynamo itself keeps the last 64
+# Dynamo names the function that resumes a frame after a graph break by the break's line.
+_RESUME = re.compile(r"torch_dynamo_resume_in_(?P<function>.+)_at_(?P<line>\d+)$")
+
+
+class CompileWatch:
+    """Watches the script's compilations; `marks` are the recorder's step marks
+    (perf_counter seconds), read to place each compilation in its step."""
+
+    def __init__(self, marks: Sequence[float]) -> None:
+        self.marks = marks
+        self.epoch_offset = time.time() - time.perf_counter()  # Dynamo times are epoch times
+        self.call_sites: dict[str, str] = {}  # compile id -> the user's calling line
+        self.listening = False
+
+    def watch(self) -> None:
+        """At a step boundary: once the script uses torch.compile, hear of each compilation's
+        start (for the line that called the compiled code)."""
+        if self.listening or "torch._dynamo" not in sys.modules:
+            return
+        self.listening = True
+        try:
+            from torch._dynamo.callback import on_compile_start  # noqa: PLC0415  (loaded)
+        except ImportError:  # a torch without the callback: no call sites
+            return
+        on_compile_start(self._started)
+
+    def _started(self, args: Any) -> None:
+        # Runs inside Dynamo's compilation: it must never raise.
+        try:
+            compile_id = getattr(args, "compile_id", None)
+            if compile_id is None or len(self.call_sites) >= MAX_EVENTS:
+                return
+            site = call_site(sys._getframe(1))
+            if site is not None:
+                self.call_sites.setdefault(str(compile_id), site.location)
+        except Exception:  # a call site missed loses nothing else
+            pass
+
+    def facts(self) -> CompileFacts | None:
+        """The run's compilations, or None when the script never compiled."""
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return None
+        utils = dynamo.utils
+        metrics = list(utils.get_compilation_metrics())
+        if not metrics:
+            return None
+        counters = utils.counters
+        frames = int(counters.get("frames", {}).get("total", 0))
+        breaks: dict[str, int] = {}
+        for reason, n in counters.get("graph_break", {}).items():
+            key = _reason(reason) or "?"
+            breaks[key] = breaks.get(key, 0) + int(n)
+        limit = getattr(dynamo.config, "recompile_limit",
+                        getattr(dynamo.config, "cache_size_limit", None))
+        events = self._events(metrics)
+        return CompileFacts(events=events[:MAX_EVENTS],
+                            seconds=round(sum(e.seconds for e in events), 3),
+                            recompile_limit=int(limit) if limit is not None else None,
+                            graph_breaks=breaks,
+                            events_lost=max(0, frames - len(metrics)) + max(
+                                0, len(events) - MAX_EVENTS))
+
+    def _events(self, metrics: list[Any]) -> list[CompileEvent]:
+        events: list[CompileEvent] = []
+        by_frame: dict[str, CompileEvent] = {}  # a frame's id (before "/") -> its first event
+        for m in metrics:
+            compile_id = str(getattr(m, "compile_id", "") or "")
+            frame_id = compile_id.split("/", maxsplit=1)[0]
+            known = by_frame.get(frame_id)
+            name, filename = getattr(m, "co_name", None), getattr(m, "co_filename", None)
+            line = getattr(m, "co_firstlineno", None)
+            location = (f"{display_path(filename)}:{line}" if filename else
+                        known.location if known is not None else "?")
+            seconds = _seconds(m)
+            started = getattr(m, "start_time_us", None)
+            step = self._step(started / 1e6) if started else None
+            restart = sorted(getattr(m, "restart_reasons", None) or [])
+            event = CompileEvent(
+                function=name or (known.function if known is not None else "?"),
+                location=location, compile_id=compile_id, seconds=round(seconds, 4), step=step,
+                call_site=self.call_sites.get(compile_id),
+                recompile_reason=_first_line(getattr(m, "recompile_reason", None)),
+                failure=_first_line(getattr(m, "fail_reason", None)),
+                graph_break=_reason(restart[0]) if restart else None)
+            resumed = _RESUME.match(name or "")
+            if resumed and filename:
+                # The frame after a break: its break is the broken frame's.
+                at = f"{display_path(filename)}:{resumed['line']}"
+                for earlier in reversed(events):
+                    if earlier.function == resumed["function"] and earlier.graph_break:
+                        earlier.graph_break_at = earlier.graph_break_at or at
+                        break
+            by_frame.setdefault(frame_id, event)
+            events.append(event)
+        return events
+
+    def _step(self, epoch_s: float) -> int | None:
+        at = epoch_s - self.epoch_offset
+        if not self.marks or at < self.marks[0]:
+            return None
+        return max(0, bisect.bisect_right(self.marks, at) - 1)
+
+
+def _seconds(metrics: Any) -> float:
+    duration = getattr(metrics, "duration_us", None)
+    if duration:
+        return float(duration) / 1e6
+    return float(getattr(metrics, "entire_frame_compile_time_s", None) or 0.0)
+
+
+def _first_line(text: str | None) -> str | None:
+    return text.strip().splitlines()[0].strip() if text and text.strip() else None
+
+
+def _reason(text: str | None) -> str | None:
+    """A graph break's reason: Dynamo's headline ("Failed to trace builtin operator"), with
+    the first sentence of its explanation, which names the culprit (`print`)."""
+    headline = _first_line(text)
+    if headline is None or text is None:
+        return None
+    for raw in text.splitlines()[1:]:
+        line = raw.strip()
+        if line.startswith("Explanation:"):
+            detail = line.removeprefix("Explanation:").strip().split(". ")[0].rstrip(".")
+            return f"{headline}: {detail}" if detail else headline
+    return headline

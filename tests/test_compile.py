@@ -1,0 +1,135 @@
+"""torch.compile under `gpudiag profile` (gpudiag/measure/profile/compiles.py,
+gpudiag/diagnose/gd9_compile.py), on scripts written for these tests: a compiled model fed a
+new length every step (recompilations with Dynamo's guard and the call's line, the recompile
+limit's fall back to eager, the compile time as a part of the run), a graph break (its reason
+and line), and a script that never compiles."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from gpudiag.diagnose.timeline import stage_account
+from gpudiag.model.results import RunResult, load_run
+
+# aot_eager: Dynamo and AOTAutograd as torch.compile runs them, without a C++ compiler.
+RECOMPILING = """
+    import sys
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="aot_eager", dynamic={dynamic})
+
+
+    def train():
+        for step in range(60):
+            x = torch.randn(4, 8 + step % 12, 32)  # a new sequence length every step
+            loss = compiled(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+    train()
+"""
+
+GRAPH_BREAK = """
+    import torch
+    from torch import nn
+
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+    @torch.compile(backend="aot_eager")
+    def forward(x):
+        y = model(x).relu()
+        print("a print inside the compiled function", end="\\r")
+        return y.square().mean()
+
+
+    for step in range(40):
+        forward(torch.randn(8, 16)).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+NOT_COMPILED = """
+    import torch
+
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(40):
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def _profile(tmp_path: Path, body: str) -> tuple[RunResult, str, Path]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(body))
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
+                           "--", sys.executable, str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return load_run(out), done.stdout + done.stderr, script
+
+
+def _line(script: Path, text: str) -> str:
+    number = next(n for n, line in enumerate(script.read_text().splitlines(), 1)
+                  if text in line)
+    return f"{script.name}:{number}"
+
+
+def test_recompilations_are_named_with_the_guard_and_the_calls_line(tmp_path: Path) -> None:
+    run, output, script = _profile(tmp_path, RECOMPILING.replace("{dynamic}", "False"))
+    by_code = {f.id: f for f in run.findings}
+    recompiles = by_code["GD901"]
+    call = _line(script, "loss = compiled(x)")
+    assert recompiles.location == call
+    assert recompiles.evidence["recompiles"] >= 6
+    assert "size mismatch at index 1" in recompiles.evidence["recompile_reasons"][0]
+    assert "mark_dynamic" in recompiles.fix and call in recompiles.fix
+    # The compile time is a part of the run's account, the same one the finding prices.
+    stage = run.stages[0]
+    whole = stage_account(stage)
+    assert whole is not None
+    compiling = next(w for w in whole.works if w.kind == "compile")
+    assert recompiles.impact == compiling.extra_ms / whole.wall_ms
+    assert recompiles.evidence["account"]["share_of_wall"] == round(recompiles.impact, 4)
+    # Dynamo's default limit (8) is reached by 12 lengths: the rest of the run is eager.
+    fallback = by_code["GD902"]
+    assert fallback.location == call and fallback.evidence["recompile_limit"] == 8
+    assert fallback.evidence["first_eager_step"] == 8
+    assert "GD901" in output and "priced by" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_dynamic_shapes_recompile_once_and_are_not_a_finding(tmp_path: Path) -> None:
+    # Dynamo's automatic dynamic shapes: one recompile marks the length dynamic.
+    run, _, _ = _profile(tmp_path, RECOMPILING.replace("{dynamic}", "None"))
+    compiles = run.stages[0].facts.script.compiles  # type: ignore[union-attr]
+    assert compiles is not None and compiles.events
+    assert not [f for f in run.findings if f.id in ("GD901", "GD902")]
+
+
+def test_a_graph_break_is_named_with_its_reason_and_line(tmp_path: Path) -> None:
+    run, _, script = _profile(tmp_path, GRAPH_BREAK)
+    breaks = next(f for f in run.findings if f.id == "GD903")
+    assert "print" in breaks.title
+    assert breaks.location == _line(script, 'print("a print inside')
+
+
+def test_a_script_that_never_compiles_has_no_compile_facts(tmp_path: Path) -> None:
+    # torch.optim loads Dynamo (torch 2.13): loaded is not compiled.
+    run, _, _ = _profile(tmp_path, NOT_COMPILED)
+    script = run.stages[0].facts.script
+    assert script is not None and script.compiles is None
+    assert not [f for f in run.findings if f.id.startswith("GD9")]
