@@ -34,6 +34,7 @@ from gpudiag.model.results import (
     Env,
     Evidence,
     Finding,
+    LineCount,
     MemoryStats,
     RunResult,
     SourceLine,
@@ -377,6 +378,18 @@ def gd804(*, ratio: float) -> RunResult:
     return make_run(rank(0, 30.0, 30.0 * (ratio - 1) + 1.0), rank(1, 30.0 * ratio, 1.0))
 
 
+def gd304(*, share: float, idle: float = 0.05, backend: str = "cuda") -> RunResult:
+    """A hand-written attention block: `share` of the kernel time in softmax (attn.py:30, with
+    its matmuls) and a cast (attn.py:31); the GPU idle `idle` of the step."""
+    by_kind = {"matmul": 100 * (1 - share), "softmax": 60 * share, "elementwise": 40 * share}
+    lines = [LineCount("attn.py:30", "forward", kind_ms={"softmax": 60 * share,
+                                                         "matmul": 100 * (1 - share)}),
+             LineCount("attn.py:31", "forward", kind_ms={"elementwise": 40 * share})]
+    ev = make_evidence(backend=backend, idle_fraction=idle, device_ms_by_kind=by_kind,
+                       line_counts=lines)
+    return make_run(make_stage("train", evidence=ev))
+
+
 def gd9(*, recompiles: int, limit_hit: bool = False, breaks: int = 0) -> RunResult:
     """A profiled script's compilations: model.py's forward compiled at step 0, then
     recompiled at each of the next `recompiles` steps for a new length (1 s each), then, with
@@ -501,6 +514,15 @@ CASES: dict[str, Case] = {
                   {"slow_rank": 1, "fast_rank": 0, "compute_ratio": 1.2,
                    "share_of_step_lost": 0.12},
                   (P(gd804, ratio=limit("GD804", "straggler_ratio") - 0.001),)),
+    "GD304": Case(P(gd304, share=limit("GD304", "warning_share")), "train", "warning",
+                  {"memory_bound_share": 0.5, "matmul_share": 0.5,
+                   "lines": {"attn.py:30": {"memory_bound_ms": 30.0,
+                                            "ms_by_kind": {"softmax": 30.0, "matmul": 50.0}},
+                             "attn.py:31": {"memory_bound_ms": 20.0,
+                                            "ms_by_kind": {"elementwise": 20.0}}}},
+                  (P(gd304, share=limit("GD304", "warning_share") - 0.01),
+                   P(gd304, share=0.9, idle=limit("GD304", "max_idle_fraction") + 0.01),
+                   P(gd304, share=0.9, backend="cpu"))),
     # Two recompiles of one function (one is routine: a last, smaller batch).
     "GD901": Case(P(gd9, recompiles=2), "train.py", "critical",
                   {"recompiles": 2, "compilations": 3, "called_at": "train.py:30",

@@ -17,6 +17,7 @@ import torch
 
 import gpudiag
 from gpudiag.measure.evidence import analyze, capture_trace
+from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
 from gpudiag.measure.evidence.source import annotation, display_path, frame_role, is_library
 from gpudiag.measure.evidence.trace import memcpy_kind
 from gpudiag.model.results import Evidence, SourceLine
@@ -584,3 +585,58 @@ def test_code_torch_generates_is_torchs_not_the_users(filename: str) -> None:
     # there is charged to the user's line that called the compiled function.
     assert frame_role(filename) == "torch"
     assert frame_role("/home/ada/project/train.py") == "user"
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+    ("cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4", "matmul"),
+    ("triton_tem_fused_mm_0", "matmul"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, float>", "softmax"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>", "norm"),
+    ("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps<float>>>", "reduction"),
+    ("triton_red_fused__to_copy_add_mean_pow_0", "reduction"),
+    ("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "elementwise"),
+    ("triton_poi_fused_add_gelu_1", "elementwise"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>",
+     "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("some_custom_kernel", "other"),
+])
+def test_kernel_kinds(name: str, kind: str) -> None:
+    assert kernel_kind(name) == kind
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("aten::addmm", "matmul"), ("autograd::engine::evaluate_function: MmBackward0", "matmul"),
+    ("aten::_softmax", "softmax"), ("aten::native_layer_norm", "norm"), ("aten::sum", "reduction"),
+    ("aten::gelu", "elementwise"), ("aten::_foreach_add_", "optimizer"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+])
+def test_cpu_operator_kinds(name: str, kind: str) -> None:
+    assert op_kind(name) == kind
+
+
+def test_kernel_time_is_split_by_kind_and_line() -> None:
+    events = [
+        ann("attn.py:30", "forward", 0, 100),
+        launch("cudaLaunchKernel", 10, corr=1),  # scores = q @ k.T
+        launch("cudaLaunchKernel", 20, corr=2),  # softmax
+        ann("attn.py:31", "forward", 120, 30),
+        launch("cudaLaunchKernel", 125, corr=3),  # a cast
+        # The optimizer's per-parameter update: elementwise kernels, the optimizer's work.
+        op("Optimizer.step#AdamW.step", 200, 100, cat="user_annotation"),
+        launch("cudaLaunchKernel", 210, corr=4),
+        kernel("sm90_xmma_gemm_bf16bf16", 400, 30.0, corr=1),
+        kernel("softmax_warp_forward", 440, 50.0, corr=2),
+        kernel("vectorized_elementwise_kernel<4, copy>", 500, 20.0, corr=3),
+        kernel("vectorized_elementwise_kernel<4, mul>", 530, 10.0, corr=4),
+    ]
+    ev = run(events)
+    assert ev.device_ms_by_kind == pytest.approx(
+        {"matmul": 0.030, "softmax": 0.050, "elementwise": 0.020, "optimizer": 0.010})
+    by_line = {c.location: c.kind_ms for c in ev.line_counts}
+    assert by_line["attn.py:30"] == pytest.approx({"matmul": 0.030, "softmax": 0.050})
+    assert by_line["attn.py:31"] == pytest.approx({"elementwise": 0.020})

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
-from gpudiag.model.results import RunResult, StageResult
+from gpudiag.model.results import MEMORY_BOUND_KINDS, RunResult, StageResult
 
 # fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper
 # (67 vs 495 TFLOP/s dense, gpudiag/model/hardware.py); what TF32/autocast can win is most
@@ -165,3 +165,135 @@ def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
                       "achieved_tflops": None if use is None else round(use["tflops"], 1)},
             fix="Make matmuls larger (batch, sequence) and dimensions multiples of 64.",
         )
+
+
+MEMORY_WARNING, MEMORY_CRITICAL = 0.50, 0.75  # of the step's kernel time
+MEMORY_MAX_IDLE = 0.25  # idler than this, the host sets the pace (GD102), not the kernels
+OPTIMIZER_SHARE = 0.15  # an unfused optimizer this large is worth its own advice
+OTHER_MEMORY_SHARE = 0.25  # memory-bound time outside attention this large: fusion advice
+ATTENTION_SPAN = 6  # lines around a softmax that are its attention's (scale, mask, cast)
+MEMORY_THRESHOLDS = (
+    Threshold("warning_share", MEMORY_WARNING,
+              "memory-bound kernels take half the kernel time: the step is not in its "
+              "matmuls"),
+    Threshold("critical_share", MEMORY_CRITICAL, "three quarters of it"),
+    Threshold("max_idle_fraction", MEMORY_MAX_IDLE,
+              "the GPU busy nearly all the step, so kernel time is the step's time"),
+    Threshold("optimizer_share", OPTIMIZER_SHARE,
+              "an optimizer's own kernels this share of the kernel time: foreach/fused advice"),
+    Threshold("other_memory_share", OTHER_MEMORY_SHARE,
+              "of the memory-bound time, outside a hand-written attention: torch.compile "
+              "advice"),
+    Threshold("attention_span", ATTENTION_SPAN,
+              "lines either side of a softmax taken as its attention's (scale, mask, cast)"),
+)
+
+
+def _memory_lines(stage: StageResult) -> list[tuple[str, float, dict[str, float]]]:
+    """(line, memory-bound ms per step, its ms by kind) for the lines that own such kernels,
+    busiest first."""
+    ev = stage.evidence
+    if ev is None:
+        return []
+    found = []
+    for count in ev.line_counts:
+        kinds = {k: v for k, v in count.kind_ms.items() if k in MEMORY_BOUND_KINDS}
+        if kinds:
+            found.append((count.location, sum(kinds.values()), count.kind_ms))
+    return sorted(found, key=lambda x: -x[1])
+
+
+def _outside_attention(lines: list[tuple[str, float, dict[str, float]]]) -> float:
+    """The share of the memory-bound time on lines that are not a hand-written attention's:
+    a softmax's line and the lines just around it in the same file (its scale, mask, cast)."""
+    softmax = [loc.rpartition(":") for loc, _, kinds in lines if kinds.get("softmax")]
+    near = {(path, int(number) + d) for path, _, number in softmax if number.isdigit()
+            for d in range(-ATTENTION_SPAN, ATTENTION_SPAN + 1)}
+    total = sum(ms for _, ms, _ in lines)
+    outside = 0.0
+    for loc, ms, _ in lines:
+        path, _, number = loc.rpartition(":")
+        if not number.isdigit() or (path, int(number)) not in near:
+            outside += ms
+    return outside / total if total else 0.0
+
+
+def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[str, float]]]
+                ) -> str:
+    """Fixes for what the memory-bound time is: a softmax beside matmuls with no fused
+    attention is attention written by hand; norms and chains of elementwise ops fuse under
+    torch.compile; an optimizer's per-parameter kernels fuse with foreach/fused."""
+    named = ", ".join(
+        f"{loc} {ms:.2f} ms ({'/'.join(sorted(k for k in kinds if k in MEMORY_BOUND_KINDS))})"
+        for loc, ms, kinds in lines[:3])
+    fixes = []
+    if by_kind.get("softmax", 0.0) > 0 and not by_kind.get("attention"):
+        fixes.append("attention written as matmul, scale, mask, softmax, matmul materialises "
+                      "the B x H x T x T scores several times: call "
+                      "torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                      "is_causal=...), which runs a fused (Flash) kernel")
+    if _outside_attention(lines) >= OTHER_MEMORY_SHARE:
+        fixes.append("norms, activations, casts and residual adds each read and write the whole "
+                     "tensor: torch.compile fuses such chains into one kernel")
+    total = sum(by_kind.values())
+    if total and by_kind.get("optimizer", 0.0) / total >= OPTIMIZER_SHARE:
+        fixes.append("the optimizer's per-parameter kernels: torch.optim.AdamW(..., "
+                     "fused=True) (or foreach=True)")
+    where = f"Lines owning them: {named}. " if named else ""
+    advice = "; ".join(fixes)
+    return f"{where}{advice[:1].upper()}{advice[1:]}." if fixes else where
+
+
+@rule(
+    "GD304", "memory-bound-kernels", concern="compute",
+    summary="The busy GPU spends most of its kernel time in memory-bound kernels, not matmuls.",
+    why=("Softmax, normalisation, activations, casts and residual adds do a few operations per "
+         "element read and written: their time is memory bandwidth, and a step made of them "
+         "runs far below the GPU's matmul rate however busy it looks. A hand-written "
+         "attention block at long sequence lengths spends most of its time on the "
+         "B x H x T x T scores; fused kernels (FlashAttention, torch.compile's fusions) keep "
+         "such intermediates on chip."),
+    fix=("Use fused kernels: F.scaled_dot_product_attention for attention, torch.compile for "
+         "chains of norms and elementwise ops, fused=True/foreach=True optimizers."),
+    thresholds=MEMORY_THRESHOLDS,
+    references=("https://pytorch.org/docs/stable/generated/"
+                "torch.nn.functional.scaled_dot_product_attention.html",),
+)
+def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
+    """On a GPU busy at least 75% of the step, memory-bound kernels (softmax, norm,
+    elementwise, reduction: gpudiag/measure/evidence/kinds.py) hold at least half the kernel
+    time; priced as their share of the step: what removing them would save, nothing else
+    changed (a fused attention kernel also skips masked matmul work, and may win more)."""
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        by_kind = ev.device_ms_by_kind
+        total = sum(by_kind.values())
+        idle = ev.idle_fraction
+        if ev.backend != "cuda" or total <= 0 or idle is None or idle > MEMORY_MAX_IDLE:
+            continue
+        memory = sum(v for k, v in by_kind.items() if k in MEMORY_BOUND_KINDS)
+        share = memory / total
+        if share < MEMORY_WARNING:
+            continue
+        lines = _memory_lines(stage)
+        step_share = share * (1 - idle)
+        matmul = by_kind.get("matmul", 0.0) / total
+        top = f"; most at {lines[0][0]} ({lines[0][1]:.2f} ms/step)" if lines else ""
+        kinds = ", ".join(f"{k} {pct(v / total)}" for k, v in
+                          sorted(by_kind.items(), key=lambda kv: -kv[1])
+                          if k in MEMORY_BOUND_KINDS and v / total >= 0.05)
+        yield Draft(
+            severity=severity_for(share, warning=MEMORY_WARNING, critical=MEMORY_CRITICAL),
+            stage=stage.name,
+            title=(f"Memory-bound kernels take {pct(share)} of the kernel time ({kinds}), "
+                   f"matmuls {pct(matmul)}, with the GPU busy {pct(1 - idle)} of the step"
+                   f"{top}"),
+            location=lines[0][0] if lines else None, impact=min(1.0, step_share),
+            evidence={"memory_bound_share": round(share, 3), "matmul_share": round(matmul, 3),
+                      "device_ms_by_kind": {k: round(v, 3) for k, v in by_kind.items()},
+                      "idle_fraction": round(idle, 3),
+                      "lines": {loc: {"memory_bound_ms": round(ms, 3),
+                                      "ms_by_kind": {k: round(v, 3) for k, v in kinds_.items()}}
+                                for loc, ms, kinds_ in lines[:5]}},
+            fix=_memory_fix(by_kind, lines))

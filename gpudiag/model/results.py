@@ -160,6 +160,14 @@ class SourceLine:
     via: str | None = None
 
 
+# What device time is spent on (gpudiag/measure/evidence/kinds.py). The memory-bound kinds
+# move every element through memory for a few operations each: their time is bandwidth, and
+# fusing them (with each other, or into a matmul's epilogue or fused attention) removes it.
+DeviceKind = Literal["matmul", "attention", "softmax", "norm", "elementwise", "reduction",
+                     "optimizer", "collective", "other"]
+MEMORY_BOUND_KINDS: frozenset[str] = frozenset({"softmax", "norm", "elementwise", "reduction"})
+
+
 @dataclass
 class LineCount:
     """What one source line did per profiled step, compactly, for every line (not only the
@@ -173,6 +181,7 @@ class LineCount:
     copies: float = 0.0
     device_ms: float = 0.0
     sync_idle_ms: float = 0.0
+    kind_ms: dict[str, float] = field(default_factory=dict)  # device (CPU: operator) ms by kind
 
 
 @dataclass
@@ -194,6 +203,8 @@ class Evidence:
     # Device idle right after syncs (until the host's next work starts): what syncs cost.
     sync_idle_ms_per_step: float = 0.0
     matmul_ms_by_dtype: dict[str, float] = field(default_factory=dict)  # "fp32": ms per step
+    # Kernel time (on a CPU, top-level operators' host time) per step, by DeviceKind.
+    device_ms_by_kind: dict[str, float] = field(default_factory=dict)
     device_ms_per_step: float = 0.0  # kernel time, summed over kernels
     empty_cache_per_step: float = 0.0  # cudaFree calls: the caching allocator giving back
     empty_cache_ms_per_step: float = 0.0

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
 from gpudiag.measure.evidence.source import in_loop, parse_annotation
 from gpudiag.model.results import Evidence, LineCount, SourceLine
 
@@ -46,6 +47,7 @@ COLLECTIVE_WORK = re.compile(r"^(gloo|ucc|mpi):")
 # Gradient reduction alone (DDP also broadcasts buffers in some forwards: not a reduction).
 ALLREDUCE_OP = re.compile(r"^c10d::all_?reduce")
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+OPTIMIZER_RANGE = "Optimizer.step#"  # torch.optim's record_function around each step()
 _MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
 
 
@@ -63,6 +65,7 @@ class _Line:
     device_us: float = 0.0
     kernel_us: list[float] = field(default_factory=list)
     vias: Counter[str] = field(default_factory=Counter)  # library frame -> calls through it
+    kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
 def _end(e: dict[str, Any]) -> float:
@@ -191,6 +194,7 @@ class _Window:
     backward_nodes: list[dict[str, Any]]
     matmuls: list[dict[str, Any]]
     steps: list[tuple[float, float]] = field(default_factory=list)  # each profiled step's span
+    optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
     lines: dict[str, _Line] = field(default_factory=dict)
 
     def line_of(self, e: dict[str, Any]) -> dict[str, Any] | None:
@@ -232,8 +236,11 @@ def _select(events: list[dict[str, Any]]) -> _Window:
         device=by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"],
         backward_nodes=[o for o in ops if o["name"].startswith(BACKWARD_PREFIX)],
         matmuls=[o for o in ops if o["name"] in MATMUL_OPS],
-        steps=sorted((float(r["ts"]), _end(r)) for r in steps_ranges))
+        steps=sorted((float(r["ts"]), _end(r)) for r in steps_ranges),
+        optimizer_steps=[a for a in by_cat["user_annotation"]
+                         if a["name"].startswith(OPTIMIZER_RANGE)])
     _enclosing(host, window.annotations, "_line")
+    _enclosing(host, window.optimizer_steps, "_optimizer")
     _enclosing(host, window.backward_nodes, "_backward")
     _enclosing(runtime, window.matmuls, "_matmul")
     _link_backward(events, ops, window.backward_nodes, window.annotations)
@@ -326,19 +333,25 @@ class _Device:
     step_kernel_us: list[float] = field(default_factory=list)  # per profiled step
     matmul_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     kernel_time: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
 def _count_kernel(counts: _Device, kernel: dict[str, Any], launcher: dict[str, Any] | None,
-                  owner: dict[str, Any] | None, step: int | None) -> None:
+                  owner: dict[str, Any] | None, step: int | None) -> str:
+    """Count a kernel; its kind (gpudiag/measure/evidence/kinds.py)."""
     dur = float(kernel.get("dur", 0.0))
     counts.kernels += 1
     counts.kernel_us += dur
     counts.short += dur < SHORT_KERNEL_US
     counts.kernel_time[kernel["name"]] += dur
+    kind = kernel_kind(kernel["name"],
+                       in_optimizer=launcher is not None and "_optimizer" in launcher)
+    counts.kind_us[kind] += dur
     if launcher is not None and "_matmul" in launcher:
         counts.matmul_us[_dtype(owner)] += dur
     if step is not None:
         counts.step_kernel_us[step] += dur
+    return kind
 
 
 def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
@@ -348,8 +361,9 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
         cat, dur = d.get("cat"), float(d.get("dur", 0.0))
         launcher = runtime.by_correlation.get(d.get("args", {}).get("correlation"))
         owner = w.line_of(launcher) if launcher is not None else None
+        work = None  # a kernel's kind
         if cat == "kernel":
-            _count_kernel(counts, d, launcher, owner, step_of(launcher))
+            work = _count_kernel(counts, d, launcher, owner, step_of(launcher))
         elif cat == "gpu_memcpy":
             kind = memcpy_kind(d["name"])
             counts.memcpy[kind] += 1
@@ -358,16 +372,28 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
         if owner is not None:
             line = w.stats(owner)
             line.device_us += dur
-            if cat == "kernel":
+            if work is not None:
                 line.kernels += 1
                 line.kernel_us.append(dur)
+                line.kind_us[work] += dur
             elif cat == "gpu_memcpy":
                 line.memcpys += 1
     if backend != "cuda":
-        # No kernels: matmul work is the host time of the outermost matmul operators.
-        for o in _top_level(w.matmuls):
-            counts.matmul_us[_dtype(w.line_of(o))] += float(o.get("dur", 0.0))
+        _count_operators(w, counts)
     return counts
+
+
+def _count_operators(w: _Window, counts: _Device) -> None:
+    """Without kernels: matmul work is the host time of the outermost matmul operators, and
+    each top-level operator's host time is its kind's."""
+    for o in _top_level(w.matmuls):
+        counts.matmul_us[_dtype(w.line_of(o))] += float(o.get("dur", 0.0))
+    for o in _top_level(w.ops):
+        kind, dur = op_kind(o["name"], in_optimizer="_optimizer" in o), float(o["dur"])
+        counts.kind_us[kind] += dur
+        owner = w.line_of(o)
+        if owner is not None:
+            w.stats(owner).kind_us[kind] += dur
 
 
 def _step_finder(steps: list[tuple[float, float]],
@@ -392,7 +418,9 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
                    kernels=line.kernels * per, syncs=line.syncs * per,
                    copies=line.memcpys * per, device_ms=line.device_us * per / 1e3,
                    sync_idle_ms=_idle_after(runtime.line_sync_ends[line.location],
-                                            w.device) * per / 1e3)
+                                            w.device) * per / 1e3,
+                   kind_ms={k: round(v * per / 1e3, 4) for k, v in sorted(line.kind_us.items())
+                            if v > 0})
          for line in w.lines.values()),
         key=lambda c: c.location)
 
@@ -444,6 +472,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         sync_ms_per_step=runtime.sync_us * per / 1e3,
         sync_idle_ms_per_step=_idle_after(runtime.sync_ends, w.device) * per / 1e3,
         matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(device.matmul_us.items())},
+        device_ms_by_kind={k: v * per / 1e3 for k, v in sorted(device.kind_us.items())},
         device_ms_per_step=device.kernel_us * per / 1e3,
         empty_cache_per_step=runtime.empty_cache * per,
         empty_cache_ms_per_step=runtime.free_us * per / 1e3,
