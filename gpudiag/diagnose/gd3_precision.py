@@ -171,6 +171,7 @@ MEMORY_WARNING, MEMORY_CRITICAL = 0.50, 0.75  # of the step's kernel time
 MEMORY_MAX_IDLE = 0.25  # idler than this, the host sets the pace (GD102), not the kernels
 OPTIMIZER_SHARE = 0.15  # an unfused optimizer this large is worth its own advice
 OTHER_MEMORY_SHARE = 0.25  # memory-bound time outside attention this large: fusion advice
+KIND_NAMED_SHARE = 0.05  # a memory-bound kind named in the title from this share
 ATTENTION_SPAN = 6  # lines around a softmax that are its attention's (scale, mask, cast)
 MEMORY_THRESHOLDS = (
     Threshold("warning_share", MEMORY_WARNING,
@@ -184,6 +185,8 @@ MEMORY_THRESHOLDS = (
     Threshold("other_memory_share", OTHER_MEMORY_SHARE,
               "of the memory-bound time, outside a hand-written attention: torch.compile "
               "advice"),
+    Threshold("kind_named_share", KIND_NAMED_SHARE,
+              "a memory-bound kind is named in the title from this share of kernel time"),
     Threshold("attention_span", ATTENTION_SPAN,
               "lines either side of a softmax taken as its attention's (scale, mask, cast)"),
 )
@@ -282,7 +285,7 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
         top = f"; most at {lines[0][0]} ({lines[0][1]:.2f} ms/step)" if lines else ""
         kinds = ", ".join(f"{k} {pct(v / total)}" for k, v in
                           sorted(by_kind.items(), key=lambda kv: -kv[1])
-                          if k in MEMORY_BOUND_KINDS and v / total >= 0.05)
+                          if k in MEMORY_BOUND_KINDS and v / total >= KIND_NAMED_SHARE)
         yield Draft(
             severity=severity_for(share, warning=MEMORY_WARNING, critical=MEMORY_CRITICAL),
             stage=stage.name,

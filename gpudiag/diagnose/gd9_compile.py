@@ -22,6 +22,8 @@ RECOMPILE_THRESHOLDS = (
               "recompilations of one function: a single one (a last, smaller batch) is routine"),
     Threshold("warning_share", WARNING_SHARE, "share of the run's wall time spent recompiling"),
     Threshold("critical_share", CRITICAL_SHARE, "recompiling takes a fifth of the run"),
+    Threshold("max_reasons", MAX_REASONS, "distinct recompile reasons listed, most frequent "
+              "first"),
 )
 
 
