@@ -6,10 +6,14 @@ and line), and a script that never compiles."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.results import RunResult, load_run
@@ -133,3 +137,50 @@ def test_a_script_that_never_compiles_has_no_compile_facts(tmp_path: Path) -> No
     script = run.stages[0].facts.script
     assert script is not None and script.compiles is None
     assert not [f for f in run.findings if f.id.startswith("GD9")]
+
+
+COMPILED_MODEL = """
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+    @torch.compile
+    def loss_of(x):
+        h = model(x)
+        scaled = torch.tanh(h) * 0.5 + h.sigmoid()
+        return scaled.square().mean()
+
+
+    for step in range(40):
+        loss_of(torch.randn(32, 64)).backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="Inductor on a CPU compiles C++: no compiler here")
+def test_compiled_kernels_are_charged_to_the_lines_they_fused(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(COMPILED_MODEL))
+    out = tmp_path / "run"
+    # A cache of its own: Inductor's cached graphs keep the provenance (the source paths) of
+    # the run that compiled them.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--compile-lines",
+                           "--out", str(out), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=900,
+                          check=False, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    evidence = load_run(out).stages[0].evidence
+    assert evidence is not None and evidence.attribution_note is not None
+    assert "charged to the source lines of the operators they fused" in \
+        evidence.attribution_note
+    timed = {c.location: c for c in evidence.line_counts if c.device_ms > 0}
+    fused = _line(script, "scaled = torch.tanh(h)")
+    assert fused in timed, sorted(timed)
+    assert timed[fused].kind_ms  # its kernels' time, by kind

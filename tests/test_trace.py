@@ -640,3 +640,13 @@ def test_kernel_time_is_split_by_kind_and_line() -> None:
     by_line = {c.location: c.kind_ms for c in ev.line_counts}
     assert by_line["attn.py:30"] == pytest.approx({"matmul": 0.030, "softmax": 0.050})
     assert by_line["attn.py:31"] == pytest.approx({"elementwise": 0.020})
+
+
+def test_collective_calls_are_counted_by_kind_fsdp_and_ddp_alike() -> None:
+    events = [op("c10d::_allgather_base_", 0, 10), op("c10d::_allgather_base_", 20, 10),
+              op("c10d::_reduce_scatter_base_", 40, 10), op("c10d::allreduce_", 60, 10),
+              op("_c10d_functional::all_gather_into_tensor", 80, 10)]
+    ev = run(events, backend="cpu")
+    assert ev.collective_calls_per_step == 5
+    assert ev.collective_calls_by_kind == {"all_gather": 3, "reduce_scatter": 1,
+                                           "all_reduce": 1}

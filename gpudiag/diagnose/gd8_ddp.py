@@ -211,6 +211,7 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
             evidence={"microsteps_per_step": ev.microsteps_per_step,
                       "reducing_microsteps_per_step": rounds,
                       "collective_calls_per_step": ev.collective_calls_per_step,
+                      "collective_calls_by_kind": ev.collective_calls_by_kind,
                       "wasted_transfer_ms_per_step": None if wasted is None
                       else round(wasted, 2),
                       "no_sync": None if info is None else info.no_sync},
@@ -269,6 +270,14 @@ class _Job:
 
     def waits(self) -> dict[int, float]:
         return {r.rank: round(r.held_ms - self.comm_ms, 2) for r in self.ranks}
+
+
+def _sharded_calls(ev: Evidence) -> tuple[float, float] | None:
+    """(all-gathers, reduce-scatters) per step when they outnumber all-reduces: a sharded
+    job (FSDP, ZeRO), whose remedies are not DDP's."""
+    by_kind = ev.collective_calls_by_kind
+    gathers, scatters = by_kind.get("all_gather", 0.0), by_kind.get("reduce_scatter", 0.0)
+    return (gathers, scatters) if gathers + scatters > by_kind.get("all_reduce", 0.0) else None
 
 
 def _profiled_jobs(run: RunResult) -> dict[str, _Job]:
@@ -384,7 +393,7 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
 
 @rule(
     "GD803", "collective-bound-step", concern="ddp",
-    summary="A profiled DDP job whose steps wait on the gradient all-reduce.",
+    summary="A profiled DDP or FSDP job whose steps wait on its collectives.",
     why=("Without a single-device baseline (a profiled script), the ranks' own profiler windows "
          "still show how long the all-reduce holds each step with nothing else on the device. "
          "The rank that holds it least is the last to arrive: its time is the transfer, the "
@@ -392,7 +401,8 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
          "the bandwidth the link reached against its measured bandwidth say whether the job "
          "is communication-bound and which remedy fits."),
     fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
-         "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables)."),
+         "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables). "
+         "FSDP: prefetch all-gathers, reshard_after_forward=False, fewer larger units."),
     thresholds=(Threshold("share", COMM_BOUND_SHARE,
                           "exposed collective time over the timed step: warning"),
                 Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),
@@ -435,11 +445,28 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
         measured = ("with nothing else on the GPU" if lead.evidence.backend == "cuda" else
                     "by gloo's work time")
         ev = lead.evidence
+        what = "the all-reduce holds"
+        sharded = _sharded_calls(ev)
+        if sharded is not None:
+            gathers, scatters = sharded
+            what = (f"FSDP's all-gathers and reduce-scatters ({gathers:.0f} and {scatters:.0f} "
+                    "per step) hold")
+            cure = (f"Raise the per-device batch{now}; overlap each unit's all-gather with the "
+                    "previous unit's compute (model.layers[i].set_modules_to_forward_prefetch(["
+                    "model.layers[i + 1]]), and set_modules_to_backward_prefetch); keep "
+                    "parameters gathered from forward to backward (fully_shard(..., "
+                    "reshard_after_forward=False): one all-gather fewer per unit, for its "
+                    "memory); shard fewer, larger units (fully_shard each transformer block, "
+                    f"not each layer: {gathers:.0f} all-gathers per step now)."
+                    + (" The link runs near its measured bandwidth: a faster interconnect "
+                       "(NVLink, InfiniBand) or fewer bytes (bf16 parameters and gradients: "
+                       "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+                       "torch.bfloat16, reduce_dtype=torch.bfloat16)))." if link_bound else ""))
         yield Draft(
             severity=severity_for(job.share, warning=COMM_BOUND_SHARE,
                                   critical=COMM_CRITICAL_SHARE),
             stage=lead.stage.name,
-            title=(f"Communication-bound: the all-reduce holds {job.share:.0%} of each step "
+            title=(f"Communication-bound: {what} {job.share:.0%} of each step "
                    f"({job.comm_ms:.1f} of {step:.1f} ms) {measured}; perfect overlap would "
                    f"bring the step to no less than {without:.1f} ms"),
             evidence={"exposed_share": round(job.share, 3),
@@ -451,6 +478,7 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                       if ev.collective_overlap_fraction is None
                       else round(ev.collective_overlap_fraction, 3),
                       "collective_calls_per_step": ev.collective_calls_per_step,
+                      "collective_calls_by_kind": ev.collective_calls_by_kind,
                       "rank_waits_ms_per_step": job.waits(),
                       "samples_per_step": lead.stage.samples_per_step, **facts},
             impact=job.share,

@@ -167,6 +167,7 @@ class ProfileConfig:
     evidence_steps: int = 3
     telemetry: ProfileTelemetry = "full"
     host_sample_hz: float = HOST_SAMPLE_HZ  # the training thread's stack; 0: not sampled
+    compile_lines: bool = False  # Inductor's provenance on: compiled kernels by source line
     stop_after_window: bool = False  # end the script once its window has closed
     # --try-fixes: remedies applied in the script (gpudiag.model.remedies names), the first
     # backward() losses to record, and a seed set before the script runs (its own wins).

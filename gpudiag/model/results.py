@@ -216,6 +216,8 @@ class Evidence:
     collective_ms_per_step: float = 0.0
     collective_wall_ms_per_step: float = 0.0  # the union of those intervals
     collective_calls_per_step: float = 0.0  # c10d collective calls (a DDP bucket each)
+    # Those calls by kind: "all_reduce" (DDP), "all_gather" and "reduce_scatter" (FSDP), ...
+    collective_calls_by_kind: dict[str, float] = field(default_factory=dict)
     collective_overlap_fraction: float | None = None  # share of the union beside other work
     collective_exposed_ms_per_step: float | None = None  # the union minus other device work
     compute_busy_ms_per_step: float | None = None  # union of non-collective device work

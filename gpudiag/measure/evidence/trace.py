@@ -42,11 +42,15 @@ STEP_RANGE = "gpudiag.step"  # the capture names each profiled step so
 MICROSTEP_RANGE = "gpudiag.microstep"  # a gradient-accumulation micro-step, where marked
 # Collectives: c10d ops on the calling thread (one per DDP bucket), and the process group's
 # own work ranges on its thread (gloo/ucc/mpi on CPUs; NCCL's work is its kernels).
-COLLECTIVE_OP = re.compile(r"^c10d::(all_?reduce|allgather|reduce_scatter|broadcast|all_to_all)")
+# FSDP2 issues the base variants (c10d::_allgather_base_, _reduce_scatter_base_) and, compiled,
+# functional collectives (_c10d_functional::all_gather_into_tensor).
+COLLECTIVE_OP = re.compile(r"^(c10d|_c10d_functional)::_?(?P<kind>all_?reduce|all_?gather|"
+                           r"reduce_scatter|broadcast|all_to_all)")
 COLLECTIVE_WORK = re.compile(r"^(gloo|ucc|mpi):")
 # Gradient reduction alone (DDP also broadcasts buffers in some forwards: not a reduction).
 ALLREDUCE_OP = re.compile(r"^c10d::all_?reduce")
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_GRAPH_PREFIX = re.compile(r"^graph_\d+_")  # Inductor's C++ kernels' profiled names
 OPTIMIZER_RANGE = "Optimizer.step#"  # torch.optim's record_function around each step()
 _MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
 
@@ -195,6 +199,8 @@ class _Window:
     matmuls: list[dict[str, Any]]
     steps: list[tuple[float, float]] = field(default_factory=list)  # each profiled step's span
     optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
+    # Compiled kernels' source lines (Inductor's provenance), for work no annotation encloses.
+    kernel_lines: dict[str, list[str]] = field(default_factory=dict)
     lines: dict[str, _Line] = field(default_factory=dict)
 
     def line_of(self, e: dict[str, Any]) -> dict[str, Any] | None:
@@ -205,6 +211,15 @@ class _Window:
         if node is not None and node.get("_forward_line") is not None:
             return node["_forward_line"]
         return e.get("_line")
+
+    def compiled_lines(self, name: str) -> list[_Line]:
+        """The lines a compiled kernel (or, on a CPU, its profiled C++ kernel:
+        `graph_0_cpp_fused_...`) was fused from, if known."""
+        locations = self.kernel_lines.get(name) or self.kernel_lines.get(
+            _GRAPH_PREFIX.sub("", name)) or []
+        for location in locations:
+            self.lines.setdefault(location, _Line(location, ""))
+        return [self.lines[location] for location in locations]
 
     def stats(self, annotation_event: dict[str, Any]) -> _Line:
         site = parse_annotation(annotation_event["name"])
@@ -378,6 +393,8 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
                 line.kind_us[work] += dur
             elif cat == "gpu_memcpy":
                 line.memcpys += 1
+        elif work is not None:
+            _charge_compiled(w.compiled_lines(d["name"]), dur, work)
     if backend != "cuda":
         _count_operators(w, counts)
     return counts
@@ -388,12 +405,25 @@ def _count_operators(w: _Window, counts: _Device) -> None:
     each top-level operator's host time is its kind's."""
     for o in _top_level(w.matmuls):
         counts.matmul_us[_dtype(w.line_of(o))] += float(o.get("dur", 0.0))
+    for o in w.ops:
+        compiled = w.compiled_lines(o["name"]) if w.kernel_lines else []
+        if compiled:  # a compiled C++ kernel, nested in the compiled graph's call
+            _charge_compiled(compiled, float(o["dur"]), op_kind(o["name"]))
     for o in _top_level(w.ops):
         kind, dur = op_kind(o["name"], in_optimizer="_optimizer" in o), float(o["dur"])
         counts.kind_us[kind] += dur
         owner = w.line_of(o)
         if owner is not None:
             w.stats(owner).kind_us[kind] += dur
+
+
+def _charge_compiled(lines: list[_Line], dur: float, kind: str) -> None:
+    """A fused kernel's time, split evenly between the lines whose operators it fused."""
+    for line in lines:
+        line.kernels += 1
+        line.device_us += dur / len(lines)
+        line.kernel_us.append(dur / len(lines))
+        line.kind_us[kind] += dur / len(lines)
 
 
 def _step_finder(steps: list[tuple[float, float]],
@@ -448,9 +478,12 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> 
 
 
 def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend: str,
-            timed_step_ms: float | None = None) -> Evidence:
-    """Per-step evidence from the trace events of `steps` profiled steps."""
+            timed_step_ms: float | None = None,
+            kernel_lines: dict[str, list[str]] | None = None) -> Evidence:
+    """Per-step evidence from the trace events of `steps` profiled steps; `kernel_lines`:
+    compiled kernels' source lines, for kernels no source annotation launched."""
     w = _select(events)
+    w.kernel_lines = kernel_lines or {}
     top_ops, cpu_syncs = _count_host(w, backend)
     runtime = _count_runtime(w)
     device = _count_device(w, runtime, backend)
@@ -485,6 +518,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         collective_ms_per_step=coll.raw_us * per / 1e3,
         collective_wall_ms_per_step=coll.wall_us * per / 1e3,
         collective_calls_per_step=coll.calls * per,
+        collective_calls_by_kind={k: v * per for k, v in coll.by_kind.items()},
         collective_overlap_fraction=coll.overlap,
         collective_exposed_ms_per_step=(None if coll.exposed_us is None
                                         else coll.exposed_us * per / 1e3),
@@ -531,6 +565,7 @@ def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
 @dataclass
 class _Collectives:
     calls: int
+    by_kind: dict[str, int]  # "all_reduce", "all_gather", "reduce_scatter", ... -> calls
     raw_us: float  # NCCL kernel durations summed (GPU) or gloo work ranges summed (CPU)
     wall_us: float  # their union, clipped to the window
     exposed_us: float | None  # the union's part with no compute beside it (GPU only)
@@ -581,11 +616,19 @@ def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
     for m in micro:
         i = bisect.bisect_left(reductions, float(m["ts"]))
         reduced += i < len(reductions) and reductions[i] <= _end(m)
+    kinds = Counter(_collective_kind(o["name"]) for o in calls)
     return _Collectives(
-        calls=len(calls), raw_us=sum(float(c.get("dur", 0.0)) for c in comm),
+        calls=len(calls), by_kind=dict(sorted(kinds.items())),
+        raw_us=sum(float(c.get("dur", 0.0)) for c in comm),
         wall_us=_length(wall), exposed_us=exposed, compute_us=compute_us,
         window_us=max(0.0, window[1] - window[0]), microsteps=len(micro),
         microsteps_reduced=reduced)
+
+
+def _collective_kind(name: str) -> str:
+    found = COLLECTIVE_OP.match(name)
+    kind = found["kind"] if found else "other"
+    return {"allreduce": "all_reduce", "allgather": "all_gather"}.get(kind, kind)
 
 
 def _blocking(comm: list[tuple[float, float]], busy: list[tuple[float, float]],

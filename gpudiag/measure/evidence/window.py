@@ -94,14 +94,15 @@ class ProfilerWindow:
             events: list[dict[str, Any]] = json.loads(path.read_text()).get("traceEvents", [])
         return events
 
-    def evidence(self, events: list[dict[str, Any]],
-                 timed_step_ms: float | None) -> Evidence | None:
-        """The window's evidence, against the timed steps' pace; None without a closed step."""
+    def evidence(self, events: list[dict[str, Any]], timed_step_ms: float | None,
+                 kernel_lines: dict[str, list[str]] | None = None) -> Evidence | None:
+        """The window's evidence, against the timed steps' pace; None without a closed step.
+        `kernel_lines`: compiled kernels' source lines (gpudiag/measure/profile/compiles.py)."""
         if not self.step_ms:
             return None
         return analyze(events, steps=len(self.step_ms), step_ms=statistics.fmean(self.step_ms),
                        backend="cuda" if self.device.type == "cuda" else "cpu",
-                       timed_step_ms=timed_step_ms)
+                       timed_step_ms=timed_step_ms, kernel_lines=kernel_lines)
 
 
 def capture_trace(step: Callable[[], object], *, device: torch.device,

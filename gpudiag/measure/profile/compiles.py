@@ -14,13 +14,14 @@ compilation, in step 0, then has no call site but the compiled function's place)
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpudiag.measure.evidence.source import call_site, display_path
+from gpudiag.measure.evidence.source import call_site, display_path, frame_role
 from gpudiag.model.facts import CompileEvent, CompileFacts
 
 MAX_EVENTS = 200  # compilations listed in run.json; Dynamo itself keeps the last 64
@@ -151,3 +152,38 @@ def _reason(text: str | None) -> str | None:
             detail = line.removeprefix("Explanation:").strip().split(". ")[0].rstrip(".")
             return f"{headline}: {detail}" if detail else headline
     return headline
+
+
+# A frame of a stack trace, as Python's traceback module writes it.
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+_HANDLE = re.compile(r":\d+$")  # Inductor's debug handle after a kernel's name
+
+
+def kernel_lines() -> dict[str, list[str]]:
+    """Kernel name -> the user's source lines ("path:line") of the operators Inductor fused
+    into it, from the compilations' provenance (recorded when Inductor's provenance tracking
+    is on: `gpudiag profile --compile-lines`); empty otherwise."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return {}
+    found: dict[str, list[str]] = {}
+    for metrics in dynamo.utils.get_compilation_metrics():
+        for blob in getattr(metrics, "inductor_provenance", None) or ():
+            try:
+                mapping = json.loads(blob)
+            except (TypeError, ValueError):
+                continue
+            for kernel, stacks in mapping.items():
+                lines = [line for stack in stacks if (line := _users_line(str(stack)))]
+                if lines:
+                    name = _HANDLE.sub("", kernel)
+                    found[name] = list(dict.fromkeys(found.get(name, []) + lines))
+    return found
+
+
+def _users_line(stack: str) -> str | None:
+    """The innermost frame of the user's own code in one stack trace."""
+    for frame in reversed(list(_FRAME.finditer(stack))):
+        if frame_role(frame["path"]) == "user":
+            return f"{display_path(frame['path'])}:{frame['line']}"
+    return None

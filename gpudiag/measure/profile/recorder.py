@@ -39,7 +39,7 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
-from gpudiag.measure.profile.compiles import CompileWatch
+from gpudiag.measure.profile.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.protocol import (
     ENV_OUT,
@@ -239,13 +239,19 @@ class Recorder:
             return
         self.compile_counts = _compile_counts()
         timed = self._step_ms()[self.warmup:self.warmup + self.timed]
+        compiled_lines = kernel_lines() if not self.window.annotate else {}
         self.evidence = self.window.evidence(
-            events, TimingStats.of(timed).p25_ms if timed else None)
+            events, TimingStats.of(timed).p25_ms if timed else None, compiled_lines)
         if self.evidence is not None and not self.window.annotate:
             self.evidence.attribution_note = (
+                "the script runs torch.compile'd code: Inductor's fused kernels are charged "
+                "to the source lines of the operators they fused (its provenance, "
+                "--compile-lines); its other device work (library matmuls) and the eager "
+                "code's are not charged to lines" if compiled_lines else
                 "the script runs torch.compile'd code: device work is not charged to source "
                 "lines (gpudiag's per-call annotation would make Dynamo recompile and break "
-                "the graph); counts and times per step are exact")
+                "the graph; `gpudiag profile --compile-lines` charges compiled kernels to "
+                "lines); counts and times per step are exact")
         if self.trace_dir is not None and self.evidence is not None:
             save_trace(events, self.trace_dir / f"profile-{_stage_name()}.json.gz")
 

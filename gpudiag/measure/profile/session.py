@@ -61,6 +61,12 @@ def child_env(parts: Path, out: Path, config: ProfileConfig) -> dict[str, str]:
     # Absolute: a script that changes directory (Hydra's job.chdir) must still find them.
     env.update({protocol.ENV_OUT: str(parts.resolve()), protocol.ENV_PARENT: str(os.getpid()),
                 protocol.ENV_TRACE_DIR: str(out.resolve())})
+    if config.compile_lines:
+        # Inductor records which source lines each fused kernel came from
+        # (torch._inductor.config.trace.provenance_tracking_level); the user's own setting wins.
+        env.setdefault("INDUCTOR_PROVENANCE", "1")
+        # ... and, on a CPU, its C++ kernels show in the profiler under their own names.
+        env.setdefault("TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE", "1")
     return env
 
 
