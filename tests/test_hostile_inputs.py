@@ -167,7 +167,7 @@ RUN_CASES = [
          "exists and is not a directory"),
     Case("run-out-not-empty", ["run", *TINY, "--out", "{ws}/mine"], "not empty; pass --force"),
     Case("run-out-foreign-with-force", ["run", *TINY, "--out", "{ws}/mine", "--force"],
-         "holds files gpudiag did not write"),
+         "not a directory gpudiag made for a run"),
     Case("run-out-earlier-run-no-force", ["run", *TINY, "--out", A], "not empty; pass --force"),
     Case("run-out-under-a-file", ["run", *TINY, "--out", "{ws}/notes.txt/sub"],
          "cannot create it"),
@@ -412,3 +412,27 @@ def test_saving_the_same_baseline_again_is_fine(tmp_path: Path) -> None:
                                  "--dir", str(ws / "bl"), "--force"])
     assert forced.exit_code == 0, forced.output
     assert (ws / "bl" / "main.json").read_bytes() == (ws / "bl" / "new.json").read_bytes()
+
+
+@pytest.mark.parametrize("setup", ["users-run-json", "marked-with-users-files"])
+def test_force_never_deletes_a_directory_holding_the_users_files(
+        tmp_path: Path, setup: str) -> None:
+    """--force on a project directory that has its own run.json and src/ (or a marked run
+    directory the user put files into): refused in one line, every file left as it was."""
+    from gpudiag.present.files import RUN_MARKER
+
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "run.json").write_text('{"mine": true}')
+    (proj / "src" / "train.py").write_text("print('mine')\n")
+    if setup == "marked-with-users-files":
+        (proj / RUN_MARKER).write_text("made by gpudiag\n")
+    before = {p.relative_to(proj): p.read_bytes() for p in proj.rglob("*") if p.is_file()}
+    for command in (["run", *TINY], ["profile", "--", sys.executable, "-c", "pass"]):
+        result = runner.invoke(app, [*command[:1], "--out", str(proj), "--force",
+                                     *command[1:]])
+        assert result.exit_code == EXIT_BAD_INPUT, result.output
+        assert "not a directory gpudiag made for a run" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    after = {p.relative_to(proj): p.read_bytes() for p in proj.rglob("*") if p.is_file()}
+    assert after == before

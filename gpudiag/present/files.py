@@ -34,8 +34,23 @@ def default_run_dir(model: str, base: Path = DEFAULT_REPORTS) -> Path:
     return base / f"{stamp}-{safe}"
 
 
+# What gpudiag writes at the top of a run directory (run, profile, gate and their atomic
+# writes' temporaries): --force replaces a directory only when it holds nothing else.
+_OWN_ENTRIES = re.compile(r"(\.gpudiag-run|run\.json|report\.md|samples\.csv|trace\.json|"
+                          r"[\w.-]+\.png|parts|fixes|checkpoints|base|head|"
+                          r"profile-.+\.json\.gz|\.[^/]+\.tmp[^/]*)")
+
+
 def _is_run_dir(path: Path) -> bool:
     return (path / RUN_MARKER).is_file() or (path / RUN_FILE).is_file()
+
+
+def _not_gpudiags(path: Path) -> list[str]:
+    """Why `path` is not a run directory gpudiag may replace whole: no marker (a run.json of
+    the user's own is not one), or entries gpudiag never writes there (the user's files)."""
+    if not (path / RUN_MARKER).is_file():
+        return [f"no {RUN_MARKER} (gpudiag's mark on the directories it makes)"]
+    return sorted(e.name for e in path.iterdir() if not _OWN_ENTRIES.fullmatch(e.name))
 
 
 def _make_fresh(path: Path, *, unique: bool) -> Path:
@@ -77,9 +92,12 @@ def prepare_run_dir(out: Path | None, default: Path, *, force: bool = False) -> 
             if not force:
                 raise BadInput(f"--out {out}: not empty; pass --force to replace it whole, or "
                                "choose another directory")
-            if not _is_run_dir(out):
-                raise BadInput(f"--out {out}: holds files gpudiag did not write; --force "
-                               "replaces only a directory gpudiag made for a run")
+            foreign = _not_gpudiags(out)
+            if foreign:
+                shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                                 if len(foreign) > 3 else "")
+                raise BadInput(f"--out {out}: not a directory gpudiag made for a run ({shown}); "
+                               "--force replaces only those: choose another directory")
             _replace_run_dir(out)
         elif out.is_dir():  # empty: use it as it is
             return _mark(out)
