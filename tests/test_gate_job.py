@@ -134,3 +134,32 @@ def _env() -> dict[str, str]:
     import os
 
     return dict(os.environ)
+
+
+def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path) -> None:
+    """gate --base-ref's worktree is removed alone: a worktree of the user's whose directory
+    is missing at that moment (an unmounted drive, a moved folder) stays registered."""
+    from gpudiag.measure.gatejob import base_checkout
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    (repo / "a.txt").write_text("a\n")
+    subprocess.run([*git, "add", "a.txt"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], cwd=repo, check=True)
+    mine = tmp_path / "drive" / "feature"
+    subprocess.run([*git, "worktree", "add", "-q", "-b", "feature", str(mine)], cwd=repo,
+                   check=True)
+    (tmp_path / "drive").rename(tmp_path / "unmounted")  # its directory is gone for now
+
+    def listed() -> str:
+        return subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=repo,
+                              capture_output=True, text=True, check=True).stdout
+
+    with base_checkout("HEAD", repo) as base:
+        assert (base / "a.txt").read_text() == "a\n"
+    assert str(mine) in listed() and "gpudiag-base" not in listed()
+    (tmp_path / "unmounted").rename(tmp_path / "drive")
+    assert subprocess.run(["git", "status", "--short"], cwd=mine, check=False,
+                          capture_output=True).returncode == 0

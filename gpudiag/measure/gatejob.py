@@ -54,13 +54,19 @@ def base_checkout(ref: str, cwd: Path) -> Iterator[Path]:
                        "e.g. `git fetch origin main`)") from None
     tmp = Path(tempfile.mkdtemp(prefix="gpudiag-base-"))
     _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
+    # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up alone.
+    # `git worktree prune` would also drop the user's worktrees whose directory is missing
+    # at that moment (an unmounted drive, a moved folder).
+    admin: Path | None = None
     try:
+        admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
         yield tmp / "tree" / cwd.resolve().relative_to(top.resolve())
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=top,
                        capture_output=True, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=top, capture_output=True, check=False)
+        if admin is not None and admin.parent.name == "worktrees" and admin.is_dir():
+            shutil.rmtree(admin, ignore_errors=True)
 
 
 def side_env(root: Path) -> dict[str, str]:
