@@ -8,6 +8,7 @@ what a gate compares trial by trial.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from gpudiag.measure.interrupts import child_stopped, wait_child
+from gpudiag.measure.interrupts import Terminated, child_stopped, wait_child
+from gpudiag.model.errors import NothingMeasured
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
@@ -35,6 +37,7 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
     runs: list[RunResult] = []
     frames: list[pd.DataFrame] = []
     interrupted = False
+    last_stop: int | None = None
     for k in range(1, trials + 1):
         if on_trial is not None:
             on_trial(k, trials)
@@ -42,6 +45,7 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
         command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
                    "--out", str(trial_dir), "--quiet"]
         code, stopped_by = wait_child(subprocess.Popen(command))
+        last_stop = stopped_by
         if (trial_dir / "run.json").is_file():
             runs.append(load_run(trial_dir))
             samples = trial_dir / "samples.csv"
@@ -51,6 +55,9 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
             interrupted = True
             break
     if not runs:
-        raise RuntimeError("no trial produced a run.json")
+        if interrupted:  # stopped before any trial wrote its run: the CLI's 130 or 143
+            raise Terminated if last_stop == signal.SIGTERM else KeyboardInterrupt
+        raise NothingMeasured(f"none of the {trials} trials wrote a run.json (each trial's "
+                              f"error is above; their directories are in {out_dir})")
     return TrialsOutput(runs=runs, samples=pd.concat(frames) if frames else pd.DataFrame(),
                         interrupted=interrupted)

@@ -17,5 +17,11 @@ class GpudiagError(Exception):
     exit_code = EXIT_BAD_INPUT
 
 
+class NothingMeasured(GpudiagError):
+    """Every trial (or stage) ended without a result; what each said was printed above."""
+
+    exit_code = EXIT_NOTHING_MEASURED
+
+
 class BadInput(GpudiagError):
     """An unknown name, an impossible size, a device that is not there, an unusable path."""
