@@ -12,9 +12,19 @@ def write_text_atomic(path: Path, text: str) -> None:
     atomic within a file system: POSIX rename(2))."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; a report is as readable as any file the user writes
+        # (a team's shared folder, CI artifacts): 0666 less the umask, as open() would.
+        if hasattr(os, "fchmod"):  # POSIX
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable read of the umask sets it: put it back at once
+    os.umask(mask)
+    return mask
