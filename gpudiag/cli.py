@@ -672,4 +672,11 @@ def models() -> None:
 
 
 def main() -> None:
+    # Kineto (the profiler's engine) prints "USDT: ... profiler_start" and "STAGE:" lines on
+    # every window, and CUPTI errors on a machine without a GPU: gpudiag reads the profiler's
+    # results itself. A level above every one it logs at silences it (5 did before kineto's
+    # USDT messages, pytorch/pytorch#101942; they need 6 in torch 2.13: 9 leaves room). The
+    # user's own setting wins; processes gpudiag starts inherit it (profile's script, trials,
+    # ranks).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "9")
     app()

@@ -184,3 +184,30 @@ def test_compiled_kernels_are_charged_to_the_lines_they_fused(tmp_path: Path) ->
     fused = _line(script, "scaled = torch.tanh(h)")
     assert fused in timed, sorted(timed)
     assert timed[fused].kind_ms  # its kernels' time, by kind
+
+
+def test_a_shift_from_compiling_on_timed_steps_is_not_blamed_on_interference() -> None:
+    from gpudiag.diagnose import evaluate
+    from gpudiag.model.config import ProfileConfig
+    from gpudiag.model.facts import CompileEvent, CompileFacts, ScriptFacts, StageFacts
+    from gpudiag.model.results import Env, StageResult
+
+    def stage(compiled_at: int | None) -> RunResult:
+        events = [CompileEvent("forward", "model.py:10", 2.0, step=s, compile_id=f"0/{i}")
+                  for i, s in enumerate([0] + ([compiled_at] if compiled_at else []))]
+        script = ScriptFacts(steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
+                             compiles=CompileFacts(events=events, seconds=2.0 * len(events)))
+        times = [10.0] * 30
+        times[2:7] = [40.0] * 5  # a slow block: steps 7-11
+        one = StageResult(name="train.py", status="ok", iter_ms=times, ms_per_iter=10.0,
+                          facts=StageFacts(script=script))
+        run = RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
+                        stages=[one])
+        run.findings = evaluate(run)
+        return run
+
+    compiled = next(f for f in stage(8).findings if f.id == "GD601")
+    assert "torch.compile compiled on timed step(s) 8" in compiled.title
+    assert "--warmup 9" in compiled.fix
+    quiet = next(f for f in stage(None).findings if f.id == "GD601")
+    assert "outside interference" in quiet.title

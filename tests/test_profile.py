@@ -4,6 +4,7 @@ the clean script quiet, exit codes passed through, crashes and Ctrl-C still repo
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -128,6 +129,31 @@ def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
     for finding in (f for f in run.findings if f.id == "GD803"):
         assert "FSDP's all-gathers and reduce-scatters" in finding.title
         assert "reshard_after_forward=False" in finding.fix and "no_sync" not in finding.fix
+
+
+def test_the_profilers_own_log_lines_are_not_printed(tmp_path: Path) -> None:
+    """Kineto's "USDT: ... profiler_start/stop" and "STAGE:" lines (and its CUPTI errors on a
+    machine without a GPU) are not the user's: a profile prints none of them."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(40):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out",
+                           str(tmp_path / "run"), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert not [line for line in output.splitlines()
+                if line.startswith(("USDT:", "STAGE:", "ERROR:"))], output
+    assert load_run(tmp_path / "run").stages[0].evidence is not None
 
 
 def _script(tmp_path: Path, body: str) -> str:

@@ -339,8 +339,10 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
             severity=severity_for(cost, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
                                   cap="critical" if cuda else "info"),
             stage=stage.name,
-            title=(f"{remaining:.0f} host-device syncs per step"
-                   + (f" leave the GPU idle {pct(cost)} of the step" if cuda else "")
+            title=((f"{remaining:.0f} host-device syncs per step leave the GPU idle "
+                    f"{pct(cost)} of the step" if cuda else
+                    f"{remaining:.0f} reads per step that would block the host on a GPU "
+                    "(.item(), .nonzero(), ...; none blocks on this CPU)")
                    + f"; most from {top.location} in {top.function}() "
                      f"({top.syncs_per_step:.0f}/step)"),
             location=top.location,

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Iterator
 
 from gpudiag.diagnose.registry import Draft, Threshold, rule
-from gpudiag.model.results import RunResult
+from gpudiag.model.results import RunResult, StageResult
 
 SHIFT_LIMIT = 1.25
 MIN_STEPS_FOR_SHIFT = 20
@@ -17,7 +17,8 @@ MIN_STEPS_FOR_SHIFT = 20
     summary="Step times shifted within a stage: its figures are not one steady measurement.",
     why=("A level shift in step times with steady clocks means something outside the workload "
          "(another process, CPU steal on a shared host, a background job) took the host or GPU "
-         "for a while. Medians and ratios from such a stage describe the interference too."),
+         "for a while, or, in a compiled script, that torch.compile compiled during the timed "
+         "steps. Medians and ratios from such a stage describe that too."),
     fix=("Rerun on a quiet machine, or with --trials N so that comparisons rest on several "
          "fresh processes; look for other jobs on the host (nvidia-smi, top)."),
     thresholds=(Threshold("max_block_shift", SHIFT_LIMIT,
@@ -38,13 +39,34 @@ def unstable_timing(run: RunResult) -> Iterator[Draft]:
         fast, slow = min(blocks), max(blocks)
         if fast <= 0 or slow / fast <= SHIFT_LIMIT:
             continue
+        compiled = _compiled_timed_steps(stage)
+        cause = (f"torch.compile compiled on timed step(s) {', '.join(map(str, compiled))}"
+                 if compiled else "outside interference")
         yield Draft(
             severity="info", stage=stage.name,
-            title=(f"Step times shifted from {fast:.1f} to {slow:.1f} ms within the stage: "
-                   "outside interference; its figures are not one steady measurement"),
+            title=(f"Step times shifted from {_ms(fast)} to {_ms(slow)} ms ({slow / fast:.2f}x) "
+                   f"within the stage: {cause}; its figures are not one steady measurement"),
             impact=0.0,
             evidence={"fastest_block_ms": round(fast, 2), "slowest_block_ms": round(slow, 2),
                       "shift": round(slow / fast, 2), "steps": len(times),
-                      "sm_clock_mhz_min": stage.telemetry.sm_clock_mhz_min},
-            fix="Rerun on a quiet machine, or with --trials N before comparing this stage.",
+                      "sm_clock_mhz_min": stage.telemetry.sm_clock_mhz_min,
+                      "compiled_on_steps": compiled},
+            fix=(f"Time the steps after the compilations: --warmup {compiled[-1] + 1} or more, "
+                 "or remove the recompilations (compile-recompiles' fix)." if compiled else
+                 "Rerun on a quiet machine, or with --trials N before comparing this stage."),
         )
+
+
+def _ms(value: float) -> str:
+    """Three significant digits below 100 ms: a 0.1 ms step's shift is not "0.1 to 0.1 ms"."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _compiled_timed_steps(stage: StageResult) -> list[int]:
+    """The timed steps of a profiled script on which torch.compile compiled."""
+    script = stage.facts.script
+    if script is None or script.compiles is None:
+        return []
+    first, last = script.warmup, script.warmup + len(stage.iter_ms)
+    return sorted({e.step for e in script.compiles.events
+                   if e.step is not None and first <= e.step < last})
