@@ -48,3 +48,23 @@ def test_gpudiag_report_re_renders_a_committed_run(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     text = (copy / "report.md").read_text()
     assert "**full-loop: " in text and "| full-vectorized |" in text
+
+
+@pytest.mark.parametrize("width", [100, 200])
+def test_the_stage_tables_title_takes_the_terminals_width(width: int) -> None:
+    """A few narrow columns once squeezed the table's title (what ran, on what, how) into a
+    27-column block, broken mid-word, beside a full-width diagnosis."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from gpudiag.present import stage_table
+
+    run = load_run(EXAMPLES / "h100-compile" / "recompiles")
+    console = Console(file=StringIO(), width=width, color_system=None)
+    console.print(stage_table(run, width=width))
+    first = console.file.getvalue().splitlines()[0].strip()  # type: ignore[attr-defined]
+    title = "python3 /work/main/examples/compile_shapes.py --steps 40 on NVIDIA H100 80GB " \
+            "HBM3 - profiled: warm-up 5, timed 30, evidence 3 steps"
+    # On one line where it fits; else wrapped at the terminal's width, between words.
+    assert first == title if len(title) <= width else len(first) >= width - 20, first

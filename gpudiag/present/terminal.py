@@ -25,6 +25,11 @@ def stage_table(run: RunResult, width: int | None = None) -> Table:
         columns = [columns[i] for i in keep]
         rows = [[row[i] for i in keep] for row in rows]
         table = _build(run, columns, rows)
+    # Rich wraps a title to its table's width: a few narrow columns squeezed the title (what
+    # ran, on what, how) into a 27-column block. The table is at least as wide as its title,
+    # where the terminal allows.
+    title = len(_title(run))
+    table.min_width = min(title, width) if width is not None else title
     return table
 
 
