@@ -156,6 +156,32 @@ def test_the_profilers_own_log_lines_are_not_printed(tmp_path: Path) -> None:
     assert load_run(tmp_path / "run").stages[0].evidence is not None
 
 
+@pytest.mark.parametrize(("ending", "kept"), [
+    ("os._exit(3)", 12),  # skips atexit: the recorder writes first
+    ("os.kill(os.getpid(), signal.SIGKILL)", 2)])  # nothing runs: the warm-up's part stands
+def test_a_script_that_ends_without_pythons_shutdown_keeps_its_steps(
+        tmp_path: Path, ending: str, kept: int) -> None:
+    """A script that os._exit()s or is SIGKILLed at step 12 (before its window at 3 + 15):
+    the steps it had made are reported, not "exited before its first step was recorded"."""
+    script = _script(tmp_path, f"""
+        import os, signal
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(100):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 11:
+                {ending}
+    """)
+    _, run, output = profile(tmp_path, sys.executable, script, options=("--no-rerun",))
+    assert run.stages, output
+    assert "before its first step was recorded" not in output
+    stage = run.stages[0]
+    assert stage.facts.script is not None and stage.facts.script.steps >= kept, output
+
+
 def _script(tmp_path: Path, body: str) -> str:
     path = tmp_path / "script.py"
     path.write_text(textwrap.dedent(body))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -27,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import nvtx
 import torch
@@ -76,6 +77,9 @@ from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_js
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
+# A part is written at the end of warm-up and every PART_EVERY_S after the window: a process
+# killed outright keeps its steps up to then.
+PART_EVERY_S = 60.0
 MAX_LOOP_SITES = 10_000  # DataLoader iterations whose line is looked up (one per epoch or eval)
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
 STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
@@ -115,6 +119,7 @@ class Recorder:
         self.evidence: Evidence | None = None
         self.compile_counts: tuple[int | None, int | None] = (None, None)
         self.compile_watch = CompileWatch(self.host_marks)
+        self.part_at = self.host_marks[0]  # when this process last wrote its part
         self.compiles: CompileFacts | None = None
         self.nvtx_range: Any = None
         self.finished = False
@@ -163,7 +168,9 @@ class Recorder:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
-        self.host_marks.append(time.perf_counter())
+        now = time.perf_counter()
+        self._keep_steps(now)
+        self.host_marks.append(now)
         done = self.steps
         if self.host_sampler is not None:
             self.host_sampler.watch(self.host_marks[-1])
@@ -178,6 +185,19 @@ class Recorder:
         except Exception as exc:  # evidence is optional; the script must go on
             self.error = f"{type(exc).__name__}: {exc}"
             self._stop_profiler(keep=False)
+
+    def _keep_steps(self, now: float) -> None:
+        """What a SIGKILL (or an out-of-memory kill) would otherwise lose: every step so far,
+        written at the end of warm-up and every PART_EVERY_S after the profiler window (the
+        window's part and the exit's replace it). Never among the timed or profiled steps:
+        writing costs tens of ms. Runs before the step's end mark, so that time is the ending
+        step's, a warm-up or later step."""
+        ending = self.steps  # the step this boundary ends (0-based)
+        measured = self.warmup <= ending <= self.warmup + self.timed + self.evidence_steps
+        if self.steps and not measured and (ending == self.warmup - 1
+                                            or now - self.part_at >= PART_EVERY_S):
+            self.part_at = now
+            self._write_part()
 
     def _start_host_sampler(self, done: int) -> None:
         """The training loop is the frame on the stack at both of the first two step ends:
@@ -575,9 +595,24 @@ def install() -> Recorder:
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record_crash
+    _write_before_os_exit(recorder)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return recorder
+
+
+def _write_before_os_exit(recorder: Recorder) -> None:
+    """os._exit skips atexit: in the script's own process, what was recorded is written
+    first (a forked child calling os._exit, a DataLoader worker, is not the script)."""
+    real_exit = os._exit
+
+    def exit_after_writing(status: int) -> NoReturn:
+        if recorder.pid == os.getpid():
+            with contextlib.suppress(Exception):
+                recorder.finish()
+        real_exit(status)
+
+    os._exit = exit_after_writing
 
 
 def _exit_on_sigterm(signum: int, _frame: Any) -> None:
