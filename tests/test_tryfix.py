@@ -30,6 +30,9 @@ OBSERVING_SCRIPT = """
     loader = DataLoader(data, batch_size=16, shuffle=True)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    inner = {}
+    model[0].register_forward_hook(
+        lambda m, a, o: inner.setdefault("dtype", str(o.dtype)) and None)
     seen = {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
             "precision": torch.get_float32_matmul_precision()}
     step = 0
@@ -37,11 +40,12 @@ OBSERVING_SCRIPT = """
         for x, y in loader:
             out = model(x)
             if step == 0:
-                seen["forward_dtype"] = str(out.dtype)
+                seen["forward_dtype"] = inner["dtype"]
+                seen["output_dtype"] = str(out.dtype)
                 with open(f"seen-{os.getpid()}.json", "w") as f:
                     config = json.loads(os.environ["GPUDIAG_PROFILE_CONFIG"])
                     json.dump({**seen, "fixes": ",".join(config["remedies"])}, f)
-            loss = torch.nn.functional.mse_loss(out.float(), y)
+            loss = torch.nn.functional.mse_loss(out, y)  # the caller's dtype, fix or not
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -68,10 +72,13 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
         seen.setdefault(view.pop("fixes"), view)
     plain = seen[""]
     assert plain == {"num_workers": 0, "pin_memory": False, "precision": "highest",
-                     "forward_dtype": "torch.float32"}
+                     "forward_dtype": "torch.float32", "output_dtype": "torch.float32"}
     assert seen["loader"]["num_workers"] >= 1 and seen["pinned"]["pin_memory"]
     assert seen["tf32"]["precision"] == "high"  # the script's own switch-off overruled
+    # bf16 inside the model; what leaves it comes back in the caller's dtype, so
+    # `mse_loss(model(x), y)` with an fp32 `y` still runs.
     assert seen["bf16-autocast"]["forward_dtype"] == "torch.bfloat16"
+    assert seen["bf16-autocast"]["output_dtype"] == "torch.float32"
     assert seen["no-empty-cache"] == plain and seen["async-save"] == plain
 
     fixes = {f.remedy: f for f in load_run(tmp_path / "run").fixes}

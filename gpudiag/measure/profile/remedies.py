@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
@@ -108,10 +109,21 @@ def _bf16_autocast(evidence: Evidence) -> Callable[[], None]:
             evidence.setdefault("module", type(module).__name__)
         state.depth = depth + 1
 
-    def leave(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+    def leave(_module: torch.nn.Module, args: Any, output: Any) -> Any:
         state.depth = getattr(state, "depth", 1) - 1
-        if state.depth == 0:
-            state.context.__exit__(None, None, None)
+        if state.depth != 0:
+            return None
+        state.context.__exit__(None, None, None)
+        # What leaves the autocast region comes back in the caller's dtype (as Accelerate's
+        # convert_outputs_to_fp32 does): `F.mse_loss(model(x), x)` would otherwise mix a
+        # bf16 output with the caller's fp32 tensors.
+        floats = [a.dtype for a in tree_leaves(args)
+                  if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        caller = floats[0] if floats else torch.get_default_dtype()
+        if caller == torch.bfloat16:
+            return None
+        return tree_map_only(torch.Tensor, lambda t: t.to(caller) if t.dtype == torch.bfloat16
+                             else t, output)
 
     torch.nn.modules.module.register_module_forward_pre_hook(enter)
     torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
