@@ -19,6 +19,9 @@ def write_text_atomic(path: Path, text: str) -> None:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         Path(tmp).replace(path)
+    except OSError as exc:  # a full disk, a quota: say which file could not be written
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

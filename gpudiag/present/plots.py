@@ -38,9 +38,17 @@ def _figure(width: float = 9.0, height: float = 4.0) -> tuple[ModuleType, Figure
 
 
 def _save(plt: ModuleType, fig: Figure, path: Path) -> None:
+    """Drawn beside `path` and renamed over it: a full disk leaves no truncated PNG."""
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, facecolor="white")
-    plt.close(fig)
+    partial = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(partial, dpi=DPI, facecolor="white", format="png")
+        partial.replace(path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    finally:
+        plt.close(fig)
 
 
 def throughput_plot(run: RunResult, path: Path) -> bool:
