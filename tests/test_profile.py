@@ -295,3 +295,17 @@ def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
 
 def _stage(name: str) -> StageResult:
     return StageResult(name=name, status="ok", iter_ms=[5.0] * 5, ms_per_iter=5.0)
+
+
+def test_ranks_are_named_without_torchruns_rank_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's own launcher starts its ranks with LOCAL_RANK and WORLD_SIZE, no RANK:
+    each rank keeps its own name."""
+    from gpudiag.measure.profile import recorder
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert recorder._stage_name() == "train.py[rank1]"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert recorder._stage_name() == "train.py"

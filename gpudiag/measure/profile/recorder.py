@@ -484,7 +484,7 @@ class Recorder:
         root = os.environ.get(ENV_PARENT) == str(os.getppid())
         if self.steps == 0 and not root:
             return  # a helper process (torchrun's agent, a spawned worker): nothing to say
-        part = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "steps": self.steps,
+        part = {"pid": os.getpid(), "rank": _rank()[0], "steps": self.steps,
                 "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
                 "final": final, "crash": "".join(self.crash) or None,
                 "stage": to_jsonable(self.stage()) if self.steps else None,
@@ -493,11 +493,21 @@ class Recorder:
         write_text_atomic(self.out / part_name(os.getpid()), json.dumps(part))
 
 
+def _rank() -> tuple[int | None, int]:
+    """(this process's rank, the job's size): the process group's once it exists (Lightning's
+    own launcher sets no RANK), else torchrun's RANK/WORLD_SIZE, else LOCAL_RANK."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
+    return (int(rank) if rank is not None and rank.isdigit() else None,
+            int(os.environ.get("WORLD_SIZE", "1") or 1))
+
+
 def _stage_name() -> str:
     """The script's name, with its rank in a multi-process job: `train.py[rank1]`."""
     name = Path(sys.argv[0]).name or "script"
-    rank = os.environ.get("RANK")
-    if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    rank, world = _rank()
+    if rank is not None and world > 1:
         name = f"{name}[rank{rank}]"
     return name
 
