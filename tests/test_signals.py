@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,3 +224,51 @@ def test_a_dataloader_peer_gone_in_the_resource_sharer_is_not_printed() -> None:
         except ConnectionResetError as exc:
             hook(threading.ExceptHookArgs([type(exc), exc, exc.__traceback__, None]))
     assert [str(e) for e in passed_on] == ["[Errno 104] a real one"]
+
+
+def test_the_scripts_own_children_stop_when_it_stops_them(tmp_path: Path) -> None:
+    """Under profile, a spawn Pool the script terminates and a child it SIGTERMs stop at once
+    (they inherit the recorder's SIGTERM hook, which once left them running: 59 s to kill, a
+    Pool hanging at terminate())."""
+    script = tmp_path / "children.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp, os, signal, time
+        import torch
+
+
+        def double(x):
+            return 2 * x
+
+
+        def sleeper():
+            time.sleep(600)
+
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            pool = ctx.Pool(2)
+            assert pool.map(double, range(4)) == [0, 2, 4, 6]
+            started = time.monotonic()
+            pool.terminate()
+            pool.join()
+            child = ctx.Process(target=sleeper)
+            child.start()
+            time.sleep(2)
+            os.kill(child.pid, signal.SIGTERM)
+            child.join(30)
+            print(f"stopped in {time.monotonic() - started:.1f} s, alive {child.is_alive()}")
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(12):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    """))
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-rerun", "--out",
+                           str(tmp_path / "run"), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"stopped in ([\d.]+) s, alive (\w+)", done.stdout + done.stderr)
+    assert found is not None, done.stdout + done.stderr
+    assert found[2] == "False" and float(found[1]) < 15, found[0]

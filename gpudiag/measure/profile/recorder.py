@@ -436,7 +436,9 @@ class Recorder:
         return f"the profiler window failed: {self.error}" if self.error else \
             "the script ended inside the profiler window"
 
-    def finish(self) -> None:
+    def finish(self, *, shutdown: bool = True) -> None:
+        """The run's end: the window closed, samplers stopped, the part written; `shutdown`
+        False for an exit without Python's shutdown (os._exit), which the part says."""
         if self.finished:
             return
         self.finished = True
@@ -458,7 +460,7 @@ class Recorder:
                 self.sampler.__exit__(None, None, None)
             except Exception as exc:
                 self.error = f"telemetry: {type(exc).__name__}: {exc}"
-        self._write_part(final=True)
+        self._write_part(final=shutdown)
 
     def crashed(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         """An exception the script did not catch (sys.excepthook; atexit's finish follows).
@@ -619,7 +621,7 @@ def _write_before_os_exit(recorder: Recorder) -> None:
     def exit_after_writing(status: int) -> NoReturn:
         if recorder.pid == os.getpid():
             with contextlib.suppress(Exception):
-                recorder.finish()
+                recorder.finish(shutdown=False)  # every step, and that it ended so
         real_exit(status)
 
     os._exit = exit_after_writing
@@ -632,11 +634,12 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     of receiving a batch from its DataLoader workers (which would leave them printing EOFError
     tracebacks); one that is not, or a second SIGTERM, exits at once.
 
-    A process the script started with multiprocessing (a DataLoader worker, a spawn Pool's
-    worker) inherits this hook and may get the same SIGTERM: it leaves stopping to the script,
-    whose exit shuts it down, as in gpudiag's own stages (gpudiag/measure/stages/base.py); a
-    SystemExit there would print "Exception ignored". Once its parent is gone it stops as it
-    would have without gpudiag."""
+    A process the script started (forked or spawned) inherits this hook. A DataLoader worker
+    leaves stopping to the script, whose exit shuts it down, as in gpudiag's own stages
+    (gpudiag/measure/stages/base.py): a SystemExit there would print "Exception ignored", and
+    a worker killed under its loader makes the script raise; once its parent is gone it stops
+    as it would have without gpudiag. Any other multiprocessing child (a Pool's worker the
+    script terminates, a process it kills) dies at once, as it would without gpudiag."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
     parent = multiprocessing.parent_process()
@@ -650,7 +653,10 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
             timer.start()
             return
         sys.exit(128 + signum)
-    if parent is not None and not parent.is_alive():
+    if parent is None:
+        return  # a fork still on its way in (the signal was pending): the script stops
+    loader_worker = torch.utils.data.get_worker_info() is not None
+    if not loader_worker or not parent.is_alive():
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
