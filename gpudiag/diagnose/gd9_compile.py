@@ -63,23 +63,19 @@ def _compilations(events: list[CompileEvent]) -> int:
     return len({e.compile_id or id(e) for e in events if not _gave_up(e)})
 
 
-def _run_wall_ms(stage: StageResult) -> tuple[float, float | None]:
-    """(the run's wall time, the compile part's share of it after step 0) from the run's
-    account; without a timeline, (the timed steps' time, None)."""
+def _run_time(stage: StageResult) -> tuple[float, float | None, float | None]:
+    """(the run's wall time, the compile part's share of it after step 0, the training steps'
+    own time) from the run's account; without a timeline, (the timed steps' time, None,
+    None)."""
     whole = stage_account(stage)
     if whole is None:
-        return sum(stage.iter_ms), None
+        return sum(stage.iter_ms), None, None
     part = sum(w.extra_ms for w in whole.works if w.kind == "compile")
-    return whole.wall_ms, whole.share(part)
-
-
-def _training_ms(stage: StageResult) -> float | None:
-    whole = stage_account(stage)
-    return whole.steady_ms if whole is not None else None
+    return whole.wall_ms, whole.share(part), whole.steady_ms
 
 
 def _dynamic_fix(reasons: list[str], site: str) -> str:
-    if any("size mismatch" in r or "size" in r for r in reasons):
+    if any("size mismatch" in r or "stride mismatch" in r for r in reasons):
         return (f"Its inputs change shape from call to call. At {site}: mark the changing "
                 "dimension dynamic before the call (torch._dynamo.mark_dynamic(x, dim)), or "
                 "compile with torch.compile(..., dynamic=True); or pad inputs to a few fixed "
@@ -113,8 +109,7 @@ def compile_recompiles(run: RunResult) -> Iterator[Draft]:
         facts = _compiles(stage)
         if facts is None:
             continue
-        wall_ms, part_share = _run_wall_ms(stage)
-        training = _training_ms(stage)
+        wall_ms, part_share, training = _run_time(stage)
         for (function, location), events in _frames(facts).items():
             recompiles = [e for e in events if e.recompile_reason and not _gave_up(e)]
             if len(recompiles) < MIN_RECOMPILES:
