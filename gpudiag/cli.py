@@ -36,6 +36,13 @@ from gpudiag.measure.profile.session import (
     profile_command,
 )
 from gpudiag.measure.profile.tryfixes import run_fixes
+from gpudiag.model.calibration import (
+    DEFAULT_CALIBRATION,
+    MIN_CALIBRATION_TRIALS,
+    Calibration,
+    load_calibration,
+    save_calibration,
+)
 from gpudiag.model.config import ProfileConfig, RunConfig
 from gpudiag.model.errors import (
     EXIT_BAD_INPUT,
@@ -211,6 +218,11 @@ def run(
                                         "run (the whole directory).")] = False,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
+    _run(options, out=out, as_json=as_json, trials=trials, quiet=quiet, force=force)
+
+
+def _run(options: RunOptions, *, out: Path | None, as_json: bool, trials: int, quiet: bool,
+         force: bool) -> None:
     from gpudiag.measure.plan import build_config  # noqa: PLC0415  (torch)
     from gpudiag.present import (  # noqa: PLC0415  (pandas)
         default_run_dir,
@@ -464,17 +476,22 @@ def compare(
 def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
                out: Path | None, force: bool,
                decide_now: Callable[[RunResult, RunResult], GateDecision],
-               ) -> tuple[RunResult, RunResult, Path]:
+               ) -> tuple[RunResult, RunResult, Path, int]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
     (up to max_trials a side); both sides merged, and the directory holding the trials."""
+    from gpudiag.diagnose.gate import TIME_METRICS  # noqa: PLC0415  (scipy)
     from gpudiag.present import default_run_dir, prepare_run_dir  # noqa: PLC0415  (pandas)
 
     def next_count(done: Interleaved) -> int:
-        k = len(done.head)
+        k = min(len(done.base), len(done.head))
+        if not k:
+            return 0
         decision = decide_now(merge_trials(done.base), merge_trials(done.head))
         wanted = decision.trials_wanted(k, max_trials)
-        if wanted:
-            stderr.print(f"gate: inconclusive after {k} a side; going to {wanted}")
+        states = ", ".join(f"{g.stage} {g.metric} time {g.outcome}" for g in decision.stages
+                           if g.metric in TIME_METRICS)
+        stderr.print(f"gate: {k} a side: {states}"
+                     + (f"; going to {wanted}" if wanted > k else "; stopping"), soft_wrap=True)
         return wanted
 
     with base_checkout(base_ref, Path.cwd()) as base:
@@ -487,7 +504,8 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
         raise typer.Exit(EXIT_INTERRUPTED)
-    return merge_trials(done.base), merge_trials(done.head), out_dir
+    return (merge_trials(done.base), merge_trials(done.head), out_dir,
+            min(len(done.base), len(done.head)))
 
 
 def _check_gate_options(on_inconclusive: str, min_iters: int, trials: int,
@@ -501,6 +519,13 @@ def _check_gate_options(on_inconclusive: str, min_iters: int, trials: int,
         raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
                        "max-trials")
     return "pass" if on_inconclusive == "pass" else "fail"
+
+
+def _calibration_for_gate(path: Path | None) -> Calibration | None:
+    """--calibration's file, else the repository's default one where it exists."""
+    if path is not None:
+        return load_calibration(path)
+    return load_calibration(DEFAULT_CALIBRATION) if DEFAULT_CALIBRATION.is_file() else None
 
 
 def _check_sources(ok: bool, message: str) -> None:
@@ -548,7 +573,12 @@ def gate(
     min_iters: Annotated[int, typer.Option(help="Steady-state steps a side needs per stage.")]
     = 10,
     allow_mismatch: Annotated[bool, typer.Option(help="Gate runs of different model, preset, "
-                                                 "batch, stages or GPU anyway.")] = False,
+                                                 "batch, precision, stages, GPU, driver or "
+                                                 "torch anyway.")] = False,
+    calibration: Annotated[Path | None, typer.Option(
+        help="This machine's between-process spread (`gpudiag calibrate`); default "
+             f"{DEFAULT_CALIBRATION} when it exists, else the device kind's built-in "
+             "floors.")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Also write the decision as markdown.")]
     = None,
     out: Annotated[Path | None, typer.Option(help="With --base-ref: where the trials go "
@@ -556,22 +586,25 @@ def gate(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --markdown file, "
                                         "or an --out holding an earlier gate.")] = False,
 ) -> None:
-    """CI gate: exit 1 on a regression, 0 on pass (or an undecided gate under --on-inconclusive
-    pass), 3 when undecided under --on-inconclusive fail."""
+    """CI gate: exit 1 on a regression, 5 when the head's run broke, 0 on pass (or an undecided
+    gate under --on-inconclusive pass), 3 when undecided under --on-inconclusive fail."""
     from gpudiag.diagnose.gate import GateRules, judge, parse_limits  # noqa: PLC0415  (scipy)
     from gpudiag.present import writable_output_file, write_output_file  # noqa: PLC0415  (pandas)
     from gpudiag.present.compare import gate_lines, gate_markdown  # noqa: PLC0415  (scipy)
 
     when_undecided = _check_gate_options(on_inconclusive, min_iters, trials, max_trials)
-    rules = GateRules(parse_limits(max_regression or []), min_iters, allow_mismatch)
+    rules = GateRules(parse_limits(max_regression or []), min_iters, allow_mismatch,
+                      _calibration_for_gate(calibration))
     if markdown is not None:
         writable_output_file(markdown, "--markdown", force=force)
     labels = (str(baseline or base_ref), str(current or "this checkout"))
+    interleaved, per_side = base_ref is not None, 0
     if base_ref is not None:
         _check_sources(baseline is None and current is None, "give either BASELINE and "
                        "CURRENT or --base-ref, not both")
-        a, b, trials_dir = _gate_runs(options, base_ref, trials, max_trials, out, force,
-                                      lambda x, y: judge(x, y, rules, labels=labels)[0])
+        a, b, trials_dir, per_side = _gate_runs(
+            options, base_ref, trials, max_trials, out, force,
+            lambda x, y: judge(x, y, rules, labels=labels, interleaved=True)[0])
         markdown = markdown or trials_dir / "gate.md"
     else:
         _check_sources(baseline is not None and current is not None, "give BASELINE and "
@@ -580,7 +613,9 @@ def gate(
                        "apply with --base-ref")
         assert baseline is not None and current is not None
         a, b = _load_pair(baseline, current)
-    decision, comparison = judge(a, b, rules, labels=labels)
+    decision, comparison = judge(a, b, rules, labels=labels, interleaved=interleaved)
+    if interleaved:
+        decision.stopped = decision.why_stopped(per_side, max_trials)
     text = gate_markdown(decision, comparison, when_undecided)
     if markdown is not None:
         write_output_file(markdown, text, "--markdown")
@@ -588,6 +623,49 @@ def gate(
     for line in gate_lines(decision, when_undecided):
         typer.echo(line)
     raise typer.Exit(decision.exit_code(when_undecided))
+
+
+@app.command()
+@_with_options(RunOptions)
+def calibrate(
+    options: RunOptions,
+    trials: Annotated[int, typer.Option(help="Fresh-process trials to measure the spread "
+                                        f"from (at least {MIN_CALIBRATION_TRIALS}).")] = 8,
+    from_run: Annotated[Path | None, typer.Option(
+        "--from", help="Use this `run --trials N` directory (or trial folder) instead of "
+                       "measuring.")] = None,
+    file: Annotated[Path, typer.Option(help="The calibration file (one record per device, GPU "
+                                       "and workload; others are kept).")]
+    = DEFAULT_CALIBRATION,
+    out: Annotated[Path | None, typer.Option(help="Where the trials go (default: reports/<UTC "
+                                             "time>-calibrate/).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
+                                        "run.")] = False,
+) -> None:
+    """Record how much fresh processes of the same code differ on this machine, per stage, for
+    `gpudiag gate` (its prior, instead of the device kind's built-in floor). Commit the file."""
+    from gpudiag.diagnose.noise import calibration_record  # noqa: PLC0415  (scipy)
+    from gpudiag.present import default_run_dir  # noqa: PLC0415  (pandas)
+
+    existing = load_calibration(file) if file.exists() else Calibration()
+    if from_run is None:
+        if trials < MIN_CALIBRATION_TRIALS:
+            raise BadInput(f"--trials {trials}: a spread needs at least "
+                           f"{MIN_CALIBRATION_TRIALS} trials")
+        from_run = out or default_run_dir("calibrate")
+        _run(options, out=from_run, as_json=False, trials=trials, quiet=True, force=force)
+    else:
+        _check_sources(options == RunOptions() and out is None, "run options and --out only "
+                       "apply without --from")
+    record = calibration_record(load_run_set(from_run), str(from_run))
+    save_calibration(existing.with_record(record), file)
+    for spread in record.stages:
+        device = (f", device time {spread.device_sd:.3%}" if spread.device_sd is not None
+                  else "")
+        typer.echo(f"{spread.stage}: wall time {spread.wall_sd:.2%}{device} between "
+                   f"processes ({spread.trials} trials)")
+    typer.echo(f"calibration written: {file} ({record.gpu_name or record.device}; commit it, "
+               "`gpudiag gate` reads it from there)")
 
 
 baseline_app = typer.Typer(help="Keep baselines in the repository for `gpudiag gate`.",

@@ -95,11 +95,12 @@ def test_verdicts_and_detectable_change_are_reported() -> None:
     stage = comparison.stage("train-fp16")
     assert stage is not None and stage.verdict == "faster"
     assert stage.throughput is not None and stage.throughput.ratio == pytest.approx(1.25, rel=0.03)
-    assert 0 < stage.throughput.min_detectable < 0.05
-    assert not stage.throughput.optimistic
+    # Five trials of 0.5% spread pulled the built-in 5% prior (5 degrees of freedom) down.
+    assert stage.throughput.sigma < 0.05 and 0 < stage.throughput.min_detectable < 0.08
+    assert not stage.throughput.on_prior_alone
     single = compare_runs(_side(50.0, 1, 0, 1), _side(50.0, 1, 0, 2)).stage("train-fp16")
-    assert single is not None and single.throughput is not None and single.throughput.optimistic
-    assert "optimistic" in single.note
+    assert single is not None and single.throughput is not None and single.throughput.on_prior_alone
+    assert "one trial on a side" in single.note
 
 
 def test_steady_state_drops_the_warm_up_transient() -> None:
@@ -175,8 +176,11 @@ def test_baseline_save_is_small_and_gates(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     baseline = tmp_path / ".gpudiag" / "main.json"
     assert load_run(baseline).stages[0].trials
-    gated = runner.invoke(app, ["gate", str(baseline), str(run_dir)])
-    assert gated.exit_code == 0
+    other = _save(_side(50.0, 3, 0.005, 2), tmp_path / "other")
+    gated = runner.invoke(app, ["gate", str(baseline), str(other)])
+    assert gated.exit_code == 0, gated.output
+    same = runner.invoke(app, ["gate", str(baseline), str(run_dir)])
+    assert same.exit_code == 2 and "same measurement" in same.output
 
 
 def test_compare_cli_markdown_and_json(tmp_path: Path) -> None:
@@ -204,10 +208,18 @@ def test_a_folder_of_runs_is_a_trial_set(tmp_path: Path) -> None:
 
 
 def _slowed_trials(run: RunResult, factor: float) -> RunResult:
-    """The same trials with every step `factor` times longer."""
+    """The same trials with every step `factor` times longer (and every figure derived from
+    them: the run must stay consistent to be read)."""
     slow = copy.deepcopy(run)
+    if slow.duration_s:
+        slow.duration_s *= factor
     for stage in slow.stages:
         stage.iter_ms = [t * factor for t in stage.iter_ms]
+        if stage.wall_s:
+            stage.wall_s *= factor
+        if stage.ms_per_iter and stage.samples_per_s:
+            stage.ms_per_iter *= factor
+            stage.samples_per_s /= factor
         for trial in stage.trials:
             trial.ms_per_iter *= factor
             trial.samples_per_s /= factor

@@ -8,9 +8,10 @@ import math
 import pytest
 from conftest import ladder_config
 
-from gpudiag.diagnose.compare import DEVICE_NOISE_FLOOR, compare_runs
+from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.counters import CounterChange, compare_counters, line_deltas
 from gpudiag.diagnose.gate import GateLimits, decide, parse_limits
+from gpudiag.diagnose.noise import DEVICE_FLOOR
 from gpudiag.diagnose.trials import merge_trials
 from gpudiag.model.errors import BadInput
 from gpudiag.model.results import (
@@ -107,8 +108,8 @@ def test_device_time_decides_what_wall_time_cannot() -> None:
     same = decide(compare_runs(base, _run([68.02, 68.0, 68.1, 68.03, 68.0])), limits)
     assert next(g for g in same.stages if g.metric == "device").outcome == "pass"
     est = compare_runs(base, slow).stages[0].device
-    assert est is not None and est.optimistic
-    assert est.high - est.low > 2 * 2.5 * DEVICE_NOISE_FLOOR  # the floor widens one trial
+    assert est is not None and est.on_prior_alone
+    assert est.high - est.low > 2 * 2.5 * DEVICE_FLOOR.sigma  # the floor widens one trial
 
 
 def test_an_undecided_gate_passes_or_fails_as_asked_and_says_what_it_missed() -> None:

@@ -124,8 +124,11 @@ def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
 
     run = load_run(ROOT / "tests" / "data" / "h100-dgca-run.json")
     save_run(run, tmp_path / "a" / "run.json")
+    for stage in run.stages:  # another run of the same steps: the gate refuses one run twice
+        stage.iter_ms.reverse()
+    save_run(run, tmp_path / "b" / "run.json")
     env = {**_env(), "GITHUB_STEP_SUMMARY": str(tmp_path / "no-such-dir" / "summary.md")}
-    done = _gpudiag(tmp_path, "gate", "a", "a", env=env)
+    done = _gpudiag(tmp_path, "gate", "a", "b", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "warning: GITHUB_STEP_SUMMARY" in done.stderr
 

@@ -32,8 +32,9 @@ Setup = Callable[[Path], None]
 
 
 def _valid_run(model: str = "dgca", batch: int = 8, device: str = "cpu",
-               gpu: str | None = None) -> RunResult:
-    times = [10.0 + 0.01 * (i % 7) for i in range(40)]
+               gpu: str | None = None, shift: int = 0) -> RunResult:
+    """A valid run; another `shift` is another measurement of the same thing."""
+    times = [10.0 + 0.01 * ((i + shift) % 7) for i in range(40)]
     stage = StageResult(name="train-fp16", status="ok", title="t", iter_ms=times,
                         ms_per_iter=10.03, samples_per_s=batch / 10.03 * 1e3,
                         samples_per_step=batch, timing=TimingStats.of(times))
@@ -323,7 +324,7 @@ def _workspace(root: Path) -> Path:
 
     ws = root / "ws"
     save_run(_valid_run(), ws / "a" / "run.json")
-    save_run(_valid_run(), ws / "b" / "run.json")
+    save_run(_valid_run(shift=3), ws / "b" / "run.json")
     (ws / "mine").mkdir()
     (ws / "mine" / "thesis.tex").write_text("the user's own work\n")
     (ws / "notes.txt").write_text("keep me\n")

@@ -1,10 +1,12 @@
-"""Before/after statistics, verdicts, and the CI gate's decision. Pure functions of runs.
+"""Before/after statistics and verdicts. Pure functions of runs.
 
-The throughput ratio (after over before) is estimated on log throughput: Welch's t interval for
-few samples, a bootstrap over samples for many. With one trial per side the samples are medians
-of contiguous blocks of steps; those are autocorrelated, so such intervals are flagged
-optimistic. Every comparison states the smallest change it could have detected (80% power,
-5% two-sided), and no verdict claims more than its data can show.
+The throughput ratio (after over before) is estimated on log throughput. Each side's score is
+the mean of its trials' (fresh processes'); with a single trial, the mean of blocks of its
+steps, whose spread only adds the trial's own measurement noise. How much processes differ is
+not learnt from two or three trials but from prior knowledge, pooled with them
+(gpudiag/diagnose/noise.py): the interval is a t interval with the pooled spread's degrees of
+freedom, so it narrows as trials are added. Every comparison states the smallest change it
+could have detected (80% power), and no verdict claims more than its data can show.
 """
 
 from __future__ import annotations
@@ -17,33 +19,19 @@ import numpy as np
 from scipy import stats
 
 from gpudiag.diagnose.counters import CounterChange, compare_counters
+from gpudiag.diagnose.noise import NoiseFloor, floor_for
 from gpudiag.diagnose.trials import (
     StageSamples,
     device_samples,
     side_counters,
     stage_samples,
 )
+from gpudiag.model.calibration import Calibration
 from gpudiag.model.results import Finding, RunResult, StageResult
 
 ALPHA = 0.05  # compare shows 95% intervals
 POWER = 0.80
-BOOTSTRAP_FROM = 10  # samples per side from which the bootstrap replaces Welch's t
-BOOTSTRAP_RESAMPLES = 10_000
 DEFAULT_MARGIN = 0.05  # changes inside +-5% with a tight interval read "no significant change"
-# Blocks of one process's steps cannot show how much fresh processes of the same code differ
-# (allocator layout, clocks, host load). This floor per side, in log throughput, stands in for
-# that spread. Measured: BERT fp16 training on a shared H100 VM ran 50.2-59.6 ms across six
-# fresh processes (about 5%; quieter machines report 0.2%); with a 1% floor, 7 of 20
-# single-trial A/A pairs on that H100 gated as regressions, with 5% none. Tiny models on a
-# shared 2-core CPU: 6.5% over 12 fresh runs, one of them 20% slow; with a 5% floor 9 of 132
-# ordered A/A pairs gated as regressions, so the CPU floor is 8%.
-PROCESS_NOISE_FLOOR = {"cuda": 0.05, "cpu": 0.08}
-# The same floor for device time (kernel time per step, from the evidence window): kernels do
-# not wait on the host, so only the GPU's own state (clocks, memory placement) separates fresh
-# processes. Measured on two H100 hosts (reports/examples/benchmarks/h100-gate-regressions.json):
-# fresh processes of one build differ by 0.09% (coefficient of variation, 8 trials; wall time
-# 3.4%), the two hosts' medians by 0.15%; the floor is three times the former.
-DEVICE_NOISE_FLOOR = 0.003
 
 Verdict = Literal["faster", "slower", "no significant change", "inconclusive"]
 GateOutcome = Literal["pass", "regression", "inconclusive"]
@@ -54,65 +42,76 @@ class RatioEstimate:
     ratio: float  # after / before throughput (>1: faster)
     low: float
     high: float
-    method: str  # "welch" or "bootstrap"
-    n_before: int
+    n_before: int  # processes (trials) behind each side
     n_after: int
-    sample_kind: str  # "trials" or "blocks"
+    sample_kind: str  # "trials", or "blocks" where a side is one trial split into blocks
     min_detectable: float  # smallest relative change detectable at 80% power
+    sigma: float  # between-process spread of one trial's log throughput: prior and data pooled
+    sigma_df: float  # its degrees of freedom (the prior's plus the trials')
+    floor: NoiseFloor  # the prior it started from
     confidence: float = 1 - ALPHA
 
     @property
-    def optimistic(self) -> bool:
-        return self.sample_kind == "blocks"
+    def on_prior_alone(self) -> bool:
+        """One trial on a side: its spread between processes is the prior's, not measured."""
+        return min(self.n_before, self.n_after) < 2
 
     @property
     def significant(self) -> bool:
         return self.low > 1 or self.high < 1
 
-
-def _welch(before: list[float], after: list[float],
-           alpha: float) -> tuple[float, float, float, float]:
-    """(difference of mean logs, its standard error, degrees of freedom, t quantile)."""
-    a, b = np.log(before), np.log(after)
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return float(b.mean() - a.mean()), 0.0, math.inf, 0.0
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return float(b.mean() - a.mean()), se, df, float(stats.t.ppf(1 - alpha / 2, df))
+    def half_width(self, per_side: int) -> float:
+        """The log interval's half-width with `per_side` trials a side at this spread."""
+        df = self.floor.df + 2 * per_side - 2
+        return _quantile(1 - (1 - self.confidence) / 2, df) * self.sigma * math.sqrt(2 / per_side)
 
 
-def estimate_ratio(before: StageSamples, after: StageSamples,
-                   noise_floor: float = PROCESS_NOISE_FLOOR["cuda"],
+def _quantile(p: float, df: float) -> float:
+    return float(stats.t.ppf(p, df) if math.isfinite(df) else stats.norm.ppf(p))
+
+
+@dataclass
+class _Side:
+    mean: float  # of log scores: trials, or a single trial's blocks
+    n: int  # processes
+    ss: float  # sum of squares between trials (0 for a single trial)
+    within: float  # a single trial's blocks: the variance of their mean; trials: 0
+    within_df: float
+
+
+def _side(samples: StageSamples) -> _Side:
+    logs = np.log(samples.scores)
+    if samples.kind == "trials":
+        return _Side(float(logs.mean()), len(logs), float(((logs - logs.mean()) ** 2).sum()),
+                     0.0, math.inf)
+    within = float(logs.var(ddof=1) / len(logs)) if len(logs) >= 2 else 0.0
+    return _Side(float(logs.mean()), 1, 0.0, within, max(1, len(logs) - 1))
+
+
+def estimate_ratio(before: StageSamples, after: StageSamples, floor: NoiseFloor,
                    alpha: float = ALPHA) -> RatioEstimate | None:
-    """The throughput ratio's interval, or None with fewer than two samples on a side.
-    `noise_floor` is the between-process spread assumed when samples are blocks of one trial."""
-    if len(before.scores) < 2 or len(after.scores) < 2:
+    """The throughput ratio's interval, or None when a side has no samples. `floor` is the
+    prior between-process spread; the trials' own spread is pooled with it."""
+    if not before.scores or not after.scores:
         return None
-    diff, se, df, t_crit = _welch(before.scores, after.scores, alpha)
+    a, b = _side(before), _side(after)
+    sigma_df = floor.df + (a.n - 1) + (b.n - 1)
+    variance = (floor.df * floor.sigma ** 2 + a.ss + b.ss) / sigma_df
+    between = variance * (1 / a.n + 1 / b.n)
+    se2 = between + a.within + b.within
+    # Welch-Satterthwaite over the pooled spread and each single trial's own noise.
+    parts = between ** 2 / sigma_df + sum(s.within ** 2 / s.within_df for s in (a, b))
+    df = se2 ** 2 / parts if parts > 0 else math.inf
+    se = math.sqrt(se2)
+    diff = b.mean - a.mean
+    t_crit = _quantile(1 - alpha / 2, df)
+    min_detectable = 1 - math.exp(-(t_crit + _quantile(POWER, df)) * se)
     kind = "blocks" if "blocks" in (before.kind, after.kind) else "trials"
-    if kind == "blocks":
-        # The floor is an assumed, known variance: by Welch-Satterthwaite it adds no
-        # uncertainty of its own, so the effective degrees of freedom grow with its share.
-        variance = se ** 2 + 2 * noise_floor ** 2
-        df = variance ** 2 / (se ** 4 / df) if se > 0 and math.isfinite(df) else math.inf
-        se = math.sqrt(variance)
-        t_crit = float(stats.t.ppf(1 - alpha / 2, df) if math.isfinite(df)
-                       else stats.norm.ppf(1 - alpha / 2))
-    t_power = float(stats.t.ppf(POWER, df)) if math.isfinite(df) else float(stats.norm.ppf(POWER))
-    min_detectable = 1 - math.exp(-(t_crit + t_power) * se)
-    if kind == "trials" and min(len(before.scores), len(after.scores)) >= BOOTSTRAP_FROM:
-        rng = np.random.default_rng(0)
-        a, b = np.log(before.scores), np.log(after.scores)
-        draws = (rng.choice(b, (BOOTSTRAP_RESAMPLES, len(b))).mean(axis=1)
-                 - rng.choice(a, (BOOTSTRAP_RESAMPLES, len(a))).mean(axis=1))
-        low, high = np.percentile(draws, [100 * alpha / 2, 100 * (1 - alpha / 2)])
-        method = "bootstrap"
-    else:
-        low, high, method = diff - t_crit * se, diff + t_crit * se, "welch"
-    return RatioEstimate(ratio=math.exp(diff), low=math.exp(low), high=math.exp(high),
-                         method=method, n_before=len(before.scores), n_after=len(after.scores),
-                         sample_kind=kind, min_detectable=min_detectable, confidence=1 - alpha)
+    return RatioEstimate(ratio=math.exp(diff), low=math.exp(diff - t_crit * se),
+                         high=math.exp(diff + t_crit * se), n_before=a.n, n_after=b.n,
+                         sample_kind=kind, min_detectable=min_detectable,
+                         sigma=math.sqrt(variance), sigma_df=sigma_df, floor=floor,
+                         confidence=1 - alpha)
 
 
 def verdict(estimate: RatioEstimate | None, margin: float = DEFAULT_MARGIN) -> Verdict:
@@ -202,7 +201,7 @@ def _metrics(before: StageResult | None, after: StageResult | None) -> list[Metr
 
 
 def _add_exact_and_device(stage: StageComparison, a: StageResult, b: StageResult,
-                          alpha: float) -> None:
+                          alpha: float, floor: NoiseFloor) -> None:
     """The stage's exact counters side by side, and its device-time interval where both sides
     measured kernel time."""
     stage.counters = compare_counters(
@@ -211,7 +210,7 @@ def _add_exact_and_device(stage: StageComparison, a: StageResult, b: StageResult
     da, db = device_samples(a), device_samples(b)
     if da is not None and db is not None:
         stage.device_samples = (da, db)
-        stage.device = estimate_ratio(da, db, DEVICE_NOISE_FLOOR, alpha)
+        stage.device = estimate_ratio(da, db, floor, alpha)
 
 
 def _differences(before: dict[str, object], after: dict[str, object]
@@ -225,46 +224,75 @@ def _finding_key(f: Finding) -> tuple[str, str | None, str | None]:
     return f.id, f.stage, f.location
 
 
+def _note(a: StageResult | None, b: StageResult | None, estimate: RatioEstimate | None) -> str:
+    if a is None or b is None:
+        return f"only in the {'after' if a is None else 'before'} run"
+    if not (a.ok and b.ok):
+        return "did not run on both sides"
+    if estimate is None:
+        return "too few samples for an interval (need 10+ steady steps a side)"
+    if estimate.on_prior_alone:
+        return (f"one trial on a side: how much processes differ is the prior's, "
+                f"{estimate.floor.describe()}; use --trials to measure it")
+    return ""
+
+
+def _mismatches(before: RunResult, after: RunResult,
+                config_diff: list[tuple[str, object, object]]) -> list[str]:
+    """What makes two runs measure different things (a gate refuses them unless allowed): the
+    workload and its precision, the device and GPU, the software that ran it, a stage's batch
+    or precision, stages only one side has."""
+    identity = {*before.config.identity(), *after.config.identity(), "amp_dtype"}
+    found = [f"{f}: {a!r} vs {b!r}" for f, a, b in config_diff if f in identity]
+    for label, field_name in (("device", "device"), ("GPU", "gpu_name"),
+                              ("torch", "torch_version"), ("driver", "driver_version"),
+                              ("CUDA runtime", "cuda_runtime")):
+        x, y = getattr(before.env, field_name), getattr(after.env, field_name)
+        if field_name == "device":
+            x, y = x.split(":")[0], y.split(":")[0]
+        if x != y:
+            found.append(f"{label}: {x!r} vs {y!r}")
+    for a in before.stages:
+        b = after.stage(a.name)
+        if b is None or not (a.ok and b.ok):
+            continue
+        if a.facts.precision != b.facts.precision:
+            found.append(f"{a.name} precision: {a.facts.precision!r} vs {b.facts.precision!r}")
+        if a.samples_per_step != b.samples_per_step:
+            found.append(f"{a.name} samples per step: {a.samples_per_step} vs "
+                         f"{b.samples_per_step}")
+    only = sorted({s.name for s in before.stages} ^ {s.name for s in after.stages})
+    if only:
+        found.append(f"stages in one run only: {', '.join(only)}")
+    return found
+
+
 def compare_runs(before: RunResult, after: RunResult, *, before_label: str = "before",
                  after_label: str = "after", margin: float = DEFAULT_MARGIN,
-                 alpha: float = ALPHA) -> Comparison:
-    """Stage-by-stage comparison; intervals at confidence 1 - alpha (the gate uses 99%)."""
+                 alpha: float = ALPHA, calibration: Calibration | None = None) -> Comparison:
+    """Stage-by-stage comparison; intervals at confidence 1 - alpha (the gate uses 99%), from
+    the between-process spread of `calibration` where it has this machine and workload, else
+    the device kind's built-in floor."""
     names = list(dict.fromkeys([s.name for s in before.stages] + [s.name for s in after.stages]))
-    floor = max(PROCESS_NOISE_FLOOR["cuda" if run.env.device.startswith("cuda") else "cpu"]
-                for run in (before, after))
     stages = []
     for name in names:
         a, b = before.stage(name), after.stage(name)
-        note = ""
         sa = stage_samples(a) if a is not None and a.ok else None
         sb = stage_samples(b) if b is not None and b.ok else None
+        floor = floor_for((before, after), name, "wall", calibration)
         estimate = (estimate_ratio(sa, sb, floor, alpha) if sa is not None and sb is not None
                     else None)
-        if a is None or b is None:
-            note = f"only in the {'after' if a is None else 'before'} run"
-        elif not (a.ok and b.ok):
-            note = "did not run on both sides"
-        elif estimate is None:
-            note = "too few samples for an interval (need 2 trials, or 10+ steady steps each)"
-        elif estimate.optimistic:
-            note = ("one trial per side: interval from blocks of steps, optimistic (steps are "
-                    "autocorrelated); use --trials for a trustworthy one")
         stage = StageComparison(stage=name, before=a, after=b, throughput=estimate,
                                 verdict=verdict(estimate, margin), metrics=_metrics(a, b),
-                                before_samples=sa, after_samples=sb, note=note)
+                                before_samples=sa, after_samples=sb, note=_note(a, b, estimate))
         if sa is not None and sb is not None and a is not None and b is not None:
-            _add_exact_and_device(stage, a, b, alpha)
+            _add_exact_and_device(stage, a, b, alpha,
+                                  floor_for((before, after), name, "device", calibration))
         stages.append(stage)
     env_diff = [(f, getattr(before.env, f), getattr(after.env, f)) for f in _ENV_FIELDS
                 if getattr(before.env, f) != getattr(after.env, f)]
     config_diff = _differences(before.config.settings(), after.config.settings())
-    identity = {*before.config.identity(), *after.config.identity()}
-    mismatches = [f"{f}: {a!r} vs {b!r}" for f, a, b in config_diff if f in identity]
-    if before.env.gpu_name != after.env.gpu_name:
-        mismatches.append(f"GPU: {before.env.gpu_name!r} vs {after.env.gpu_name!r}")
-    only = sorted({s.name for s in before.stages} ^ {s.name for s in after.stages})
-    if only:
-        mismatches.append(f"stages in one run only: {', '.join(only)}")
+    mismatches = _mismatches(before, after, config_diff)
     before_keys = {_finding_key(f): f for f in before.findings}
     after_keys = {_finding_key(f): f for f in after.findings}
     return Comparison(

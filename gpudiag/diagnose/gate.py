@@ -13,23 +13,30 @@ Three instruments, each for what it resolves (see docs/performance.md for the me
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scipy import stats
-
 from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison, compare_runs
 from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
-from gpudiag.model.errors import EXIT_INCONCLUSIVE, EXIT_OK, EXIT_REGRESSION, BadInput
+from gpudiag.model.calibration import Calibration
+from gpudiag.model.errors import (
+    EXIT_HEAD_FAILED,
+    EXIT_INCONCLUSIVE,
+    EXIT_OK,
+    EXIT_REGRESSION,
+    BadInput,
+)
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult
 
 GATE_ALPHA = 0.01  # a gate fails builds: it decides on 99% intervals
 DEFAULT_LIMIT = 0.05  # wall-clock throughput, when the user sets none
-# Trials beyond this multiple of --max-trials are out of reach: stop adding them.
-OUT_OF_REACH = 2
+MAX_PROJECTED = 100  # trials a side beyond which a projection stops counting
 
-GateOutcome = Literal["pass", "regression", "inconclusive"]
+# "failed": the head's run broke (a stage crashed, was skipped where the base ran, or the run
+# was interrupted): nothing to compare, and no build that crashes passes.
+GateOutcome = Literal["pass", "regression", "inconclusive", "failed"]
 OnInconclusive = Literal["pass", "fail"]
 TIME_METRICS = ("wall", "device")
 METRICS = (*TIME_METRICS, "energy", *COUNTER_NAMES)
@@ -92,6 +99,7 @@ class StageGate:
     estimate: RatioEstimate | None
     reason: str
     trials_needed: int | None = None
+    drift: bool = False  # wall time moved while the work did not: the machine changed
 
 
 @dataclass
@@ -101,46 +109,70 @@ class GateDecision:
     new_findings: list[Finding]
     changes: list[tuple[str, CounterChange]]  # (stage, change) for every changed counter
     unseen: list[str]  # what the gate could not see, one line each
+    priors: list[str] = field(default_factory=list)  # the spreads assumed, and whence
+    stopped: list[str] = field(default_factory=list)  # why trials stopped (--base-ref)
 
     def exit_code(self, on_inconclusive: OnInconclusive = "pass") -> int:
+        if self.outcome == "failed":
+            return EXIT_HEAD_FAILED
         if self.outcome == "inconclusive":
             return EXIT_OK if on_inconclusive == "pass" else EXIT_INCONCLUSIVE
         return EXIT_REGRESSION if self.outcome == "regression" else EXIT_OK
 
     def trials_wanted(self, per_side: int, max_trials: int) -> int:
-        """Trials per side the next round should reach to settle an inconclusive gate: 0 when
-        decided, at --max-trials, or when what would settle it is far beyond it."""
+        """Trials per side the next round should reach: enough for every undecided instrument
+        that can decide within --max-trials; 0 when decided, at the cap, or when none can."""
         if self.outcome != "inconclusive" or per_side >= max_trials:
             return 0
-        needed = max((g.trials_needed or per_side + 1 for g in self.stages
-                      if g.outcome == "inconclusive"), default=0)
-        if needed > OUT_OF_REACH * max_trials:
-            return 0
-        return min(max_trials, max(per_side + 1, needed))
+        reachable = [g.trials_needed for g in self.stages if g.outcome == "inconclusive"
+                     and g.trials_needed is not None and g.trials_needed <= max_trials]
+        return min(max_trials, max(per_side + 1, *reachable)) if reachable else 0
+
+    def why_stopped(self, per_side: int, max_trials: int) -> list[str]:
+        """Per timed instrument: decided at how many trials a side, or why not."""
+        lines = []
+        for g in self.stages:
+            if g.metric not in TIME_METRICS:
+                continue
+            what = f"{g.stage} {'wall' if g.metric == 'wall' else 'device'} time"
+            if g.outcome != "inconclusive":
+                lines.append(f"{what}: decided ({g.outcome}) with {per_side} trial(s) a side")
+            elif g.trials_needed is None:
+                lines.append(f"{what}: undecided ({g.reason})")
+            elif g.trials_needed > max_trials:
+                about = (f"about {g.trials_needed}" if g.trials_needed < MAX_PROJECTED
+                         else f"over {MAX_PROJECTED}")
+                lines.append(f"{what}: undecided; {about} trials a side would tell, beyond "
+                             f"--max-trials {max_trials}: not worth adding trials for")
+            else:
+                lines.append(f"{what}: undecided at --max-trials {max_trials}")
+        return lines
 
 
 def _trials_needed(estimate: RatioEstimate, limit: float) -> int:
-    """Samples per side for the interval to clear 1 - limit (if no slower than it looks) or to
-    lie below 1 (if slower), assuming the same spread: the standard error shrinks with the
-    square root of n and the t quantile with the degrees of freedom (about 2n - 2) that n
-    samples a side give; a projection from two trials a side would be far too pessimistic
-    with the t quantile of two."""
+    """Trials a side for the interval to clear 1 - limit (if no slower than it looks) or to
+    lie below 1 (if slower), at the spread estimated so far: the standard error shrinks with
+    the square root of the trials and the t quantile with the degrees of freedom they add to
+    the prior's (RatioEstimate.half_width)."""
     n = min(estimate.n_before, estimate.n_after)
-    half = (math.log(estimate.high) - math.log(estimate.low)) / 2
     diff = math.log(estimate.ratio)
     room = diff - math.log(1 - limit) if diff > math.log(1 - limit) else -diff
-    if room <= 0 or half <= 0:
-        return n * 4
-    alpha = 1 - estimate.confidence
-    se = half / _t(alpha, max(1, 2 * n - 2))
-    for more in range(n + 1, 100 * n + 1):
-        if _t(alpha, 2 * more - 2) * se * math.sqrt(n / more) <= room:
-            return more
-    return 100 * n
+    if room <= 0 or estimate.sigma <= 0:
+        return MAX_PROJECTED
+    return next((m for m in range(n + 1, MAX_PROJECTED) if estimate.half_width(m) <= room),
+                MAX_PROJECTED)
 
 
-def _t(alpha: float, df: float) -> float:
-    return float(stats.t.ppf(1 - alpha / 2, df))
+def _head_failed(comparison: StageComparison) -> StageGate | None:
+    """A failed verdict when the head did not run a stage the base ran."""
+    a, b = comparison.before, comparison.after
+    if a is None or not a.ok or b is None or b.ok:
+        return None
+    how = ("was interrupted" if b.interrupted else "was skipped" if b.status == "skipped"
+           else "failed")
+    return StageGate(comparison.stage, "wall", "failed", 0.0, None,
+                     f"the head's stage {how} where the base's ran"
+                     + (f": {b.error}" if b.error else ""))
 
 
 def _unusable(comparison: StageComparison, limit: float, min_iters: int) -> StageGate | None:
@@ -149,6 +181,9 @@ def _unusable(comparison: StageComparison, limit: float, min_iters: int) -> Stag
     samples = [s for s in (comparison.before_samples, comparison.after_samples) if s]
     if comparison.before is None or comparison.after is None:
         return StageGate(name, "wall", "inconclusive", limit, None, comparison.note)
+    if not comparison.before.ok:
+        return StageGate(name, "wall", "inconclusive", limit, None,
+                         "the base did not run this stage: nothing to hold the head to")
     if any(s.invalid for s in samples) and est is None:
         return StageGate(name, "wall", "inconclusive", limit, None,
                          "every trial on a side throttled (thermal/hardware slowdown)")
@@ -180,14 +215,14 @@ def interval_gate(stage: str, metric: str, est: RatioEstimate, limit: float) -> 
         return StageGate(stage, metric, "pass", limit, est,
                          f"{change}: no significant change, and not a large one")
     return StageGate(stage, metric, "inconclusive", limit, est,
-                     f"{change}: the interval reaches past the {limit:.0%} limit; "
+                     f"{change}: the interval reaches past the {limit:.1%} limit; "
                      f"this data could only detect a {est.min_detectable:.1%} change",
                      trials_needed=_trials_needed(est, limit))
 
 
 def gate_stage(comparison: StageComparison, limit: float, min_iters: int) -> StageGate:
     """The wall-clock throughput verdict of one stage."""
-    unusable = _unusable(comparison, limit, min_iters)
+    unusable = _head_failed(comparison) or _unusable(comparison, limit, min_iters)
     if unusable is not None:
         return unusable
     assert comparison.throughput is not None
@@ -251,15 +286,52 @@ def energy_gate(comparison: StageComparison, limit: float) -> StageGate:
     return StageGate(name, "energy", "pass", limit, None, f"{text}: within the {limit:.0%} limit")
 
 
-def _stage_gates(s: StageComparison, limits: GateLimits, min_iters: int) -> list[StageGate]:
-    wall = limits.get(s.stage, "wall")
-    assert wall is not None
-    gates = [gate_stage(s, wall, min_iters)]
-    if s.before is None or s.after is None:
-        return gates
-    device = limits.get(s.stage, "device")
-    if s.device is not None and device is not None:
-        gates.append(interval_gate(s.stage, "device", s.device, device))
+def _same_work(s: StageComparison) -> bool:
+    """Both sides did exactly the same work per step: every exact counter measured, identical
+    on both sides and in every trial."""
+    names = {c.name for c in s.counters}
+    return {"ops", "kernels"} & names != set() and not any(c.changed or c.varies
+                                                           for c in s.counters)
+
+
+def _drift(wall: StageGate, device: StageGate | None, s: StageComparison, *,
+           interleaved: bool) -> StageGate:
+    """A wall-time regression of code that did the same work, on the same device time: the
+    machine changed (load, clocks), not the code. Trials interleaved in one job (two or more a
+    side) share the machine's changes, so there the verdict stands: host-side work got slower."""
+    if wall.outcome != "regression" or not _same_work(s) or wall.estimate is None or (
+            device is not None and (device.estimate is None or device.estimate.significant)):
+        return wall
+    unchanged = "device time unchanged" if device is not None else "no device time to check"
+    if interleaved and not wall.estimate.on_prior_alone:
+        return dataclasses.replace(wall, reason=wall.reason + f" (every exact counter "
+                                   f"identical and {unchanged}: host-side work got slower, "
+                                   "measured interleaved)")
+    fix = ("interleaved trials are added" if interleaved else "measure both builds in one job, "
+           "interleaved (`gpudiag gate --base-ref`), to tell the two apart")
+    n = min(wall.estimate.n_before, wall.estimate.n_after)
+    return dataclasses.replace(
+        wall, outcome="inconclusive", drift=True, trials_needed=max(2, n + 1),
+        reason=f"{wall.reason.split(': slower')[0]}, with every exact counter identical and "
+               f"{unchanged}: the machine changed (load, clocks), not the work; {fix}")
+
+
+def _stage_gates(s: StageComparison, limits: GateLimits, min_iters: int, *,
+                 interleaved: bool) -> list[StageGate]:
+    wall_limit = limits.get(s.stage, "wall")
+    assert wall_limit is not None
+    if not any(x is not None and x.ok for x in (s.before, s.after)) and \
+            s.before is not None and s.after is not None:
+        return []  # skipped or failed on both sides alike (a ddp stage on one GPU): unseen
+    wall = gate_stage(s, wall_limit, min_iters)
+    if s.before is None or s.after is None or wall.outcome == "failed":
+        return [wall]
+    device_limit = limits.get(s.stage, "device")
+    device = (interval_gate(s.stage, "device", s.device, device_limit)
+              if s.device is not None and device_limit is not None else None)
+    gates = [_drift(wall, device, s, interleaved=interleaved)]
+    if device is not None:
+        gates.append(device)
     measured = {c.name: c for c in s.counters}
     for name in sorted(limits.counters(s.stage)):
         limit = limits.get(s.stage, name)
@@ -276,10 +348,13 @@ def _stage_gates(s: StageComparison, limits: GateLimits, min_iters: int) -> list
 
 
 def _unseen(comparison: Comparison, gates: list[StageGate]) -> list[str]:
-    """What this gate could not see, stage by stage: no device time, no counters, or an
-    instrument whose smallest detectable change was above its limit."""
+    """What this gate could not see, stage by stage: a stage neither side ran, no device time,
+    no counters, or an instrument whose smallest detectable change was above its limit."""
     lines = []
     for s in comparison.stages:
+        if s.before is not None and s.after is not None and not (s.before.ok or s.after.ok):
+            why = s.after.error or s.before.error or s.after.status
+            lines.append(f"{s.stage}: ran on neither side ({why})")
         if s.before is None or s.after is None or not (s.before.ok and s.after.ok):
             continue
         if s.device is None:
@@ -297,24 +372,42 @@ def _unseen(comparison: Comparison, gates: list[StageGate]) -> list[str]:
         if g.outcome == "inconclusive" and g.estimate is not None:
             what = "wall time" if g.metric == "wall" else f"{g.metric} time"
             lines.append(f"{g.stage}: {what} could only detect a change of "
-                         f"{g.estimate.min_detectable:.1%} or more (limit {g.limit:.0%})")
+                         f"{g.estimate.min_detectable:.1%} or more (limit {g.limit:.1%})")
     return lines
 
 
+def _priors(comparison: Comparison) -> list[str]:
+    lines = []
+    for s in comparison.stages:
+        parts = [f"{what} {e.floor.describe()}, pooled with the trials' own: {e.sigma:.2%}"
+                 for what, e in (("wall time", s.throughput), ("device time", s.device))
+                 if e is not None]
+        if parts:
+            lines.append(f"{s.stage}: " + "; ".join(parts))
+    return lines
+
+
+_PRECEDENCE: tuple[GateOutcome, ...] = ("failed", "regression", "inconclusive")
+
+
 def decide(comparison: Comparison, limits: GateLimits | None = None, *,
-           min_iters: int = 10) -> GateDecision:
-    """The gate: regression if any stage regressed on any gated instrument, else inconclusive
-    if any could not tell, else pass. Changed counters and new findings travel with it."""
+           min_iters: int = 10, interleaved: bool = False) -> GateDecision:
+    """The gate: failed if the head broke a stage the base ran, regression if any stage
+    regressed on any gated instrument, else inconclusive if any could not tell, else pass.
+    `interleaved`: the trials of both sides alternated in one job (`--base-ref`), so a wall
+    time change of the same work is the code's, not the machine's. Changed counters and new
+    findings travel with it."""
     limits = limits or GateLimits()
-    gates = [g for s in comparison.stages for g in _stage_gates(s, limits, min_iters)]
+    gates = [g for s in comparison.stages
+             for g in _stage_gates(s, limits, min_iters, interleaved=interleaved)]
     outcomes = {g.outcome for g in gates}
-    outcome: GateOutcome = ("regression" if "regression" in outcomes else
-                            "inconclusive" if "inconclusive" in outcomes or not gates else "pass")
+    outcome: GateOutcome = next((o for o in _PRECEDENCE if o in outcomes),
+                                "pass" if gates else "inconclusive")
     new = sorted(comparison.findings_new,
                  key=lambda f: (SEVERITY_RANK[f.severity], f.impact), reverse=True)
     changes = [(s.stage, c) for s in comparison.stages for c in s.counter_changes]
     return GateDecision(outcome=outcome, stages=gates, new_findings=new, changes=changes,
-                        unseen=_unseen(comparison, gates))
+                        unseen=_unseen(comparison, gates), priors=_priors(comparison))
 
 
 @dataclass(frozen=True)
@@ -324,19 +417,48 @@ class GateRules:
     limits: GateLimits = field(default_factory=GateLimits)
     min_iters: int = 10
     allow_mismatch: bool = False
+    calibration: Calibration | None = None
+
+
+def _same_measurement(before: RunResult, after: RunResult) -> str | None:
+    """The stage whose steps both runs share (one run given twice, or copied), if any."""
+    for a in before.stages:
+        b = after.stage(a.name)
+        if b is None:
+            continue
+        if len(a.iter_ms) >= 3 and a.iter_ms == b.iter_ms:
+            return a.name
+        keys = {(t.ms_per_iter, t.iters, tuple(t.device_ms_by_step)) for t in a.trials}
+        if any((t.ms_per_iter, t.iters, tuple(t.device_ms_by_step)) in keys for t in b.trials):
+            return a.name
+    return None
 
 
 def judge(before: RunResult, after: RunResult, rules: GateRules, *,
-          labels: tuple[str, str] = ("before", "after")) -> tuple[GateDecision, Comparison]:
+          labels: tuple[str, str] = ("before", "after"),
+          interleaved: bool = False) -> tuple[GateDecision, Comparison]:
     """Compare two runs on the gate's 99% intervals and decide. BadInput when they cannot be
-    compared (different model, batch or GPU, unless allowed) or a limit names a stage neither
-    run has."""
+    judged: different model, batch, precision, software or GPU (unless allowed), an
+    interrupted base, the same measurement on both sides, a limit on a stage neither run has.
+    An interrupted head fails the gate."""
+    if before.interrupted:
+        raise BadInput(f"{labels[0]}: the base run was interrupted; record a complete one")
+    shared = _same_measurement(before, after)
+    if shared is not None:
+        raise BadInput(f"{labels[0]} and {labels[1]} hold the same measurement (stage "
+                       f"{shared!r}: identical step times): give two separate runs")
     comparison = compare_runs(before, after, before_label=labels[0], after_label=labels[1],
-                              alpha=GATE_ALPHA)
+                              alpha=GATE_ALPHA, calibration=rules.calibration)
     if comparison.mismatches and not rules.allow_mismatch:
         raise BadInput("runs are not comparable (" + "; ".join(comparison.mismatches)
                        + "); pass --allow-mismatch to gate anyway")
     unknown = sorted(rules.limits.stages - {s.stage for s in comparison.stages})
     if unknown:
         raise BadInput(f"--max-regression names unknown stage(s): {', '.join(unknown)}")
-    return decide(comparison, rules.limits, min_iters=rules.min_iters), comparison
+    decision = decide(comparison, rules.limits, min_iters=rules.min_iters,
+                      interleaved=interleaved)
+    if after.interrupted and decision.outcome != "failed":
+        decision.outcome = "failed"
+        decision.stages.insert(0, StageGate("(run)", "wall", "failed", 0.0, None,
+                                            "the head's run was interrupted"))
+    return decision, comparison

@@ -13,7 +13,8 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from gpudiag.diagnose.compare import PROCESS_NOISE_FLOOR, estimate_ratio
+from gpudiag.diagnose.compare import estimate_ratio
+from gpudiag.diagnose.noise import floor_for
 from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
 from gpudiag.model.remedies import (
     BASELINE_RUNS,
@@ -102,8 +103,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.after_ms = statistics.fmean(steady_state(b.iter_ms))
     fix.speedup = fix.before_ms / fix.after_ms
     estimate = estimate_ratio(_step_samples(a), _step_samples(b),
-                              PROCESS_NOISE_FLOOR["cuda" if _on_gpu(before) else "cpu"],
-                              FIX_ALPHA)
+                              floor_for((before, after), a.name, "wall"), FIX_ALPHA)
     if estimate is not None:
         fix.speedup_low, fix.speedup_high = estimate.low, estimate.high
     fix.before_j_per_step, fix.after_j_per_step = _energy_per_step(a), _energy_per_step(b)
@@ -227,10 +227,6 @@ def _energy_per_step(stage: StageResult) -> float | None:
 
 def _losses(stage: StageResult) -> list[float]:
     return list(stage.facts.script.losses) if stage.facts.script else []
-
-
-def _on_gpu(run: RunResult) -> bool:
-    return run.env.device.startswith("cuda")
 
 
 def _location(run: RunResult, names: list[str]) -> str | None:

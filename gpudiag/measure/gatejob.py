@@ -109,8 +109,8 @@ def run_interleaved(options: RunOptions, *, base: Path, head: Path, out_dir: Pat
                     on_trial: Callable[[str, int], None] = lambda side, k: None,
                     ) -> Interleaved:
     """Trials of both sides into out_dir/base/trial-K and out_dir/head/trial-K, in ABBA order:
-    `first` a side, then as many as `next_count` asks for after each round (0 or fewer than
-    already run: stop)."""
+    `first` a side, then one round at a time while `next_count`, asked after every round from
+    the first's on, wants more than have run (so a gate stops as soon as it is decided)."""
     done = Interleaved()
     target, k = first, 0
     try:
@@ -122,8 +122,8 @@ def run_interleaved(options: RunOptions, *, base: Path, head: Path, out_dir: Pat
                 run = run_one(options, checkout, out_dir / side / f"trial-{k}")
                 if run is not None:
                     runs.append(run)
-            if k == target:
-                target = max(target, next_count(done))
+            if k >= first:
+                target = next_count(done)
     except KeyboardInterrupt:
         done.interrupted = True
     return done

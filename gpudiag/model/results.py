@@ -23,6 +23,7 @@ from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import AnyConfig
 from gpudiag.model.facts import StageFacts, facts_from_details
 from gpudiag.model.schema import SchemaError, parse_json, validate_as
+from gpudiag.model.validity import check_run
 
 # 2: stages[].facts (typed, gpudiag.model.facts) replaced stages[].details (an untyped dict).
 # 3: stages[].role says what a stage is to the others; config.mode tells the two configs apart.
@@ -49,7 +50,10 @@ class RunFileError(Exception):
 # Bounds a file must meet (gpudiag.model.schema validates them on load). A timed step under a
 # microsecond is below what CUDA events or perf_counter resolve: not a measurement.
 MIN_STEP_MS = 1e-3
-StepMs = Annotated[float, Field(ge=MIN_STEP_MS)]
+# ... and a step of more than a day is no step a window times (a number that large is a
+# corrupt file, and would overflow the statistics).
+MAX_STEP_MS = 86_400_000.0
+StepMs = Annotated[float, Field(ge=MIN_STEP_MS, le=MAX_STEP_MS)]
 NonNegative = Annotated[float, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Share = Annotated[float, Field(ge=0, le=1)]
@@ -99,9 +103,9 @@ class TimingStats:
 class MemoryStats:
     """Device memory seen by the caching allocator during a stage (warm-up and timed steps)."""
 
-    peak_allocated_mib: float
-    peak_reserved_mib: float
-    device_total_mib: float | None = None
+    peak_allocated_mib: NonNegative
+    peak_reserved_mib: NonNegative
+    device_total_mib: NonNegative | None = None
 
 
 @dataclass
@@ -143,17 +147,17 @@ class SourceLine:
 
     location: str  # "path:line"
     function: str
-    calls_per_step: float = 0.0  # torch calls made from this line
-    direct_calls_per_step: float = 0.0  # ... by the line itself, not through a library
-    ops_per_step: float = 0.0  # top-level operators, forward and their backward
-    kernels_per_step: float = 0.0
-    syncs_per_step: float = 0.0
-    sync_idle_ms_per_step: float = 0.0  # device idle after this line's syncs
-    memcpys_per_step: float = 0.0
-    host_ms_per_step: float = 0.0
-    device_ms_per_step: float = 0.0
-    median_kernel_us: float | None = None
-    share_of_step_time: float = 0.0  # host time in this line's calls / profiled step time
+    calls_per_step: NonNegative = 0.0  # torch calls made from this line
+    direct_calls_per_step: NonNegative = 0.0  # ... by the line itself, not through a library
+    ops_per_step: NonNegative = 0.0  # top-level operators, forward and their backward
+    kernels_per_step: NonNegative = 0.0
+    syncs_per_step: NonNegative = 0.0
+    sync_idle_ms_per_step: NonNegative = 0.0  # device idle after this line's syncs
+    memcpys_per_step: NonNegative = 0.0
+    host_ms_per_step: NonNegative = 0.0
+    device_ms_per_step: NonNegative = 0.0
+    median_kernel_us: NonNegative | None = None
+    share_of_step_time: NonNegative = 0.0  # host time in this line's calls / profiled step time
     in_loop: bool = False  # the line sits inside a for/while loop or comprehension
     # The library frame (path:line) between this line of the user's code and torch, when the
     # work went through one (a Trainer, a model in site-packages); None for direct calls.
@@ -175,13 +179,14 @@ class LineCount:
 
     location: str
     function: str
-    ops: float = 0.0
-    kernels: float = 0.0
-    syncs: float = 0.0
-    copies: float = 0.0
-    device_ms: float = 0.0
-    sync_idle_ms: float = 0.0
-    kind_ms: dict[str, float] = field(default_factory=dict)  # device (CPU: operator) ms by kind
+    ops: NonNegative = 0.0
+    kernels: NonNegative = 0.0
+    syncs: NonNegative = 0.0
+    copies: NonNegative = 0.0
+    device_ms: NonNegative = 0.0
+    sync_idle_ms: NonNegative = 0.0
+    # Device (CPU: operator) ms by kind.
+    kind_ms: dict[str, NonNegative] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,48 +196,49 @@ class Evidence:
     steps: int
     step_ms: float  # profiled step time, host clock, instrumentation included
     backend: str  # "cuda" (kernels measured) or "cpu" (operator calls counted)
-    kernels_per_step: float = 0.0
-    launches_per_step: float = 0.0
-    ops_per_step: float = 0.0
-    syncs_per_step: float = 0.0
-    memcpy_per_step: dict[str, float] = field(default_factory=dict)  # "HtoD-pageable": n
-    memcpy_ms_per_step: dict[str, float] = field(default_factory=dict)
-    htod_overlap_fraction: float | None = None  # share of HtoD copy time with a kernel running
-    memset_per_step: float = 0.0
-    sync_ms_per_step: float = 0.0  # host time blocked in synchronising runtime calls
+    kernels_per_step: NonNegative = 0.0
+    launches_per_step: NonNegative = 0.0
+    ops_per_step: NonNegative = 0.0
+    syncs_per_step: NonNegative = 0.0
+    memcpy_per_step: dict[str, NonNegative] = field(default_factory=dict)  # "HtoD-pageable": n
+    memcpy_ms_per_step: dict[str, NonNegative] = field(default_factory=dict)
+    # Share of HtoD copy time with a kernel running.
+    htod_overlap_fraction: NonNegative | None = None
+    memset_per_step: NonNegative = 0.0
+    sync_ms_per_step: NonNegative = 0.0  # host time blocked in synchronising calls
     # Device idle right after syncs (until the host's next work starts): what syncs cost.
-    sync_idle_ms_per_step: float = 0.0
-    matmul_ms_by_dtype: dict[str, float] = field(default_factory=dict)  # "fp32": ms per step
+    sync_idle_ms_per_step: NonNegative = 0.0
+    matmul_ms_by_dtype: dict[str, NonNegative] = field(default_factory=dict)  # "fp32": ms per step
     # Kernel time (on a CPU, top-level operators' host time) per step, by DeviceKind.
-    device_ms_by_kind: dict[str, float] = field(default_factory=dict)
-    device_ms_per_step: float = 0.0  # kernel time, summed over kernels
-    empty_cache_per_step: float = 0.0  # cudaFree calls: the caching allocator giving back
-    empty_cache_ms_per_step: float = 0.0
-    device_busy_ms_per_step: float | None = None
-    idle_fraction: float | None = None  # share of the step with no kernel or copy running
-    short_kernels_per_step: float = 0.0
+    device_ms_by_kind: dict[str, NonNegative] = field(default_factory=dict)
+    device_ms_per_step: NonNegative = 0.0  # kernel time, summed over kernels
+    empty_cache_per_step: NonNegative = 0.0  # cudaFree calls: the caching allocator giving back
+    empty_cache_ms_per_step: NonNegative = 0.0
+    device_busy_ms_per_step: NonNegative | None = None
+    idle_fraction: NonNegative | None = None  # share of the step with no kernel or copy running
+    short_kernels_per_step: NonNegative = 0.0
     # Collectives, all within the window. Raw time is NCCL kernel durations summed (gloo's work
     # ranges on a CPU): it includes spinning while a peer is late, so it can exceed the step.
-    collective_ms_per_step: float = 0.0
-    collective_wall_ms_per_step: float = 0.0  # the union of those intervals
-    collective_calls_per_step: float = 0.0  # c10d collective calls (a DDP bucket each)
+    collective_ms_per_step: NonNegative = 0.0
+    collective_wall_ms_per_step: NonNegative = 0.0  # the union of those intervals
+    collective_calls_per_step: NonNegative = 0.0  # c10d collective calls (a DDP bucket each)
     # Those calls by kind: "all_reduce" (DDP), "all_gather" and "reduce_scatter" (FSDP), ...
-    collective_calls_by_kind: dict[str, float] = field(default_factory=dict)
-    collective_overlap_fraction: float | None = None  # share of the union beside other work
-    collective_exposed_ms_per_step: float | None = None  # the union minus other device work
-    compute_busy_ms_per_step: float | None = None  # union of non-collective device work
-    window_step_ms: float = 0.0  # the window's span per step (host and device clocks)
-    microsteps_per_step: float = 0.0  # gradient-accumulation micro-steps (gpudiag.microstep)
-    microsteps_with_collectives_per_step: float = 0.0  # of which all-reduced
+    collective_calls_by_kind: dict[str, NonNegative] = field(default_factory=dict)
+    collective_overlap_fraction: NonNegative | None = None  # share of the union beside other work
+    collective_exposed_ms_per_step: NonNegative | None = None  # the union minus other device work
+    compute_busy_ms_per_step: NonNegative | None = None  # union of non-collective device work
+    window_step_ms: NonNegative = 0.0  # the window's span per step (host and device clocks)
+    microsteps_per_step: NonNegative = 0.0  # gradient-accumulation micro-steps (gpudiag.microstep)
+    microsteps_with_collectives_per_step: NonNegative = 0.0  # of which all-reduced
     top_ops_by_count: list[dict[str, Any]] = field(default_factory=list)
     top_ops_by_time: list[dict[str, Any]] = field(default_factory=list)
     source_lines: list[SourceLine] = field(default_factory=list)
     line_counts: list[LineCount] = field(default_factory=list)  # every line, see LineCount
     # Bytes copied per step between host and device, by direction ("HtoD", "DtoH").
-    copy_bytes_per_step: dict[str, float] = field(default_factory=dict)
+    copy_bytes_per_step: dict[str, NonNegative] = field(default_factory=dict)
     # Kernel time of each profiled step (kernels assigned to the step that launched them).
     device_ms_by_step: list[NonNegative] = field(default_factory=list)
-    window_overhead: float | None = None  # profiled step time / timed median step time
+    window_overhead: NonNegative | None = None  # profiled step time / timed median step time
     # Why device work is not charged to source lines, when it is not (torch.compile).
     attribution_note: str | None = None
 
@@ -444,6 +450,10 @@ class RunResult:
         repeated = [name for name, n in Counter(s.name for s in run.stages).items() if n > 1]
         if repeated:
             raise RunFileError(f"stages: {repeated[0]!r} appears more than once")
+        try:
+            check_run(run)
+        except SchemaError as exc:
+            raise RunFileError(str(exc)) from None
         return run
 
 

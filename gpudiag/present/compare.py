@@ -6,7 +6,7 @@ from rich import box
 from rich.table import Table
 
 from gpudiag.diagnose.compare import Comparison, MetricChange, StageComparison
-from gpudiag.diagnose.gate import GateDecision, OnInconclusive, describe_change
+from gpudiag.diagnose.gate import MAX_PROJECTED, GateDecision, OnInconclusive, describe_change
 from gpudiag.model.results import Finding
 from gpudiag.present.rows import DASH, fmt
 from gpudiag.present.tables import markdown_table
@@ -28,7 +28,7 @@ def _ratio_cells(s: StageComparison) -> list[str]:
     e = s.throughput
     if e is None:
         return [DASH, DASH, DASH]
-    return [f"{e.ratio:.3f}x", f"{e.low:.3f} .. {e.high:.3f}" + ("*" if e.optimistic else ""),
+    return [f"{e.ratio:.3f}x", f"{e.low:.3f} .. {e.high:.3f}" + ("*" if e.on_prior_alone else ""),
             f"{e.min_detectable:.1%}"]
 
 
@@ -36,7 +36,7 @@ def _device_cell(s: StageComparison) -> str:
     e = s.device
     if e is None:
         return DASH
-    return (f"{e.ratio:.3f}x ({e.low:.3f} .. {e.high:.3f}" + ("*" if e.optimistic else "")
+    return (f"{e.ratio:.3f}x ({e.low:.3f} .. {e.high:.3f}" + ("*" if e.on_prior_alone else "")
             + ")")
 
 
@@ -113,9 +113,10 @@ def comparison_markdown(c: Comparison) -> str:
     out.append("Throughput ratio is after over before (above 1: faster), with its "
                f"{c.confidence:.0%} interval; "
                "*detectable* is the smallest change this data could detect (80% power). "
-               "An interval marked * comes from blocks of steps of a single trial per side: "
-               "steps are autocorrelated, so it is optimistic; compare runs made with "
-               "`--trials` for a trustworthy one.")
+               "Intervals pool the trials' own spread with what is known of this machine's "
+               "(a calibration, or the device kind's built-in floor); one marked * has a "
+               "single trial on a side, so its spread between processes is that prior alone: "
+               "compare runs made with `--trials` to measure it.")
     out.append("")
     out.append("*Device time* is kernel time per step from the evidence window (above 1: "
                "less of it); *exact counters* are counted per step and compared exactly.")
@@ -137,6 +138,7 @@ _HEADLINE = {
     "pass": "PASS: no stage regressed beyond its limits.",
     "regression": "REGRESSION: a stage regressed beyond its limit.",
     "inconclusive": "INCONCLUSIVE: the data cannot tell within the limits.",
+    "failed": "FAILED: the head's run broke where the base's ran (exit 5).",
 }
 
 
@@ -148,8 +150,12 @@ def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass")
         lines[0] += (" Passing under --on-inconclusive pass." if on_inconclusive == "pass"
                      else " Failing under --on-inconclusive fail (exit 3).")
     for g in decision.stages:
-        more = f" (about {g.trials_needed} trials per side would tell)" if g.trials_needed else ""
+        more = (f" (about {g.trials_needed} trials per side would tell)"
+                if g.trials_needed and g.trials_needed < MAX_PROJECTED and not g.drift else "")
         lines.append(f"  {g.outcome:>12}  {g.stage} [{g.metric}]: {g.reason}{more}")
+    if decision.stopped:
+        lines.append("Trials:")
+        lines += [f"  {line}" for line in decision.stopped]
     gated = {(g.stage, g.metric) for g in decision.stages}
     ungated = [(stage, c) for stage, c in decision.changes if (stage, c.name) not in gated]
     if ungated:
@@ -158,6 +164,9 @@ def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass")
     if decision.unseen:
         lines.append("What this gate could not see:")
         lines += [f"  {line}" for line in decision.unseen]
+    if decision.priors:
+        lines.append("Between-process spread (the prior, and pooled with these trials):")
+        lines += [f"  {line}" for line in decision.priors]
     if decision.new_findings:
         lines.append("New findings since the baseline (likely causes):")
         lines += [f"  {f.severity} {f.id} {f.stage}: {f.title}"

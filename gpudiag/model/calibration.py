@@ -1,0 +1,97 @@
+"""A machine's calibration: how much fresh processes of the same code differ there, per stage.
+
+`gpudiag calibrate` records it (N fresh-process trials of one workload) into a file the gate
+reads (default `.gpudiag/calibration.json`, meant to be committed beside baselines). One file
+holds a record per (device kind, GPU model, workload); recording again replaces that record
+only. The gate uses a record as its prior for the between-process spread
+(gpudiag/diagnose/noise.py) instead of the built-in floor of the device kind.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from gpudiag.model.atomic import write_text_atomic
+from gpudiag.model.results import NonNegative, RunFileError, from_jsonable, to_jsonable
+from gpudiag.model.schema import SchemaError, parse_json
+
+CALIBRATION_SCHEMA = 1
+DEFAULT_CALIBRATION = Path(".gpudiag/calibration.json")
+MIN_CALIBRATION_TRIALS = 3  # a spread needs two degrees of freedom to mean anything
+
+
+@dataclass
+class StageSpread:
+    """One stage's between-process spread: the standard deviation of one trial's log
+    throughput (wall clock, and device time where kernels were timed), over `trials`."""
+
+    stage: str
+    trials: Annotated[int, Field(ge=MIN_CALIBRATION_TRIALS)]
+    wall_sd: NonNegative
+    device_sd: NonNegative | None = None
+
+
+@dataclass
+class CalibrationRecord:
+    """What one `gpudiag calibrate` measured, and on what."""
+
+    device: str  # "cuda" or "cpu": the device kind
+    gpu_name: str | None
+    workload: dict[str, str | int | None]  # the config's identity (model, preset, batch, ...)
+    stages: list[StageSpread]
+    driver_version: str | None = None
+    torch_version: str = ""
+    hostname: str = ""
+    created_utc: str = ""
+    source: str = ""  # the run directory it was computed from
+
+    def key(self) -> tuple[str, str | None, tuple[tuple[str, str | int | None], ...]]:
+        return self.device, self.gpu_name, tuple(sorted(self.workload.items()))
+
+
+@dataclass
+class Calibration:
+    records: list[CalibrationRecord] = field(default_factory=list)
+    schema_version: int = CALIBRATION_SCHEMA
+
+    def find(self, device: str, gpu_name: str | None,
+             workload: dict[str, str | int | None]) -> CalibrationRecord | None:
+        wanted = (device, gpu_name, tuple(sorted(workload.items())))
+        return next((r for r in self.records if r.key() == wanted), None)
+
+    def with_record(self, record: CalibrationRecord) -> Calibration:
+        """This calibration with `record` added, replacing the one of the same key."""
+        kept = [r for r in self.records if r.key() != record.key()]
+        return Calibration(records=[*kept, record])
+
+
+def load_calibration(path: Path) -> Calibration:
+    """The calibration file at `path`; RunFileError (one line) when it is not one."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise RunFileError(f"{path}: cannot read ({reason})") from None
+    try:
+        data = parse_json(text)
+    except SchemaError as exc:
+        raise RunFileError(f"{path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != CALIBRATION_SCHEMA:
+        raise RunFileError(f"{path}: not a gpudiag calibration file (schema_version "
+                           f"{CALIBRATION_SCHEMA} expected)")
+    try:
+        return from_jsonable(Calibration, data)
+    except RunFileError as exc:
+        raise RunFileError(f"{path}: {exc}") from None
+
+
+def save_calibration(calibration: Calibration, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(to_jsonable(calibration), indent=1) + "\n")

@@ -1,0 +1,122 @@
+"""What no real run can hold, beyond what each field's type bounds (gpudiag/model/schema.py):
+values that contradict each other. A run.json edited by hand, stitched from two runs or written
+by a broken tool is refused on load with one line naming the field, rather than compared: a
+gate that scores a run from numbers the run's own steps contradict decides nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from gpudiag.model.config import RunConfig
+from gpudiag.model.schema import SchemaError
+
+if TYPE_CHECKING:  # results.py calls check_run on every run it reads
+    from gpudiag.model.results import Evidence, RunResult, StageResult
+
+# Relative slack for values a run derives from others (float rounding, and the median of an
+# even number of trials' throughputs against the median of their times).
+DERIVED_REL = 1e-6
+# A CUDA kernel launch costs the host about 2 us or more and an eager CPU operator about 1 us
+# (PyTorch's dispatch), so a step cannot hold more than one counted event per microsecond;
+# the bound allows ten.
+MAX_EVENTS_PER_US = 10.0
+# Step times sum to at most the time that measured them (the stage's window, the run's
+# duration); this slack covers clocks read at slightly different moments.
+CLOCK_SLACK_REL, CLOCK_SLACK_MS = 0.02, 5.0
+_COUNTED = ("kernels_per_step", "launches_per_step", "ops_per_step", "syncs_per_step",
+            "memset_per_step", "collective_calls_per_step")
+
+
+def _within(value: float, low: float, high: float) -> bool:
+    return low * (1 - DERIVED_REL) <= value <= high * (1 + DERIVED_REL)
+
+
+def _check_summary(stage: StageResult, where: str) -> None:
+    """ms_per_iter and samples_per_s against the steps (or trials) they summarise."""
+    times = [t.ms_per_iter for t in stage.trials] if len(stage.trials) >= 2 else stage.iter_ms
+    if stage.ms_per_iter is not None and times and \
+            not _within(stage.ms_per_iter, min(times), max(times)):
+        what = "its trials'" if len(stage.trials) >= 2 else "its steps'"
+        raise SchemaError(f"{where}.ms_per_iter: {stage.ms_per_iter:g} ms lies outside "
+                           f"{what} {min(times):g}..{max(times):g} ms")
+    if stage.samples_per_s is not None and stage.samples_per_step and times and not _within(
+            stage.samples_per_s, stage.samples_per_step / max(times) * 1e3,
+            stage.samples_per_step / min(times) * 1e3):
+        raise SchemaError(f"{where}.samples_per_s: {stage.samples_per_s:g} is not "
+                           f"{stage.samples_per_step} samples per step at its step times")
+
+
+def _check_trials(stage: StageResult, where: str) -> None:
+    for k, trial in enumerate(stage.trials):
+        if stage.samples_per_step and not _within(
+                trial.samples_per_s, *[stage.samples_per_step / trial.ms_per_iter * 1e3] * 2):
+            raise SchemaError(f"{where}.trials[{k}].samples_per_s: {trial.samples_per_s:g} "
+                               f"is not {stage.samples_per_step} samples per "
+                               f"{trial.ms_per_iter:g} ms step")
+        if trial.device_ms_by_step and trial.device_ms is not None and not _within(
+                trial.device_ms, *[statistics.median(trial.device_ms_by_step)] * 2):
+            raise SchemaError(f"{where}.trials[{k}].device_ms: {trial.device_ms:g} is not the "
+                               "median of its device_ms_by_step")
+    if stage.trials and stage.iter_ms and not any(
+            _within(t.ms_per_iter, min(stage.iter_ms), max(stage.iter_ms))
+            for t in stage.trials):
+        raise SchemaError(f"{where}.trials: no trial's time per step lies within the stage's "
+                           f"own steps ({min(stage.iter_ms):g}..{max(stage.iter_ms):g} ms)")
+    seen: dict[tuple[object, ...], int] = {}
+    for k, t in enumerate(stage.trials):
+        key = (t.ms_per_iter, t.iters, tuple(t.device_ms_by_step), t.energy_per_sample_j)
+        if key in seen:
+            raise SchemaError(f"{where}.trials[{k}]: a copy of trials[{seen[key]}] (the same "
+                               "step times): trials must be separate processes")
+        seen[key] = k
+
+
+def _check_evidence(ev: Evidence, where: str) -> None:
+    step_us = ev.step_ms * 1e3
+    for name in _COUNTED:
+        value = getattr(ev, name)
+        if value > MAX_EVENTS_PER_US * step_us:
+            raise SchemaError(f"{where}.evidence.{name}: {value:g} per step in a "
+                               f"{ev.step_ms:g} ms step is impossible")
+
+
+def _check_flops(stage: StageResult, where: str) -> None:
+    ev = stage.evidence
+    matmul_ms = (sum(ev.matmul_ms_by_dtype.values()) + ev.device_ms_by_kind.get("matmul", 0)
+                 + ev.device_ms_by_kind.get("attention", 0)) if ev is not None else 0.0
+    if stage.facts.flops_per_step is not None and stage.facts.flops_per_step <= 0 \
+            and matmul_ms > 0:
+        raise SchemaError(f"{where}.facts.flops_per_step: {stage.facts.flops_per_step:g} "
+                           f"with {matmul_ms:.3g} ms of matmuls per step")
+
+
+def _check_clock(run: RunResult, stage: StageResult, where: str) -> None:
+    timed = sum(stage.iter_ms)
+    for name, span_s in (("wall_s", stage.wall_s), ("duration_s", run.duration_s)):
+        if span_s is not None and timed > span_s * 1e3 * (1 + CLOCK_SLACK_REL) + CLOCK_SLACK_MS:
+            holder = where if name == "wall_s" else "the run"
+            raise SchemaError(f"{where}.iter_ms: {timed / 1e3:.4g} s of steps in {holder}'s "
+                               f"{span_s:.4g} s ({name})")
+
+
+def _check_batch(run: RunResult, stage: StageResult, where: str) -> None:
+    config = run.config
+    if isinstance(config, RunConfig) and stage.samples_per_step and \
+            stage.samples_per_step % config.batch_size:
+        raise SchemaError(f"{where}.samples_per_step: {stage.samples_per_step} is not a "
+                           f"multiple of the config's batch of {config.batch_size}")
+
+
+def check_run(run: RunResult) -> None:
+    """SchemaError, naming the field, for the first value the run's others contradict."""
+    for i, stage in enumerate(run.stages):
+        where = f"stages[{i}]"
+        _check_summary(stage, where)
+        _check_trials(stage, where)
+        _check_clock(run, stage, where)
+        _check_batch(run, stage, where)
+        _check_flops(stage, where)
+        if stage.evidence is not None:
+            _check_evidence(stage.evidence, where)
