@@ -18,6 +18,13 @@ matmuls (device-bound). First, the stall each sample causes a pure-Python loop, 
 taken by the timer signal (the default) and by a sampling thread (the fallback).
 
     python benchmarks/host_sampler.py --out host_sampler.json
+
+--handler times one sample from inside the training thread: the timer signal's handler, and
+within it the filing of the steps ended since the previous sample and the stack's
+classification, on ~2 ms steps of a small model (a module's forward, backward, SGD, Python
+work, a read-back) sampled at --hz, for --seconds.
+
+    python benchmarks/host_sampler.py --handler --seconds 20
 """
 
 from __future__ import annotations
@@ -247,6 +254,127 @@ def stalls(seconds: float, hz: float, clock: Clock, windows: int = 8) -> dict[st
     return result
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _small_training_loop(device: torch.device, step_ms: float
+                         ) -> tuple[Callable[[int], float], list[float]]:
+    """`train(steps)`, a loop of ~`step_ms` steps: a small model's forward (modules of the
+    script's own and torch's), backward, SGD, Python work and a read-back; and the step marks
+    it appends to."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(64), _Block(64), nn.LayerNorm(64), nn.Linear(64, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, device=device)
+    y = torch.randint(0, 10, (32,), device=device)
+    marks = [time.perf_counter()]
+    work = [100]
+
+    def train(steps: int) -> float:
+        total = 0.0
+        for _ in range(steps):
+            out = model(x)
+            loss = nn.functional.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += sum(i * i for i in range(work[0]))
+            total += loss.item()
+            marks.append(time.perf_counter())
+        return total
+
+    def timed(steps: int) -> float:
+        started = time.perf_counter()
+        train(steps)
+        return (time.perf_counter() - started) * 1e3 / steps
+
+    train(10)
+    base_ms = timed(20)
+    work[0] = 20_000
+    per_work = (timed(20) - base_ms) / 19_900
+    work[0] = max(100, round(100 + (step_ms - base_ms) / max(per_work, 1e-9)))
+    del marks[1:]
+    marks[0] = time.perf_counter()
+    return train, marks
+
+
+def handler_cost(seconds: float, hz: float, device: torch.device,
+                 step_ms: float = 2.0) -> dict[str, object]:
+    """Microseconds per sample, timed inside the training thread: the timer signal's handler
+    (the sampler's, with no signal delivery), and the classification of the stack within it
+    (remembered stacks: hits, and the first sight of a stack), on a loop of ~`step_ms` steps
+    (_small_training_loop): at 50 Hz ~10 steps end between two samples, each filed at the
+    next one."""
+    torch.set_num_threads(1)  # (a shared host's other work stalls an OpenMP team of several)
+    train, marks = _small_training_loop(device, step_ms)
+    sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=train.__code__,
+                          cuda=device.type == "cuda", warmup=0, skip=(), max_steps=10**9,
+                          period_s=1 / hz, clock="signal")
+    handler_us: list[float] = []
+    hit_us: list[float] = []
+    miss_us: list[float] = []
+    filing_us: list[float] = []
+    on_signal, classifier, close_steps = sampler._on_signal, sampler.classifier, \
+        sampler._close_steps
+
+    def timed_handler(signum: int, frame: Any) -> None:
+        start = time.perf_counter_ns()
+        on_signal(signum, frame)
+        handler_us.append((time.perf_counter_ns() - start) / 1e3)
+
+    def timed_classifier(frame: Any) -> Any:
+        known = len(classifier.known)
+        start = time.perf_counter_ns()
+        sample = classifier(frame)
+        took = (time.perf_counter_ns() - start) / 1e3
+        (hit_us if len(classifier.known) == known else miss_us).append(took)
+        return sample
+
+    def timed_filing(step: int) -> None:
+        start = time.perf_counter_ns()
+        close_steps(step)
+        filing_us.append((time.perf_counter_ns() - start) / 1e3)
+
+    sampler._on_signal = timed_handler  # (read when the timer starts)
+    sampler._close_steps = timed_filing
+    sampler.classifier = timed_classifier
+    gc.collect()
+    sampler.start()
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        train(10)
+    result = sampler.stop()
+    step_ms = (marks[-1] - marks[0]) * 1e3 / (len(marks) - 1)
+    classify_us = hit_us + miss_us
+    hit = statistics.median(hit_us) if hit_us else float("nan")
+    first = statistics.median(miss_us) if miss_us else float("nan")
+    report: dict[str, object] = {
+        "method": "the handler timed from inside", "hz": hz, "seconds": seconds,
+        "step_ms": step_ms, "samples": result.samples, "stacks": len(classifier.known),
+        "handler_us": {"median": statistics.median(handler_us),
+                       "mean": statistics.fmean(handler_us)},
+        "filing_steps_us": {"median": statistics.median(filing_us),
+                            "mean": statistics.fmean(filing_us)},
+        "classify_us": {"median": statistics.median(classify_us),
+                        "mean": statistics.fmean(classify_us), "seen_before_median": hit,
+                        "first_seen_median": first}}
+    print(f"handler: {step_ms:.2f} ms steps, {result.samples} samples at {hz:g} Hz, "
+          f"{len(classifier.known)} distinct stacks. Per sample: the handler "
+          f"{statistics.median(handler_us):.1f} us median ({statistics.fmean(handler_us):.1f} "
+          f"mean), of which filing the steps ended since the previous sample "
+          f"{statistics.median(filing_us):.1f} us median ({statistics.fmean(filing_us):.1f} mean)"
+          f" and the stack's classification {statistics.median(classify_us):.1f} "
+          f"us median ({statistics.fmean(classify_us):.1f} mean; a stack seen before {hit:.1f}, "
+          f"first seen {first:.1f})", flush=True)
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=90.0,
@@ -256,6 +384,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few rounds (a smoke test)")
     parser.add_argument("--only", default="", help="the steps whose name holds this text")
     parser.add_argument("--no-stalls", action="store_true")
+    parser.add_argument("--handler", action="store_true",
+                        help="only the handler's time per sample, timed from inside")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.cores and hasattr(os, "sched_setaffinity"):
@@ -267,6 +397,12 @@ def main() -> int:
                               "python": sys.version.split()[0],
                               "cores": sorted(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else None, "results": []}
+    if args.handler:
+        report["results"].append(handler_cost(5.0 if args.quick else args.seconds, args.hz,
+                                              device))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return 0
     clocks: tuple[Clock, ...] = () if args.no_stalls else ("signal", "thread")
     for clock in clocks:
         report["results"].append(stalls(0.5 if args.quick else 2.0, args.hz, clock))

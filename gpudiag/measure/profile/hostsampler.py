@@ -45,10 +45,17 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
-from types import BuiltinFunctionType, CodeType, FrameType, FunctionType, ModuleType
-from typing import Literal, NamedTuple
+from types import (
+    BuiltinFunctionType,
+    CodeType,
+    FrameType,
+    FunctionType,
+    MappingProxyType,
+    ModuleType,
+)
+from typing import Literal, NamedTuple, cast
 
 import torch
 
@@ -74,6 +81,7 @@ MAX_SLOW_STEPS = 2_000  # slow steps kept one by one
 MAX_KEYS = 5_000  # distinct (line, via, kind) kept; later ones are summed as "other lines"
 MAX_LINES = 40  # lines written to run.json, busiest first
 MAX_STEP_LINES = 5  # training-loop lines kept per slow step
+FILE_EVERY = 128  # steps filed at once (at a sample: one in ~12 at 50 Hz and 2 ms steps)
 
 # Calls that read a device value back to the host: each waits for the GPU's queue to drain.
 SYNC_CALLS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "nonzero",
@@ -177,19 +185,20 @@ def _resolves_to_torch(frame: FrameType, callee: Callee) -> bool | None:
     return owner.split(".")[0] == _TORCH
 
 
-def _call_kind(frame: FrameType, cuda: bool) -> HostKind:
-    """What the innermost frame is doing at its current instruction."""
+def _call_kind(frame: FrameType, cuda: bool) -> tuple[HostKind, Callee | None]:
+    """What the innermost frame is doing at its current instruction; and the callee when the
+    frame's globals decided it (None otherwise: the code and instruction alone did)."""
     callee = _callees(frame.f_code).get(frame.f_lasti)
     if callee is None:
-        return "python"
+        return "python", None
     if callee is _OPERATOR or callee is _UNKNOWN:
-        return "call"
+        return "call", None
     if callee.name in SYNC_CALLS:
-        return "sync" if cuda else "torch"
+        return ("sync" if cuda else "torch"), None
     torch_call = _resolves_to_torch(frame, callee)
-    if torch_call is None:
-        return "call"
-    return "torch" if torch_call else "python"
+    if torch_call is None:  # (a local's method: known from the code alone)
+        return "call", None
+    return ("torch" if torch_call else "python"), callee
 
 
 class Key(NamedTuple):
@@ -202,6 +211,11 @@ class Key(NamedTuple):
 class Sample(NamedTuple):
     key: Key
     loop_line: str | None
+
+
+# A step no sample landed in (most steps, at 50 Hz): its samples and loop lines, shared.
+_NO_SAMPLES: Mapping[Key, float] = MappingProxyType({})
+_NO_LINES: Mapping[str, float] = MappingProxyType({})
 
 
 class _Walk(NamedTuple):
@@ -240,9 +254,17 @@ def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
 
 def classify(frame: FrameType, loop_code: CodeType | None, cuda: bool) -> Sample:
     """One stack: the user's line it is charged to, and what the thread was doing there."""
+    return _classify(frame, loop_code, cuda)[0]
+
+
+def _classify(frame: FrameType, loop_code: CodeType | None, cuda: bool
+              ) -> tuple[Sample, Callee | None]:
+    """classify(), and the callee whose kind the innermost frame's globals decided (None:
+    the frames' code and instructions alone decided the sample)."""
     walk = _walk(frame, loop_code)
     innermost = frame_role(frame.f_code.co_filename)
     kind: HostKind
+    callee = None
     if walk.data:
         kind = "data"
     elif walk.sync:
@@ -250,12 +272,87 @@ def classify(frame: FrameType, loop_code: CodeType | None, cuda: bool) -> Sample
     elif innermost in ("gpudiag", "torch"):
         kind = innermost
     else:
-        kind = _call_kind(frame, cuda)
+        kind, callee = _call_kind(frame, cuda)
     charged = walk.user or walk.library or frame
     via = "" if walk.user is None or walk.library is None else \
         _location(walk.library.f_code.co_filename, walk.library.f_lineno)
     return Sample(Key(_location(charged.f_code.co_filename, charged.f_lineno),
-                      charged.f_code.co_name, via, kind), walk.loop_line)
+                      charged.f_code.co_name, via, kind), walk.loop_line), callee
+
+
+MAX_CLASSIFIED = 4_096  # stacks remembered by a Classifier; past this it starts again
+
+
+class _Known(NamedTuple):
+    codes: tuple[CodeType, ...]  # held, so that no other code object takes their ids
+    sample: Sample
+    # The callee the innermost frame's globals resolve, and the sample as torch's and as not.
+    by_globals: tuple[Callee, Sample, Sample] | None
+
+
+class Classifier:
+    """classify(), remembered by stack: a training loop's stacks repeat, and classifying one
+    (roles, display paths, callee lookups) costs several times reading it (in the signal
+    handler at 50 Hz on a 2-core VM, ~22 us against ~6: benchmarks/host_sampler.py
+    --handler). A stack is the frames from the innermost out to the training loop's, each as
+    its code's id and its current instruction (f_lasti): all that classify() reads of a
+    frame but its globals.
+    - a frame's line is a function of its code and instruction, but where a trace function
+      is set on it (a debugger's jump moves its line; on 3.10 the line is the tracer's): such
+      a stack is classified afresh;
+    - the code objects of the stacks remembered are held, so an id in a stack is the same
+      code's while the stack is;
+    - a name the innermost frame calls through its globals (`model(x)`, `helper(x)` at a
+      module-level loop's line) is resolved again at every sample: a global rebound to other
+      code (`helper = torch.abs`, later `abs`) changes what the same instruction calls;
+    - a file's display path is the one it had when its stack was first seen (one line, one
+      name, if the script later changes its working directory);
+    - at most MAX_CLASSIFIED stacks are kept (a script whose stacks never repeat)."""
+
+    def __init__(self, loop_code: CodeType | None, cuda: bool) -> None:
+        self.loop_code, self.cuda = loop_code, cuda
+        self.known: dict[tuple[int, ...], _Known] = {}
+
+    def __call__(self, frame: FrameType) -> Sample:
+        loop_code = self.loop_code
+        stack_key: list[int] = []
+        f: FrameType | None = frame
+        while f is not None:
+            code = f.f_code
+            if f.f_trace is not None:
+                return classify(frame, loop_code, self.cuda)
+            stack_key.append(id(code))
+            stack_key.append(f.f_lasti)
+            if code is loop_code:
+                break
+            f = f.f_back
+        key = tuple(stack_key)
+        known = self.known.get(key)
+        if known is None:
+            known = self._learn(key, frame)
+        if known.by_globals is None:
+            return known.sample
+        callee, torch_sample, other_sample = known.by_globals
+        return torch_sample if _resolves_to_torch(frame, callee) else other_sample
+
+    def _learn(self, key: tuple[int, ...], frame: FrameType) -> _Known:
+        sample, callee = _classify(frame, self.loop_code, self.cuda)
+        codes = []
+        f: FrameType | None = frame
+        while f is not None:
+            codes.append(f.f_code)
+            if f.f_code is self.loop_code:
+                break
+            f = f.f_back
+        by_globals = None
+        if callee is not None:
+            torch_sample, other_sample = (sample._replace(key=sample.key._replace(kind=kind))
+                                          for kind in ("torch", "python"))
+            by_globals = (callee, torch_sample, other_sample)
+        if len(self.known) >= MAX_CLASSIFIED:
+            self.known.clear()
+        known = self.known[key] = _Known(tuple(codes), sample, by_globals)
+        return known
 
 
 def _location(filename: str, line: int | None) -> str:
@@ -303,6 +400,7 @@ class HostSampler:
         self.marks, self.thread_id, self.loop_code, self.cuda = marks, thread_id, loop_code, cuda
         self.warmup, self.skip, self.max_steps, self.period_s = warmup, skip, max_steps, period_s
         self.clock = clock
+        self.classifier = Classifier(loop_code, cuda)
         self.result = HostSamples(period_ms=period_s * 1e3)
         self.timer: threadtimer.ThreadTimer | None = None
         self.timer_start = 0.0
@@ -310,13 +408,15 @@ class HostSampler:
         self.in_handler = False
         self.dynamo_kept_out = False
         self.open_step = len(marks) - 1
+        self.unfiled = self.open_step  # the first step not filed yet
         self.current: dict[Key, float] = defaultdict(float)
         self.current_loop: dict[str, float] = defaultdict(float)
         self.steady: dict[Key, float] = defaultdict(float)
         self.steady_loop: dict[str, float] = defaultdict(float)
-        # Ended steps waiting for the LOOKAHEAD steps after them: (step, samples, loop lines).
-        self.pending: deque[tuple[int, dict[Key, float], dict[str, float]]] = deque()
+        # Ended steps that samples landed in, not filed yet: (step, samples, loop lines).
+        self.sampled: deque[tuple[int, dict[Key, float], dict[str, float]]] = deque()
         self.walls: list[float | None] = []  # ms of each ended step (None: a skipped one)
+        self.last_skipped = -1  # the last step whose wall is None
         self.usual: float | None = None  # the median step around the last one filed ...
         self.usual_at: int | None = None  # ... taken at this step
         self._stop = threading.Event()
@@ -416,7 +516,7 @@ class HostSampler:
         self._close_steps(step)
         if frame is None or step < self.warmup or step in self.skip:
             return True
-        sample = classify(frame, self.loop_code, self.cuda)
+        sample = self.classifier(frame)
         del frame
         self.result.samples += 1
         self.current[sample.key] += weight_ms
@@ -425,36 +525,59 @@ class HostSampler:
         return True
 
     def _close_steps(self, step: int) -> None:
-        """Every step before `step` has ended: the open one waits in `pending` until the
-        steps after it tell whether it was slow."""
-        while self.open_step < step:
-            current, loop = self.current, self.current_loop
-            self.current, self.current_loop = defaultdict(float), defaultdict(float)
-            if self.open_step >= self.warmup and self.open_step not in self.skip:
-                self.pending.append((self.open_step, current, loop))
-            self.open_step += 1
-        while self.pending and self.pending[0][0] + LOOKAHEAD < step:
-            self._file(*self.pending.popleft())
+        """Every step before `step` has ended: a step is filed once the LOOKAHEAD steps after
+        it tell whether it was slow, FILE_EVERY steps at a time."""
+        # This runs in the training thread at every sample, ~10 steps after the previous one
+        # (a 2 ms step at 50 Hz), few of which a sample landed in. Filing steps a few at every
+        # sample cost ~5 us a step (cold caches, each time); in a batch, ~1.
+        if self.open_step < step:
+            if self.current:  # (only the open step can hold samples: it is the one sampled)
+                self.sampled.append((self.open_step, self.current, self.current_loop))
+                self.current, self.current_loop = defaultdict(float), defaultdict(float)
+            self.open_step = step
+        if self.unfiled + LOOKAHEAD + FILE_EVERY < step:
+            self._file_before(step - LOOKAHEAD)
 
-    def _wall(self, step: int) -> float:
-        return (self.marks[step + 1] - self.marks[step]) * 1e3
+    def _file_before(self, end: int) -> None:
+        """File every ended step before `end` not filed yet, but the warm-up's and those
+        skipped (the profiler window's)."""
+        sampled, warmup, skip = self.sampled, self.warmup, self.skip
+        for step in range(self.unfiled, end):
+            held = sampled.popleft() if sampled and sampled[0][0] == step else None
+            if step < warmup or step in skip:
+                continue
+            if held is None:
+                self._file(step, _NO_SAMPLES, _NO_LINES)
+            else:
+                self._file(*held)
+        self.unfiled = max(self.unfiled, end)
 
-    def _file(self, step: int, current: dict[Key, float], loop: dict[str, float]) -> None:
+    def _file(self, step: int, current: Mapping[Key, float], loop: Mapping[str, float]) -> None:
         """A step's samples, to the steady steps' sums or kept apart as a slow step's: slow
         against the median of the steps around it (before and after, warm-up included, the
         profiler window's and the start-up's not), so the first steps are judged too."""
         # This runs in the training thread at every step: each step's wall is read once, and
         # the median around it, which moves slowly, is taken every USUAL_EVERY steps.
-        hi = min(len(self.marks) - 1, step + LOOKAHEAD + 1)
-        while len(self.walls) < hi:
-            k = len(self.walls)
-            self.walls.append(None if k in self.skip else self._wall(k))
+        marks, walls, skip = self.marks, self.walls, self.skip
+        hi = min(len(marks) - 1, step + LOOKAHEAD + 1)
+        while len(walls) < hi:
+            k = len(walls)
+            if k in skip:
+                walls.append(None)
+                self.last_skipped = k
+            else:
+                walls.append((marks[k + 1] - marks[k]) * 1e3)
         if self.usual_at is None or step - self.usual_at >= USUAL_EVERY \
                 or hi < step + LOOKAHEAD + 1:
-            around = [w for w in self.walls[max(1, step - RECENT_STEPS):hi] if w is not None]
-            self.usual = _median(around) if len(around) >= MIN_RECENT else None
+            lo = max(1, step - RECENT_STEPS)
+            around = walls[lo:hi]
+            if self.last_skipped >= lo:  # (the profiler window's steps, rarely: no None else)
+                around = [w for w in around if w is not None]
+            self.usual = _median(cast(list[float], around)) if len(around) >= MIN_RECENT \
+                else None
             self.usual_at = step
-        wall, usual = self._wall(step), self.usual
+        wall, usual = walls[step], self.usual  # (a step filed is never skipped: a wall)
+        assert wall is not None
         slow = usual is not None and wall > max(SLOW_STEP * usual, usual + SLOW_STEP_MIN_EXTRA_MS)
         result = self.result
         if slow:
@@ -465,6 +588,8 @@ class HostSampler:
             return
         result.steady_steps += 1
         result.steady_wall_ms += wall
+        if not current:
+            return
         for key, ms in current.items():
             full = key not in self.steady and len(self.steady) >= MAX_KEYS
             self.steady[Key(OTHER_LINES, "", "", key.kind) if full else key] += ms
@@ -479,8 +604,7 @@ class HostSampler:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
         self._close_steps(min(len(self.marks) - 1, self.max_steps))
-        while self.pending:
-            self._file(*self.pending.popleft())
+        self._file_before(self.open_step)
         result = self.result
         kinds: dict[str, float] = defaultdict(float)
         for key, ms in self.steady.items():
