@@ -45,8 +45,8 @@ from gpudiag.model.results import RunResult, load_run
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILE = Path("gpudiag/measure/models/dgca.py")
 # The README's recipe (README.md, "CI: gpudiag gate"); tests/test_gate_job.py checks they agree.
-RECIPE_LIMITS = ["10", "device=1", "syncs=0", "flops=2"]
-RECIPE_TRIALS, RECIPE_MAX_TRIALS = 2, 4
+RECIPE_LIMITS = ["10", "device=0.5", "syncs=0", "flops=2"]
+RECIPE_TRIALS, RECIPE_MAX_TRIALS = 1, 4  # the gate's first trial is its default
 LOSS = "        loss = correction + detection + RANKING_WEIGHT * ranking + auxiliary_mlm\n"
 EDITS: dict[str, list[tuple[str, str]]] = {
     "base": [],
@@ -102,7 +102,7 @@ def measure(pool: Path, trials: dict[str, int], options: RunOptions) -> None:
 
 def _judge(base: list[RunResult], head: list[RunResult]) -> GateDecision:
     comparison = compare_runs(merge_trials(base), merge_trials(head), alpha=GATE_ALPHA)
-    return decide(comparison, parse_limits(RECIPE_LIMITS))
+    return decide(comparison, parse_limits(RECIPE_LIMITS), interleaved=True)
 
 
 def gate_like_the_job(base: list[RunResult], head: list[RunResult], first: int,
@@ -110,12 +110,11 @@ def gate_like_the_job(base: list[RunResult], head: list[RunResult], first: int,
     """The decision `gpudiag gate --base-ref` reaches drawing its trials from these lists in
     order, and the trials a side it used."""
     k = first
-    while True:
+    while True:  # one round at a time, as run_interleaved asks after every round
         decision = _judge(base[:k], head[:k])
-        wanted = decision.trials_wanted(k, most)
-        if not wanted:
+        if decision.trials_wanted(k, most) <= k:
             return decision, k
-        k = wanted
+        k += 1
 
 
 def _draws(pool: list[RunResult], n: int, rng: random.Random) -> list[RunResult]:

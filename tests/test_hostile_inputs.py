@@ -269,6 +269,96 @@ GATE_CASES = [
          [_git_repository]),
 ]
 
+def _evidence(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    """A valid evidence window on the stage, with `fields` replaced."""
+    def mutate(data: dict[str, Any]) -> None:
+        data["stages"][0]["evidence"] = {"steps": 5, "step_ms": 10.0, "backend": "cpu",
+                                         "ops_per_step": 120.0, "syncs_per_step": 1.0,
+                                         **fields}
+    return mutate
+
+
+def _facts(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(data: dict[str, Any]) -> None:
+        data["stages"][0]["facts"].update(fields)
+    return mutate
+
+
+def _trial_copies(relative: str, copies: int) -> Setup:
+    """One run copied into several trial folders."""
+    def setup(ws: Path) -> None:
+        for k in range(1, copies + 1):
+            save_run(_valid_run(), ws / relative / f"trial-{k}" / "run.json")
+    return setup
+
+
+def _trials_of(relative: str, second: Callable[[dict[str, Any]], None]) -> Setup:
+    """Two trials, the second another measurement edited by `second`."""
+    def setup(ws: Path) -> None:
+        save_run(_valid_run(), ws / relative / "trial-1" / "run.json")
+        data = _valid_run(shift=2).to_dict()
+        second(data)
+        (ws / relative / "trial-2").mkdir(parents=True)
+        (ws / relative / "trial-2" / "run.json").write_text(json.dumps(data))
+    return setup
+
+
+def _contradicting_trial(data: dict[str, Any]) -> None:
+    data["stages"][0]["trials"] = [{"samples_per_s": 1600.0, "ms_per_iter": 5.0, "iters": 40}]
+
+
+def _huge_steps(data: dict[str, Any]) -> None:
+    data["stages"][0]["iter_ms"] = [1e6] * 40
+    data["stages"][0]["ms_per_iter"] = 1e6
+    data["stages"][0]["samples_per_s"] = 8e-3
+    data["duration_s"] = 60.0
+
+
+# Valid-looking runs no measurement can produce (issue: the gate passed every one of them).
+IMPOSSIBLE_CASES = [
+    Case(f"gate-impossible-{name}", ["gate", "{ws}/bad", B], f"{{ws}}/bad/run.json: {where}",
+         [_write_json("bad", mutate)])
+    for name, where, mutate in [
+        ("negative-syncs", "stages[0].evidence.syncs_per_step", _evidence(syncs_per_step=-50)),
+        ("negative-ops", "stages[0].evidence.ops_per_step", _evidence(ops_per_step=-3)),
+        ("negative-device-ms", "stages[0].evidence.device_ms_per_step",
+         _evidence(device_ms_per_step=-1.0)),
+        ("negative-flops", "stages[0].facts.flops_per_step", _facts(flops_per_step=-1e9)),
+        ("zero-flops-with-matmuls", "stages[0].facts.flops_per_step", lambda d: (
+            _evidence(matmul_ms_by_dtype={"fp32": 4.0})(d), _facts(flops_per_step=0)(d))),
+        ("empty-window", "stages[0].evidence.steps", _evidence(steps=0)),
+        ("1e12-syncs", "stages[0].evidence.syncs_per_step", _evidence(syncs_per_step=1e12)),
+        ("steps-longer-than-the-run", "stages[0].iter_ms", _huge_steps),
+        ("step-1e308", "stages[0].iter_ms[3]", _step(1e308)),
+        ("samples-per-step-vs-batch", "stages[0].samples_per_step",
+         _set(("stages", 0, "samples_per_step"), 60)),
+        ("ms-per-iter-vs-steps", "stages[0].ms_per_iter", _set(("stages", 0, "ms_per_iter"),
+                                                                30.0)),
+        ("trials-vs-steps", "stages[0].trials", _contradicting_trial),
+        ("trial-throughput", "stages[0].trials[0].samples_per_s", lambda d: d["stages"][0]
+         .update(trials=[{"samples_per_s": 9000.0, "ms_per_iter": 10.03, "iters": 40}])),
+        ("copied-trials", "stages[0].trials[1]: a copy of trials[0]", lambda d: d["stages"][0]
+         .update(trials=[{"samples_per_s": 8 / 10.03 * 1e3, "ms_per_iter": 10.03,
+                          "iters": 40}] * 2)),
+    ]
+] + [
+    Case("gate-trials-copied", ["gate", "{ws}/copies", B],
+         "{ws}/copies/trial-2/run.json: a copy of", [_trial_copies("copies", 5)]),
+    Case("gate-trials-mixed-precision", ["gate", "{ws}/mixed", B], "config.amp_dtype",
+         [_trials_of("mixed", _set(("config", "amp_dtype"), "bf16"))]),
+    Case("gate-trials-mixed-torch", ["gate", "{ws}/mixed", B], "env.torch_version",
+         [_trials_of("mixed", _set(("env", "torch_version"), "2.99.0"))]),
+    Case("gate-same-run-twice", ["gate", A, A], "hold the same measurement"),
+    Case("gate-other-torch", ["gate", "{ws}/other", B], "torch: '2.99.0' vs ''",
+         [_write_json("other", lambda d: (_step(10.02)(d), _set(("env", "torch_version"),
+                                                                "2.99.0")(d)))]),
+    Case("gate-other-precision", ["gate", "{ws}/other", B], "amp_dtype",
+         [_write_json("other", lambda d: (_step(10.02)(d), _set(("config", "amp_dtype"),
+                                                                "bf16")(d)))]),
+    Case("gate-base-interrupted", ["gate", "{ws}/cut", B], "base run was interrupted",
+         [_write_json("cut", lambda d: (_step(10.02)(d), _set(("interrupted",), True)(d)))]),
+]
+
 REPORT_CASES = [
     Case("report-no-run-json", ["report", "{ws}/mine"], "no run.json there"),
     Case("report-corrupt", ["report", "{ws}/bad"], "not valid JSON",
@@ -315,8 +405,8 @@ PROFILE_CASES = [
          "--fix goes with --try-fixes"),
 ]
 
-CASES = [*RUN_CASES, *COMPARE_CASES, *GATE_CASES, *REPORT_CASES, *BASELINE_CASES,
-         *PROFILE_CASES]
+CASES = [*RUN_CASES, *COMPARE_CASES, *GATE_CASES, *IMPOSSIBLE_CASES, *REPORT_CASES,
+         *BASELINE_CASES, *PROFILE_CASES]
 
 
 def _workspace(root: Path) -> Path:

@@ -163,6 +163,11 @@ def _trials_needed(estimate: RatioEstimate, limit: float) -> int:
                 MAX_PROJECTED)
 
 
+def _pct(limit: float) -> str:
+    """A limit as the user wrote it: 10%, 0.5%."""
+    return f"{limit * 100:g}%"
+
+
 def _head_failed(comparison: StageComparison) -> StageGate | None:
     """A failed verdict when the head did not run a stage the base ran."""
     a, b = comparison.before, comparison.after
@@ -205,17 +210,17 @@ def interval_gate(stage: str, metric: str, est: RatioEstimate, limit: float) -> 
               f"{est.low - 1:+.1%} .. {est.high - 1:+.1%})")
     if est.high < 1 and est.ratio < 1 - limit:
         return StageGate(stage, metric, "regression", limit, est,
-                         f"{change}: slower beyond the {limit:.0%} limit")
+                         f"{change}: slower beyond the {_pct(limit)} limit")
     if est.low > 1 - limit:
         return StageGate(stage, metric, "pass", limit, est,
-                         f"{change}: within the {limit:.0%} limit")
+                         f"{change}: within the {_pct(limit)} limit")
     # "No significant change" only counts when the data could have shown a change of the
     # limit's size; otherwise absence of evidence is not evidence of absence.
     if not est.significant and est.ratio > 1 - limit and est.min_detectable <= limit:
         return StageGate(stage, metric, "pass", limit, est,
                          f"{change}: no significant change, and not a large one")
     return StageGate(stage, metric, "inconclusive", limit, est,
-                     f"{change}: the interval reaches past the {limit:.1%} limit; "
+                     f"{change}: the interval reaches past the {_pct(limit)} limit; "
                      f"this data could only detect a {est.min_detectable:.1%} change",
                      trials_needed=_trials_needed(est, limit))
 
@@ -267,7 +272,7 @@ def describe_change(change: CounterChange) -> str:
 def counter_gate(stage: str, change: CounterChange, limit: float) -> StageGate:
     text = describe_change(change)
     if change.increase > limit:
-        allowed = "any increase" if limit == 0 else f"the {limit:.0%} limit"
+        allowed = "any increase" if limit == 0 else f"the {_pct(limit)} limit"
         return StageGate(stage, change.name, "regression", limit, None,
                          f"{text}: beyond {allowed}")
     return StageGate(stage, change.name, "pass", limit, None, f"{text}: within the limit")
@@ -282,8 +287,8 @@ def energy_gate(comparison: StageComparison, limit: float) -> StageGate:
     text = f"energy {change.ratio - 1:+.1%} ({change.before:,.4g} -> {change.after:,.4g} J)"
     if change.ratio > 1 + limit:
         return StageGate(name, "energy", "regression", limit, None,
-                         f"{text}: beyond the {limit:.0%} limit")
-    return StageGate(name, "energy", "pass", limit, None, f"{text}: within the {limit:.0%} limit")
+                         f"{text}: beyond the {_pct(limit)} limit")
+    return StageGate(name, "energy", "pass", limit, None, f"{text}: within the {_pct(limit)} limit")
 
 
 def _same_work(s: StageComparison) -> bool:
@@ -372,7 +377,7 @@ def _unseen(comparison: Comparison, gates: list[StageGate]) -> list[str]:
         if g.outcome == "inconclusive" and g.estimate is not None:
             what = "wall time" if g.metric == "wall" else f"{g.metric} time"
             lines.append(f"{g.stage}: {what} could only detect a change of "
-                         f"{g.estimate.min_detectable:.1%} or more (limit {g.limit:.1%})")
+                         f"{g.estimate.min_detectable:.1%} or more (limit {_pct(g.limit)})")
     return lines
 
 

@@ -24,9 +24,6 @@ MAX_BLOCKS = 8
 # Throttle reasons that make a trial's timing depend on the room, not the code.
 INVALIDATING_THROTTLE = ("sw_thermal", "hw_thermal", "hw_slowdown", "power_brake")
 INVALID_THROTTLE_SHARE = 0.05
-# What every trial of one configuration shares: runs that differ in any of these are not
-# trials of one thing, and merging them would average a model with another or a GPU with a CPU.
-TRIAL_IDENTITY = ("model", "preset", "batch_size", "seq_len", "device")
 
 
 def steady_state(times_ms: list[float]) -> list[float]:
@@ -167,20 +164,33 @@ def load_run_set(path: Path) -> RunResult:
 
 
 def _identity(run: RunResult) -> dict[str, object]:
+    """What every trial of one configuration shares: the workload and its precision, the
+    device, GPU and the software that ran it."""
     return {**{f"config.{k}": v for k, v in run.config.identity().items()},
-            "env.device": run.env.device, "env.gpu_name": run.env.gpu_name}
+            **{f"env.{k}": getattr(run.env, k) for k in ("device", "gpu_name", "torch_version",
+                                                          "driver_version", "cuda_runtime")},
+            **{f"stage {s.name} precision": s.facts.precision for s in run.stages if s.ok},
+            "config.amp_dtype": run.config.settings().get("amp_dtype")}
 
 
 def _check_one_configuration(found: list[tuple[Path, RunResult]]) -> None:
-    """A folder of trials must hold runs of one configuration on one kind of device."""
+    """A folder of trials must hold runs of one configuration on one kind of device, each a
+    separate measurement."""
     first_file, first = found[0]
     expected = _identity(first)
     for file, run in found[1:]:
         for key, value in _identity(run).items():
-            if value != expected[key]:
+            if value != expected.get(key):
                 raise RunFileError(f"{file}: {key} {value!r} differs from {first_file} "
-                                   f"({expected[key]!r}); a folder of trials must hold runs "
-                                   "of one configuration")
+                                   f"({expected.get(key)!r}); a folder of trials must hold "
+                                   "runs of one configuration")
+    seen: dict[tuple[tuple[str, tuple[float, ...]], ...], Path] = {}
+    for file, run in found:
+        steps = tuple((s.name, tuple(s.iter_ms)) for s in run.stages if len(s.iter_ms) >= 3)
+        if steps and steps in seen:
+            raise RunFileError(f"{file}: a copy of {seen[steps]} (the same step times): "
+                               "trials must be separate processes")
+        seen[steps] = file
 
 
 def baseline_of(run: RunResult) -> RunResult:

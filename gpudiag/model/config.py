@@ -146,8 +146,9 @@ class RunConfig:
 
 
 # Host samples per second in a profiled script (gpudiag/measure/profile/hostsampler.py). A
-# sample costs the training thread ~80-190 us on an H100 host (signal, handler, cold caches):
-# at 100 Hz 1.7% of a 2 ms host-bound step, at 50 Hz 0.5% (benchmarks/host_sampler.py,
+# sample costs the training thread ~90 us on an H100 host (signal, handler, cold caches; its
+# handler 57 us median): at 50 Hz ~0.35% of a 2 ms host-bound step, measured side by side at
+# 0.7% (95% CI -0.4% .. 1.6%) (benchmarks/host_sampler.py,
 # reports/examples/h100-host/README.md).
 HOST_SAMPLE_HZ = 50.0
 MIN_FITTED_STEPS = 4  # a script this short still gets warm-up 1, timed 2, profiled 1

@@ -9,7 +9,9 @@ ranks and link, a profiled script how its steps were counted. Everything here is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field
 
 
 @dataclass
@@ -310,7 +312,7 @@ class StageFacts:
     inference: bool = False
     # The stage that is this one with its planted cause removed (full-loop -> full-vectorized).
     counterfactual: str | None = None
-    flops_per_step: float | None = None
+    flops_per_step: Annotated[float, Field(ge=0)] | None = None
     evidence_missing: str | None = None  # why the stage has no profiler window's evidence
     loader: LoaderFacts | None = None
     checkpoint: CheckpointFacts | None = None

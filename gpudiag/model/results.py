@@ -193,8 +193,8 @@ class LineCount:
 class Evidence:
     """Per-step counts from a short profiler window, run after (not among) the timed steps."""
 
-    steps: int
-    step_ms: float  # profiled step time, host clock, instrumentation included
+    steps: Annotated[int, Field(ge=1)]  # a window of no step measured nothing
+    step_ms: NonNegative  # profiled step time, host clock, instrumentation included
     backend: str  # "cuda" (kernels measured) or "cpu" (operator calls counted)
     kernels_per_step: NonNegative = 0.0
     launches_per_step: NonNegative = 0.0

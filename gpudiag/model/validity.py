@@ -113,10 +113,10 @@ def check_run(run: RunResult) -> None:
     """SchemaError, naming the field, for the first value the run's others contradict."""
     for i, stage in enumerate(run.stages):
         where = f"stages[{i}]"
+        _check_batch(run, stage, where)
         _check_summary(stage, where)
         _check_trials(stage, where)
         _check_clock(run, stage, where)
-        _check_batch(run, stage, where)
         _check_flops(stage, where)
         if stage.evidence is not None:
             _check_evidence(stage.evidence, where)

@@ -12,6 +12,7 @@ import json
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,12 @@ class ProfilerWindow:
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self._profiler = profile(activities=activities)
-        self._profiler.__enter__()
+        with warnings.catch_warnings():
+            # A window is one cycle: torch's "Profiler clears events at the end of each
+            # cycle" (printed by every trial of a gate, torch 2.11) says nothing about it.
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events",
+                                    category=UserWarning)
+            self._profiler.__enter__()
         if self.annotate:
             self._annotator = SourceAnnotator()
             self._annotator.__enter__()

@@ -1,0 +1,223 @@
+"""The gate decides with what is known: prior spreads pooled with the trials', intervals that
+narrow as trials come, a stop once what can decide has, drift that is not a regression, and a
+head that broke fails (exit 5)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ladder_config
+from typer.testing import CliRunner
+
+from gpudiag.cli import app
+from gpudiag.diagnose.compare import compare_runs
+from gpudiag.diagnose.gate import GateRules, decide, judge, parse_limits
+from gpudiag.diagnose.noise import DEVICE_FLOOR, calibration_record
+from gpudiag.diagnose.trials import merge_trials
+from gpudiag.model.calibration import Calibration
+from gpudiag.model.errors import EXIT_BAD_INPUT, EXIT_HEAD_FAILED, BadInput
+from gpudiag.model.results import (
+    Env,
+    Evidence,
+    LineCount,
+    RunResult,
+    StageResult,
+    TelemetrySummary,
+    load_run,
+    save_run,
+)
+
+runner = CliRunner()
+
+
+def _run(device_ms: float, wall_ms: float = 90.0, *, seed: int = 0, jitter: float = 2e-4,
+         ops: float = 100.0) -> RunResult:
+    """One trial: 30 steps around `wall_ms`, 5 profiled steps around `device_ms`."""
+    rng = random.Random(seed)
+    steps = [wall_ms * (1 + rng.gauss(0, 0.002)) for _ in range(30)]
+    device = [device_ms * (1 + rng.gauss(0, jitter)) for _ in range(5)]
+    evidence = Evidence(steps=5, step_ms=200.0, backend="cuda", ops_per_step=ops,
+                        kernels_per_step=ops, syncs_per_step=3.0, device_ms_by_step=device,
+                        line_counts=[LineCount("m.py:1", "forward", ops=ops, kernels=ops)])
+    median = sorted(steps)[15]
+    stage = StageResult(name="train", status="ok", iter_ms=steps, ms_per_iter=median,
+                        samples_per_step=64, samples_per_s=64 / median * 1e3,
+                        evidence=evidence, telemetry=TelemetrySummary(available=True))
+    return RunResult(tool_version="t", env=Env(device="cuda:0", gpu_name="H100"),
+                     config=ladder_config(model="m"), stages=[stage])
+
+
+def _side(n: int, device_ms: float, seed: int, wall_ms: float = 90.0,
+          spread: float = 5e-4) -> RunResult:
+    rng = random.Random(seed)
+    return merge_trials([_run(device_ms * (1 + rng.gauss(0, spread)), wall_ms, seed=seed + k)
+                         for k in range(n)])
+
+
+def _half_width(run_a: RunResult, run_b: RunResult, calibration: Calibration | None = None
+                ) -> float:
+    device = compare_runs(run_a, run_b, alpha=0.01, calibration=calibration).stages[0].device
+    assert device is not None
+    return (math.log(device.high) - math.log(device.low)) / 2
+
+
+def test_intervals_narrow_as_trials_are_added() -> None:
+    """Trials as tight as the issue's H100 A/A (0.05%): with the prior pooled in, every added
+    trial a side narrows the 99% interval, from the first (Welch's t on two trials a side would
+    have widened it several times)."""
+    widths = [_half_width(_side(n, 68.0, 1), _side(n, 68.0, 2)) for n in range(1, 7)]
+    assert all(b <= a for a, b in itertools.pairwise(widths)), widths
+    assert widths[0] < 3.6 * math.sqrt(2) * DEVICE_FLOOR.sigma * 1.01
+
+
+def _calibration(device_sd: float, wall_sd: float = 0.03, trials: int = 8) -> Calibration:
+    runs = [_run(68.0 * math.exp(device_sd * z), 90.0 * math.exp(wall_sd * z), seed=k)
+            for k, z in enumerate([-1.5, -1, -0.5, 0, 0, 0.5, 1, 1.5][:trials])]
+    return Calibration(records=[calibration_record(merge_trials(runs), "test")])
+
+
+def test_a_calibration_decides_device_time_in_one_trial_a_side() -> None:
+    limits = parse_limits(["device=0.5"])
+    calibration = _calibration(0.0008)
+    same = decide(compare_runs(_side(1, 68.0, 1), _side(1, 68.0, 2), alpha=0.01,
+                               calibration=calibration), limits)
+    device = next(g for g in same.stages if g.metric == "device")
+    assert device.outcome == "pass", device.reason
+    assert "calibrated: 8 trials on H100" in " ".join(same.priors)
+    slower = decide(compare_runs(_side(1, 68.0, 1), _side(1, 68.0 * 1.01, 2), alpha=0.01,
+                                 calibration=calibration), limits)
+    assert next(g for g in slower.stages if g.metric == "device").outcome == "regression"
+    # The built-in floor (0.3%) cannot say 0.5% in one trial: it asks for more, within reach.
+    built_in = decide(compare_runs(_side(1, 68.0, 1), _side(1, 68.0, 2), alpha=0.01), limits)
+    device = next(g for g in built_in.stages if g.metric == "device")
+    assert device.outcome == "inconclusive"
+    assert 1 < built_in.trials_wanted(1, 8) <= 8
+
+
+def test_trials_stop_once_the_instrument_that_can_decide_has() -> None:
+    """Wall time that would need dozens of trials does not hold a gate whose device time is
+    decided; the summary says which instrument stopped it and why."""
+    a, b = _side(2, 68.0, 1, wall_ms=90.0), _side(2, 68.0, 2, wall_ms=96.0)
+    for stage, spread in ((a.stages[0], 1.3), (b.stages[0], 1.6)):
+        for k, trial in enumerate(stage.trials):  # wall time far noisier than device time
+            trial.ms_per_iter *= spread ** k
+            trial.samples_per_s /= spread ** k
+    decision = decide(compare_runs(a, b, alpha=0.01), parse_limits(["10", "device=1"]))
+    gates = {g.metric: g for g in decision.stages}
+    assert gates["device"].outcome == "pass" and gates["wall"].outcome == "inconclusive"
+    assert decision.trials_wanted(2, 4) == 0
+    story = "\n".join(decision.why_stopped(2, 4))
+    assert "device time: decided (pass) with 2" in story
+    assert "beyond --max-trials 4" in story
+
+
+def test_wall_time_drift_of_the_same_work_is_not_a_regression() -> None:
+    """Every exact counter identical, device time unchanged, wall time 60% slower: the machine
+    changed. Two runs read apart cannot tell more; trials interleaved in one job can."""
+    base, loaded = _run(68.0, 90.0, seed=1), _run(68.0, 144.0, seed=2)
+    decision = decide(compare_runs(base, loaded, alpha=0.01))
+    wall = next(g for g in decision.stages if g.metric == "wall")
+    assert wall.outcome == "inconclusive" and wall.drift
+    assert "the machine changed" in wall.reason and decision.exit_code() == 0
+    interleaved_one = decide(compare_runs(base, loaded, alpha=0.01), interleaved=True)
+    assert interleaved_one.trials_wanted(1, 4) >= 2
+    two = decide(compare_runs(_side(2, 68.0, 1, 90.0), _side(2, 68.0, 3, 144.0), alpha=0.01),
+                 interleaved=True)
+    wall = next(g for g in two.stages if g.metric == "wall")
+    assert wall.outcome == "regression" and "host-side work got slower" in wall.reason
+    # More work (a counter changed) is never called drift.
+    more = decide(compare_runs(base, _run(68.0, 144.0, seed=2, ops=110.0), alpha=0.01))
+    assert next(g for g in more.stages if g.metric == "wall").outcome == "regression"
+
+
+def _gate(tmp: Path, before: RunResult, after: RunResult, *args: str) -> tuple[int, str]:
+    save_run(before, tmp / "a" / "run.json")
+    save_run(after, tmp / "b" / "run.json")
+    result = runner.invoke(app, ["gate", str(tmp / "a"), str(tmp / "b"), *args])
+    return result.exit_code, result.output
+
+
+def test_a_head_that_broke_fails_the_gate(tmp_path: Path) -> None:
+    for k, (status, interrupted) in enumerate([("error", False), ("skipped", False),
+                                                ("error", True)]):
+        head = _run(68.0, seed=2)
+        stage = head.stages[0]
+        stage.status, stage.interrupted, stage.error = status, interrupted, "boom"
+        stage.iter_ms, stage.ms_per_iter, stage.samples_per_s, stage.evidence = [], None, None, None
+        head.interrupted = interrupted
+        code, output = _gate(tmp_path / str(k), _run(68.0, seed=1), head)
+        assert code == EXIT_HEAD_FAILED, output
+        assert output.startswith("FAILED") and ("skipped" in output or "failed" in output
+                                                 or "interrupted" in output)
+    # The same stage skipped on both sides (a ddp stage on one GPU) is not a failure.
+    base, head = _run(68.0, seed=1), _run(68.0, seed=2)
+    for run in (base, head):
+        run.stages.append(StageResult(name="ddp", status="skipped", error="one GPU"))
+    code, output = _gate(tmp_path / "both", base, head)
+    assert code == 0 and "ddp: ran on neither side (one GPU)" in output
+
+
+def test_calibrate_records_and_the_gate_reads_it(tmp_path: Path) -> None:
+    folder = tmp_path / "trials"
+    for k in range(4):
+        save_run(_run(68.0 * (1 + 0.001 * k), 90.0 * (1 + 0.02 * k), seed=k),
+                 folder / f"trial-{k + 1}" / "run.json")
+    file = tmp_path / "cal.json"
+    done = runner.invoke(app, ["calibrate", "--from", str(folder), "--file", str(file)])
+    assert done.exit_code == 0, done.output
+    record = json.loads(file.read_text())["records"][0]
+    assert record["gpu_name"] == "H100" and record["stages"][0]["trials"] == 4
+    assert 0 < record["stages"][0]["device_sd"] < 0.002
+    _, output = _gate(tmp_path / "g", _run(68.0, seed=7), _run(68.0, seed=8),
+                      "--calibration", str(file))
+    assert "calibrated: 4 trials on H100" in output, output
+    # Recording again replaces this workload's record only; a file of the user's is kept.
+    assert runner.invoke(app, ["calibrate", "--from", str(folder), "--file",
+                               str(file)]).exit_code == 0
+    assert len(json.loads(file.read_text())["records"]) == 1
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}\n')
+    refused = runner.invoke(app, ["calibrate", "--from", str(folder), "--file", str(mine)])
+    assert refused.exit_code == EXIT_BAD_INPUT and mine.read_text() == '{"my": "notes"}\n'
+
+
+def test_judge_refuses_runs_of_other_software() -> None:
+    base, head = _run(68.0, seed=1), _run(68.0, seed=2)
+    head.env.driver_version, base.env.driver_version = "580.1", "570.2"
+    with pytest.raises(BadInput, match=re.escape("driver: '570.2' vs '580.1'")):
+        judge(base, head, GateRules())
+    judge(base, head, GateRules(allow_mismatch=True))
+
+
+@pytest.mark.slow
+def test_the_same_code_under_a_changing_load_is_not_a_regression(tmp_path: Path) -> None:
+    """Two real runs of the same code, the second while busy processes take the CPU: wall time
+    falls by far more than any limit, every exact counter stays the same, and the gate says the
+    machine changed (exit 0), not that the code regressed."""
+    args = ["-m", "gpudiag", "run", "--device", "cpu", "--preset", "tiny", "--stages",
+            "train-fp16", "--evidence-steps", "2", "--iters", "40", "--quiet"]
+    subprocess.run([sys.executable, *args, "--out", str(tmp_path / "a")], check=True)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(3 * (os.cpu_count() or 2))]
+    try:
+        subprocess.run([sys.executable, *args, "--out", str(tmp_path / "b")], check=True)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    result = runner.invoke(app, ["gate", "--max-regression", "5", str(tmp_path / "a"),
+                                 str(tmp_path / "b")])
+    a, b = (load_run(tmp_path / side) for side in "ab")
+    slowdown = a.stages[0].samples_per_s / b.stages[0].samples_per_s  # type: ignore[operator]
+    assert slowdown > 1.5, f"the load did not slow the run ({slowdown:.2f}x): nothing tested"
+    assert result.exit_code == 0, result.output
+    assert "the machine changed" in result.output, result.output
