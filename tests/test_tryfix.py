@@ -136,6 +136,11 @@ def test_equivalence_against_the_run_to_run_floor() -> None:
     assert verdict == "mixed-precision" and gap == pytest.approx(0.01)
     assert equivalence(base, base, [1.2, 0.9, 0.8], "precision")[0] == "differs"
     assert equivalence([], [], [1.0], "exact") == ("unchecked", None, None)
+    # A script resuming from its own checkpoint: runs without any fix differ by 61%; every fix
+    # would look "same". The verdict is withheld, with the floor that withholds it.
+    resumed = [1.0, 0.9, 0.8]
+    assert equivalence(resumed, [0.39, 0.35, 0.31], [0.4, 0.36, 0.3], "exact") == (
+        "unchecked", pytest.approx(0.625), pytest.approx(0.6125))
 
 
 def _fix(name: str, speedup: float | None, equivalence: str = "same",
@@ -178,6 +183,10 @@ def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
     assert "| DataLoader workers | GD201 | 40.00 -> 20.00 | 2.00x (1.80-2.20) |" in text
     assert "at `train.py:12`: num_workers=8" in text
     assert "Not recommended as measured: background saves changed the losses by 20.00%" in text
+    run.fixes[0].equivalence, run.fixes[0].loss_gap, run.fixes[0].loss_floor = (
+        "unchecked", 0.62, 0.61)
+    assert "cannot tell: two runs without it differ by 61.00% already" in "\n".join(
+        fixes_markdown(run))
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples" / "h100-try-fixes"

@@ -37,6 +37,10 @@ EXACT_FLOOR_FACTOR = 4.0
 # mixed-precision deviation of a loss at the start of training (fp16/bf16 keep 8 bits of
 # exponent or more; a loss moving more than 5% is not rounding).
 PRECISION_GAP = 0.05
+# Two runs without any fix whose first losses differ by more than a precision change may move
+# them (a script resuming from its own checkpoint, a random data order) cannot tell whether a
+# fix computes the same thing: the verdict is withheld.
+MAX_LOSS_FLOOR = PRECISION_GAP
 # NVML's total-energy counter moves in steps of about 100 ms (the quantum the presets' stage
 # windows are sized against, gpudiag/model/config.py): a timed window this long keeps that
 # within 5% of the energy.
@@ -168,11 +172,14 @@ def bracketed(first: RunResult, last: RunResult) -> RunResult:
 def equivalence(baseline: list[float], repeat: list[float], fixed: list[float],
                 numerics: Numerics) -> tuple[Equivalence, float | None, float | None]:
     """(verdict, gap, floor): the largest relative difference of the fixed run's first losses
-    from the baseline's, and of a second run without the fix (the floor)."""
+    from the baseline's, and of a second run without the fix (the floor). "unchecked" with a
+    floor: the runs without the fix already differ too much to tell."""
     gap = _largest_difference(baseline, fixed)
     if gap is None:
         return "unchecked", None, None
     floor = _largest_difference(baseline, repeat) or 0.0
+    if floor > MAX_LOSS_FLOOR:
+        return "unchecked", gap, floor
     if gap <= max(EXACT_MIN_TOLERANCE, EXACT_FLOOR_FACTOR * floor):
         return "same", gap, floor
     if numerics == "precision" and gap <= PRECISION_GAP:

@@ -47,6 +47,9 @@ def _energy(fix: MeasuredFix) -> str:
 def _same(fix: MeasuredFix) -> str:
     if fix.status != "measured":
         return "-"
+    if fix.equivalence == "unchecked" and fix.loss_floor is not None:
+        return (f"cannot tell: two runs without it differ by {fix.loss_floor:.2%} already "
+                "(resumed from a checkpoint, or random data order?)")
     text = EQUIVALENCE[fix.equivalence]
     if fix.loss_gap is not None and fix.equivalence != "same":
         text += f" (gap {fix.loss_gap:.2%}, runs without it {fix.loss_floor or 0:.2%})"
