@@ -183,6 +183,12 @@ def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
     assert "| DataLoader workers | GD201 | 40.00 -> 20.00 | 2.00x (1.80-2.20) |" in text
     assert "at `train.py:12`: num_workers=8" in text
     assert "Not recommended as measured: background saves changed the losses by 20.00%" in text
+    run.fixes.append(MeasuredFix(remedy="interval", title="fewer saves", speedup=0.75,
+                                 speedup_low=0.6, speedup_high=0.9, before_ms=15.0,
+                                 after_ms=20.0, equivalence="same", change="save less often"))
+    text = "\n".join(fixes_markdown(run))
+    assert "not recommended: measured slower or no faster (0.75x (0.60-0.90))" in text
+    assert "save less often" not in text
     run.fixes[0].equivalence, run.fixes[0].loss_gap, run.fixes[0].loss_floor = (
         "unchecked", 0.62, 0.61)
     assert "cannot tell: two runs without it differ by 61.00% already" in "\n".join(

@@ -56,7 +56,26 @@ def _same(fix: MeasuredFix) -> str:
     return text
 
 
+def _not_recommended(fix: MeasuredFix) -> str | None:
+    """Why a measured fix is not to be made permanent: not measured faster (its interval
+    reaching 1), or its losses changed or cannot tell; None when it is to be."""
+    if fix.status != "measured" or fix.speedup is None:
+        return None
+    low = fix.speedup_low if fix.speedup_low is not None else fix.speedup
+    if low <= 1.0:
+        return (f"not measured faster ({_speedup(fix)})" if fix.speedup > 1.0
+                else f"measured slower or no faster ({_speedup(fix)})")
+    if fix.equivalence == "differs":
+        return "it changed the losses"
+    if fix.equivalence == "unchecked" and fix.loss_floor is not None:
+        return "the losses cannot tell whether it computes the same"
+    return None  # the same, or no losses seen (the "same result?" column says which)
+
+
 def _change(fix: MeasuredFix) -> str:
+    why_not = _not_recommended(fix)
+    if why_not is not None:
+        return f"not recommended: {why_not}"
     where = f"at `{fix.location}`: " if fix.location else ""
     note = f" ({fix.note})" if fix.note else ""
     return f"{where}{fix.change}{note}"
@@ -74,7 +93,9 @@ def fixes_markdown(run: RunResult) -> list[str]:
         return []
     lines = ["## Measured fixes", "",
              "Each fix was applied to the unmodified script for one run (same seed, same "
-             "timing window; intervals from blocks of one process a side, so optimistic). "
+             "timing window; intervals from blocks of one process a side and the device "
+             "kind's between-process spread). A fix is to be made permanent only when it was "
+             "measured faster (its interval above 1) and its losses did not change. "
              "`same result?` compares the first steps' losses with the diagnosis run's, against "
              "how much two runs without the fix differ.", ""]
     lines += markdown_table(HEADER, [fix_cells(f) for f in run.fixes], right=[
