@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 CHILD_GRACE_S = 8.0  # a stopped child writes its partial run well within this
@@ -72,18 +73,33 @@ _PEER_GONE = (ConnectionResetError, BrokenPipeError, EOFError)
 _RESOURCE_SHARER = "multiprocessing/resource_sharer.py"
 
 
+def _sharer_lost_a_peer(exc_type: type[BaseException], tb: TracebackType | None) -> bool:
+    """A stop kills the DataLoader's workers, one perhaps in the middle of handing the main
+    process a file descriptor: the sharer's background thread then reports an error that is
+    the stop, not a failure (the loader itself reports a worker it lost)."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    return issubclass(exc_type, _PEER_GONE) and any(
+        f.filename.endswith(_RESOURCE_SHARER) for f in frames)
+
+
 def _quiet_resource_sharer(
         previous: Callable[[threading.ExceptHookArgs], Any],
 ) -> Callable[[threading.ExceptHookArgs], None]:
     def hook(args: threading.ExceptHookArgs) -> None:
-        # A stop kills the DataLoader's workers, one perhaps in the middle of handing the main
-        # process a file descriptor: the sharer's background thread then prints a traceback
-        # that is the stop, not a failure (the loader itself reports a worker it lost).
-        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback else []
-        if issubclass(args.exc_type, _PEER_GONE) and any(
-                f.filename.endswith(_RESOURCE_SHARER) for f in frames):
-            return
-        previous(args)
+        if not _sharer_lost_a_peer(args.exc_type, args.exc_traceback):
+            previous(args)
+    return hook
+
+
+def _quiet_sharer_sys_hook(
+        previous: Callable[[type[BaseException], BaseException, TracebackType | None], Any],
+) -> Callable[[type[BaseException], BaseException, TracebackType | None], None]:
+    # The sharer's thread catches its own errors and hands them to sys.excepthook
+    # (multiprocessing/resource_sharer.py, _ResourceSharer._serve), not threading's.
+    def hook(exc_type: type[BaseException], exc: BaseException,
+             tb: TracebackType | None) -> None:
+        if not _sharer_lost_a_peer(exc_type, tb):
+            previous(exc_type, exc, tb)
     return hook
 
 
@@ -94,15 +110,16 @@ def stop_on_signals() -> Iterator[Stop]:
     stop = Stop()
     handler = _raise_for(stop)
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    previous_hook = threading.excepthook
+    previous_hook, previous_sys_hook = threading.excepthook, sys.excepthook
     threading.excepthook = _quiet_resource_sharer(previous_hook)
+    sys.excepthook = _quiet_sharer_sys_hook(previous_sys_hook)
     try:
         yield stop
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
         if stop.signum is None:  # a stopped run is ending: its workers' threads may still speak
-            threading.excepthook = previous_hook
+            threading.excepthook, sys.excepthook = previous_hook, previous_sys_hook
 
 
 @contextlib.contextmanager
