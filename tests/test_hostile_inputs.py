@@ -331,7 +331,7 @@ IMPOSSIBLE_CASES = [
         ("steps-longer-than-the-run", "stages[0].iter_ms", _huge_steps),
         ("step-1e308", "stages[0].iter_ms[3]", _step(1e308)),
         ("samples-per-step-vs-batch", "stages[0].samples_per_step",
-         _set(("stages", 0, "samples_per_step"), 60)),
+         _set(("stages", 0, "samples_per_step"), 64)),
         ("ms-per-iter-vs-steps", "stages[0].ms_per_iter", _set(("stages", 0, "ms_per_iter"),
                                                                 30.0)),
         ("trials-vs-steps", "stages[0].trials", _contradicting_trial),

@@ -102,11 +102,17 @@ def _check_clock(run: RunResult, stage: StageResult, where: str) -> None:
 
 
 def _check_batch(run: RunResult, stage: StageResult, where: str) -> None:
+    """A `run` stage's samples per step is the config's batch; a DDP stage's, the batch times
+    its ranks (and accumulation steps)."""
     config = run.config
-    if isinstance(config, RunConfig) and stage.samples_per_step and \
-            stage.samples_per_step % config.batch_size:
-        raise SchemaError(f"{where}.samples_per_step: {stage.samples_per_step} is not a "
-                           f"multiple of the config's batch of {config.batch_size}")
+    if not isinstance(config, RunConfig) or not stage.samples_per_step:
+        return
+    ddp = stage.facts.ddp is not None or stage.facts.ddp_job is not None
+    if (stage.samples_per_step % config.batch_size if ddp
+            else stage.samples_per_step != config.batch_size):
+        what = "a multiple of" if ddp else "equal to"
+        raise SchemaError(f"{where}.samples_per_step: {stage.samples_per_step} is not {what} "
+                          f"the config's batch of {config.batch_size}")
 
 
 def check_run(run: RunResult) -> None:
