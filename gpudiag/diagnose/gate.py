@@ -301,23 +301,29 @@ def _same_work(s: StageComparison) -> bool:
 
 def _drift(wall: StageGate, device: StageGate | None, s: StageComparison, *,
            interleaved: bool) -> StageGate:
-    """A wall-time regression of code that did the same work, on the same device time: the
-    machine changed (load, clocks), not the code. Trials interleaved in one job (two or more a
-    side) share the machine's changes, so there the verdict stands: host-side work got slower."""
-    if wall.outcome != "regression" or not _same_work(s) or wall.estimate is None or (
+    """Wall time slower (a regression, or an estimate past the limit) for code that did the
+    same work, on the same device time: the machine changed (load, clocks), not the code.
+    Trials interleaved in one job (two or more a side) share the machine's changes, so there a
+    regression stands: host-side work got slower."""
+    est = wall.estimate
+    slower = est is not None and (wall.outcome == "regression" or (
+        wall.outcome == "inconclusive" and est.ratio < 1 - wall.limit))
+    if not slower or est is None or not _same_work(s) or (
             device is not None and (device.estimate is None or device.estimate.significant)):
         return wall
     unchanged = "device time unchanged" if device is not None else "no device time to check"
-    if interleaved and not wall.estimate.on_prior_alone:
+    if interleaved and not est.on_prior_alone:
+        if wall.outcome != "regression":
+            return wall
         return dataclasses.replace(wall, reason=wall.reason + f" (every exact counter "
                                    f"identical and {unchanged}: host-side work got slower, "
                                    "measured interleaved)")
     fix = ("interleaved trials are added" if interleaved else "measure both builds in one job, "
            "interleaved (`gpudiag gate --base-ref`), to tell the two apart")
-    n = min(wall.estimate.n_before, wall.estimate.n_after)
+    n = min(est.n_before, est.n_after)
     return dataclasses.replace(
         wall, outcome="inconclusive", drift=True, trials_needed=max(2, n + 1),
-        reason=f"{wall.reason.split(': slower')[0]}, with every exact counter identical and "
+        reason=f"{wall.reason.split(': ')[0]}, with every exact counter identical and "
                f"{unchanged}: the machine changed (load, clocks), not the work; {fix}")
 
 
