@@ -38,7 +38,7 @@ def _run() -> RunResult:
     failed = StageResult(name="full-loop", status="error", error="out of device memory",
                          advice="lower --batch-size")
     return RunResult(tool_version="0.1.0", env=Env(device="cuda:0", gpu_name="H100"),
-                     config=ladder_config(), stages=[stage, failed],
+                     config=ladder_config(batch_size=128), stages=[stage, failed],
                      findings=[Finding(id="GD101", rule="python-loop-launches",
                                        severity="warning", stage="full-loop", title="x",
                                        evidence={"ops_per_step": 5000}, impact=0.6,
