@@ -17,8 +17,13 @@ from typing import Annotated
 from pydantic import Field
 
 from gpudiag.model.atomic import write_text_atomic
-from gpudiag.model.results import NonNegative, RunFileError, from_jsonable, to_jsonable
-from gpudiag.model.schema import SchemaError, parse_json
+from gpudiag.model.results import (
+    NonNegative,
+    RunFileError,
+    from_jsonable,
+    read_json_file,
+    to_jsonable,
+)
 
 CALIBRATION_SCHEMA = 1
 DEFAULT_CALIBRATION = Path(".gpudiag/calibration.json")
@@ -72,17 +77,7 @@ class Calibration:
 
 def load_calibration(path: Path) -> Calibration:
     """The calibration file at `path`; RunFileError (one line) when it is not one."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise RunFileError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise RunFileError(f"{path}: cannot read ({reason})") from None
-    try:
-        data = parse_json(text)
-    except SchemaError as exc:
-        raise RunFileError(f"{path}: {exc}") from None
+    data = read_json_file(path)
     if not isinstance(data, dict) or data.get("schema_version") != CALIBRATION_SCHEMA:
         raise RunFileError(f"{path}: not a gpudiag calibration file (schema_version "
                            f"{CALIBRATION_SCHEMA} expected)")

@@ -512,11 +512,9 @@ def save_run(run: RunResult, path: Path) -> None:
     write_text_atomic(path, run_json_text(run))
 
 
-def load_run(path: Path) -> RunResult:
-    """Read a run from a run directory or a run.json file; RunFileError (one line, naming the
-    file and the field) for anything that is not a valid run."""
-    path = Path(path)
-    file = path / "run.json" if path.is_dir() else path
+def read_json_file(file: Path) -> Any:
+    """A gpudiag file's parsed JSON; RunFileError (one line, naming the file) when it cannot be
+    read or parsed."""
     try:
         text = file.read_text()
     except FileNotFoundError:
@@ -525,9 +523,17 @@ def load_run(path: Path) -> RunResult:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise RunFileError(f"{file}: cannot read ({reason})") from None
     try:
-        data = parse_json(text)
+        return parse_json(text)
     except SchemaError as exc:
         raise RunFileError(f"{file}: {exc}") from None
+
+
+def load_run(path: Path) -> RunResult:
+    """Read a run from a run directory or a run.json file; RunFileError (one line, naming the
+    file and the field) for anything that is not a valid run."""
+    path = Path(path)
+    file = path / "run.json" if path.is_dir() else path
+    data = read_json_file(file)
     if not isinstance(data, dict):
         raise RunFileError(f"{file}: not a gpudiag run (top level is not an object)")
     try:
