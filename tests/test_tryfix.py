@@ -189,6 +189,14 @@ def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
     text = "\n".join(fixes_markdown(run))
     assert "not recommended: measured slower or no faster (0.75x (0.60-0.90))" in text
     assert "save less often" not in text
+    nothing = MeasuredFix(remedy="loader", title="DataLoader workers", speedup=35.87,
+                          speedup_low=20.0, speedup_high=50.0, changed_nothing=True,
+                          note="the script built no DataLoader while it ran: nothing was changed",
+                          change="num_workers=8")
+    assert ranked([nothing, run.fixes[0]])[0] is run.fixes[0] and passing([nothing]) == []
+    run.fixes.append(nothing)
+    assert "not recommended: the script built no DataLoader while it ran: nothing was changed "\
+        "(the 35.87x is noise between two runs)" in "\n".join(fixes_markdown(run))
     run.fixes[0].equivalence, run.fixes[0].loss_gap, run.fixes[0].loss_floor = (
         "unchecked", 0.62, 0.61)
     assert "cannot tell: two runs without it differ by 61.00% already" in "\n".join(

@@ -113,7 +113,9 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.before_j_per_step, fix.after_j_per_step = _energy_per_step(a), _energy_per_step(b)
     if (fix.before_j_per_step is None) != (fix.after_j_per_step is None):
         fix.before_j_per_step = fix.after_j_per_step = None
-    fix.note = _no_effect(fix.evidence) or _queued_saves(fix.evidence)
+    no_effect = _no_effect(fix.evidence)
+    fix.changed_nothing = bool(no_effect) and remedy is not None  # one remedy, not several
+    fix.note = no_effect or _queued_saves(fix.evidence)
     fix.change = _switched_off(fix.evidence) or fix.change
     numerics: Numerics = ("precision" if any(REMEDIES[n].numerics == "precision" for n in names)
                           else "exact")
@@ -199,14 +201,17 @@ def passing(fixes: list[MeasuredFix]) -> list[str]:
     and computing the same thing, or what mixed precision changes."""
     return [f.remedy for f in fixes
             if f.status == "measured" and f.remedy in REMEDIES and f.speedup is not None
+            and not f.changed_nothing
             and (f.speedup_low if f.speedup_low is not None else f.speedup) > 1.0
             and f.equivalence in ("same", "mixed-precision")]
 
 
 def ranked(fixes: list[MeasuredFix]) -> list[MeasuredFix]:
-    """Measured fixes fastest first, then failed ones, then findings with no remedy."""
+    """Measured fixes fastest first (those that changed nothing after them), then failed ones,
+    then findings with no remedy."""
     order = {"measured": 0, "failed": 1, "no-remedy": 2}
-    return sorted(fixes, key=lambda f: (order[f.status], -(f.speedup or 0.0)))
+    return sorted(fixes, key=lambda f: (order[f.status], f.changed_nothing,
+                                        -(f.speedup or 0.0)))
 
 
 def _main_stage(run: RunResult) -> StageResult | None:
@@ -257,7 +262,9 @@ def _switched_off(evidence: dict[str, dict[str, object]]) -> str | None:
 def _no_effect(evidence: dict[str, dict[str, object]]) -> str:
     """A remedy that found nothing to change in this script: its row measures noise."""
     loaders = evidence.get("loader", {}).get("loaders")
-    if isinstance(loaders, list) and loaders and all(
+    if isinstance(loaders, list) and not loaders:
+        return "the script built no DataLoader while it ran: nothing was changed"
+    if isinstance(loaders, list) and all(
             isinstance(n, dict) and n.get("before") == n.get("after") for n in loaders):
         return "the script's DataLoaders had these settings already: nothing was changed"
     if evidence.get("async-save", {}).get("saves") == 0:

@@ -366,6 +366,9 @@ class MeasuredFix:
     loss_floor: NonNegative | None = None  # the same between two runs without the fix
     evidence: dict[str, Any] = field(default_factory=dict)  # what the script saw of it
     note: str = ""
+    # The remedy found nothing to change in the script (no DataLoader, no save): its speedup is
+    # noise between two runs, never a reason to rank or recommend it.
+    changed_nothing: bool = False
 
 
 @dataclass

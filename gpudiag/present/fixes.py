@@ -61,6 +61,8 @@ def _not_recommended(fix: MeasuredFix) -> str | None:
     reaching 1), or its losses changed or cannot tell; None when it is to be."""
     if fix.status != "measured" or fix.speedup is None:
         return None
+    if fix.changed_nothing:
+        return f"{fix.note} (the {fix.speedup:.2f}x is noise between two runs)"
     low = fix.speedup_low if fix.speedup_low is not None else fix.speedup
     if low <= 1.0:
         return (f"not measured faster ({_speedup(fix)})" if fix.speedup > 1.0
