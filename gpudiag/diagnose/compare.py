@@ -34,7 +34,6 @@ POWER = 0.80
 DEFAULT_MARGIN = 0.05  # changes inside +-5% with a tight interval read "no significant change"
 
 Verdict = Literal["faster", "slower", "no significant change", "inconclusive"]
-GateOutcome = Literal["pass", "regression", "inconclusive"]
 
 
 @dataclass
@@ -44,7 +43,6 @@ class RatioEstimate:
     high: float
     n_before: int  # processes (trials) behind each side
     n_after: int
-    sample_kind: str  # "trials", or "blocks" where a side is one trial split into blocks
     min_detectable: float  # smallest relative change detectable at 80% power
     sigma: float  # between-process spread of one trial's log throughput: prior and data pooled
     sigma_df: float  # its degrees of freedom (the prior's plus the trials')
@@ -106,10 +104,9 @@ def estimate_ratio(before: StageSamples, after: StageSamples, floor: NoiseFloor,
     diff = b.mean - a.mean
     t_crit = _quantile(1 - alpha / 2, df)
     min_detectable = 1 - math.exp(-(t_crit + _quantile(POWER, df)) * se)
-    kind = "blocks" if "blocks" in (before.kind, after.kind) else "trials"
     return RatioEstimate(ratio=math.exp(diff), low=math.exp(diff - t_crit * se),
                          high=math.exp(diff + t_crit * se), n_before=a.n, n_after=b.n,
-                         sample_kind=kind, min_detectable=min_detectable,
+                         min_detectable=min_detectable,
                          sigma=math.sqrt(variance), sigma_df=sigma_df, floor=floor,
                          confidence=1 - alpha)
 

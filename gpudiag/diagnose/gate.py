@@ -29,6 +29,7 @@ from gpudiag.model.errors import (
     BadInput,
 )
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult
+from gpudiag.model.validity import trial_key
 
 GATE_ALPHA = 0.01  # a gate fails builds: it decides on 99% intervals
 DEFAULT_LIMIT = 0.05  # wall-clock throughput, when the user sets none
@@ -439,8 +440,7 @@ def _same_measurement(before: RunResult, after: RunResult) -> str | None:
             continue
         if len(a.iter_ms) >= 3 and a.iter_ms == b.iter_ms:
             return a.name
-        keys = {(t.ms_per_iter, t.iters, tuple(t.device_ms_by_step)) for t in a.trials}
-        if any((t.ms_per_iter, t.iters, tuple(t.device_ms_by_step)) in keys for t in b.trials):
+        if {trial_key(t) for t in a.trials} & {trial_key(t) for t in b.trials}:
             return a.name
     return None
 

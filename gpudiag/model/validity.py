@@ -13,7 +13,7 @@ from gpudiag.model.config import RunConfig
 from gpudiag.model.schema import SchemaError
 
 if TYPE_CHECKING:  # results.py calls check_run on every run it reads
-    from gpudiag.model.results import Evidence, RunResult, StageResult
+    from gpudiag.model.results import Evidence, RunResult, StageResult, Trial
 
 # Relative slack for values a run derives from others (float rounding, and the median of an
 # even number of trials' throughputs against the median of their times).
@@ -66,11 +66,17 @@ def _check_trials(stage: StageResult, where: str) -> None:
                            f"own steps ({min(stage.iter_ms):g}..{max(stage.iter_ms):g} ms)")
     seen: dict[tuple[object, ...], int] = {}
     for k, t in enumerate(stage.trials):
-        key = (t.ms_per_iter, t.iters, tuple(t.device_ms_by_step), t.energy_per_sample_j)
+        key = trial_key(t)
         if key in seen:
             raise SchemaError(f"{where}.trials[{k}]: a copy of trials[{seen[key]}] (the same "
                                "step times): trials must be separate processes")
         seen[key] = k
+
+
+def trial_key(trial: Trial) -> tuple[object, ...]:
+    """What no two separate processes share: their step times' summary and kernel times."""
+    return (trial.ms_per_iter, trial.iters, tuple(trial.device_ms_by_step),
+            trial.energy_per_sample_j)
 
 
 def _check_evidence(ev: Evidence, where: str) -> None:
