@@ -25,6 +25,21 @@ classification, on ~2 ms steps of a small model (a module's forward, backward, S
 work, a read-back) sampled at --hz, for --seconds.
 
     python benchmarks/host_sampler.py --handler --seconds 20
+
+--toggle measures the same two costs with less noise, for as long as --seconds allows and
+written as it goes (a call cut short keeps its pairs): one recorder runs the steps, and in
+alternate blocks of ~50 ms, in a random order within each pair, either its step bookkeeping is
+on or off (the timeline; no sampler), or the sampler's timer is armed or disarmed (the
+timeline on in both; armed at a random phase, so an armed block gets the rate's samples). No
+recorder is built and no collection run between the two blocks of a pair: they differ only in
+what is measured. A new recorder starts every 20,000 steps (the sampler's span in a run). The
+figure is the 10%-trimmed mean of the pairs' log ratios, with a bootstrap 95% interval; a
+second reading of the sampler's cost comes from the steps themselves: a step a sample landed
+in against its two neighbours without one. --pool reads several --toggle files (calls on the
+same machine) and gives the figures over all their pairs.
+
+    python benchmarks/host_sampler.py --toggle --seconds 500 --out toggle.json
+    python benchmarks/host_sampler.py --pool toggle-1.json toggle-2.json
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import json
 import os
 import random
@@ -374,6 +390,247 @@ def handler_cost(seconds: float, hz: float, device: torch.device,
           f"first seen {first:.1f})", flush=True)
     return report
 
+# --- --toggle: the two costs in alternate blocks of one recorder's steps --------------------
+
+TOGGLE_SEGMENT_STEPS = 20_000  # a new recorder (and sampler) every this many steps
+TRIM = 0.1  # of the pairs' log ratios, cut at each end: an outside interruption moves one pair
+
+
+def _arm(sampler: HostSampler, rng: random.Random) -> None:
+    """Arm the sampler's timer with its first expiry at a random phase of the period (an
+    armed block gets the rate's samples on average, whatever its length), and make the
+    sampler count its periods from there."""
+    assert sampler.timer is not None
+    phase = rng.uniform(0.05, 1.0) * sampler.period_s
+    sampler.timer_start, sampler.ticks = sampler.timer.start(phase), 0
+
+
+def _disarm(sampler: HostSampler) -> None:
+    assert sampler.timer is not None
+    sampler.timer.pause()
+
+
+def _trimmed_interval(values: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """The TRIM-trimmed mean of `values` and its bootstrap 95% interval."""
+    data = np.asarray(values, dtype=float)
+    cut = int(TRIM * len(data))
+
+    def trimmed(rows: np.ndarray) -> np.ndarray:
+        ordered = np.sort(rows, axis=-1)
+        return ordered[..., cut:ordered.shape[-1] - cut].mean(axis=-1)
+
+    rng = np.random.default_rng(seed)
+    means = np.concatenate([trimmed(data[rng.integers(0, len(data), (100, len(data)))])
+                            for _ in range(BOOTSTRAP // 100)])
+    low, high = np.quantile(means, [0.025, 0.975])
+    return float(trimmed(data)), float(low), float(high)
+
+
+class _Toggle:
+    """toggle_pairs' measurement: pairs of blocks of `steps` steps, one with a cost on and
+    one with it off, in a random order within the pair."""
+
+    def __init__(self, step: Callable[[], None], steps: int, device: torch.device, hz: float,
+                 scratch: Path) -> None:
+        self.step, self.steps, self.device, self.hz, self.scratch = step, steps, device, hz, \
+            scratch
+        self.rng = random.Random(2)
+        self.pairs: dict[str, list[tuple[float, float]]] = {"timeline": [], "sampler": []}
+        # Each step a sample landed in alone (its neighbours in the block without one): the
+        # ms of the step before, of it, and of the step after.
+        self.sampled_steps: list[tuple[float, float, float]] = []
+        self.samples_on = self.steps_on = 0
+
+    def data(self) -> dict[str, Any]:
+        return {"pairs": self.pairs, "sampled_steps": self.sampled_steps,
+                "samples_per_step_on": self.samples_on / max(1, self.steps_on)}
+
+    def segment(self, cost: str, until: float) -> None:
+        """Pairs for `cost` ("timeline" or "sampler") on a new recorder, until the
+        perf_counter time `until` or TOGGLE_SEGMENT_STEPS steps."""
+        config = ProfileConfig(warmup=0, timed=0, evidence_steps=0, telemetry="off",
+                               host_sample_hz=self.hz if cost == "sampler" else 0.0)
+        recorder = Recorder(self.scratch, config)
+        self._run(recorder, 3, True)  # the sampler starts at the second boundary
+        sampler = recorder.host_sampler
+        if sampler is not None:
+            assert sampler.result.clock == "signal", "--toggle needs the timer signal"
+            _disarm(sampler)
+        gc.collect()
+        for _ in range(TOGGLE_SEGMENT_STEPS // (2 * self.steps)):
+            if time.perf_counter() >= until:
+                break
+            block: dict[bool, float] = {}
+            for on in self.rng.sample((True, False), 2):
+                block[on] = self._block(recorder, on, sampler)
+            self.pairs[cost].append((block[True], block[False]))
+        if sampler is not None:
+            sampler.stop()
+        recorder.finished = True
+
+    def _block(self, recorder: Recorder, on: bool, sampler: HostSampler | None) -> float:
+        """One block's mean ms per step: the recorder's bookkeeping `on` (no sampler), or
+        with a sampler, its timer armed if `on`."""
+        if sampler is not None and on:
+            _arm(sampler, self.rng)
+        first = len(recorder.host_marks)
+        before = sampler.result.samples if sampler is not None else 0
+        _sync(self.device)
+        begin = time.perf_counter()
+        counts = self._run(recorder, self.steps, on or sampler is not None)
+        _sync(self.device)
+        ms = (time.perf_counter() - begin) * 1e3 / self.steps
+        if sampler is not None and on:
+            _disarm(sampler)  # (before reading: no sample lands in the reading)
+            marks = recorder.host_marks[first - 1:]
+            walls = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+            landed = [b - a for a, b in itertools.pairwise([before, *counts])]
+            self.samples_on += counts[-1] - before
+            self.steps_on += len(landed)
+            self.sampled_steps += [
+                (walls[k - 1], walls[k], walls[k + 1]) for k in range(1, len(landed) - 1)
+                if landed[k] == 1 and landed[k - 1] == landed[k + 1] == 0]
+        return ms
+
+    def _run(self, recorder: Recorder, count: int, bookkeeping: bool) -> list[int]:
+        """`count` steps; with `bookkeeping`, the recorder's boundary after each, and the
+        sampler's count of samples read after it."""
+        counts = []
+        sampler, step = recorder.host_sampler, self.step
+        for _ in range(count):
+            step()
+            if bookkeeping:
+                recorder.boundary()
+                counts.append(sampler.result.samples if sampler is not None else 0)
+        return counts
+
+
+def toggle_pairs(step: Callable[[], None], steps: int, device: torch.device, hz: float,
+                 seconds: float, scratch: Path, save: Callable[[dict[str, Any]], None],
+                 ) -> dict[str, Any]:
+    """_Toggle's pairs for `seconds`: the timeline's cost (the recorder's bookkeeping at each
+    step, no sampler) and the sampler's (its timer armed; the bookkeeping on in both), in
+    alternate segments of at most a sixth of the time, each saved as it ends."""
+    toggle = _Toggle(step, steps, device, hz, scratch)
+    started = time.perf_counter()
+    segment = 0
+    while (now := time.perf_counter()) - started < seconds:
+        toggle.segment(("sampler", "timeline")[segment % 2],
+                       min(started + seconds, now + seconds / 6))
+        segment += 1
+        save(toggle.data())
+    return toggle.data()
+
+
+def toggle_figures(name: str, hz: float, data: dict[str, Any]) -> dict[str, Any]:
+    """The costs as ratios with their intervals, from toggle_pairs' data (one call's, or
+    several pooled)."""
+    figures: dict[str, Any] = {"step": name, "hz": hz}
+    for cost, pairs in data["pairs"].items():
+        if len(pairs) < 10:
+            continue
+        logs = [np.log(on / off) for on, off in pairs]
+        mean, low, high = _trimmed_interval(logs)
+        base = statistics.fmean(off for _, off in pairs)
+        figures[f"{cost}_on_over_off"] = {"ratio": float(np.exp(mean)),
+                                          "ci95": [float(np.exp(low)), float(np.exp(high))],
+                                          "pairs": len(pairs), "off_ms_per_step": base}
+        print(f"{name}: {cost} on / off = {np.exp(mean):.4f} (95% CI {np.exp(low):.4f}-"
+              f"{np.exp(high):.4f}; {len(pairs)} pairs of blocks, off {base:.3f} ms/step)",
+              flush=True)
+    steps = data["sampled_steps"]
+    if len(steps) >= 10 and data["pairs"]["sampler"]:
+        extra = [(mid - (before + after) / 2) * 1e3 for before, mid, after in steps]
+        per_sample, low, high = _trimmed_interval(extra)
+        rate = data["samples_per_step_on"]
+        base = statistics.fmean(off for _, off in data["pairs"]["sampler"]) * 1e3
+        figures["per_sample_us"] = {"trimmed_mean": per_sample, "ci95": [low, high],
+                                    "steps": len(steps), "samples_per_step": rate,
+                                    "share_of_step": per_sample * rate / base,
+                                    "share_ci95": [low * rate / base, high * rate / base]}
+        print(f"{name}: a sample's step against its neighbours: {per_sample:.1f} us (95% CI "
+              f"{low:.1f}-{high:.1f}; {len(steps)} steps) x {rate:.3f} samples a step = "
+              f"{per_sample * rate / base:.2%} of a {base / 1e3:.3f} ms step "
+              f"({low * rate / base:.2%}-{high * rate / base:.2%})", flush=True)
+    return figures
+
+
+def toggle(args: argparse.Namespace, device: torch.device, report: dict[str, Any]) -> None:
+    """--toggle: each 2 ms step for its share of --seconds (the 100 ms step: a short check,
+    its cost is well inside the noise of pairs of single steps)."""
+    Make = Callable[[torch.device, float], Callable[[], None]]
+    blocks: list[tuple[str, Make, float, int, float]] = [
+        ("2 ms, Python and numpy (host-bound)", python_and_numpy, 2.0, 25, 0.45),
+        ("2 ms, small kernels (launch-bound)", small_kernels, 2.0, 25, 0.45),
+        ("100 ms, large matmuls (device-bound)", large_matmuls, 100.0, 1, 0.1)]
+    chosen = [b for b in blocks if args.only in b[0]]
+    share_total = sum(b[4] for b in chosen)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, make, target_ms, steps, share in chosen:
+            step = make(device, target_ms)
+            gc.collect()
+            gc.freeze()
+            entry: dict[str, Any] = {"step": name, "steps_per_block": steps, "hz": args.hz}
+            report["results"].append(entry)
+
+            def save(data: dict[str, Any], entry: dict[str, Any] = entry) -> None:
+                entry["data"] = data
+                if args.out:
+                    write_json(args.out, report)
+
+            seconds = 8.0 if args.quick else args.seconds * share / share_total
+            data = toggle_pairs(step, steps, device, args.hz, seconds, Path(tmp), save)
+            entry["data"] = data
+            entry["figures"] = toggle_figures(name, args.hz, data)
+            if args.out:
+                write_json(args.out, report)
+
+
+def pool(files: list[Path]) -> dict[str, Any]:
+    """--pool: several --toggle calls' pairs, step by step, as one measurement."""
+    pooled: dict[str, dict[str, Any]] = {}
+    for file in files:
+        for entry in json.loads(file.read_text())["results"]:
+            data = entry.get("data")
+            if data is None:
+                continue
+            into = pooled.setdefault(entry["step"], {
+                "hz": entry["hz"], "pairs": {"timeline": [], "sampler": []},
+                "sampled_steps": [], "rates": []})
+            for cost in ("timeline", "sampler"):
+                into["pairs"][cost] += data["pairs"][cost]
+            into["sampled_steps"] += data["sampled_steps"]
+            into["rates"].append((data["samples_per_step_on"], len(data["sampled_steps"])))
+    results = []
+    for name, into in pooled.items():
+        weight = sum(n for _, n in into["rates"]) or 1
+        into["samples_per_step_on"] = sum(r * n for r, n in into["rates"]) / weight
+        results.append(toggle_figures(name, into["hz"], into))
+    return {"pooled": [str(f) for f in files], "results": results}
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    """Written whole and renamed into place: a call killed while writing keeps the last."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report))
+    partial.replace(path)
+
+
+
+def _pinned(cores: int) -> tuple[torch.device, dict[str, Any]]:
+    """Pin the process to its last `cores` cores (0: not); the device, and the report's
+    heading."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, allowed[-cores:])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
+                              else "cpu", "torch": torch.__version__,
+                              "python": sys.version.split()[0],
+                              "cores": sorted(os.sched_getaffinity(0))
+                              if hasattr(os, "sched_getaffinity") else None, "results": []}
+    return device, report
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -386,17 +643,21 @@ def main() -> int:
     parser.add_argument("--no-stalls", action="store_true")
     parser.add_argument("--handler", action="store_true",
                         help="only the handler's time per sample, timed from inside")
+    parser.add_argument("--toggle", action="store_true",
+                        help="pairs of blocks of one recorder's steps, each cost on and off")
+    parser.add_argument("--pool", type=Path, nargs="+", default=None,
+                        help="--toggle files to read as one measurement")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.cores and hasattr(os, "sched_setaffinity"):
-        allowed = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, allowed[-args.cores:])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda"
-                              else "cpu", "torch": torch.__version__,
-                              "python": sys.version.split()[0],
-                              "cores": sorted(os.sched_getaffinity(0))
-                              if hasattr(os, "sched_getaffinity") else None, "results": []}
+    if args.pool:
+        pooled = pool(args.pool)
+        if args.out:
+            write_json(args.out, pooled)
+        return 0
+    device, report = _pinned(args.cores)
+    if args.toggle:
+        toggle(args, device, report)
+        return 0
     if args.handler:
         report["results"].append(handler_cost(5.0 if args.quick else args.seconds, args.hz,
                                               device))

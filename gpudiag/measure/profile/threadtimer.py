@@ -44,6 +44,11 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("interval", _Timespec), ("value", _Timespec)]
 
 
+def _timespec(seconds: float) -> _Timespec:
+    whole, fraction = divmod(seconds, 1.0)
+    return _Timespec(int(whole), max(1, round(fraction * 1e9)))
+
+
 Handler = Callable[[int, FrameType | None], None]
 
 
@@ -179,17 +184,22 @@ class ThreadTimer:
         if code is not None:
             _WRAPPER_CODES[id(code)] = code
 
-    def start(self) -> float:
-        """Arm the timer; returns the perf_counter time its period counts from (at or before
-        the kernel's: its n-th expiry is at or after start + n x period)."""
-        seconds, fraction = divmod(self.period_s, 1.0)
-        every = _Timespec(int(seconds), max(1, round(fraction * 1e9)))
-        spec = _Itimerspec(interval=every, value=every)
+    def start(self, first_after_s: float | None = None) -> float:
+        """Arm the timer, its first expiry `first_after_s` from now (default: one period);
+        returns the perf_counter time its period counts from (at or before the kernel's: its
+        n-th expiry is at or after start + n x period)."""
+        first = self.period_s if first_after_s is None else first_after_s
+        spec = _Itimerspec(interval=_timespec(self.period_s), value=_timespec(first))
         start = time.perf_counter()
         if self.lib.timer_settime(self.timer, 0, ctypes.byref(spec), None):
             self.close()
             raise OSError(ctypes.get_errno(), "timer_settime failed")
-        return start
+        return start + first - self.period_s
+
+    def pause(self) -> None:
+        """Disarm the timer until the next start (benchmarks/host_sampler.py --toggle)."""
+        if self.lib.timer_settime(self.timer, 0, ctypes.byref(_Itimerspec()), None):
+            raise OSError(ctypes.get_errno(), "timer_settime failed")
 
     def close(self) -> None:
         if self.created:
