@@ -390,6 +390,22 @@ def gd304(*, share: float, idle: float = 0.05, backend: str = "cuda") -> RunResu
     return make_run(make_stage("train", evidence=ev))
 
 
+def gd305(*, share: float, low: float = 0.9, backend: str = "cuda") -> RunResult:
+    """A bf16 attention block whose fp32 mask promotes its add (attn.py:31) and softmax
+    (attn.py:32) to fp32: `share` of 100 ms of kernel time; `low` of the matmul time in bf16."""
+    by_kind = {"matmul": 100 * (1 - share), "softmax": 50 * share, "elementwise": 50 * share}
+    lines = [LineCount("attn.py:30", "forward", kind_ms={"matmul": 100 * (1 - share)}),
+             LineCount("attn.py:31", "forward", kind_ms={"elementwise": 50 * share},
+                       fp32_memory_bound_ms=50 * share),
+             LineCount("attn.py:32", "forward", kind_ms={"softmax": 50 * share},
+                       fp32_memory_bound_ms=40 * share)]
+    matmul = 100 * (1 - share)
+    ev = make_evidence(backend=backend, idle_fraction=0.0, device_ms_by_kind=by_kind,
+                       line_counts=lines,
+                       matmul_ms_by_dtype={"bf16": matmul * low, "fp32": matmul * (1 - low)})
+    return make_run(make_stage("train", evidence=ev))
+
+
 def gd9(*, recompiles: int, limit_hit: bool = False, breaks: int = 0) -> RunResult:
     """A profiled script's compilations: model.py's forward compiled at step 0, then
     recompiled at each of the next `recompiles` steps for a new length (1 s each), then, with
@@ -523,6 +539,13 @@ CASES: dict[str, Case] = {
                   (P(gd304, share=limit("GD304", "warning_share") - 0.01),
                    P(gd304, share=0.9, idle=limit("GD304", "max_idle_fraction") + 0.01),
                    P(gd304, share=0.9, backend="cpu"))),
+    # 10 + 8 ms of fp32 islands in 100 ms of kernels: 18%, past 15%, short of the warning's
+    # 30%; at share 0.16, 14.4%.
+    "GD305": Case(P(gd305, share=0.2), "train", "info",
+                  {"fp32_memory_bound_share": 0.18, "low_precision_matmul_share": 0.9,
+                   "within": "GD304"},
+                  (P(gd305, share=0.16),
+                   P(gd305, share=0.2, low=limit("GD305", "min_low_precision_matmul") - 0.01))),
     # Two recompiles of one function (one is routine: a last, smaller batch).
     "GD901": Case(P(gd9, recompiles=2), "train.py", "critical",
                   {"recompiles": 2, "compilations": 3, "called_at": "train.py:30",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpudiag.model.hardware import datasheet_tflops
+from gpudiag.model.hardware import datasheet_gbps, datasheet_tflops
 
 if TYPE_CHECKING:
     from gpudiag.model.results import RunResult, StageResult
@@ -45,3 +45,12 @@ def utilisation(run: RunResult, stage: StageResult) -> dict[str, Any] | None:
     peak, source = ceiling(run, dtype)
     return {"tflops": achieved, "dtype": dtype, "ceiling_tflops": peak, "ceiling": source,
             "mfu": achieved / peak if peak else None}
+
+
+def bandwidth(run: RunResult) -> tuple[float | None, str | None]:
+    """(GB/s, where it comes from): the peak stage's device copy, else the datasheet."""
+    peak = run.stage_in_role("ceiling")
+    if peak is not None and peak.ok and peak.facts.peak is not None and peak.facts.peak.copy_gbps:
+        return float(peak.facts.peak.copy_gbps), "measured"
+    sheet = datasheet_gbps(run.env.gpu_name)
+    return (sheet, "datasheet") if sheet else (None, None)

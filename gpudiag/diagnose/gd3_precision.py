@@ -300,3 +300,89 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
                                       "ms_by_kind": {k: round(v, 3) for k, v in kinds_.items()}}
                                 for loc, ms, kinds_ in lines[:5]}},
             fix=_memory_fix(by_kind, lines))
+
+
+ISLAND_MIN_LOW_MATMUL = 0.5  # of matmul time in fp16/bf16: the stage is mixed precision
+# fp32 memory-bound time, of all kernel time: information from 15%, a warning from 30% (what
+# 16 bits would win back, half of it, is then 15% of the kernel time).
+ISLAND_MIN_SHARE, ISLAND_WARNING = 0.15, 0.30
+# Memory-bound time follows bytes: the same work in 16 bits moves half of them.
+ISLAND_RECOVERABLE = 0.5
+ISLAND_THRESHOLDS = (
+    Threshold("min_low_precision_matmul", ISLAND_MIN_LOW_MATMUL,
+              "half the matmul time runs in fp16/bf16: the stage trains in mixed precision"),
+    Threshold("min_share", ISLAND_MIN_SHARE,
+              "memory-bound work computing in fp32 takes 15% of the kernel time"),
+    Threshold("warning_share", ISLAND_WARNING,
+              "30% of it (half of which 16 bits would win back): warning"),
+    Threshold("recoverable_share", ISLAND_RECOVERABLE,
+              "of that time, what 16-bit operands win back (half the bytes; the impact)"),
+)
+
+
+def _island_fix(kinds: set[str]) -> str:
+    """What an fp32 island is, by the kinds its top lines run."""
+    fixes = []
+    if kinds & {"elementwise", "reduction"}:
+        fixes.append("an fp32 tensor mixed into fp16/bf16 activations (a mask or bias "
+                     "built with torch.zeros/ones/arange in the default dtype, a parameter "
+                     "used outside a Linear) promotes the operation, and what follows it, to "
+                     "fp32: create it in the activations' dtype (mask.to(scores.dtype)) or "
+                     "use a bool mask with masked_fill")
+    if kinds & {"softmax", "norm"}:
+        fixes.append("autocast runs softmax, log_softmax, layer_norm and the losses in fp32 "
+                     "on purpose (its fp32 list): where they are the cost, a fused kernel "
+                     "does the same in one pass (F.scaled_dot_product_attention for "
+                     "attention, torch.compile for norms and the chains around them)")
+    advice = "; ".join(fixes)
+    return f"{advice[:1].upper()}{advice[1:]}." if advice else ""
+
+
+@rule(
+    "GD305", "fp32-islands", concern="precision",
+    summary="Memory-bound work still computing in fp32 inside a mixed-precision step.",
+    why=("Under autocast the matmuls run in fp16/bf16, but an operation with an fp32 input "
+         "runs in fp32 (type promotion), and autocast itself keeps softmax, norms and losses "
+         "in fp32. Such islands read and write twice the bytes of the same work in 16 bits, "
+         "and memory-bound kernels take their time from bytes."),
+    fix=("Keep tensors mixed into activations in the activations' dtype; use fused kernels "
+         "for the operations autocast keeps in fp32."),
+    thresholds=ISLAND_THRESHOLDS,
+    references=("https://pytorch.org/docs/stable/amp.html#ops-that-can-autocast-to-float32",),
+)
+def fp32_islands(run: RunResult) -> Iterator[Draft]:
+    """Half or more of the matmul time runs in fp16/bf16, and memory-bound operators whose
+    widest input is fp32 (casts aside; gpudiag/measure/evidence/shapes.py) take 15% or
+    more of the kernel time (on a CPU, operator time). Priced as half their share of the step:
+    a part of GD304's memory-bound time where both fire, not added to it."""
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        total = sum(ev.device_ms_by_kind.values())
+        matmul = sum(ev.matmul_ms_by_dtype.values())
+        low = sum(v for k, v in ev.matmul_ms_by_dtype.items() if k in ("fp16", "bf16"))
+        lines = sorted((c for c in ev.line_counts if c.fp32_memory_bound_ms > 0),
+                       key=lambda c: -c.fp32_memory_bound_ms)
+        islands = sum(c.fp32_memory_bound_ms for c in lines)
+        if not total or not matmul or low / matmul < ISLAND_MIN_LOW_MATMUL \
+                or islands / total < ISLAND_MIN_SHARE:
+            continue
+        share = islands / total
+        busy = 1.0 - (ev.idle_fraction or 0.0)
+        dtype = max(("fp16", "bf16"), key=lambda k: ev.matmul_ms_by_dtype.get(k, 0.0))
+        top = lines[0]
+        kinds = {k for c in lines[:3] for k in c.kind_ms if k in MEMORY_BOUND_KINDS}
+        yield Draft(
+            severity=severity_for(share, warning=ISLAND_WARNING), stage=stage.name,
+            title=(f"fp32 islands in a {dtype} step: memory-bound work computing in fp32 takes "
+                   f"{pct(share)} of the kernel time while {pct(low / matmul)} of matmul time "
+                   f"runs in fp16/bf16; most at {top.location} "
+                   f"({top.fp32_memory_bound_ms:.2f} ms/step)"),
+            location=top.location, impact=min(1.0, share * busy * ISLAND_RECOVERABLE),
+            evidence={"fp32_memory_bound_share": round(share, 3),
+                      "low_precision_matmul_share": round(low / matmul, 3),
+                      "lines": {c.location: {"fp32_memory_bound_ms": round(
+                          c.fp32_memory_bound_ms, 3), "ms_by_kind": c.kind_ms}
+                          for c in lines[:5]},
+                      "within": "GD304"},
+            fix=_island_fix(kinds))

@@ -21,3 +21,18 @@ def datasheet_tflops(gpu_name: str | None, dtype: str) -> float | None:
         if fragment in gpu_name:
             return peaks.get(dtype)
     return None
+
+
+# Memory bandwidth on paper (GB/s), by GPU name fragment, most specific first (the same
+# datasheets: H100 SXM5 80GB HBM3 3.35 TB/s, H100 PCIe 2.0, H100 NVL 3.9, H200 4.8, A100 80GB
+# SXM 2.04, A100 40GB 1.56, RTX 4090 1.01).
+DATASHEET_GBPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0), ("H200", 4800.0),
+    ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 2039.0), ("A100", 1555.0),
+    ("RTX 4090", 1008.0))
+
+
+def datasheet_gbps(gpu_name: str | None) -> float | None:
+    if not gpu_name:
+        return None
+    return next((gbps for fragment, gbps in DATASHEET_GBPS if fragment in gpu_name), None)

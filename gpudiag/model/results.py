@@ -187,6 +187,14 @@ class LineCount:
     sync_idle_ms: NonNegative = 0.0
     # Device (CPU: operator) ms by kind.
     kind_ms: dict[str, NonNegative] = field(default_factory=dict)
+    # What the line's operators compute and move per step, from the shapes the profiler
+    # recorded (gpudiag/measure/evidence/shapes.py): matmul FLOPs, and bytes read and written
+    # (an estimate: each input once, an output the size of the largest input; a matmul's exact).
+    flops: NonNegative = 0.0
+    bytes: NonNegative = 0.0
+    # Memory-bound kernel ms (CPU: operator ms) whose operator computed in fp32; inside an
+    # autocast region these are fp32 islands (softmax, norms, promoted elementwise ops).
+    fp32_memory_bound_ms: NonNegative = 0.0
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.diagnose.roofline import roofline
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
@@ -59,6 +60,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += _what_ran(run)
     out += _phases(run)
     out += _evidence(run)
+    out += _rooflines(run)
     out += _distributed(run)
     out += _problems(run)
     windows = (", and each stage's profiler window (kernels, copies, the source-line ranges) in "
@@ -140,6 +142,37 @@ def _evidence(run: RunResult) -> list[str]:
             "Operators are top-level ATen calls, forward and backward; GPU idle is the share of "
             "the timed step with no kernel or copy running; window cost is the profiled step "
             "time over the timed one (instrumentation overhead, excluded from the timings).", ""]
+
+
+def _rate(value: float | None) -> str:
+    """Three significant figures for small rates (a CPU's TFLOP/s), whole numbers for large."""
+    if value is None:
+        return fmt(None)
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _rooflines(run: RunResult) -> list[str]:
+    """Each profiled stage's busiest lines against the roofline (gpudiag/diagnose/roofline.py)."""
+    out = []
+    for stage in run.stages_with_evidence():
+        found = roofline(run, stage)
+        if found is None or not found.lines:
+            continue
+        rows = [[f"`{line.location}`", fmt(line.device_ms, ".2f"), _rate(line.tflops),
+                 _rate(line.gbps), _rate(line.flops_per_byte),
+                 line.bound or "-", fmt(line.of_roof * 100 if line.of_roof is not None
+                                         else None, ".0f", "%")]
+                for line in found.lines]
+        peaks = (f"{found.dtype} matmuls {fmt(found.peak_tflops, ',.0f')} TFLOP/s, memory "
+                 f"{fmt(found.peak_gbps, ',.0f')} GB/s ({found.source})"
+                 if found.peak_gbps else "no peaks known for this device: achieved rates only")
+        out += [f"### Lines against the roofline: {stage.name}", "",
+                *markdown_table(["line", "device ms/step", "TFLOP/s", "GB/s (at least)",
+                                 "FLOP/byte", "bound", "of its roof"], rows), "",
+                f"Peaks: {peaks}. FLOPs are the line's matmuls', from the shapes the profiler "
+                "recorded; bytes are a floor (each input read once, one output written), so "
+                "GB/s and a memory-bound line's share of its roof are at least these.", ""]
+    return out
 
 
 def _pct(value: float | None) -> str:

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.measure.evidence import shapes
 from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
 from gpudiag.measure.evidence.source import in_loop, parse_annotation
-from gpudiag.model.results import Evidence, LineCount, SourceLine
+from gpudiag.model.results import MEMORY_BOUND_KINDS, Evidence, LineCount, SourceLine
 
 SHORT_KERNEL_US = 10.0  # kernels shorter than this are dominated by launch overhead
 TOP_N = 10
@@ -52,6 +53,18 @@ ALLREDUCE_OP = re.compile(r"^c10d::all_?reduce")
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _GRAPH_PREFIX = re.compile(r"^graph_\d+_")  # Inductor's C++ kernels' profiled names
 OPTIMIZER_RANGE = "Optimizer.step#"  # torch.optim's record_function around each step()
+# Operators that do no work of their own (views, allocations, conjugation flags): their
+# enclosing operator is the one that computes.
+NO_WORK_OPS = frozenset({
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_strided",
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::t", "aten::transpose",
+    "aten::expand", "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::select",
+    "aten::slice", "aten::alias", "aten::detach", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::lift_fresh", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow",
+    "aten::expand_as", "aten::view_as", "aten::flatten", "aten::contiguous", "aten::to",
+    "aten::_to_copy", "aten::set_", "aten::zeros_like", "aten::ones_like", "aten::zeros",
+    "aten::ones", "aten::full", "aten::new_empty", "aten::new_empty_strided",
+    "aten::new_zeros", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense"})
 _MEMCPY = re.compile(r"Memcpy (?P<kind>[HDP]to[HDP])(?: \((?P<src>\w+) -> (?P<dst>\w+)\))?")
 
 
@@ -70,6 +83,9 @@ class _Line:
     kernel_us: list[float] = field(default_factory=list)
     vias: Counter[str] = field(default_factory=Counter)  # library frame -> calls through it
     kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    flops: float = 0.0
+    bytes: float = 0.0
+    fp32_memory_us: float = 0.0
 
 
 def _end(e: dict[str, Any]) -> float:
@@ -258,6 +274,7 @@ def _select(events: list[dict[str, Any]]) -> _Window:
     _enclosing(host, window.optimizer_steps, "_optimizer")
     _enclosing(host, window.backward_nodes, "_backward")
     _enclosing(runtime, window.matmuls, "_matmul")
+    _enclosing(runtime, ops, "_op")  # the operator that launched a kernel: its shapes
     _link_backward(events, ops, window.backward_nodes, window.annotations)
     return window
 
@@ -379,6 +396,9 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
         work = None  # a kernel's kind
         if cat == "kernel":
             work = _count_kernel(counts, d, launcher, owner, step_of(launcher))
+            op = launcher.get("_op") if launcher is not None else None
+            if op is not None and work in MEMORY_BOUND_KINDS:
+                op["_memory_us"] = op.get("_memory_us", 0.0) + float(d.get("dur", 0.0))
         elif cat == "gpu_memcpy":
             kind = memcpy_kind(d["name"])
             counts.memcpy[kind] += 1
@@ -417,6 +437,52 @@ def _count_operators(w: _Window, counts: _Device) -> None:
             w.stats(owner).kind_us[kind] += dur
 
 
+def _working_ops(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operators that do the work: ATen operators with no working operator inside them
+    (aten::addmm, not the aten::linear around it; a cast's aten::copy_, not its aten::to)."""
+    _enclosing(ops, ops, "_parent")
+    working = [o for o in ops if o["name"].startswith("aten::") and o["name"] not in NO_WORK_OPS]
+    for o in working:
+        if o["name"] in shapes.CASTS:  # a cast inside an operator is not its work
+            continue
+        parent = o.get("_parent")
+        while parent is not None and not parent.get("_has_work"):
+            parent["_has_work"] = True
+            parent = parent.get("_parent")
+    return [o for o in working if not o.get("_has_work")]
+
+
+def _count_shapes(w: _Window, backend: str) -> None:
+    """Per line: FLOPs and bytes of its working operators (gpudiag/measure/evidence/shapes.py),
+    and the memory-bound time of those that computed in fp32 (casts aside). On a GPU that time
+    is the kernels each operator launched; on a CPU, the operator's own."""
+    for o in _working_ops(w.ops):
+        owner = w.line_of(o)
+        if owner is None:
+            continue
+        line = w.stats(owner)
+        line.flops += shapes.flops(o)
+        line.bytes += shapes.bytes_moved(o)
+        if backend != "cuda" and _fp32_island(o) \
+                and op_kind(o["name"], in_optimizer="_optimizer" in o) in MEMORY_BOUND_KINDS:
+            line.fp32_memory_us += float(o.get("dur", 0.0))
+    if backend != "cuda":
+        return
+    for o in w.ops:
+        memory_us = float(o.get("_memory_us", 0.0))
+        owner = w.line_of(o) if memory_us else None
+        if owner is not None and _fp32_island(o):
+            w.stats(owner).fp32_memory_us += memory_us
+
+
+def _fp32_island(op: dict[str, Any]) -> bool:
+    """An operator computing in fp32 that mixed precision could have run in 16 bits: not a
+    cast, not the accumulation of an fp32 parameter's gradient."""
+    node = op.get("_backward")
+    return op["name"] not in shapes.CASTS and shapes.compute_dtype(op) == "fp32" \
+        and not (node is not None and "AccumulateGrad" in node["name"])
+
+
 def _charge_compiled(lines: list[_Line], dur: float, kind: str) -> None:
     """A fused kernel's time, split evenly between the lines whose operators it fused."""
     for line in lines:
@@ -450,7 +516,9 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
                    sync_idle_ms=_idle_after(runtime.line_sync_ends[line.location],
                                             w.device) * per / 1e3,
                    kind_ms={k: round(v * per / 1e3, 4) for k, v in sorted(line.kind_us.items())
-                            if v > 0})
+                            if v > 0},
+                   flops=line.flops * per, bytes=line.bytes * per,
+                   fp32_memory_bound_ms=line.fp32_memory_us * per / 1e3)
          for line in w.lines.values()),
         key=lambda c: c.location)
 
@@ -487,6 +555,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     top_ops, cpu_syncs = _count_host(w, backend)
     runtime = _count_runtime(w)
     device = _count_device(w, runtime, backend)
+    _count_shapes(w, backend)
     busy_ms = (_length(_merge((float(d["ts"]), _end(d)) for d in w.device)) / 1e3
                if w.device else None)
     htod = [d for d in w.by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]

@@ -50,7 +50,9 @@ class ProfilerWindow:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._profiler = profile(activities=activities)
+        # Shapes: each operator's dtype, bytes and FLOPs (evidence/shapes.py); host-side cost
+        # only, in a window whose steps are not timed.
+        self._profiler = profile(activities=activities, record_shapes=True)
         with warnings.catch_warnings():
             # A window is one cycle: torch's "Profiler clears events at the end of each
             # cycle" (printed by every trial of a gate, torch 2.11) says nothing about it.

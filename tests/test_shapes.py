@@ -1,0 +1,131 @@
+"""What each operator computes and moves (gpudiag/measure/evidence/shapes.py), fp32 islands
+by line on recorded events and on a real CPU profiler window, and the busiest lines against
+the roofline (gpudiag/diagnose/roofline.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gpudiag.diagnose.roofline import roofline
+from gpudiag.measure.evidence import analyze
+from gpudiag.measure.evidence.shapes import bytes_moved, compute_dtype, flops
+from gpudiag.measure.evidence.window import collect_evidence
+from gpudiag.model.results import LineCount
+from gpudiag.present.markdown import render_markdown
+from tests.test_rules import make_evidence, make_run, make_stage
+from tests.test_trace import ann, kernel, launch, op
+
+
+def shaped(name: str, types: list[str], dims: list[list[int]], ts: float = 0.0,
+           dur: float = 10.0) -> dict[str, Any]:
+    return op(name, ts, dur, **{"Input type": types, "Input Dims": dims})
+
+
+def test_an_operator_computes_in_its_widest_floating_input() -> None:
+    # A bf16 activation plus an fp32 mask is promoted to fp32; a 0-dim fp32 scalar is not.
+    assert compute_dtype(shaped("aten::add", ["c10::BFloat16", "float"],
+                                [[8, 8], [8, 8]])) == "fp32"
+    assert compute_dtype(shaped("aten::mul", ["c10::BFloat16", "float"], [[8, 8], []])) == "bf16"
+    assert compute_dtype(shaped("aten::add", ["long int", "long int"], [[4], [4]])) == ""
+    assert compute_dtype(op("aten::add", 0, 1)) == ""  # shapes not recorded
+
+
+def test_matmul_flops_and_bytes_come_from_the_shapes() -> None:
+    mm = shaped("aten::mm", ["c10::Half", "c10::Half"], [[64, 32], [32, 16]])
+    assert flops(mm) == 2 * 64 * 32 * 16
+    assert bytes_moved(mm) == (64 * 32 + 32 * 16 + 64 * 16) * 2
+    addmm = shaped("aten::addmm", ["float", "float", "float", "Scalar", "Scalar"],
+                   [[16], [64, 32], [32, 16], [], []])
+    assert flops(addmm) == 2 * 64 * 32 * 16
+    bmm = shaped("aten::bmm", ["c10::BFloat16"] * 2, [[4, 8, 16], [4, 16, 8]])
+    assert flops(bmm) == 2 * 4 * 8 * 16 * 8
+    # The profiler's own count, where it made one, wins.
+    recorded = op("aten::conv2d", 0, 1, flops=1234)
+    assert flops(recorded) == 1234
+    # Elementwise: inputs once, one output the size of the largest; in place: no new output.
+    add = shaped("aten::add", ["float", "float"], [[100], [100]])
+    assert flops(add) == 0 and bytes_moved(add) == 3 * 400
+    assert bytes_moved(shaped("aten::add_", ["float", "float"], [[100], [100]])) == 2 * 400
+
+
+def test_fp32_islands_are_the_kernels_of_operators_computing_in_fp32() -> None:
+    """On a GPU: a kernel's time is its launching operator's; a promoted add and an fp32
+    softmax are islands, a cast and a bf16 matmul are not."""
+    events = [
+        ann("attn.py:11", "forward", 0, 100),
+        shaped("aten::bmm", ["c10::BFloat16"] * 2, [[4, 8, 16], [4, 16, 8]], ts=1, dur=20),
+        launch("cudaLaunchKernel", 5, corr=1),
+        ann("attn.py:12", "forward", 100, 100),
+        shaped("aten::add", ["c10::BFloat16", "float"], [[4, 8, 8], [8, 8]], ts=101, dur=20),
+        launch("cudaLaunchKernel", 105, corr=2),
+        ann("attn.py:13", "forward", 200, 100),
+        shaped("aten::_softmax", ["float", "Scalar", "Scalar"], [[4, 8, 8], [], []], ts=201,
+               dur=20),
+        launch("cudaLaunchKernel", 205, corr=3),
+        shaped("aten::copy_", ["c10::BFloat16", "float"], [[4, 8, 8], [4, 8, 8]], ts=230,
+               dur=20),
+        launch("cudaLaunchKernel", 235, corr=4),
+        kernel("sm90_xmma_gemm_bf16bf16", 400, 30.0, corr=1),
+        kernel("vectorized_elementwise_kernel<add>", 440, 20.0, corr=2),
+        kernel("cunn_SoftMaxForward<float>", 470, 40.0, corr=3),
+        kernel("vectorized_elementwise_kernel<copy>", 520, 10.0, corr=4),
+    ]
+    ev = analyze(events, steps=1, step_ms=1.0, backend="cuda")
+    counts = {c.location: c for c in ev.line_counts}
+    assert counts["attn.py:11"].fp32_memory_bound_ms == 0
+    assert counts["attn.py:11"].flops == 2 * 4 * 8 * 16 * 8
+    assert counts["attn.py:12"].fp32_memory_bound_ms == pytest.approx(0.020)
+    assert counts["attn.py:13"].fp32_memory_bound_ms == pytest.approx(0.040)  # not the cast
+
+
+def test_a_real_cpu_window_names_the_promoted_add_and_its_softmax() -> None:
+    """bf16 autocast on the CPU: scores plus an fp32 mask run in fp32, and so does the
+    softmax after them; the matmuls run in bf16 with their FLOPs counted."""
+    b, h, t, d = 2, 2, 64, 16
+    q, k = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    mask = torch.zeros(t, t)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            scores = q @ k.transpose(-1, -2)
+            scores = scores + mask
+            scores.softmax(-1).sum()
+
+    ev = collect_evidence(step, device=torch.device("cpu"), steps=2, timed_step_ms=None)
+    by_code = {c.location.rpartition(":")[2]: c for c in ev.line_counts
+               if c.location.startswith("tests/test_shapes.py")}
+    first = min(by_code, key=int)
+    matmul, add, softmax = (by_code[str(int(first) + i)] for i in range(3))
+    assert matmul.flops == 2 * b * h * t * d * t and matmul.fp32_memory_bound_ms == 0
+    assert add.fp32_memory_bound_ms > 0 and softmax.fp32_memory_bound_ms > 0
+    assert ev.matmul_ms_by_dtype.get("bf16", 0) > 0
+
+
+def test_the_busiest_lines_are_held_against_their_roof() -> None:
+    """On an H100 (datasheet bf16 989 TFLOP/s, 3,350 GB/s): a matmul line at 494.5 TFLOP/s is
+    compute-bound at half its roof; a softmax line moving 1 GB in 1 ms is memory-bound at 30%."""
+    lines = [LineCount("attn.py:11", "forward", kind_ms={"matmul": 2.0}, flops=989e9,
+                       bytes=1e9),
+             LineCount("attn.py:13", "forward", kind_ms={"softmax": 1.0}, bytes=1e9)]
+    ev = make_evidence(line_counts=lines, matmul_ms_by_dtype={"bf16": 2.0},
+                       device_ms_by_kind={"matmul": 2.0, "softmax": 1.0})
+    run = make_run(make_stage("train", evidence=ev))
+    run.env.gpu_name = "NVIDIA H100 80GB HBM3"
+    found = roofline(run, run.stages[0])
+    assert found is not None and found.dtype == "bf16" and found.source == "datasheet"
+    matmul, softmax = found.lines
+    assert matmul.bound == "compute" and matmul.of_roof == pytest.approx(0.5)
+    assert matmul.flops_per_byte == pytest.approx(989.0)
+    assert softmax.bound == "memory" and softmax.of_roof == pytest.approx(1000 / 3350)
+    assert softmax.tflops is None
+    report = render_markdown(run)
+    assert "### Lines against the roofline: train" in report
+    assert "| `attn.py:13` | 1.00 | - | 1,000 | - | memory | 30% |" in report
+    # A device without known peaks: achieved rates only, no bound.
+    run.env.gpu_name = "Some GPU"
+    unknown = roofline(run, run.stages[0])
+    assert unknown is not None and unknown.lines[0].bound is None
+    assert "no peaks known for this device" in render_markdown(run)
