@@ -45,10 +45,11 @@ def test_matmul_flops_and_bytes_come_from_the_shapes() -> None:
     # The profiler's own count, where it made one, wins.
     recorded = op("aten::conv2d", 0, 1, flops=1234)
     assert flops(recorded) == 1234
-    # Elementwise: inputs once, one output the size of the largest; in place: no new output.
+    # Elementwise: inputs once, one output the size of the largest; in place: the first
+    # input read and written.
     add = shaped("aten::add", ["float", "float"], [[100], [100]])
     assert flops(add) == 0 and bytes_moved(add) == 3 * 400
-    assert bytes_moved(shaped("aten::add_", ["float", "float"], [[100], [100]])) == 2 * 400
+    assert bytes_moved(shaped("aten::add_", ["float", "float"], [[100], [100]])) == 3 * 400
 
 
 def test_fp32_islands_are_the_kernels_of_operators_computing_in_fp32() -> None:
@@ -68,10 +69,23 @@ def test_fp32_islands_are_the_kernels_of_operators_computing_in_fp32() -> None:
         shaped("aten::copy_", ["c10::BFloat16", "float"], [[4, 8, 8], [4, 8, 8]], ts=230,
                dur=20),
         launch("cudaLaunchKernel", 235, corr=4),
+        # Autocast's way into the softmax's fp32: a copy into fp32 (inside its aten::to).
+        ann("attn.py:14", "forward", 300, 100),
+        op("aten::to", 301, 40),
+        shaped("aten::copy_", ["float", "c10::BFloat16"], [[4, 8, 8], [4, 8, 8]], ts=302,
+               dur=30),
+        launch("cudaLaunchKernel", 305, corr=5),
+        # A clone's copy is the clone's work: its bytes are counted once.
+        shaped("aten::clone", ["c10::BFloat16"], [[4, 8, 8]], ts=350, dur=30),
+        shaped("aten::copy_", ["c10::BFloat16", "c10::BFloat16"], [[4, 8, 8], [4, 8, 8]],
+               ts=351, dur=20),
+        launch("cudaLaunchKernel", 355, corr=6),
         kernel("sm90_xmma_gemm_bf16bf16", 400, 30.0, corr=1),
         kernel("vectorized_elementwise_kernel<add>", 440, 20.0, corr=2),
         kernel("cunn_SoftMaxForward<float>", 470, 40.0, corr=3),
         kernel("vectorized_elementwise_kernel<copy>", 520, 10.0, corr=4),
+        kernel("vectorized_elementwise_kernel<copy>", 540, 15.0, corr=5),
+        kernel("vectorized_elementwise_kernel<copy>", 560, 5.0, corr=6),
     ]
     ev = analyze(events, steps=1, step_ms=1.0, backend="cuda")
     counts = {c.location: c for c in ev.line_counts}
@@ -79,6 +93,9 @@ def test_fp32_islands_are_the_kernels_of_operators_computing_in_fp32() -> None:
     assert counts["attn.py:11"].flops == 2 * 4 * 8 * 16 * 8
     assert counts["attn.py:12"].fp32_memory_bound_ms == pytest.approx(0.020)
     assert counts["attn.py:13"].fp32_memory_bound_ms == pytest.approx(0.040)  # not the cast
+    assert counts["attn.py:14"].fp32_memory_bound_ms == pytest.approx(0.015)  # the upcast
+    elements = 4 * 8 * 8
+    assert counts["attn.py:14"].bytes == elements * (4 + 2) + elements * 2 * 2
 
 
 def test_a_real_cpu_window_names_the_promoted_add_and_its_softmax() -> None:

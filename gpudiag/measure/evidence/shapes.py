@@ -4,9 +4,9 @@ computes in, the bytes it reads and writes, and a matmul's FLOPs. Pure: tested o
 events without a GPU.
 
 Bytes are a floor, not a measurement: each input read once and an output written the size of
-its largest input (a matmul's output is its exact M x N); an in-place operator (`add_`) writes
-its first input, already counted. A kernel that re-reads its input (a softmax's two passes)
-moves more.
+its largest input (a matmul's output is its exact M x N); an in-place operator (`add_`) reads
+and writes its first input, a copy writes its destination. A kernel that re-reads its input
+(a softmax's two passes) moves more.
 """
 
 from __future__ import annotations
@@ -93,6 +93,14 @@ def bytes_moved(op: dict[str, Any]) -> float:
     if product is not None:
         b, m, _, n = product
         return read + b * m * n * _itemsize(inputs[-1][0])
-    if op["name"].endswith("_"):  # in place: the output is the first input
+    if op["name"] == "aten::copy_":  # its destination written, its source read
         return read
+    if op["name"].endswith("_"):  # in place: the output is the first input, written
+        return read + sizes[0]
     return read + max(sizes)
+
+
+def upcast(op: dict[str, Any]) -> bool:
+    """Whether a copy (`aten::copy_(dst, src)`) converts fp16/bf16 into fp32."""
+    types = (op.get("args") or {}).get("Input type") or []
+    return len(types) >= 2 and types[0] == "float" and types[1] in ("c10::Half", "c10::BFloat16")

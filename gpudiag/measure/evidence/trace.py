@@ -443,13 +443,25 @@ def _working_ops(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
     _enclosing(ops, ops, "_parent")
     working = [o for o in ops if o["name"].startswith("aten::") and o["name"] not in NO_WORK_OPS]
     for o in working:
-        if o["name"] in shapes.CASTS:  # a cast inside an operator is not its work
+        o["_working"] = True
+    for o in working:
+        if o["name"] in shapes.CASTS:  # a copy inside an operator is that operator's work
             continue
         parent = o.get("_parent")
         while parent is not None and not parent.get("_has_work"):
             parent["_has_work"] = True
             parent = parent.get("_parent")
-    return [o for o in working if not o.get("_has_work")]
+    return [o for o in working if not o.get("_has_work")
+            and not (o["name"] in shapes.CASTS and _inside_working(o))]
+
+
+def _inside_working(op: dict[str, Any]) -> bool:
+    parent = op.get("_parent")
+    while parent is not None:
+        if parent.get("_working"):
+            return True
+        parent = parent.get("_parent")
+    return False
 
 
 def _count_shapes(w: _Window, backend: str) -> None:
@@ -476,11 +488,15 @@ def _count_shapes(w: _Window, backend: str) -> None:
 
 
 def _fp32_island(op: dict[str, Any]) -> bool:
-    """An operator computing in fp32 that mixed precision could have run in 16 bits: not a
-    cast, not the accumulation of an fp32 parameter's gradient."""
+    """An operator computing in fp32 that mixed precision could have run in 16 bits, or a
+    cast into fp32; not a cast out of it (autocast's casts of fp32 weights are those), not
+    the accumulation of an fp32 parameter's gradient."""
     node = op.get("_backward")
-    return op["name"] not in shapes.CASTS and shapes.compute_dtype(op) == "fp32" \
-        and not (node is not None and "AccumulateGrad" in node["name"])
+    if node is not None and "AccumulateGrad" in node["name"]:
+        return False
+    if op["name"] in shapes.CASTS:  # into fp32: an island's way in (autocast's own included)
+        return shapes.upcast(op)
+    return shapes.compute_dtype(op) == "fp32"
 
 
 def _charge_compiled(lines: list[_Line], dur: float, kind: str) -> None:
