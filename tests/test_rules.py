@@ -396,9 +396,9 @@ def gd305(*, share: float, low: float = 0.9, backend: str = "cuda") -> RunResult
     by_kind = {"matmul": 100 * (1 - share), "softmax": 50 * share, "elementwise": 50 * share}
     lines = [LineCount("attn.py:30", "forward", kind_ms={"matmul": 100 * (1 - share)}),
              LineCount("attn.py:31", "forward", kind_ms={"elementwise": 50 * share},
-                       fp32_memory_bound_ms=50 * share),
+                       fp32_ms_by_kind={"elementwise": 50 * share}),
              LineCount("attn.py:32", "forward", kind_ms={"softmax": 50 * share},
-                       fp32_memory_bound_ms=40 * share)]
+                       fp32_ms_by_kind={"softmax": 30 * share, "cast": 10 * share})]
     matmul = 100 * (1 - share)
     ev = make_evidence(backend=backend, idle_fraction=0.0, device_ms_by_kind=by_kind,
                        line_counts=lines,
@@ -789,3 +789,20 @@ def test_starved_gpu_with_host_only_work_ranks_below_its_lines() -> None:
     found = [f for f in evaluate(gd105(share=0.5, idle=0.9)) if f.id in ("GD102", "GD105")]
     assert [f.id for f in found] == ["GD105", "GD102"]
     assert "see GD105" in found[1].title and "train.py:20" in found[1].title
+
+
+def test_fp32_islands_fix_follows_what_ran_in_fp32() -> None:
+    """A mask promoting an add gets the dtype advice; autocast's own fp32 softmax and its
+    casts get the fused-kernel advice, not a mask's."""
+    both = [f for f in evaluate(gd305(share=0.4)) if f.id == "GD305"]
+    assert len(both) == 1 and "mask.to(scores.dtype)" in both[0].fix
+    assert "scaled_dot_product_attention" in both[0].fix
+    assert "casts into fp32" not in both[0].title  # the top line is the promoted add
+    run = gd305(share=0.4)
+    ev = run.stages[0].evidence
+    assert ev is not None
+    ev.line_counts = [c for c in ev.line_counts if c.location != "attn.py:31"]
+    softmax = [f for f in evaluate(run) if f.id == "GD305"]
+    assert len(softmax) == 1 and "mask.to" not in softmax[0].fix
+    assert "scaled_dot_product_attention" in softmax[0].fix
+    assert "softmax 12.00, casts into fp32 4.00" in softmax[0].title

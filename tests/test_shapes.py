@@ -93,7 +93,8 @@ def test_fp32_islands_are_the_kernels_of_operators_computing_in_fp32() -> None:
     assert counts["attn.py:11"].flops == 2 * 4 * 8 * 16 * 8
     assert counts["attn.py:12"].fp32_memory_bound_ms == pytest.approx(0.020)
     assert counts["attn.py:13"].fp32_memory_bound_ms == pytest.approx(0.040)  # not the cast
-    assert counts["attn.py:14"].fp32_memory_bound_ms == pytest.approx(0.015)  # the upcast
+    assert counts["attn.py:14"].fp32_ms_by_kind == {"cast": pytest.approx(0.015)}  # upcast
+    assert counts["attn.py:13"].fp32_ms_by_kind == {"softmax": pytest.approx(0.040)}
     elements = 4 * 8 * 8
     assert counts["attn.py:14"].bytes == elements * (4 + 2) + elements * 2 * 2
 

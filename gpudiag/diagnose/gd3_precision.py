@@ -321,7 +321,9 @@ ISLAND_THRESHOLDS = (
 
 
 def _island_fix(kinds: set[str]) -> str:
-    """What an fp32 island is, by the kinds its top lines run."""
+    """What an fp32 island is, by the kinds of its fp32 work on its top lines: elementwise
+    operations and reductions promoted by an fp32 input, or autocast's own fp32 operations
+    (softmax, norms) and the casts into fp32 that feed them."""
     fixes = []
     if kinds & {"elementwise", "reduction"}:
         fixes.append("an fp32 tensor mixed into fp16/bf16 activations (a mask or bias "
@@ -329,7 +331,7 @@ def _island_fix(kinds: set[str]) -> str:
                      "used outside a Linear) promotes the operation, and what follows it, to "
                      "fp32: create it in the activations' dtype (mask.to(scores.dtype)) or "
                      "use a bool mask with masked_fill")
-    if kinds & {"softmax", "norm"}:
+    if kinds & {"softmax", "norm", "cast"}:
         fixes.append("autocast runs softmax, log_softmax, layer_norm and the losses in fp32 "
                      "on purpose (its fp32 list): where they are the cost, a fused kernel "
                      "does the same in one pass (F.scaled_dot_product_attention for "
@@ -371,18 +373,20 @@ def fp32_islands(run: RunResult) -> Iterator[Draft]:
         busy = 1.0 - (ev.idle_fraction or 0.0)
         dtype = max(("fp16", "bf16"), key=lambda k: ev.matmul_ms_by_dtype.get(k, 0.0))
         top = lines[0]
-        kinds = {k for c in lines[:3] for k in c.kind_ms if k in MEMORY_BOUND_KINDS}
+        kinds = {k for c in lines[:3] for k in c.fp32_ms_by_kind}
+        top_kinds = ", ".join(f"{'casts into fp32' if k == 'cast' else k} {ms:.2f}" for k, ms in
+                              sorted(top.fp32_ms_by_kind.items(), key=lambda kv: -kv[1]))
         yield Draft(
             severity=severity_for(share, warning=ISLAND_WARNING), stage=stage.name,
             title=(f"fp32 islands in a {dtype} step: memory-bound work computing in fp32 takes "
                    f"{pct(share)} of the kernel time while {pct(low / matmul)} of matmul time "
                    f"runs in fp16/bf16; most at {top.location} "
-                   f"({top.fp32_memory_bound_ms:.2f} ms/step)"),
+                   f"({top.fp32_memory_bound_ms:.2f} ms/step: {top_kinds})"),
             location=top.location, impact=min(1.0, share * busy * ISLAND_RECOVERABLE),
             evidence={"fp32_memory_bound_share": round(share, 3),
                       "low_precision_matmul_share": round(low / matmul, 3),
                       "lines": {c.location: {"fp32_memory_bound_ms": round(
-                          c.fp32_memory_bound_ms, 3), "ms_by_kind": c.kind_ms}
+                          c.fp32_memory_bound_ms, 3), "fp32_ms_by_kind": c.fp32_ms_by_kind}
                           for c in lines[:5]},
                       "within": "GD304"},
             fix=_island_fix(kinds))

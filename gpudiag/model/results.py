@@ -192,9 +192,14 @@ class LineCount:
     # (an estimate: each input once, an output the size of the largest input; a matmul's exact).
     flops: NonNegative = 0.0
     bytes: NonNegative = 0.0
-    # Memory-bound kernel ms (CPU: operator ms) whose operator computed in fp32; inside an
-    # autocast region these are fp32 islands (softmax, norms, promoted elementwise ops).
-    fp32_memory_bound_ms: NonNegative = 0.0
+    # Memory-bound kernel ms (CPU: operator ms) whose operator computed in fp32, by kind, and
+    # casts into fp32 ("cast"); inside an autocast region these are fp32 islands (autocast's
+    # fp32 softmax and norms and their casts, elementwise ops promoted by an fp32 input).
+    fp32_ms_by_kind: dict[str, NonNegative] = field(default_factory=dict)
+
+    @property
+    def fp32_memory_bound_ms(self) -> float:
+        return sum(self.fp32_ms_by_kind.values())
 
 
 @dataclass

@@ -85,7 +85,7 @@ class _Line:
     kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     flops: float = 0.0
     bytes: float = 0.0
-    fp32_memory_us: float = 0.0
+    fp32_kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
 def _end(e: dict[str, Any]) -> float:
@@ -398,7 +398,8 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
             work = _count_kernel(counts, d, launcher, owner, step_of(launcher))
             op = launcher.get("_op") if launcher is not None else None
             if op is not None and work in MEMORY_BOUND_KINDS:
-                op["_memory_us"] = op.get("_memory_us", 0.0) + float(d.get("dur", 0.0))
+                by_kind = op.setdefault("_memory_us", defaultdict(float))
+                by_kind[work] += float(d.get("dur", 0.0))
         elif cat == "gpu_memcpy":
             kind = memcpy_kind(d["name"])
             counts.memcpy[kind] += 1
@@ -475,16 +476,21 @@ def _count_shapes(w: _Window, backend: str) -> None:
         line = w.stats(owner)
         line.flops += shapes.flops(o)
         line.bytes += shapes.bytes_moved(o)
-        if backend != "cuda" and _fp32_island(o) \
-                and op_kind(o["name"], in_optimizer="_optimizer" in o) in MEMORY_BOUND_KINDS:
-            line.fp32_memory_us += float(o.get("dur", 0.0))
+        kind = op_kind(o["name"], in_optimizer="_optimizer" in o)
+        if backend != "cuda" and kind in MEMORY_BOUND_KINDS and _fp32_island(o):
+            line.fp32_kind_us[_island_kind(o, kind)] += float(o.get("dur", 0.0))
     if backend != "cuda":
         return
     for o in w.ops:
-        memory_us = float(o.get("_memory_us", 0.0))
-        owner = w.line_of(o) if memory_us else None
+        owner = w.line_of(o) if o.get("_memory_us") else None
         if owner is not None and _fp32_island(o):
-            w.stats(owner).fp32_memory_us += memory_us
+            fp32 = w.stats(owner).fp32_kind_us
+            for kind, us in o["_memory_us"].items():
+                fp32[_island_kind(o, kind)] += us
+
+
+def _island_kind(op: dict[str, Any], kind: str) -> str:
+    return "cast" if op["name"] in shapes.CASTS else kind
 
 
 def _fp32_island(op: dict[str, Any]) -> bool:
@@ -534,7 +540,8 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
                    kind_ms={k: round(v * per / 1e3, 4) for k, v in sorted(line.kind_us.items())
                             if v > 0},
                    flops=line.flops * per, bytes=line.bytes * per,
-                   fp32_memory_bound_ms=line.fp32_memory_us * per / 1e3)
+                   fp32_ms_by_kind={k: round(v * per / 1e3, 4)
+                                    for k, v in sorted(line.fp32_kind_us.items()) if v > 0})
          for line in w.lines.values()),
         key=lambda c: c.location)
 
