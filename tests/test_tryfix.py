@@ -219,3 +219,32 @@ def test_committed_h100_fixes_follow_from_their_kept_runs(name: str) -> None:
     best = run.fixes[0]
     assert best.status == "measured" and best.speedup is not None
     assert best.equivalence in ("same", "mixed-precision")
+
+
+def test_the_terminal_fixes_table_is_readable_at_100_columns() -> None:
+    """At 100 columns report.md's seven columns broke words ("examples/slo|w_dataset.py",
+    "pin_memory=Tr|ue"): every word of every cell comes out whole, and nothing else does."""
+    from rich.console import Console
+
+    from gpudiag.present.fixes import fix_cells, fixes_table
+
+    run = load_run(EXAMPLES / "slow_dataset")
+    for name in ("fp32_no_tf32", "blocking_save"):
+        run.fixes += load_run(EXAMPLES / name).fixes
+    run.fixes.append(MeasuredFix(
+        remedy="loader", title=REMEDIES["loader"].title, findings=["GD201"], before_ms=120.5,
+        after_ms=35.25, speedup=3.42, speedup_low=2.9, speedup_high=4.1,
+        location="projects/bert-finetune/scripts/train_with_hf_trainer.py:41",
+        change="in TrainingArguments(...): dataloader_num_workers=8, "
+               "dataloader_persistent_workers=True, dataloader_prefetch_factor=4"))
+    console = Console(width=100, record=True, color_system=None)
+    console.print(fixes_table(run))
+    printed = console.export_text()
+    assert max(len(line.rstrip()) for line in printed.splitlines()) <= 100
+    cells = [[name, f"({found})", *rest] for name, found, *rest in map(fix_cells, run.fixes)]
+    words = {w for row in cells for cell in row if cell not in ("-", "(-)") for w in cell.split()}
+    shown = set(printed.split())
+    assert words <= shown, sorted(words - shown)
+    labels = {"Measured", "fixes", "ms/step", "(mean)", "speedup", "J/step", "|", "make", "it",
+              "permanent:"} | {f"{n}." for n in range(1, len(run.fixes) + 1)}
+    assert shown <= words | labels, sorted(shown - words - labels)  # no piece of a broken word

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import estimate_ratio
+from gpudiag.diagnose.loaderadvice import loader_change
 from gpudiag.diagnose.noise import floor_for
 from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
 from gpudiag.model.remedies import (
@@ -117,6 +118,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.changed_nothing = bool(no_effect) and remedy is not None  # one remedy, not several
     fix.note = no_effect or _queued_saves(fix.evidence)
     fix.change = _switched_off(fix.evidence) or fix.change
+    _measured_loader_change(fix)
     numerics: Numerics = ("precision" if any(REMEDIES[n].numerics == "precision" for n in names)
                           else "exact")
     fix.equivalence, fix.loss_gap, fix.loss_floor = equivalence(
@@ -257,6 +259,16 @@ def _switched_off(evidence: dict[str, dict[str, object]]) -> str | None:
     others = ", ".join(str(k["site"]) for k in kept[1:] if isinstance(k, dict))
     return (f"the script switches TF32 off here (`{kept[0]['set']}`"
             + (f"; also at {others}" if others else "") + "): delete that, or set it to True")
+
+
+def _measured_loader_change(fix: MeasuredFix) -> None:
+    """The loader remedy's change: the settings its run measured (not the catalog's), in the
+    terms of the framework that built the loader, at the line where the script sets them."""
+    if fix.remedy != "loader":
+        return
+    recorded = loader_change(fix.evidence.get("loader", {}))
+    if recorded is not None:
+        fix.change, fix.location = recorded.change, recorded.location or fix.location
 
 
 def _no_effect(evidence: dict[str, dict[str, object]]) -> str:

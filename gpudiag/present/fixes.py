@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from gpudiag.model.results import MeasuredFix, RunResult
 from gpudiag.present.tables import markdown_table
@@ -116,9 +117,24 @@ def fixes_markdown(run: RunResult) -> list[str]:
 
 
 def fixes_table(run: RunResult) -> Table:
-    table = Table(title="Measured fixes", title_justify="left", header_style="bold")
-    for column in HEADER:
-        table.add_column(column, overflow="fold")
-    for fix in run.fixes:
-        table.add_row(*fix_cells(fix))
+    """The terminal's "Measured fixes": a block per fix, ranked, not report.md's seven columns
+    (at 100 columns those broke paths and settings mid-word). Its name and findings; what was
+    measured; the change to make, each on its own lines, wrapped between words."""
+    table = Table.grid(padding=(0, 1, 1, 0), collapse_padding=False)  # a blank line between
+    table.title, table.title_justify, table.title_style = "Measured fixes", "left", "bold"
+    table.add_column(no_wrap=True, justify="right")
+    table.add_column(overflow="fold")  # between words; only a word wider than the terminal folds
+    for rank, fix in enumerate(run.fixes, 1):
+        name, findings, ms, speedup, energy, same, change = fix_cells(fix)
+        # Cells are text, not markup: a stage or a path may hold brackets.
+        block = Text(name, style="bold")
+        block.append(f" ({findings})" if findings != "-" else "")
+        measured = [f"{label} {value}" for label, value in (
+            ("ms/step (mean)", ms), ("speedup", speedup), ("J/step", energy)) if value != "-"]
+        if same != "-":
+            measured.append(same)
+        if measured:
+            block.append("\n" + " | ".join(measured))
+        block.append(f"\nmake it permanent: {change}")
+        table.add_row(f"{rank}.", block)
     return table

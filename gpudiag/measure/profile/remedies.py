@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
-from gpudiag.model.remedies import REMEDIES
+from gpudiag.measure.profile.frameworks import loader_origin
+from gpudiag.model.remedies import LOADER_SETTINGS, REMEDIES
 
 Evidence = dict[str, Any]
 MAX_LOADER_WORKERS = 8
@@ -134,7 +135,8 @@ def _bf16_autocast(evidence: Evidence) -> Callable[[], None]:
 
 def _loader_options(evidence: Evidence, change: Callable[[dict[str, Any]], dict[str, Any]],
                     ) -> None:
-    """Rewrite each map-style DataLoader's arguments with `change`; note every loader."""
+    """Rewrite each map-style DataLoader's arguments with `change`; note every loader, and what
+    built it (a framework, from the script's line: gpudiag/measure/profile/frameworks.py)."""
     evidence.setdefault("loaders", [])
     signature = inspect.signature(DataLoader.__init__)
 
@@ -144,12 +146,12 @@ def _loader_options(evidence: Evidence, change: Callable[[dict[str, Any]], dict[
             bound.apply_defaults()
             given = dict(bound.arguments)
             given.pop("self")
-            note: dict[str, Any] = {"site": _site()}
+            note: dict[str, Any] = {"site": _site(), **loader_origin(sys._getframe(1), self)}
             if isinstance(given["dataset"], IterableDataset):
                 # More workers would each iterate the whole dataset: not the same training.
                 note["kept"] = "an IterableDataset: worker count left as it was"
             else:
-                before = {k: given[k] for k in ("num_workers", "pin_memory")}
+                before = {k: given[k] for k in LOADER_SETTINGS}
                 given = change(given)
                 note.update(before=before, after={k: given[k] for k in before})
             evidence["loaders"].append(note)

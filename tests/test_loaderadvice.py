@@ -1,0 +1,191 @@
+"""The DataLoader remedy's permanent change: the settings its run measured, in the terms of the
+framework that built the loader (transformers' TrainingArguments, a Lightning hook, a loader
+Accelerate rebuilt from the script's), at the line where the script sets them. The frameworks
+are the real ones, driven in this process with the remedy's DataLoader wrapper applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpudiag.diagnose.loaderadvice import loader_change
+from gpudiag.diagnose.tryfix import measured_fix
+from gpudiag.model.config import ProfileConfig
+from gpudiag.model.facts import ScriptFacts, StageFacts
+from gpudiag.model.remedies import REMEDIES
+from gpudiag.model.results import Env, Finding, RunResult, StageResult
+
+HERE = Path(__file__).name
+
+
+@pytest.fixture
+def loader_remedy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The loader remedy's DataLoader wrapper, applied for one test; what it recorded."""
+    from gpudiag.measure.profile.remedies import APPLIERS
+
+    monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)  # restored afterwards
+    evidence: dict[str, Any] = {}
+    APPLIERS["loader"](evidence)
+    return evidence
+
+
+def _line(marker: str) -> str:
+    """`test_loaderadvice.py:N`, N the line of this file holding `marker` (once)."""
+    lines = Path(__file__).read_text().splitlines()
+    (number,) = [n for n, text in enumerate(lines, 1) if marker in text and "_line(" not in text]
+    return f"{HERE}:{number}"
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: Any = None) -> dict[str, torch.Tensor]:
+        return {"loss": self.net(x).pow(2).mean()}
+
+
+def test_hf_trainer_loader_is_set_in_training_arguments(
+        loader_remedy: dict[str, Any], tmp_path: Path) -> None:
+    """The field run pointed at "the DataLoader(...) call" at trainer.train(); the Trainer
+    builds it from TrainingArguments, so that is where the setting goes."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],  # ARGS
+                             per_device_train_batch_size=4, dataloader_num_workers=0)
+    trainer = Trainer(model=_Tiny(), args=args,
+                      train_dataset=[{"x": torch.randn(4)} for _ in range(16)])
+    trainer.get_train_dataloader()  # TRAIN
+    built, *rest = loader_remedy["loaders"]
+    assert built["framework"] == "transformers" and built["arguments"] == "TrainingArguments"
+    assert built["site"].endswith(_line("# TRAIN")) and built["edit_at"].endswith(_line("# ARGS"))
+    assert rest, "accelerate's prepare rebuilds it: noted too"
+    change = loader_change(loader_remedy)
+    assert change is not None and change.location == built["edit_at"]
+    workers = built["after"]["num_workers"]
+    # The Trainer pins by default: pin_memory was not changed, so not named.
+    assert change.change == (
+        f"in TrainingArguments(...): dataloader_num_workers={workers}, "
+        "dataloader_persistent_workers=True, dataloader_prefetch_factor=4")
+
+
+def test_a_trainer_subclass_that_builds_its_own_loader_is_told_its_hook(
+        loader_remedy: dict[str, Any], tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    class Built(Exception):
+        """Stops train() once it has its loader: the test needs no step."""
+
+    class OwnLoader(Trainer):
+        def get_train_dataloader(self) -> DataLoader[Any]:
+            DataLoader(self.train_dataset, batch_size=4)  # OWN
+            raise Built
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    with pytest.raises(Built):
+        OwnLoader(model=_Tiny(), args=args, train_dataset=[{"x": torch.randn(4)}] * 8).train()
+    change = loader_change(loader_remedy)
+    assert change is not None and change.location is not None
+    assert change.location.endswith(_line("# OWN"))
+    assert change.change.startswith(
+        "in your OwnLoader.get_train_dataloader(): DataLoader(..., num_workers=")
+
+
+def test_lightning_loader_is_set_in_the_datamodules_hook(loader_remedy: dict[str, Any]) -> None:
+    lightning = pytest.importorskip("lightning")
+
+    class Model(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Data(lightning.LightningDataModule):
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)  # HOOK
+
+    # The loader is what the hook returns; the fit stops before it is iterated.
+    trainer = lightning.Trainer(max_steps=0, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)
+    trainer.fit(Model(), Data())
+    built = loader_remedy["loaders"][0]
+    assert built["framework"] == "lightning" and built["hook"] == "Data.train_dataloader"
+    change = loader_change(loader_remedy)
+    assert change is not None and change.location == built["site"]
+    assert change.location.endswith(_line("# HOOK"))
+    assert change.change.startswith("in your Data.train_dataloader(): DataLoader(..., ")
+
+
+def test_a_loader_accelerate_rebuilt_is_changed_where_the_script_built_it(
+        loader_remedy: dict[str, Any]) -> None:
+    from accelerate.data_loader import prepare_data_loader
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)  # BUILT
+    prepare_data_loader(loader, torch.device("cpu"), num_processes=1, process_index=0)
+    built, rebuilt = loader_remedy["loaders"]
+    assert "framework" not in built and rebuilt["rebuilt_by"] == "accelerate"
+    change = loader_change(loader_remedy)
+    assert change is not None and change.location == built["site"]
+    assert change.location.endswith(_line("# BUILT"))
+    assert change.change.startswith("in the DataLoader(...) call: num_workers=")
+
+
+def _script_run(remedies: dict[str, Any], step_ms: float) -> RunResult:
+    script = ScriptFacts(steps=40, warmup=4, timed=36, step_clock="optimizer.step()",
+                         losses=[1.0, 0.9, 0.8], remedies=remedies)
+    stage = StageResult(name="train.py", status="ok", iter_ms=[step_ms] * 36,
+                        facts=StageFacts(script=script))
+    return RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
+                     stages=[stage], findings=[Finding(
+                         id="GD201", rule="r", severity="warning", stage="train.py",
+                         title="input-bound", fix="more workers", location="train.py:9")])
+
+
+def test_make_it_permanent_names_the_settings_measured() -> None:
+    """The field run advised 8 workers and pinned memory; it had measured 2, unpinned (a
+    2-CPU machine without CUDA)."""
+    recorded = {"loaders": [{
+        "site": "train.py:12",
+        "before": {"num_workers": 0, "pin_memory": False, "persistent_workers": False,
+                   "prefetch_factor": None},
+        "after": {"num_workers": 2, "pin_memory": False, "persistent_workers": True,
+                  "prefetch_factor": 4}}]}
+    without = _script_run({}, 20.0)
+    fix = measured_fix(REMEDIES["loader"], ["loader"], without,
+                       _script_run({"loader": recorded}, 10.0), [1.0, 0.9, 0.8], without)
+    assert fix.location == "train.py:12"
+    assert fix.change == ("in the DataLoader(...) call: num_workers=2, persistent_workers=True, "
+                          "prefetch_factor=4")
+    assert "8" not in fix.change and "pin_memory" not in fix.change
+
+
+def test_one_change_for_loaders_set_in_one_place() -> None:
+    """Trainer's train and evaluation loaders come from one TrainingArguments: one line to
+    edit. Loaders built at two lines of the script: both named."""
+    changed = {"before": {"num_workers": 0}, "after": {"num_workers": 4}}
+    hf = {"framework": "transformers", "arguments": "Seq2SeqTrainingArguments",
+          "edit_at": "t.py:5", "site": "t.py:20", **changed}
+    assert loader_change({"loaders": [hf, {**hf, "site": "t.py:21"}]}) == (
+        loader_change({"loaders": [hf]}))
+    found = loader_change({"loaders": [hf]})
+    assert found is not None
+    assert found.change == "in Seq2SeqTrainingArguments(...): dataloader_num_workers=4"
+    unfound = {k: v for k, v in hf.items() if k != "edit_at"}
+    assert loader_change({"loaders": [unfound]}) == type(found)(
+        "in the Seq2SeqTrainingArguments the Trainer is given: dataloader_num_workers=4",
+        "t.py:20")
+    two = loader_change({"loaders": [{"site": "a.py:3", **changed}, {"site": "b.py:7", **changed}]})
+    assert two is not None and two.change.endswith("num_workers=4 (likewise at b.py:7)")
+    unchanged = {"site": "a.py:3", "before": {"num_workers": 2}, "after": {"num_workers": 2}}
+    assert loader_change({"loaders": [unchanged]}) is None
+
