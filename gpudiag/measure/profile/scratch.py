@@ -117,11 +117,12 @@ def _walk(source: Path, leave_out: Path) -> _Plan:
         rel = queue.popleft()
         try:
             entries = list(os.scandir(source / rel))
-        except PermissionError:
+        except (PermissionError, FileNotFoundError) as exc:
             if rel == Path():
                 raise
-            del plan.dirs[rel]  # unreadable to the script too: a link keeps it so
-            plan.whole.append(rel)
+            del plan.dirs[rel]
+            if isinstance(exc, PermissionError):  # unreadable to the script too: so is a link
+                plan.whole.append(rel)
             continue
         seen += len(entries)
         for entry in entries:
@@ -148,7 +149,8 @@ def _planned(plan: _Plan, rel: Path, entry: os.DirEntry[str], source: Path,
         plan.dirs[rel] = None
         return True
     elif entry.is_file():
-        plan.files.append((rel, entry.stat()))
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile (a lock, a rotated log)
+            plan.files.append((rel, entry.stat()))
     return False
 
 
@@ -196,6 +198,8 @@ def _fill(scratch: Scratch, plan: _Plan) -> None:
         if len(scratch.copies) < MAX_COPY_FILES:
             how = _copy(scratch.source / rel, copy,
                         may_copy=copied_bytes + stat.st_size <= MAX_COPY_BYTES)
+            if how == "gone":
+                continue
             if how is not None:
                 copied_bytes += 0 if how == "cloned" else stat.st_size
                 scratch.copies[copy] = _key(copy.lstat())
@@ -213,7 +217,8 @@ def _link(scratch: Scratch, rel: Path, key: Key | None) -> None:
 
 def _copy(source: Path, copy: Path, *, may_copy: bool) -> str | None:
     """"cloned" (a reflink: no data copied) or "copied" (only when `may_copy`), with the
-    original's mode and times; None when neither (over the budget, or unreadable)."""
+    original's mode and times; None when neither (over the budget, or unreadable); "gone" when
+    the original was removed meanwhile."""
     try:
         with source.open("rb") as original, copy.open("xb") as made:
             try:
@@ -227,9 +232,10 @@ def _copy(source: Path, copy: Path, *, may_copy: bool) -> str | None:
                 return None
             shutil.copyfile(source, copy)  # in the kernel (sendfile), over the empty file
         shutil.copystat(source, copy)
-    except PermissionError:  # unreadable to the script as well: a link keeps it so
+    except (PermissionError, FileNotFoundError) as exc:
         copy.unlink(missing_ok=True)
-        return None
+        # Unreadable to the script as well: a link keeps it so.
+        return None if isinstance(exc, PermissionError) else "gone"
     return how
 
 
