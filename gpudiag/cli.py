@@ -35,7 +35,7 @@ from gpudiag.measure.profile.session import (
     check_command,
     profile_command,
 )
-from gpudiag.measure.profile.tryfixes import run_fixes
+from gpudiag.measure.profile.tryfixes import SCRATCH_PATTERN, run_fixes
 from gpudiag.model.calibration import (
     DEFAULT_CALIBRATION,
     MIN_CALIBRATION_TRIALS,
@@ -60,7 +60,9 @@ from gpudiag.model.options import (
     options_of,
     profile_config,
 )
+from gpudiag.model.remedies import BASELINE_RUNS, REMEDIES
 from gpudiag.model.results import (
+    Rerun,
     RunFileError,
     RunResult,
     load_run,
@@ -346,8 +348,13 @@ def profile(
                      + ("" if config.stop_after_window else " (the script goes on; the "
                         "report is rewritten when it ends)"), soft_wrap=True)
 
-    output = profile_command(ProfileRequest(config, run_dir, rerun=options.rerun),
-                             on_window=early)
+    if options.try_fixes:
+        _announce_try_fixes(rerun=options.rerun)
+    output = profile_command(
+        ProfileRequest(config, run_dir, rerun=options.rerun), on_window=early,
+        on_rerun=lambda note: stderr.print(f"[yellow]gpudiag profile:[/] {escape(note)}",
+                                           soft_wrap=True))
+    _warn_reruns(output.run.reruns)
     if options.try_fixes and output.exit_code == 0 and not output.run.interrupted:
         _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)))
     elif options.try_fixes:
@@ -363,6 +370,18 @@ def profile(
         stdout.print(fixes_table(output.run))
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json beside it)", soft_wrap=True)
     raise typer.Exit(output.exit_code)
+
+
+def _announce_try_fixes(*, rerun: bool) -> None:
+    """Before the first run: how many times the script may run, and where."""
+    most = 1 + rerun + len(BASELINE_RUNS) + len(REMEDIES) + 1
+    stderr.print(f"try-fixes: the script runs at most {most} times: once here for the "
+                 "diagnosis" + (" (and once more, in a scratch copy, if it ends before its "
+                                "profiler window)" if rerun else "")
+                 + f", then {len(BASELINE_RUNS)} times without fixes, once per fix the "
+                 f"diagnosis calls for (at most {len(REMEDIES)}) and once with those that pay "
+                 "together, each in a scratch copy of this folder inside the run folder: "
+                 "your files stay as they are", soft_wrap=True)
 
 
 def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
@@ -382,18 +401,41 @@ def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
                      soft_wrap=True)
         run.fixes = assess(run, plan, {})
         return
-    count = len(plan.remedies) + 2 + (len(plan.remedies) > 1)
-    stderr.print(f"try-fixes: {', '.join(r.name for r in plan.remedies)}: {count} more runs of "
-                 f"the script, each stopped after its profiler window (about "
-                 f"{count * (run.duration_s or 0):.0f} s)", soft_wrap=True)
+    count = len(plan.remedies) + len(BASELINE_RUNS) + (len(plan.remedies) > 1)
+    stderr.print(f"try-fixes: {', '.join(r.name for r in plan.remedies)}: the script runs at "
+                 f"most {count} more times ({len(BASELINE_RUNS)} without fixes, one per fix"
+                 f"{', one with those that pay together' if len(plan.remedies) > 1 else ''}), "
+                 f"each stopped after its profiler window (about "
+                 f"{count * (run.duration_s or 0):.0f} s) and run in a scratch copy of "
+                 f"{Path.cwd()} at {run_dir / SCRATCH_PATTERN}: what they write there stays "
+                 "there; writes outside it are listed in report.md", soft_wrap=True)
+
+    def done_one(out_dir: Path, output: ProfileOutput) -> None:
+        _write_profile(out_dir, output, plots=False)
+        _warn_reruns(output.run.reruns)
+
     done = run_fixes(
         run_dir, run.config, [r.name for r in plan.remedies],
         paid=lambda runs: passing(assess(run, plan, runs)),
         on_start=lambda label: stderr.print(f"try-fixes: running {label}", soft_wrap=True),
-        on_done=lambda out_dir, output: _write_profile(out_dir, output, plots=False))
+        on_done=done_one)
     if done.interrupted:
         run.interrupted, first.exit_code = True, done.exit_code
+    if done.error:
+        stderr.print(f"[yellow]try-fixes:[/] stopped: {escape(done.error)}", soft_wrap=True)
+        run.notes.append(f"--try-fixes stopped: {done.error}")
+    run.reruns += done.reruns
     run.fixes = assess(run, plan, done.runs)
+
+
+def _warn_reruns(reruns: list[Rerun]) -> None:
+    """What a re-run reached outside its scratch copy, as soon as it ended."""
+    from gpudiag.present.fixes import rerun_warning  # noqa: PLC0415  (pandas, via present)
+
+    for rerun in reruns:
+        line = rerun_warning(rerun)
+        if line:
+            stderr.print(f"[yellow]gpudiag profile:[/] {escape(line)}", soft_wrap=True)
 
 
 def _write_profile(run_dir: Path, output: ProfileOutput, *, plots: bool = True) -> None:

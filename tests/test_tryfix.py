@@ -67,7 +67,8 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
          str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr
     seen = {}
-    for path in tmp_path.glob("seen-*.json"):
+    # The diagnosis ran in the user's folder; each fix's run in a scratch copy of it.
+    for path in [*tmp_path.glob("seen-*.json"), *tmp_path.glob("run/fixes/*/cwd/seen-*.json")]:
         view = json.loads(path.read_text())
         seen.setdefault(view.pop("fixes"), view)
     plain = seen[""]
@@ -92,7 +93,8 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
     off_line = next(n for n, line in enumerate(lines, 1) if "allow_tf32 = False" in line)
     assert fixes["async-save"].location == f"train.py:{save_line}"  # the lines to edit
     assert fixes["tf32"].location == f"train.py:{off_line}"
-    state = torch.load(tmp_path / "ckpt.pt")  # written in the background, whole
+    # Written in the background, whole, in that run's copy of the folder.
+    state = torch.load(tmp_path / "run" / "fixes" / "async-save" / "cwd" / "ckpt.pt")
     assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     # Same seed, same data order: remedies that keep numerics give the same losses; bf16
     # changes them a little, and says by how much.

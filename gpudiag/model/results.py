@@ -41,6 +41,10 @@ _ROLES_BY_NAME: dict[str, StageRole] = {"train-fp16": "reference", "dataloader":
 Equivalence = Literal["same", "mixed-precision", "differs", "unchecked"]
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+# Written into every directory gpudiag makes for a run (run, profile, gate): what --force may
+# replace (gpudiag/present/files.py), and what a re-run's scratch copy leaves out. A directory
+# without it (or a run.json) holds someone else's files.
+RUN_MARKER = ".gpudiag-run"
 
 
 class RunFileError(Exception):
@@ -385,6 +389,27 @@ class MeasuredFix:
 
 
 @dataclass
+class Rerun:
+    """A re-run of a profiled script (a fix's, one without fixes, or a short script's second
+    run), made in a scratch copy of the working directory its first run had, so the user's
+    files stay as they were (gpudiag/measure/profile/scratch.py)."""
+
+    label: str  # its folder under fixes/, or "rerun" for a short script's second run
+    source: str  # the working directory copied
+    cwd: str  # the copy it ran in; what it wrote is kept there, unchanged copies are removed
+    copied: Count = 0  # files copied (cloned where the filesystem can)
+    # Not copied but linked to the user's (relative paths; a folder ends in "/"): version
+    # control, environments, what is over the copy budget. A write to them reaches the user's.
+    linked: list[str] = field(default_factory=list)
+    linked_count: Count = 0  # all of them; `linked` lists the first
+    # Paths it wrote outside the copy (seen through Python's file functions, torch.save and
+    # safetensors), and whether it wrote more than are listed.
+    wrote_outside: list[str] = field(default_factory=list)
+    more_outside: bool = False
+    changed_linked: list[str] = field(default_factory=list)  # linked files that changed meanwhile
+
+
+@dataclass
 class Env:
     """The machine a run measured. Fields that do not apply (no GPU) are None."""
 
@@ -427,6 +452,7 @@ class RunResult:
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     fixes: list[MeasuredFix] = field(default_factory=list)  # profile --try-fixes
+    reruns: list[Rerun] = field(default_factory=list)  # made in scratch copies (profile)
     schema_version: int = SCHEMA_VERSION
 
     def stage(self, name: str) -> StageResult | None:

@@ -12,18 +12,13 @@ import pandas as pd
 
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.errors import BadInput
-from gpudiag.model.results import RunResult, save_run
+from gpudiag.model.results import RUN_MARKER, RunResult, save_run
 from gpudiag.present.markdown import render_markdown
 from gpudiag.present.plots import write_plots
 from gpudiag.present.trace import TRACE_FILE, write_trace
 
 DEFAULT_REPORTS = Path("reports")
 RUN_FILE, SAMPLES_FILE, REPORT_FILE = "run.json", "samples.csv", "report.md"
-
-
-# Written into every directory gpudiag makes for a run (run, profile, gate): what --force may
-# replace. A directory without it (or a run.json) holds someone else's files.
-RUN_MARKER = ".gpudiag-run"
 
 
 def default_run_dir(model: str, base: Path = DEFAULT_REPORTS) -> Path:
@@ -37,7 +32,7 @@ def default_run_dir(model: str, base: Path = DEFAULT_REPORTS) -> Path:
 # What gpudiag writes at the top of a run directory (run, profile, gate and their atomic
 # writes' temporaries): --force replaces a directory only when it holds nothing else.
 _OWN_ENTRIES = re.compile(r"(\.gpudiag-run|run\.json|report\.md|samples\.csv|trace\.json|"
-                          r"[\w.-]+\.png|parts|fixes|checkpoints|base|head|"
+                          r"[\w.-]+\.png|parts|fixes|rerun|checkpoints|base|head|"
                           r"profile-.+\.json\.gz|\.[^/]+\.tmp[^/]*)")
 
 

@@ -1,11 +1,14 @@
-"""The "Measured fixes" of `gpudiag profile --try-fixes`: report.md's table and the terminal's."""
+"""The "Measured fixes" of `gpudiag profile --try-fixes`: report.md's table and the terminal's;
+where its re-runs (and a short script's second run) ran, and what they wrote outside."""
 
 from __future__ import annotations
+
+from pathlib import PurePath
 
 from rich.table import Table
 from rich.text import Text
 
-from gpudiag.model.results import MeasuredFix, RunResult
+from gpudiag.model.results import MeasuredFix, Rerun, RunResult
 from gpudiag.present.tables import markdown_table
 
 HEADER = ("fix", "answers", "ms/step (mean) before -> after", "speedup (95% CI)", "J/step",
@@ -138,3 +141,58 @@ def fixes_table(run: RunResult) -> Table:
         block.append(f"\nmake it permanent: {change}")
         table.add_row(f"{rank}.", block)
     return table
+
+
+# --- where the re-runs ran ------------------------------------------------------------------
+
+def _shown(path: str, source: str) -> str:
+    """A path under the copied folder relative to it (the run folder is usually there)."""
+    return str(PurePath(path).relative_to(source)) if PurePath(path).is_relative_to(source) \
+        else path
+
+
+def _listed(paths: list[str], total: int | None = None, *, more: bool = False) -> str:
+    rest = (total - len(paths)) if total is not None else 0
+    tail = f" and {rest} more" if rest > 0 else (" and more" if more else "")
+    return ", ".join(paths) + tail
+
+
+def rerun_warning(rerun: Rerun) -> str | None:
+    """One line when a re-run reached outside its scratch copy: what it wrote there, and any
+    file of the user's it changed through a link; None when it did neither."""
+    parts = []
+    if rerun.changed_linked:
+        parts.append("CHANGED your file(s), linked not copied: "
+                     + _listed(rerun.changed_linked))
+    if rerun.wrote_outside:
+        parts.append("wrote outside its scratch copy: "
+                     + _listed(rerun.wrote_outside, more=rerun.more_outside))
+    return f"{rerun.label}: {'; '.join(parts)}" if parts else None
+
+
+def reruns_markdown(run: RunResult) -> list[str]:
+    """report.md's "Where the re-runs ran": each re-run's scratch copy, what was linked
+    instead of copied, and what it wrote outside the copy."""
+    if not run.reruns:
+        return []
+    source = run.reruns[0].source
+    lines = ["## Where the re-runs ran", "",
+             f"The script's first run ran in `{source}`, as it was started. Each re-run ran in "
+             "a scratch copy of that folder (same command, same arguments), so it read the "
+             "files there as they were and what it wrote, appended or deleted there stayed in "
+             "the copy; the copy keeps only what the run wrote. Writes outside the copy are "
+             "those seen through Python's file functions, torch.save and safetensors (not "
+             "native code's or other programs'); caches and temporary files are left out.", ""]
+    rows = []
+    for rerun in run.reruns:
+        linked = _listed(rerun.linked, rerun.linked_count) or "-"
+        outside = [f"**CHANGED (linked, not copied):** {_listed(rerun.changed_linked)}"
+                   ] if rerun.changed_linked else []
+        if rerun.wrote_outside:
+            outside.append(_listed(rerun.wrote_outside, more=rerun.more_outside))
+        rows.append([rerun.label, f"`{_shown(rerun.cwd, source)}`", f"{rerun.copied:,}",
+                     linked, "; ".join(outside) or "nothing seen"])
+    lines += markdown_table(("re-run", "ran in", "files copied", "linked to yours instead",
+                             "wrote outside its copy"), rows, right=[False, False, True, False,
+                                                                     False])
+    return [*lines, ""]

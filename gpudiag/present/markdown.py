@@ -8,7 +8,7 @@ from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
-from gpudiag.present.fixes import fixes_markdown
+from gpudiag.present.fixes import fixes_markdown, reruns_markdown
 from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
 from gpudiag.present.tables import markdown_table
 from gpudiag.present.terminal import env_rows
@@ -63,6 +63,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += _rooflines(run)
     out += _distributed(run)
     out += _problems(run)
+    out += reruns_markdown(run)
     windows = (", and each stage's profiler window (kernels, copies, the source-line ranges) in "
                "profile-<stage>.json.gz beside it" if any(run.stages_with_evidence()) else "")
     out += ["The timeline (stages, steps, power and SM/tensor activity, findings) is in "

@@ -40,6 +40,7 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
+from gpudiag.measure.profile import writewatch
 from gpudiag.measure.profile.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.protocol import (
@@ -690,6 +691,7 @@ def _hook_saves(recorder: Recorder) -> None:
             finally:
                 target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("filename"))
                 recorder.saved((time.perf_counter() - start) * 1e3, target)
+                writewatch.written(target)  # native code wrote it: no audit event saw it
         return save
 
     _wrap(torch, "save", timed_save)

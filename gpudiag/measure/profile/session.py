@@ -6,8 +6,10 @@ process the command starts (the script, torchrun's ranks) installs the recorder 
 user's code runs; nothing in the script changes. Output passes through; the command's exit code
 is kept. The command runs in its own process group: SIGINT and SIGTERM sent to gpudiag are
 passed to all of it, and whatever the processes recorded is read even when the command failed
-or was stopped. This module never imports torch: the recorder in each process reports its
-machine and settings.
+or was stopped. A re-run (a short script's second run, each of --try-fixes' runs) runs in a
+scratch copy of the working directory (scratch.py): the first run is the user's own, in the
+user's directory; the others leave its files as they were. This module never imports torch: the
+recorder in each process reports its machine and settings.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from types import FrameType
 from gpudiag._version import __version__
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S
 from gpudiag.measure.profile import protocol
+from gpudiag.measure.profile.scratch import SCRATCH_DIR, Scratch, ScratchError, make_scratch
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.errors import BadInput
+from gpudiag.model.errors import EXIT_INTERRUPTED, BadInput
 from gpudiag.model.results import Env, RunFileError, RunResult, StageResult, from_jsonable
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds gpudiag/: the child imports it
 PARTS_DIR = "parts"
+RERUN_DIR = "rerun"  # a short script's second run: its scratch copy, and its label
 STOP_GRACE_S = 30.0  # after a forwarded signal, before the command's process group is killed
 POLL_S = 0.5
 NO_STEPS_HELP = (
@@ -128,9 +132,10 @@ def check_command(command: Sequence[str]) -> None:
                        "program; run it with its interpreter (python script.py, sh script)")
 
 
-def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start(command: Sequence[str], env: dict[str, str],
+           cwd: Path | None = None) -> subprocess.Popen[bytes]:
     try:
-        return subprocess.Popen(list(command), env=env, start_new_session=True)
+        return subprocess.Popen(list(command), env=env, start_new_session=True, cwd=cwd)
     except FileNotFoundError:
         raise BadInput(f"command not found: {command[0]}") from None
     except OSError as exc:  # a directory, no execute permission, no interpreter line
@@ -174,14 +179,15 @@ class Ended:
 
 
 def run_command(command: Sequence[str], env: dict[str, str],
-                on_tick: Callable[[], None] | None = None) -> Ended:
-    """Run the command in its own process group and wait (calling `on_tick` meanwhile)."""
+                on_tick: Callable[[], None] | None = None, cwd: Path | None = None) -> Ended:
+    """Run the command in its own process group (in `cwd`, else gpudiag's) and wait (calling
+    `on_tick` meanwhile)."""
     forwarder = _Forwarder()
     # Handlers (not SIG_IGN) before the child starts: a caught signal is reset to its default
     # in the child at exec, an ignored one would stay ignored there.
     previous = {s: signal.signal(s, forwarder) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        process = _start(command, env)
+        process = _start(command, env, cwd)
         forwarder.pid = process.pid
         while True:
             try:
@@ -258,7 +264,7 @@ def bootstrap_failures(parts_dir: Path) -> list[str]:
 def _clear(parts_dir: Path) -> None:
     parts_dir.mkdir(parents=True, exist_ok=True)
     for pattern in (protocol.PART_GLOB, protocol.BOOTSTRAP_ERROR_GLOB,
-                    protocol.WINDOW_DONE_GLOB):
+                    protocol.WINDOW_DONE_GLOB, protocol.WRITES_GLOB):
         for old in parts_dir.glob(pattern):
             old.unlink()
 
@@ -268,36 +274,71 @@ class ProfileRequest:
     config: ProfileConfig  # the command and what the recorder does in it
     out: Path  # the run directory
     rerun: bool = True  # re-run a script too short for the schedule once, with one that fits
+    # A re-run's label (a fix's): run in a scratch copy of the working directory, out/cwd.
+    isolate: str | None = None
 
 
 def profile_command(request: ProfileRequest,
-                    on_window: Callable[[ProfileOutput], None] | None = None) -> ProfileOutput:
+                    on_window: Callable[[ProfileOutput], None] | None = None,
+                    on_rerun: Callable[[str], None] | None = None) -> ProfileOutput:
     """Run the command under the recorder. `on_window` hears the run as soon as a process's
-    profiler window closed (the script may still be running)."""
+    profiler window closed (the script may still be running); `on_rerun` hears why a short
+    script runs again, before it does (in a scratch copy: the first run was the user's own)."""
     started = time.perf_counter()
     asked = request.config
-    output = _profile_once(request.out, asked, on_window)
+    output = (_profile_once(request.out, asked, on_window) if request.isolate is None else
+              _isolated(request.out, request.out / SCRATCH_DIR, request.isolate, asked,
+                        on_window))
     made = max((s.facts.script.steps for s in output.run.stages if s.facts.script), default=0)
     fitted = asked.fitted(made)
     if (request.rerun and output.exit_code == 0 and made
             and made < asked.steps_needed and fitted is not None):
         note = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
                 f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
-                f"profiled {asked.evidence_steps}); ran it once more with warm-up "
-                f"{fitted.warmup}, timed {fitted.timed}, profiled {fitted.evidence_steps} "
-                "(--no-rerun to keep the first run)")
-        output = _profile_once(request.out, fitted, on_window)
-        output.messages.insert(0, note)
+                f"profiled {asked.evidence_steps}); it is run once more with warm-up "
+                f"{fitted.warmup}, timed {fitted.timed}, profiled {fitted.evidence_steps}, in "
+                f"a scratch copy of its working directory ({RERUN_DIR}/{SCRATCH_DIR} in the "
+                "run folder; --no-rerun to keep the first run)")
+        announced = on_rerun is not None
+        if on_rerun is not None:
+            on_rerun(note)
+        try:
+            output = _isolated(request.out, request.out / RERUN_DIR / SCRATCH_DIR, RERUN_DIR,
+                               fitted, on_window)
+        except ScratchError as exc:
+            note = f"the script made {made} steps, too few for a profiler window; {exc}"
+            announced = False
+        except KeyboardInterrupt:  # while copying, where no child holds the signal
+            output.run.interrupted, output.exit_code = True, EXIT_INTERRUPTED
+        if not announced:
+            output.messages.insert(0, note)
         output.run.notes.insert(0, note)
     output.run.duration_s = time.perf_counter() - started
     return output
 
 
+def _isolated(out: Path, root: Path, label: str, config: ProfileConfig,
+              on_window: Callable[[ProfileOutput], None] | None) -> ProfileOutput:
+    """A re-run, in a scratch copy of gpudiag's working directory at `root`; the run records
+    it (RunResult.reruns), with what it wrote outside the copy. ScratchError when the copy
+    cannot be made."""
+    scratch = make_scratch(Path.cwd(), root, leave_out=out)
+    try:
+        output = _profile_once(out, config, on_window, scratch)
+    finally:
+        rerun = scratch.finish(label, out / PARTS_DIR)
+    output.run.reruns.append(rerun)
+    return output
+
+
 def _profile_once(out: Path, config: ProfileConfig,
-                  on_window: Callable[[ProfileOutput], None] | None) -> ProfileOutput:
+                  on_window: Callable[[ProfileOutput], None] | None,
+                  scratch: Scratch | None = None) -> ProfileOutput:
     parts_dir = out / PARTS_DIR
     _clear(parts_dir)
     env = child_env(parts_dir, out, config)
+    if scratch is not None:
+        env.update(scratch.env())
     announced: list[bool] = []
 
     def tick() -> None:
@@ -306,7 +347,8 @@ def _profile_once(out: Path, config: ProfileConfig,
             announced.append(True)
             on_window(_output(config, parts_dir, ended=None))
 
-    ended = run_command(config.command, env, on_tick=tick)
+    ended = run_command(config.command, env, on_tick=tick,
+                        cwd=scratch.root if scratch is not None else None)
     output = _output(config, parts_dir, ended=ended)
     if not any(s.facts.script for s in output.run.stages):  # no process recorded a step
         failures = bootstrap_failures(parts_dir)

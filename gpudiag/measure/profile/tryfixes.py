@@ -12,23 +12,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpudiag.measure.profile.scratch import SCRATCH_DIR, ScratchError
 from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest, profile_command
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import EXIT_INTERRUPTED
 from gpudiag.model.remedies import BASELINE_RUNS, COMBINED_RUN
-from gpudiag.model.results import RunResult
+from gpudiag.model.results import Rerun, RunResult
 
-FIXES_DIR = "fixes"  # each run is kept in <run dir>/fixes/<label>/
+FIXES_DIR = "fixes"  # each run is kept in <run dir>/fixes/<label>/, run in its cwd/ there
+SCRATCH_PATTERN = f"{FIXES_DIR}/<label>/{SCRATCH_DIR}"  # where each run's writes go
 
 
 @dataclass
 class FixRuns:
     """The runs made, by label (BASELINE_RUNS, a remedy's name, COMBINED_RUN); a stop keeps
-    those finished and the command's exit code."""
+    those finished and the command's exit code. Where each run ran (a stopped one's too), and
+    why the runs ended early when a scratch copy could not be made."""
 
     runs: dict[str, RunResult] = field(default_factory=dict)
     interrupted: bool = False
     exit_code: int = 0
+    reruns: list[Rerun] = field(default_factory=list)
+    error: str | None = None
 
 
 def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], *,
@@ -37,8 +42,10 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
               on_done: Callable[[Path, ProfileOutput], None]) -> FixRuns:
     """Run the script once per remedy, on the schedule the diagnosis ended with (a short
     script's fitted one) and never re-run; without fixes first and last, so a machine that
-    drifts meanwhile shows in the baseline's spread, not as a fix's effect. `paid(runs)` names
-    the remedies worth combining; `on_done` hears each run's output and its folder."""
+    drifts meanwhile shows in the baseline's spread, not as a fix's effect. Each runs in a
+    scratch copy of the working directory (fixes/<label>/cwd), so every run starts from the
+    files the diagnosis run left and none changes the user's. `paid(runs)` names the remedies
+    worth combining; `on_done` hears each run's output and its folder."""
     done = FixRuns()
 
     def measure(names: tuple[str, ...], label: str) -> bool:
@@ -46,7 +53,12 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
         out_dir = run_dir / FIXES_DIR / label
         out_dir.mkdir(parents=True, exist_ok=True)
         config = dataclasses.replace(diagnosed, remedies=names)
-        output = profile_command(ProfileRequest(config, out_dir, rerun=False))
+        try:
+            output = profile_command(ProfileRequest(config, out_dir, rerun=False, isolate=label))
+        except ScratchError as exc:
+            done.error = str(exc)
+            return False
+        done.reruns += output.run.reruns
         on_done(out_dir, output)
         if output.run.interrupted:
             done.interrupted, done.exit_code = True, output.exit_code

@@ -1,7 +1,8 @@
 """Loaded by every Python process `gpudiag profile` starts (this folder leads PYTHONPATH).
 
-Installs gpudiag's recorder when GPUDIAG_PROFILE_OUT is set, then runs the sitecustomize this
-one shadows, if there is one further along the path."""
+Installs gpudiag's recorder when GPUDIAG_PROFILE_OUT is set (in a re-run, first the watch on
+writes outside its scratch copy), then runs the sitecustomize this one shadows, if there is one
+further along the path."""
 
 import importlib.machinery
 import importlib.util
@@ -27,6 +28,9 @@ def _report_failure(exc: BaseException) -> None:
 
 if os.environ.get("GPUDIAG_PROFILE_OUT"):
     try:
+        from gpudiag.measure.profile.writewatch import install as watch_writes
+
+        watch_writes()  # a re-run's only; before the recorder imports torch
         from gpudiag.measure.profile.recorder import install
 
         install()

@@ -1,0 +1,253 @@
+"""Where a re-run of a profiled script runs (a fix's run, one without fixes, a short script's
+second run): a scratch copy of the working directory gpudiag was started in, inside the run's
+own folder, so that what the re-run writes, appends, overwrites or deletes there (checkpoints,
+logs, a checkpoint it resumes from) lands in the copy and the user's files stay as they were.
+The command runs with the same argv from the copy: relative paths resolve to the copies.
+
+Regular files are copied, cloned (FICLONE: a reflink, no data copied) where the filesystem
+can. Not copied but linked (a symbolic link to the user's): version control and environment
+folders, and what is over the copy budget (MAX_COPY_FILES, MAX_COPY_BYTES really copied, small
+files first; folders past MAX_WALK entries). A write through such a link would reach the
+user's file: the re-run's write watch (writewatch.py) lists it, and each linked file's size,
+time and inode are compared after the run. gpudiag's run folders are left out.
+
+After the run the copies it left unchanged are removed: the copy then holds what the re-run
+wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpudiag.measure.profile import protocol
+from gpudiag.model.results import RUN_MARKER, Rerun
+
+SCRATCH_DIR = "cwd"  # in the re-run's own folder
+MAX_WALK = 50_000  # entries looked at; folders past them are linked whole
+MAX_COPY_FILES = 20_000
+MAX_COPY_BYTES = 2 * 2**30  # really copied (a clone costs none); larger files past it are linked
+LINKED_DIRS = frozenset({".git", ".hg", ".svn", "node_modules"})
+ENVIRONMENT_MARKS = ("pyvenv.cfg", "conda-meta")  # a virtualenv's, a conda environment's
+MAX_LISTED = 20  # linked paths and outside writes listed in run.json; the count says the rest
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+
+Key = tuple[int, int, int]  # inode, size, modification time (ns): changed when any differs
+
+
+class ScratchError(Exception):
+    """The copy could not be made (a full disk, an unreadable working directory): no re-run."""
+
+
+def _key(stat: os.stat_result) -> Key:
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+@dataclass
+class Scratch:
+    """A copy of `source` at `root`, and what it holds: copies (with their state as made),
+    links made, and the user's files linked for the budget (with theirs)."""
+
+    source: Path
+    root: Path
+    copies: dict[Path, Key] = field(default_factory=dict)
+    links: dict[Path, str] = field(default_factory=dict)
+    dirs: list[Path] = field(default_factory=list)  # made, parents first
+    linked: dict[Path, Key | None] = field(default_factory=dict)  # user's path -> file's key
+
+    def env(self) -> dict[str, str]:
+        return {protocol.ENV_SCRATCH: str(self.root), "PWD": str(self.root)}
+
+    def finish(self, label: str, parts_dir: Path) -> Rerun:
+        """The re-run's record: linked files that changed, what it wrote outside; the copies
+        it left unchanged removed."""
+        changed = [str(path) for path, key in self.linked.items()
+                   if key is not None and _stat_key(path) != key]
+        self._prune()
+        outside, more = outside_writes(parts_dir)
+        named = [str(p.relative_to(self.source)) + ("/" if key is None else "")
+                 for p, key in self.linked.items()]
+        return Rerun(label=label, source=str(self.source), cwd=str(self.root),
+                     copied=len(self.copies), linked=named[:MAX_LISTED],
+                     linked_count=len(named), wrote_outside=outside, more_outside=more,
+                     changed_linked=changed[:MAX_LISTED])
+
+    def _prune(self) -> None:
+        for path, key in self.copies.items():
+            if _stat_key(path) == key:
+                path.unlink()
+        for path, target in self.links.items():
+            with contextlib.suppress(OSError):
+                if str(path.readlink()) == target:
+                    path.unlink()
+        for path in reversed(self.dirs):
+            with contextlib.suppress(OSError):  # not empty: the re-run wrote there
+                path.rmdir()
+
+
+def _stat_key(path: Path) -> Key | None:
+    try:
+        return _key(path.lstat())
+    except OSError:
+        return None
+
+
+@dataclass
+class _Plan:
+    """What a copy of the source is made of (relative paths)."""
+
+    dirs: dict[Path, None] = field(default_factory=dict)  # to make, parents first
+    files: list[tuple[Path, os.stat_result]] = field(default_factory=list)
+    links: list[tuple[Path, str]] = field(default_factory=list)  # the user's, made again
+    whole: list[Path] = field(default_factory=list)  # folders linked whole
+
+
+def _walk(source: Path, leave_out: Path) -> _Plan:
+    """Breadth first, so the script's own folder's files come before deep data trees; past
+    MAX_WALK entries the folders not yet read are linked whole."""
+    plan = _Plan()
+    queue, seen = deque([Path()]), 0
+    while queue and seen <= MAX_WALK:
+        rel = queue.popleft()
+        try:
+            entries = list(os.scandir(source / rel))
+        except (PermissionError, FileNotFoundError) as exc:
+            if rel == Path():
+                raise
+            del plan.dirs[rel]
+            if isinstance(exc, PermissionError):  # unreadable to the script too: so is a link
+                plan.whole.append(rel)
+            continue
+        seen += len(entries)
+        for entry in entries:
+            if _planned(plan, rel / entry.name, entry, source, leave_out):
+                queue.append(rel / entry.name)
+    for rel in queue:
+        del plan.dirs[rel]
+        plan.whole.append(rel)
+    return plan
+
+
+def _planned(plan: _Plan, rel: Path, entry: os.DirEntry[str], source: Path,
+             leave_out: Path) -> bool:
+    """`entry` (at `rel`) put in the plan; True for a folder to read."""
+    path = source / rel
+    if entry.is_symlink():
+        plan.links.append((rel, _link_target(path, source)))
+    elif entry.is_dir():
+        if path == leave_out or (path / RUN_MARKER).exists():
+            return False
+        if entry.name in LINKED_DIRS or any((path / m).exists() for m in ENVIRONMENT_MARKS):
+            plan.whole.append(rel)
+            return False
+        plan.dirs[rel] = None
+        return True
+    elif entry.is_file():
+        with contextlib.suppress(FileNotFoundError):  # gone meanwhile (a lock, a rotated log)
+            plan.files.append((rel, entry.stat()))
+    return False
+
+
+def _link_target(path: Path, source: Path) -> str:
+    """A link of the user's, to make again in the copy: relative when it stays inside the
+    source (it then points into the copy), else to the same place, absolute."""
+    target = path.readlink()
+    resolved = Path(os.path.normpath(path.parent / target))
+    return str(target if target.is_absolute() or resolved.is_relative_to(source) else resolved)
+
+
+def make_scratch(source: Path, root: Path, leave_out: Path) -> Scratch:
+    """Copy `source` to `root` (which must not exist), leaving out `leave_out` (the re-run's
+    own folder) and gpudiag's run folders. ScratchError when it cannot (a full disk), with
+    nothing of the copy left."""
+    scratch = Scratch(source=source, root=root)
+    try:
+        plan = _walk(source, leave_out.resolve())
+        root.mkdir(parents=True)
+    except OSError as exc:
+        raise ScratchError(f"cannot copy {source} for a re-run: {exc.strerror or exc}") from None
+    try:
+        _fill(scratch, plan)
+    except BaseException as exc:
+        shutil.rmtree(root, ignore_errors=True)  # gpudiag's own; links are removed, not followed
+        if isinstance(exc, OSError):
+            raise ScratchError(f"cannot copy {source} to {root} for a re-run: "
+                               f"{exc.strerror or exc}") from None
+        raise
+    return scratch
+
+
+def _fill(scratch: Scratch, plan: _Plan) -> None:
+    for rel in plan.dirs:
+        (scratch.root / rel).mkdir()
+        scratch.dirs.append(scratch.root / rel)
+    for rel, target in plan.links:
+        (scratch.root / rel).symlink_to(target)
+        scratch.links[scratch.root / rel] = target
+    for rel in plan.whole:
+        _link(scratch, rel, None)
+    copied_bytes = 0
+    for rel, stat in sorted(plan.files, key=lambda item: item[1].st_size):
+        copy = scratch.root / rel
+        if len(scratch.copies) < MAX_COPY_FILES:
+            how = _copy(scratch.source / rel, copy,
+                        may_copy=copied_bytes + stat.st_size <= MAX_COPY_BYTES)
+            if how == "gone":
+                continue
+            if how is not None:
+                copied_bytes += 0 if how == "cloned" else stat.st_size
+                scratch.copies[copy] = _key(copy.lstat())
+                continue
+        _link(scratch, rel, _key(stat))
+
+
+def _link(scratch: Scratch, rel: Path, key: Key | None) -> None:
+    """A link to the user's file (`key` its state now) or folder (None), in place of a copy."""
+    original = scratch.source / rel
+    (scratch.root / rel).symlink_to(original)
+    scratch.links[scratch.root / rel] = str(original)
+    scratch.linked[original] = key
+
+
+def _copy(source: Path, copy: Path, *, may_copy: bool) -> str | None:
+    """"cloned" (a reflink: no data copied) or "copied" (only when `may_copy`), with the
+    original's mode and times; None when neither (over the budget, or unreadable); "gone" when
+    the original was removed meanwhile."""
+    try:
+        with source.open("rb") as original, copy.open("xb") as made:
+            try:
+                fcntl.ioctl(made.fileno(), FICLONE, original.fileno())
+                how = "cloned"
+            except OSError:  # not a filesystem that shares extents, or another one
+                how = "copied"
+        if how == "copied":
+            if not may_copy:
+                copy.unlink()
+                return None
+            shutil.copyfile(source, copy)  # in the kernel (sendfile), over the empty file
+        shutil.copystat(source, copy)
+    except (PermissionError, FileNotFoundError) as exc:
+        copy.unlink(missing_ok=True)
+        # Unreadable to the script as well: a link keeps it so.
+        return None if isinstance(exc, PermissionError) else "gone"
+    return how
+
+
+def outside_writes(parts_dir: Path) -> tuple[list[str], bool]:
+    """The paths the re-run's processes wrote outside its copy (writewatch.py), the first
+    MAX_LISTED, and whether there were more."""
+    found: set[str] = set()
+    for path in sorted(parts_dir.glob(protocol.WRITES_GLOB)):
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    found.add(str(json.loads(line)))
+    more = protocol.WRITES_MORE in found
+    listed = sorted(found - {protocol.WRITES_MORE})
+    return listed[:MAX_LISTED], more or len(listed) > MAX_LISTED
