@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 
 from gpudiag.diagnose.ceilings import utilisation
@@ -308,6 +309,7 @@ ISLAND_MIN_LOW_MATMUL = 0.5  # of matmul time in fp16/bf16: the stage is mixed p
 ISLAND_MIN_SHARE, ISLAND_WARNING = 0.15, 0.30
 # Memory-bound time follows bytes: the same work in 16 bits moves half of them.
 ISLAND_RECOVERABLE = 0.5
+ISLAND_ADVICE_SHARE = 1 / 3  # of the top lines' fp32 time: a cause this large gets its advice
 ISLAND_THRESHOLDS = (
     Threshold("min_low_precision_matmul", ISLAND_MIN_LOW_MATMUL,
               "half the matmul time runs in fp16/bf16: the stage trains in mixed precision"),
@@ -317,27 +319,37 @@ ISLAND_THRESHOLDS = (
               "30% of it (half of which 16 bits would win back): warning"),
     Threshold("recoverable_share", ISLAND_RECOVERABLE,
               "of that time, what 16-bit operands win back (half the bytes; the impact)"),
+    Threshold("advice_share", ISLAND_ADVICE_SHARE,
+              "of the top lines' fp32 time, promoted operations or autocast's own fp32 "
+              "operations: that cause's advice"),
 )
 
 
-def _island_fix(kinds: set[str]) -> str:
+PROMOTED_KINDS = frozenset({"elementwise", "reduction"})  # an fp32 input promoted them
+
+
+def _island_fix(ms_by_kind: dict[str, float]) -> str:
     """What an fp32 island is, by the kinds of its fp32 work on its top lines: elementwise
     operations and reductions promoted by an fp32 input, or autocast's own fp32 operations
-    (softmax, norms) and the casts into fp32 that feed them."""
-    fixes = []
-    if kinds & {"elementwise", "reduction"}:
-        fixes.append("an fp32 tensor mixed into fp16/bf16 activations (a mask or bias "
-                     "built with torch.zeros/ones/arange in the default dtype, a parameter "
-                     "used outside a Linear) promotes the operation, and what follows it, to "
-                     "fp32: create it in the activations' dtype (mask.to(scores.dtype)) or "
-                     "use a bool mask with masked_fill")
-    if kinds & {"softmax", "norm", "cast"}:
-        fixes.append("autocast runs softmax, log_softmax, layer_norm and the losses in fp32 "
-                     "on purpose (its fp32 list): where they are the cost, a fused kernel "
-                     "does the same in one pass (F.scaled_dot_product_attention for "
-                     "attention, torch.compile for norms and the chains around them)")
-    advice = "; ".join(fixes)
-    return f"{advice[:1].upper()}{advice[1:]}." if advice else ""
+    (softmax, norms) and the casts into fp32 that feed them. Each cause holding a third of
+    that time gets its advice, the larger first."""
+    total = sum(ms_by_kind.values()) or 1.0
+    promoted = sum(v for k, v in ms_by_kind.items() if k in PROMOTED_KINDS) / total
+    advice = {
+        promoted: ("an fp32 tensor mixed into fp16/bf16 activations (a mask or bias built "
+                   "with torch.zeros/ones/arange in the default dtype, a parameter used "
+                   "outside a Linear, an fp32 residual stream) promotes the operation, and "
+                   "what follows it, to fp32: create it in the activations' dtype "
+                   "(mask.to(scores.dtype)) or use a bool mask with masked_fill"),
+        1.0 - promoted: ("autocast runs softmax, log_softmax, layer_norm and the losses in "
+                         "fp32 on purpose (its fp32 list), with a cast into fp32 before each: "
+                         "where they are the cost, a fused kernel does the same in one pass "
+                         "(F.scaled_dot_product_attention for attention, torch.compile for "
+                         "norms and the chains around them)")}
+    chosen = [text for share, text in sorted(advice.items(), reverse=True)
+              if share >= ISLAND_ADVICE_SHARE]
+    text = "; ".join(chosen)
+    return f"{text[:1].upper()}{text[1:]}."
 
 
 @rule(
@@ -373,7 +385,10 @@ def fp32_islands(run: RunResult) -> Iterator[Draft]:
         busy = 1.0 - (ev.idle_fraction or 0.0)
         dtype = max(("fp16", "bf16"), key=lambda k: ev.matmul_ms_by_dtype.get(k, 0.0))
         top = lines[0]
-        kinds = {k for c in lines[:3] for k in c.fp32_ms_by_kind}
+        kinds: dict[str, float] = defaultdict(float)
+        for c in lines[:3]:
+            for k, ms in c.fp32_ms_by_kind.items():
+                kinds[k] += ms
         top_kinds = ", ".join(f"{'casts into fp32' if k == 'cast' else k} {ms:.2f}" for k, ms in
                               sorted(top.fp32_ms_by_kind.items(), key=lambda kv: -kv[1]))
         yield Draft(
