@@ -127,14 +127,17 @@ def test_the_busiest_lines_are_held_against_their_roof() -> None:
     compute-bound at half its roof; a softmax line moving 1 GB in 1 ms is memory-bound at 30%."""
     lines = [LineCount("attn.py:11", "forward", kind_ms={"matmul": 2.0}, flops=989e9,
                        bytes=1e9),
-             LineCount("attn.py:13", "forward", kind_ms={"softmax": 1.0}, bytes=1e9)]
+             LineCount("attn.py:13", "forward", kind_ms={"softmax": 1.0}, bytes=1e9),
+             # A compiled kernel's line: its time (Inductor's provenance), no shapes.
+             LineCount("model.py:88", "forward", kind_ms={"elementwise": 0.5})]
     ev = make_evidence(line_counts=lines, matmul_ms_by_dtype={"bf16": 2.0},
                        device_ms_by_kind={"matmul": 2.0, "softmax": 1.0})
     run = make_run(make_stage("train", evidence=ev))
     run.env.gpu_name = "NVIDIA H100 80GB HBM3"
     found = roofline(run, run.stages[0])
     assert found is not None and found.dtype == "bf16" and found.source == "datasheet"
-    matmul, softmax = found.lines
+    matmul, softmax, compiled = found.lines
+    assert compiled.gbps is None and compiled.bound is None and compiled.device_ms == 0.5
     assert matmul.bound == "compute" and matmul.of_roof == pytest.approx(0.5)
     assert matmul.flops_per_byte == pytest.approx(989.0)
     assert softmax.bound == "memory" and softmax.of_roof == pytest.approx(1000 / 3350)

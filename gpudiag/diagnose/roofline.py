@@ -22,7 +22,7 @@ class LineRoofline:
     location: str
     device_ms: float  # per step (on a CPU: its operators' time)
     tflops: float | None  # achieved; None where the line ran no counted matmul
-    gbps: float  # achieved, at least (bytes are a floor)
+    gbps: float | None  # achieved, at least (bytes are a floor); None: no shapes recorded
     flops_per_byte: float | None
     bound: Literal["compute", "memory"] | None  # which roof holds it; None without peaks
     of_roof: float | None  # its share of that roof
@@ -44,7 +44,8 @@ def _matmul_dtype(stage: StageResult) -> str:
 
 
 def roofline(run: RunResult, stage: StageResult) -> Roofline | None:
-    """The stage's busiest lines (by device time) that moved or computed something."""
+    """The stage's busiest lines by device time; rates where the line's shapes were recorded
+    (a compiled kernel's line has its time, not its shapes)."""
     ev = stage.evidence
     if ev is None:
         return None
@@ -55,13 +56,14 @@ def roofline(run: RunResult, stage: StageResult) -> Roofline | None:
     busiest = sorted(ev.line_counts, key=lambda c: -sum(c.kind_ms.values()))
     for count in busiest:
         ms = sum(count.kind_ms.values())
-        if ms <= 0 or not (count.flops or count.bytes):
-            continue
+        if ms <= 0:
+            break
         seconds = ms / 1e3
         tflops = count.flops / seconds / 1e12 if count.flops else None
-        gbps = count.bytes / seconds / 1e9
+        # No bytes recorded: a compiled kernel's line (Inductor's provenance; no shapes).
+        gbps = count.bytes / seconds / 1e9 if count.bytes else None
         compute = tflops / peak_tflops if tflops and peak_tflops else 0.0
-        memory = gbps / peak_gbps if peak_gbps else None
+        memory = gbps / peak_gbps if gbps and peak_gbps else None
         bound: Literal["compute", "memory"] | None = (
             None if memory is None else "compute" if compute > memory else "memory")
         lines.append(LineRoofline(
