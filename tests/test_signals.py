@@ -454,3 +454,33 @@ def test_what_the_command_leaves_running(tmp_path: Path, monkeypatch: pytest.Mon
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(sleeper, signal.SIGKILL)
+
+
+def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_path: Path) -> None:
+    """SIGINT to a Python that is still installing gpudiag's recorder (a --try-fixes re-run
+    starting up): it ends as Python does on Ctrl-C, killed by SIGINT (130 in a shell), with
+    no "Fatal Python error: init_import_site" dump. The recorder's `import torch` finds a
+    stand-in first on the path, which says it started and waits: the signal lands there."""
+    from gpudiag.measure.profile import protocol
+    from gpudiag.measure.profile.session import BOOTSTRAP, PACKAGE_ROOT
+
+    stand_in = tmp_path / "stand-in"
+    (stand_in / "torch").mkdir(parents=True)
+    importing = tmp_path / "importing-torch"
+    (stand_in / "torch" / "__init__.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\ntime.sleep(60)\n")
+    env = {**os.environ, protocol.ENV_OUT: str(tmp_path / "parts"),
+           "PYTHONPATH": os.pathsep.join(map(str, (BOOTSTRAP, PACKAGE_ROOT, stand_in)))}
+    process = subprocess.Popen([sys.executable, "-c", "print('the script ran')"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(importing.is_file, process)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGINT, err
+    assert "Fatal Python error" not in err and "Traceback" not in err, err
+    assert not out and not err
