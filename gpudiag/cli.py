@@ -393,7 +393,7 @@ def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
         on_done=lambda out_dir, output: _write_profile(out_dir, output, plots=False))
     if done.interrupted:
         run.interrupted, first.exit_code = True, done.exit_code
-    run.fixes = assess(run, plan, done.runs)
+    run.fixes = assess(run, plan, done.runs, done.unmeasured)
 
 
 def _write_profile(run_dir: Path, output: ProfileOutput, *, plots: bool = True) -> None:

@@ -24,11 +24,13 @@ FIXES_DIR = "fixes"  # each run is kept in <run dir>/fixes/<label>/
 @dataclass
 class FixRuns:
     """The runs made, by label (BASELINE_RUNS, a remedy's name, COMBINED_RUN); a stop keeps
-    those finished and the command's exit code."""
+    those finished, the command's exit code, and the remedies (alone, or the combination once
+    its run began) it left unmeasured."""
 
     runs: dict[str, RunResult] = field(default_factory=dict)
     interrupted: bool = False
     exit_code: int = 0
+    unmeasured: list[tuple[str, ...]] = field(default_factory=list)
 
 
 def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], *,
@@ -54,13 +56,16 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
         done.runs[label] = output.run
         return True
 
-    plan = [((), BASELINE_RUNS[0]), *(((name,), name) for name in remedies),
-            ((), BASELINE_RUNS[1])]
+    plan: list[tuple[tuple[str, ...], str]] = [
+        ((), BASELINE_RUNS[0]), *(((name,), name) for name in remedies), ((), BASELINE_RUNS[1])]
     try:
         if all(measure(names, label) for names, label in plan):
             together = tuple(paid(done.runs))
             if len(together) > 1:
+                plan.append((together, COMBINED_RUN))
                 measure(together, COMBINED_RUN)
     except KeyboardInterrupt:  # between runs, where no child holds the signal
         done.interrupted, done.exit_code = True, EXIT_INTERRUPTED
+    if done.interrupted:
+        done.unmeasured = [names for names, label in plan if names and label not in done.runs]
     return done
