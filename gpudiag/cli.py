@@ -425,7 +425,7 @@ def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
         stderr.print(f"[yellow]try-fixes:[/] stopped: {escape(done.error)}", soft_wrap=True)
         run.notes.append(f"--try-fixes stopped: {done.error}")
     run.reruns += done.reruns
-    run.fixes = assess(run, plan, done.runs)
+    run.fixes = assess(run, plan, done.runs, done.unmeasured)
 
 
 def _warn_reruns(reruns: list[Rerun]) -> None:

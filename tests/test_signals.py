@@ -272,3 +272,215 @@ def test_the_scripts_own_children_stop_when_it_stops_them(tmp_path: Path) -> Non
     found = re.search(r"stopped in ([\d.]+) s, alive (\w+)", done.stdout + done.stderr)
     assert found is not None, done.stdout + done.stderr
     assert found[2] == "False" and float(found[1]) < 15, found[0]
+
+
+def _job_processes(marker: str) -> list[int]:
+    """Every process (of this user) whose environment carries `marker`: the process table's
+    view of one gpudiag job, wherever its processes went (their own group or session, init)."""
+    found = []
+    needle = marker.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes() and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:  # another user's, or gone meanwhile
+            continue
+    return found
+
+
+def _none_left(marker: str) -> list[int]:
+    """The job's processes still alive after ORPHAN_EXIT_S (empty: none left)."""
+    deadline = time.monotonic() + ORPHAN_EXIT_S
+    while (left := _job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _kill_all(marker: str) -> None:
+    for pid in _job_processes(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _start_marked(args: list[str], cwd: Path) -> tuple[subprocess.Popen[str], str, Path]:
+    """gpudiag in a session of its own, every process below it marked (an environment
+    variable: (process, marker, its stderr's file)). Its stderr goes to a file, not a pipe: a
+    process it left running would hold a pipe open, and reading it would hang."""
+    marker = f"GPUDIAG_TEST_JOB={cwd.name}-{os.getpid()}"
+    env = {**os.environ, "GPUDIAG_TEST_JOB": marker.split("=", 1)[1]}
+    stderr = cwd / "gpudiag.stderr"
+    with stderr.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "gpudiag", *args], cwd=cwd, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=sink, text=True,
+                                   start_new_session=True)
+    return process, marker, stderr
+
+
+TRAINER = """
+    import os, sys, time
+    from pathlib import Path
+    import torch
+
+    os.setpgid(0, 0)  # out of the launcher's process group, as some launchers do
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(10**9):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            Path(sys.argv[1]).write_text(str(os.getpid()))
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_reaches_a_trainer_in_its_own_process_group(tmp_path: Path, signum: int) -> None:
+    """A launcher starts a trainer that moves to its own process group; Ctrl-C (or SIGTERM)
+    to gpudiag stops both (once, the trainer trained on, orphaned to init, after gpudiag
+    exited 130)."""
+    (tmp_path / "trainer.py").write_text(textwrap.dedent(TRAINER))
+    (tmp_path / "launcher.py").write_text(textwrap.dedent("""
+        import subprocess, sys
+        subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]]).wait()
+    """))
+    started = tmp_path / "trainer.pid"
+    process, marker, stderr = _start_marked(
+        ["profile", "--no-rerun", "--out", str(tmp_path / "run"), "--", sys.executable,
+         str(tmp_path / "launcher.py"), str(tmp_path / "trainer.py"), str(started)], tmp_path)
+    try:
+        _wait_for(started.is_file, process)
+        assert int(started.read_text()) in _job_processes(marker)  # the table sees it
+        sent = time.monotonic()
+        process.send_signal(signum)
+        assert process.wait(timeout=60) == 128 + signum, stderr.read_text()
+        assert time.monotonic() - sent < STOP_WITHIN_S, "not stopped: killed at the grace's end"
+        assert not _none_left(marker), stderr.read_text()
+    finally:
+        _kill_all(marker)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+DAEMON = """
+    import os, sys, time
+    from pathlib import Path
+    import torch
+
+    if os.fork() == 0:  # a daemon, as the textbook makes one: fork, setsid, fork
+        os.setsid()
+        if os.fork() == 0:
+            Path(sys.argv[1] + ".tmp").write_text(str(os.getpid()))
+            os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+            while True:
+                time.sleep(1)
+        os._exit(0)
+    while not Path(sys.argv[1]).is_file():
+        time.sleep(0.05)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(12):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_daemon_the_script_leaves_running_is_reported_and_stopped(tmp_path: Path) -> None:
+    """A script that starts a daemon (double fork, setsid) and exits: gpudiag names the daemon
+    on stderr and in run.json's notes, and stops it before it exits; the daemon, a fork of the
+    profiled script, exits on SIGTERM as it would without gpudiag."""
+    (tmp_path / "daemon.py").write_text(textwrap.dedent(DAEMON))
+    process, marker, stderr = _start_marked(
+        ["profile", "--no-rerun", "--out", str(tmp_path / "run"), "--", sys.executable,
+         str(tmp_path / "daemon.py"), str(tmp_path / "daemon.pid")], tmp_path)
+    try:
+        code = process.wait(timeout=300)
+        said = stderr.read_text()
+        assert code == 0, said
+        assert not _none_left(marker), said
+        line = f"left 1 process running (pid {int((tmp_path / 'daemon.pid').read_text())}"
+        assert line in said and "stopped with SIGTERM" in said, said  # not killed at 30 s
+        assert any(line in note for note in load_run(tmp_path / "run").notes)
+    finally:
+        _kill_all(marker)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _setsid_sleeper(pid_file: Path) -> list[str]:
+    """A command that leaves a process running in a session of its own and exits once that
+    process wrote its pid."""
+    return ["sh", "-c", f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 60' & "
+            f"while [ ! -s {pid_file} ]; do sleep 0.05; done"]
+
+
+def _pid_when_written(pid_file: Path) -> int:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not pid_file.is_file() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline, "the sleeper never started"
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["linux", "no-proc"])
+def test_what_the_command_leaves_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         tracked: bool) -> None:
+    """On Linux a process the command left in a session of its own is named and stopped; where
+    descendants cannot be tracked (forced here as on a system without prctl and /proc) the job
+    is the command's process group, as before: the command's exit ends the run, and nothing
+    else is named or signalled."""
+    from gpudiag.measure.profile import jobprocesses
+    from gpudiag.measure.profile.session import run_command
+
+    monkeypatch.setattr(jobprocesses, "TRACKS_DESCENDANTS",
+                        tracked and jobprocesses.TRACKS_DESCENDANTS)
+    pid_file = tmp_path / "sleeper.pid"
+    ended = run_command(_setsid_sleeper(pid_file), dict(os.environ))
+    sleeper = _pid_when_written(pid_file)
+    try:
+        assert ended.code == 0
+        if tracked:
+            assert ended.left_running is not None, "not named"
+            assert f"left 1 process running (pid {sleeper} " in ended.left_running
+            assert "stopped with SIGTERM" in ended.left_running
+            assert not _alive(sleeper)
+        else:
+            assert ended.left_running is None and _alive(sleeper)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sleeper, signal.SIGKILL)
+
+
+def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_path: Path) -> None:
+    """SIGINT to a Python that is still installing gpudiag's recorder (a --try-fixes re-run
+    starting up): it ends as Python does on Ctrl-C, killed by SIGINT (130 in a shell), with
+    no "Fatal Python error: init_import_site" dump. The recorder's `import torch` finds a
+    stand-in first on the path, which says it started and waits: the signal lands there."""
+    from gpudiag.measure.profile import protocol
+    from gpudiag.measure.profile.session import BOOTSTRAP, PACKAGE_ROOT
+
+    stand_in = tmp_path / "stand-in"
+    (stand_in / "torch").mkdir(parents=True)
+    importing = tmp_path / "importing-torch"
+    (stand_in / "torch" / "__init__.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\ntime.sleep(60)\n")
+    env = {**os.environ, protocol.ENV_OUT: str(tmp_path / "parts"),
+           "PYTHONPATH": os.pathsep.join(map(str, (BOOTSTRAP, PACKAGE_ROOT, stand_in)))}
+    process = subprocess.Popen([sys.executable, "-c", "print('the script ran')"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(importing.is_file, process)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGINT, err
+    assert "Fatal Python error" not in err and "Traceback" not in err, err
+    assert not out and not err

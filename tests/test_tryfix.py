@@ -250,3 +250,66 @@ def test_the_terminal_fixes_table_is_readable_at_100_columns() -> None:
     labels = {"Measured", "fixes", "ms/step", "(mean)", "speedup", "J/step", "|", "make", "it",
               "permanent:"} | {f"{n}." for n in range(1, len(run.fixes) + 1)}
     assert shown <= words | labels, sorted(shown - words - labels)  # no piece of a broken word
+
+
+def _timed(config: ProfileConfig, ms: float) -> RunResult:
+    """A run of the script with `config`'s remedies: 40 steps of `ms`."""
+    from gpudiag.model.facts import ScriptFacts, StageFacts
+    from gpudiag.model.results import StageResult
+
+    script = ScriptFacts(steps=40, warmup=0, timed=40, step_clock="optimizer.step()",
+                         losses=[1.0, 0.9], remedies={n: {} for n in config.remedies})
+    return RunResult(tool_version="t", env=Env(device="cpu"), config=config, stages=[
+        StageResult(name="train.py", status="ok", iter_ms=[ms] * 40, ms_per_iter=ms,
+                    facts=StageFacts(script=script))])
+
+
+@pytest.mark.parametrize(("stopped_in", "where"), [
+    ("no-empty-cache", "start-up"), ("no-empty-cache", "between runs"),
+    ("without-fixes-1", "start-up")])
+def test_a_stop_keeps_the_measured_runs_and_names_the_fixes_it_left_unmeasured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stopped_in: str, where: str) -> None:
+    """Ctrl-C while a --try-fixes run starts (its interpreter stopped, the run interrupted)
+    or between two runs: the runs measured before it are kept and assessed, and every fix
+    planned but not measured is a row saying "not measured: interrupted", never dropped (once
+    the run.json said `fixes: []` although a run without fixes had been measured). `gpudiag
+    report --rules` makes the same rows of the runs kept on disk."""
+    from gpudiag.diagnose.tryfix import assess, reassess
+    from gpudiag.measure.profile import tryfixes
+    from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest
+
+    def profile_command(request: ProfileRequest) -> ProfileOutput:
+        label = request.out.name
+        if label == stopped_in and where == "start-up":
+            return ProfileOutput(run=RunResult(tool_version="t", env=Env(device="cpu"),
+                                               config=request.config, interrupted=True),
+                                 exit_code=130)
+        return ProfileOutput(run=_timed(request.config, 10.0 if request.config.remedies
+                                        else 20.0), exit_code=0)
+
+    def on_start(label: str) -> None:
+        if label == stopped_in and where == "between runs":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tryfixes, "profile_command", profile_command)
+    run = _run(device="cpu")
+    plan = plan_fixes(run, forced=["loader", "no-empty-cache"])
+    kept: dict[str, RunResult] = {}
+    done = tryfixes.run_fixes(
+        tmp_path, ProfileConfig(), [r.name for r in plan.remedies], paid=lambda _: [],
+        on_start=on_start, on_done=lambda out, output: kept.update({out.name: output.run}))
+    assert done.interrupted and done.exit_code == 130
+    run.fixes = assess(run, plan, done.runs, done.unmeasured)
+    rows = {f.remedy: f for f in run.fixes}
+    assert set(rows) == {"loader", "no-empty-cache"}
+    assert rows["no-empty-cache"].status == "not-measured"
+    assert rows["no-empty-cache"].note == "not measured: interrupted"
+    if stopped_in == "without-fixes-1":
+        assert not done.runs and rows["loader"].status == "not-measured"
+    else:
+        assert set(done.runs) == {"without-fixes-1", "loader"}
+        assert rows["loader"].status == "measured" and rows["loader"].speedup == 2.0
+    text = "\n".join(fixes_markdown(run))
+    assert f"| {REMEDIES['no-empty-cache'].title} (not measured) |" in text
+    assert "| not measured: interrupted |" in text
+    assert reassess(run, kept) == run.fixes

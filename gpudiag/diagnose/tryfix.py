@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import estimate_ratio
 from gpudiag.diagnose.loaderadvice import loader_change
 from gpudiag.diagnose.noise import floor_for
 from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
+from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import (
     BASELINE_RUNS,
     COMBINED_RUN,
@@ -87,14 +89,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     """What `after` (the script with the remedies `names`) bought against `before` (the same
     schedule without them); the equivalence check holds `after`'s first losses against
     `baseline_losses` (the diagnosis run), with `before`'s own difference as the floor."""
-    title = remedy.title if remedy else " + ".join(REMEDIES[n].title for n in names)
-    fix = MeasuredFix(
-        remedy=remedy.name if remedy else "combined", title=title,
-        findings=sorted({f.id for f in run.findings for n in names
-                         if f.id in REMEDIES[n].findings}),
-        applied=remedy.applied if remedy else "; ".join(REMEDIES[n].applied for n in names),
-        change=remedy.change if remedy else "the changes of each fix above",
-        location=_location(run, names))
+    fix = _fix_of(remedy, names, run)
     a, b = _main_stage(before), _main_stage(after)
     if a is None or b is None or not a.iter_ms or not b.iter_ms:
         fix.status = "failed"
@@ -126,13 +121,34 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     return fix
 
 
-def assess(run: RunResult, plan: FixPlan, runs: dict[str, RunResult]) -> list[MeasuredFix]:
+def _fix_of(remedy: Remedy | None, names: Sequence[str], run: RunResult) -> MeasuredFix:
+    """The row of one remedy (`remedy`) or of several together (`names`), before measuring."""
+    return MeasuredFix(
+        remedy=remedy.name if remedy else "combined",
+        title=remedy.title if remedy else " + ".join(REMEDIES[n].title for n in names),
+        findings=sorted({f.id for f in run.findings for n in names
+                         if f.id in REMEDIES[n].findings}),
+        applied=remedy.applied if remedy else "; ".join(REMEDIES[n].applied for n in names),
+        change=remedy.change if remedy else "the changes of each fix above",
+        location=_location(run, list(names)))
+
+
+def not_measured(names: Sequence[str], run: RunResult) -> MeasuredFix:
+    """A remedy (or a combination) planned but left unmeasured by a stop."""
+    fix = _fix_of(REMEDIES[names[0]] if len(names) == 1 else None, names, run)
+    fix.status, fix.note = "not-measured", "not measured: interrupted"
+    return fix
+
+
+def assess(run: RunResult, plan: FixPlan, runs: dict[str, RunResult],
+           unmeasured: Sequence[Sequence[str]] = ()) -> list[MeasuredFix]:
     """Every fix measured in `runs` (by label: the runs without fixes, each remedy's name, and
-    "combined"), against the baseline the runs without fixes bracket; ranked, with the
-    findings no remedy answers."""
+    "combined"), against the baseline the runs without fixes bracket; ranked, with those a
+    stop left `unmeasured` (each remedy's names) and the findings no remedy answers."""
+    stopped = [not_measured(names, run) for names in unmeasured]
     baselines = [runs[label] for label in BASELINE_RUNS if label in runs]
     if not baselines:
-        return ranked(plan.untreated)
+        return ranked(stopped + plan.untreated)
     before = bracketed(baselines[0], baselines[-1])
     first = [s for s in run.stages if s.facts.script]
     losses = first[0].facts.script.losses if first and first[0].facts.script else []
@@ -143,15 +159,22 @@ def assess(run: RunResult, plan: FixPlan, runs: dict[str, RunResult]) -> list[Me
         names = [n for n in (stage.facts.script.remedies if stage and stage.facts.script
                              else {}) if n in REMEDIES]
         fixes.append(measured_fix(None, names, before, runs[COMBINED_RUN], losses, run))
-    return ranked(fixes + plan.untreated)
+    return ranked(fixes + stopped + plan.untreated)
 
 
 def reassess(run: RunResult, runs: dict[str, RunResult]) -> list[MeasuredFix]:
     """The fixes of a recorded --try-fixes again, from its kept runs (`gpudiag report --rules`
-    on its directory): what this gpudiag makes of the same measurements."""
+    on its directory): what this gpudiag makes of the same measurements. A run a stop cut
+    short measured nothing, as when it was made; a remedy the stop kept from running at all
+    is known from the run's own rows."""
     plan = plan_fixes(run)
-    plan.remedies = [REMEDIES[label] for label in runs if label in REMEDIES]
-    return assess(run, plan, runs)
+    finished = {label: kept for label, kept in runs.items() if not kept.interrupted}
+    plan.remedies = [REMEDIES[label] for label in finished if label in REMEDIES]
+    unmeasured = [kept.config.remedies for kept in runs.values() if kept.interrupted
+                  and isinstance(kept.config, ProfileConfig) and kept.config.remedies]
+    unmeasured += [(f.remedy,) for f in run.fixes if f.status == "not-measured"
+                   and f.remedy in REMEDIES and f.remedy not in runs]
+    return assess(run, plan, finished, unmeasured)
 
 
 def bracketed(first: RunResult, last: RunResult) -> RunResult:
@@ -210,8 +233,8 @@ def passing(fixes: list[MeasuredFix]) -> list[str]:
 
 def ranked(fixes: list[MeasuredFix]) -> list[MeasuredFix]:
     """Measured fixes fastest first (those that changed nothing after them), then failed ones,
-    then findings with no remedy."""
-    order = {"measured": 0, "failed": 1, "no-remedy": 2}
+    those a stop left unmeasured, then findings with no remedy."""
+    order = {"measured": 0, "failed": 1, "not-measured": 2, "no-remedy": 3}
     return sorted(fixes, key=lambda f: (order[f.status], f.changed_nothing,
                                         -(f.speedup or 0.0)))
 

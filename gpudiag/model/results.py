@@ -365,7 +365,8 @@ class MeasuredFix:
     remedy: str  # gpudiag.model.remedies name, or "combined" (several together)
     title: str
     findings: list[str] = field(default_factory=list)  # the finding codes it answers
-    status: Literal["measured", "failed", "no-remedy"] = "measured"
+    # "not-measured": planned, but a stop (Ctrl-C) came first; `note` says so.
+    status: Literal["measured", "failed", "not-measured", "no-remedy"] = "measured"
     applied: str = ""  # how gpudiag applied it
     change: str = ""  # the permanent code change
     location: str | None = None  # the script's line the change goes to, when known

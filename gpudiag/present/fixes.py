@@ -20,6 +20,8 @@ EQUIVALENCE = {
     "unchecked": "not checked (no loss seen)",
 }
 
+UNMEASURED = {"failed": "failed", "not-measured": "not measured"}  # said after the fix's title
+
 
 def _ms(fix: MeasuredFix) -> str:
     if fix.before_ms is None or fix.after_ms is None:
@@ -79,6 +81,8 @@ def _not_recommended(fix: MeasuredFix) -> str | None:
 
 
 def _change(fix: MeasuredFix) -> str:
+    if fix.status == "not-measured":
+        return fix.note
     why_not = _not_recommended(fix)
     if why_not is not None:
         return f"not recommended: {why_not}"
@@ -88,7 +92,7 @@ def _change(fix: MeasuredFix) -> str:
 
 
 def fix_cells(fix: MeasuredFix) -> list[str]:
-    name = fix.title if fix.status != "failed" else f"{fix.title} (failed)"
+    name = f"{fix.title} ({UNMEASURED[fix.status]})" if fix.status in UNMEASURED else fix.title
     return [name, ", ".join(fix.findings) or "-", _ms(fix), _speedup(fix), _energy(fix),
             _same(fix), _change(fix)]
 

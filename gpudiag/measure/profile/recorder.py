@@ -83,6 +83,7 @@ MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long r
 PART_EVERY_S = 60.0
 MAX_LOOP_SITES = 10_000  # DataLoader iterations whose line is looked up (one per epoch or eval)
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
+MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
 STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 
 
@@ -628,7 +629,7 @@ def _write_before_os_exit(recorder: Recorder) -> None:
     os._exit = exit_after_writing
 
 
-def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     """torchrun stops the other ranks with SIGTERM when one fails, and gpudiag passes its own
     SIGTERM on: the script exits (SystemExit, so atexit writes what was recorded). A script
     that is stepping exits at its next step boundary, within STOP_AT_STEP_S, not in the middle
@@ -639,8 +640,8 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
     leaves stopping to the script, whose exit shuts it down, as in gpudiag's own stages
     (gpudiag/measure/stages/base.py): a SystemExit there would print "Exception ignored", and
     a worker killed under its loader makes the script raise; once its parent is gone it stops
-    as it would have without gpudiag. Any other multiprocessing child (a Pool's worker the
-    script terminates, a process it kills) dies at once, as it would without gpudiag."""
+    as it would have without gpudiag. Any other child (a Pool's worker the script terminates,
+    a process it kills, a daemon it forked) dies at once, as it would without gpudiag."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
     parent = multiprocessing.parent_process()
@@ -654,12 +655,22 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
             timer.start()
             return
         sys.exit(128 + signum)
-    if parent is None:
+    if parent is None and _launching_a_process(frame):
         return  # a fork still on its way in (the signal was pending): the script stops
     loader_worker = torch.utils.data.get_worker_info() is not None
-    if not loader_worker or not parent.is_alive():
+    if not loader_worker or parent is None or not parent.is_alive():
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def _launching_a_process(frame: FrameType | None) -> bool:
+    """Inside multiprocessing's fork of a new process, which has not yet set the child's
+    parent_process(); a plain os.fork (a daemon's) never is."""
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(MULTIPROCESSING_FORK):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _hook_loader(recorder: Recorder) -> None:

@@ -5,16 +5,16 @@ Injection: a bootstrap folder holding a sitecustomize.py leads PYTHONPATH, so ev
 process the command starts (the script, torchrun's ranks) installs the recorder before the
 user's code runs; nothing in the script changes. Output passes through; the command's exit code
 is kept. The command runs in its own process group: SIGINT and SIGTERM sent to gpudiag are
-passed to all of it, and whatever the processes recorded is read even when the command failed
-or was stopped. A re-run (a short script's second run, each of --try-fixes' runs) runs in a
-scratch copy of the working directory (scratch.py): the first run is the user's own, in the
-user's directory; the others leave its files as they were. This module never imports torch: the
-recorder in each process reports its machine and settings.
+passed to all of it, and on Linux to every other process of its job too, whatever its group
+or session (jobprocesses.py); whatever the processes recorded is read even when the command
+failed or was stopped. A re-run (a short script's second run, each of --try-fixes' runs) runs
+in a scratch copy of the working directory (scratch.py): the first run is the user's own, in
+the user's directory; the others leave its files as they were. This module never imports
+torch: the recorder in each process reports its machine and settings.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
@@ -32,6 +32,7 @@ from types import FrameType
 from gpudiag._version import __version__
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S
 from gpudiag.measure.profile import protocol
+from gpudiag.measure.profile.jobprocesses import JobProcesses, describe, job_processes
 from gpudiag.measure.profile.scratch import SCRATCH_DIR, Scratch, ScratchError, make_scratch
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import EXIT_INTERRUPTED, BadInput
@@ -41,7 +42,8 @@ BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds gpudiag/: the child imports it
 PARTS_DIR = "parts"
 RERUN_DIR = "rerun"  # a short script's second run: its scratch copy, and its label
-STOP_GRACE_S = 30.0  # after a forwarded signal, before the command's process group is killed
+STOP_GRACE_S = 30.0  # after a forwarded signal, before the command's processes are killed
+KILL_WAIT_S = 2.0  # for SIGKILLed processes to be gone (one in uninterruptible sleep may stay)
 POLL_S = 0.5
 NO_STEPS_HELP = (
     "no training steps detected: gpudiag counts optimizer.step() calls. For a loop without "
@@ -76,31 +78,32 @@ def child_env(parts: Path, out: Path, config: ProfileConfig) -> dict[str, str]:
 
 class _Forwarder:
     """SIGINT/SIGTERM to gpudiag, passed on to the command. SIGINT goes to its whole process
-    group, as a terminal's Ctrl-C would. SIGTERM goes to the command's own process: torch's
-    DataLoader workers take a SIGTERM from anyone but their parent as a crash, and the script
-    would then die raising "DataLoader worker killed by signal"; the script's exit stops its
-    workers (torchrun passes it on to its ranks). A second signal (not the same one arriving
-    twice), or STOP_GRACE_S without an exit, kills the whole group."""
+    group, as a terminal's Ctrl-C would, and to every other process of its job. SIGTERM goes
+    to the command's own process (and to each process of the job that left its group or lost
+    its parent): torch's DataLoader workers take a SIGTERM from anyone but their parent as a
+    crash, and the script would then die raising "DataLoader worker killed by signal"; the
+    script's exit stops its workers (torchrun passes it on to its ranks). A second signal (not
+    the same one arriving twice), or STOP_GRACE_S without an exit, kills every process of the
+    job."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
         self.first_at: float | None = None
-        self.pid: int | None = None
+        self.job: JobProcesses | None = None
 
     def __call__(self, signum: int, _frame: FrameType | None) -> None:
         now = time.monotonic()
         if self.first_at is not None and now - self.first_at < REPEAT_WINDOW_S:
             return
         self.received.append(signum)
-        if self.pid is None:
+        if self.job is None:
             return
         if self.first_at is not None:
-            _signal_group(self.pid, signal.SIGKILL)
+            self.job.kill()
         elif signum == signal.SIGINT:
-            _signal_group(self.pid, signum)
+            self.job.interrupt()
         else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+            self.job.terminate()
         self.first_at = self.first_at or now
 
     def overdue(self) -> bool:
@@ -148,11 +151,13 @@ _STOPPED_RETURNCODES = (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
 
 @dataclass
 class Ended:
-    """How the command ended: Popen's return code (negative: killed by that signal) and the
-    signal gpudiag received and passed on, if it was stopped."""
+    """How the command ended: Popen's return code (negative: killed by that signal), the
+    signal gpudiag received and passed on, if it was stopped, and the processes the command
+    left running when it ended on its own, which gpudiag stopped (a line that says so)."""
 
     returncode: int
     stopped_by: int | None = None
+    left_running: str | None = None
 
     @property
     def code(self) -> int:
@@ -181,32 +186,65 @@ class Ended:
 def run_command(command: Sequence[str], env: dict[str, str],
                 on_tick: Callable[[], None] | None = None, cwd: Path | None = None) -> Ended:
     """Run the command in its own process group (in `cwd`, else gpudiag's) and wait (calling
-    `on_tick` meanwhile)."""
+    `on_tick` meanwhile); then stop what it left running."""
     forwarder = _Forwarder()
     # Handlers (not SIG_IGN) before the child starts: a caught signal is reset to its default
     # in the child at exec, an ignored one would stay ignored there.
     previous = {s: signal.signal(s, forwarder) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        process = _start(command, env, cwd)
-        forwarder.pid = process.pid
-        while True:
-            try:
-                code = process.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                if forwarder.overdue():
-                    _signal_group(process.pid, signal.SIGKILL)
-                if on_tick is not None:
-                    on_tick()
+        with job_processes() as job:
+            process = _start(command, env, cwd)
+            job.pid = process.pid
+            forwarder.job = job
+            code = _wait(process, forwarder, on_tick)
+            job.running = False
+            left = _stop_the_rest(job, forwarder)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return Ended(code, forwarder.received[0] if forwarder.received else None)
+    return Ended(code, forwarder.received[0] if forwarder.received else None, left)
 
 
-def _signal_group(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
-        os.killpg(pid, signum)
+def _wait(process: subprocess.Popen[bytes], forwarder: _Forwarder,
+          on_tick: Callable[[], None] | None) -> int:
+    while True:
+        try:
+            return process.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            if forwarder.overdue() and forwarder.job is not None:
+                forwarder.job.kill()
+            if on_tick is not None:
+                on_tick()
+
+
+def _stop_the_rest(job: JobProcesses, forwarder: _Forwarder) -> str | None:
+    """After the command's exit: the job's other processes end within the stop's grace, or
+    are killed. Those it left running when it ended on its own (a daemon) get SIGTERM and the
+    same grace; the line returned names them."""
+    left = job.others()
+    if not left:
+        return None
+    if forwarder.first_at is not None:  # stopped: they had the signal with the command
+        _end_within_grace(job, forwarder, forwarder.first_at)
+        return None
+    named = [describe(p.pid) for p in left]
+    job.terminate()
+    how = (f"killed (SIGKILL) after {STOP_GRACE_S:.0f} s without exiting on SIGTERM"
+           if _end_within_grace(job, forwarder, time.monotonic()) else "stopped with SIGTERM")
+    return (f"the command left {len(named)} process{'es' if len(named) > 1 else ''} running "
+            f"({', '.join(named)}): {how}")
+
+
+def _end_within_grace(job: JobProcesses, forwarder: _Forwarder, since: float) -> bool:
+    """Wait for the job's processes, signalled at `since`, to end; kill them after
+    STOP_GRACE_S (or a second signal's kill). Whether they had to be killed."""
+    killed = False
+    while job.others() and time.monotonic() - since < STOP_GRACE_S + KILL_WAIT_S:
+        if not killed and (time.monotonic() - since > STOP_GRACE_S or forwarder.overdue()):
+            job.kill()
+            killed = True
+        time.sleep(POLL_S / 5)
+    return killed
 
 
 @dataclass
@@ -370,6 +408,9 @@ def _output(config: ProfileConfig, parts_dir: Path, ended: Ended | None) -> Prof
         _mark_failure(run, found, ended, config.command)
         messages.append(f"the command {ended.describe()}")
         run.notes.append(f"The command {ended.describe()}.")
+    if ended is not None and ended.left_running:
+        messages.append(ended.left_running)
+        run.notes.append(f"{ended.left_running[0].upper()}{ended.left_running[1:]}.")
     if not run.stages:
         messages.append(NO_STEPS_HELP)
         run.notes.append(NO_STEPS_HELP)

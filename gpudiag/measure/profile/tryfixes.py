@@ -26,12 +26,14 @@ SCRATCH_PATTERN = f"{FIXES_DIR}/<label>/{SCRATCH_DIR}"  # where each run's write
 @dataclass
 class FixRuns:
     """The runs made, by label (BASELINE_RUNS, a remedy's name, COMBINED_RUN); a stop keeps
-    those finished and the command's exit code. Where each run ran (a stopped one's too), and
-    why the runs ended early when a scratch copy could not be made."""
+    those finished, the command's exit code, and the remedies (alone, or the combination once
+    its run began) it left unmeasured. Where each run ran (a stopped one's too), and why the
+    runs ended early when a scratch copy could not be made."""
 
     runs: dict[str, RunResult] = field(default_factory=dict)
     interrupted: bool = False
     exit_code: int = 0
+    unmeasured: list[tuple[str, ...]] = field(default_factory=list)
     reruns: list[Rerun] = field(default_factory=list)
     error: str | None = None
 
@@ -66,13 +68,16 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
         done.runs[label] = output.run
         return True
 
-    plan = [((), BASELINE_RUNS[0]), *(((name,), name) for name in remedies),
-            ((), BASELINE_RUNS[1])]
+    plan: list[tuple[tuple[str, ...], str]] = [
+        ((), BASELINE_RUNS[0]), *(((name,), name) for name in remedies), ((), BASELINE_RUNS[1])]
     try:
         if all(measure(names, label) for names, label in plan):
             together = tuple(paid(done.runs))
             if len(together) > 1:
+                plan.append((together, COMBINED_RUN))
                 measure(together, COMBINED_RUN)
     except KeyboardInterrupt:  # between runs, where no child holds the signal
         done.interrupted, done.exit_code = True, EXIT_INTERRUPTED
+    if done.interrupted:
+        done.unmeasured = [names for names, label in plan if names and label not in done.runs]
     return done

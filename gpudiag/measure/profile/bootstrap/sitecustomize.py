@@ -7,6 +7,7 @@ further along the path."""
 import importlib.machinery
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def _report_failure(exc: BaseException) -> None:
         pass
 
 
+def _stop_as_python_does() -> None:
+    """Ctrl-C while the interpreter starts (importing torch takes seconds): a KeyboardInterrupt
+    out of sitecustomize ends the interpreter with "Fatal Python error: init_import_site" and a
+    dump. End instead as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT, quietly
+    (exit 130 in a shell), before the script ran and with nothing recorded."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGINT)
+
+
 if os.environ.get("GPUDIAG_PROFILE_OUT"):
     try:
         from gpudiag.measure.profile.writewatch import install as watch_writes
@@ -34,6 +44,8 @@ if os.environ.get("GPUDIAG_PROFILE_OUT"):
         from gpudiag.measure.profile.recorder import install
 
         install()
+    except KeyboardInterrupt:
+        _stop_as_python_does()
     except Exception as exc:  # never break the user's program
         print(f"gpudiag profile: instrumentation not installed in {sys.executable} "
               f"({type(exc).__name__}: {exc})", file=sys.stderr)
