@@ -150,3 +150,17 @@ def test_the_busiest_lines_are_held_against_their_roof() -> None:
     unknown = roofline(run, run.stages[0])
     assert unknown is not None and unknown.lines[0].bound is None
     assert "no peaks known for this device" in render_markdown(run)
+
+
+def test_a_compiled_models_lines_have_no_matmul_roof() -> None:
+    """Under torch.compile the annotator is off: matmul dtypes are unknown, so no matmul peak
+    is assumed (not fp32's); the lines keep their device time."""
+    ev = make_evidence(line_counts=[LineCount("model.py:88", "forward",
+                                              kind_ms={"elementwise": 0.31})],
+                       matmul_ms_by_dtype={"unknown": 2.0})
+    run = make_run(make_stage("train", evidence=ev))
+    run.env.gpu_name = "NVIDIA H100 80GB HBM3"
+    found = roofline(run, run.stages[0])
+    assert found is not None and found.dtype is None and found.peak_tflops is None
+    assert [line.location for line in found.lines] == ["model.py:88"]
+    assert "matmuls' dtype not recorded (a compiled model's)" in render_markdown(run)

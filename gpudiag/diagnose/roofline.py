@@ -30,17 +30,18 @@ class LineRoofline:
 
 @dataclass
 class Roofline:
-    dtype: str  # the stage's matmul dtype, whose peak the FLOP/s are held against
+    dtype: str | None  # the stage's matmul dtype, whose peak the FLOP/s are held against
     peak_tflops: float | None
     peak_gbps: float | None
     source: str  # where the peaks come from
     lines: list[LineRoofline]
 
 
-def _matmul_dtype(stage: StageResult) -> str:
+def _matmul_dtype(stage: StageResult) -> str | None:
+    """The dtype most matmul time ran in; None when not recorded (a compiled model's)."""
     by_dtype = stage.evidence.matmul_ms_by_dtype if stage.evidence else {}
     known = {k: v for k, v in by_dtype.items() if k != "unknown"}
-    return max(known, key=lambda k: known[k]) if known else "fp32"
+    return max(known, key=lambda k: known[k]) if known else None
 
 
 def roofline(run: RunResult, stage: StageResult) -> Roofline | None:
@@ -50,7 +51,8 @@ def roofline(run: RunResult, stage: StageResult) -> Roofline | None:
     if ev is None:
         return None
     dtype = _matmul_dtype(stage)
-    peak_tflops, flops_from = ceiling(run, dtype) if ev.backend == "cuda" else (None, None)
+    peak_tflops, flops_from = (ceiling(run, dtype) if ev.backend == "cuda" and dtype
+                               else (None, None))
     peak_gbps, bytes_from = bandwidth(run) if ev.backend == "cuda" else (None, None)
     lines = []
     busiest = sorted(ev.line_counts, key=lambda c: -sum(c.kind_ms.values()))

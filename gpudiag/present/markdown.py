@@ -164,8 +164,9 @@ def _rooflines(run: RunResult) -> list[str]:
                  line.bound or "-", fmt(line.of_roof * 100 if line.of_roof is not None
                                          else None, ".0f", "%")]
                 for line in found.lines]
-        peaks = (f"{found.dtype} matmuls {fmt(found.peak_tflops, ',.0f')} TFLOP/s, memory "
-                 f"{fmt(found.peak_gbps, ',.0f')} GB/s ({found.source})"
+        matmuls = (f"{found.dtype} matmuls {fmt(found.peak_tflops, ',.0f')} TFLOP/s"
+                   if found.dtype else "matmuls' dtype not recorded (a compiled model's)")
+        peaks = (f"{matmuls}, memory {fmt(found.peak_gbps, ',.0f')} GB/s ({found.source})"
                  if found.peak_gbps else "no peaks known for this device: achieved rates only")
         out += [f"### Lines against the roofline: {stage.name}", "",
                 *markdown_table(["line", "device ms/step", "TFLOP/s", "GB/s (at least)",
