@@ -68,3 +68,37 @@ def test_the_stage_tables_title_takes_the_terminals_width(width: int) -> None:
             "HBM3 - profiled: warm-up 5, timed 30, evidence 3 steps"
     # On one line where it fits; else wrapped at the terminal's width, between words.
     assert first == title if len(title) <= width else len(first) >= width - 20, first
+
+
+def test_the_waterfalls_are_readable_at_100_columns() -> None:
+    """At 100 columns the steady step's busiest lines broke mid-token
+    ("periodic_eval.py:5|6 2.47") and "priced by" was cut: every committed run's waterfalls
+    keep each `path:line ms` entry and the headers whole, within 100 columns."""
+    from rich.console import Console
+
+    from gpudiag.diagnose.host import step_account
+    from gpudiag.present import waterfall_tables
+    from gpudiag.present.waterfall import MAX_LINE_WIDTH, shown, step_rows
+
+    seen = 0
+    for run_dir in RUNS:
+        run = load_run(run_dir)
+        tables = waterfall_tables(run)
+        if not tables:
+            continue
+        console = Console(width=100, record=True, color_system=None)
+        for table in tables:
+            console.print(table)
+        printed = console.export_text().splitlines()
+        assert max(len(line.rstrip()) for line in printed) <= 100, run_dir
+        for stage in run.ok_stages():
+            step = step_account(stage)
+            if step is None:
+                continue
+            seen += 1
+            assert any("busiest lines" in line for line in printed), run_dir
+            for row in shown(step_rows(step, {})):
+                for entry in filter(None, row.lines.split(", ")):
+                    if len(entry) <= MAX_LINE_WIDTH:
+                        assert any(entry in line for line in printed), (run_dir, entry)
+    assert seen >= 5

@@ -18,6 +18,8 @@ from gpudiag.present.tables import markdown_table
 
 LINES_PER_PART = 3
 BAR_WIDTH = 24
+LINES_BAR_WIDTH = 16  # beside the busiest lines: the table still fits 100 columns
+PART_WIDTH = 22
 MIN_SHARE = 0.001  # parts below this share are summed into one row
 
 
@@ -143,31 +145,40 @@ def terminal_tables(run: RunResult) -> list[Table]:
     return tables
 
 
+MAX_LINE_WIDTH = 48  # a longer `path:line ms` entry is folded, not the table squeezed
+
+
 def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
     kept = shown(rows)
     priced = any(row.findings for row in kept)
     table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   header_style="bold")
-    table.add_column("part", overflow="fold")
+    # Beside the busiest lines the part's name wraps (between words) rather than squeeze them.
+    table.add_column("part", overflow="fold", max_width=PART_WIDTH if lines else None)
     table.add_column(unit, justify="right")
     table.add_column("share", justify="right")
     table.add_column("", no_wrap=True)
     if lines:
-        table.add_column("busiest lines", overflow="fold")
+        # One line per entry, the column as wide as the longest: a narrow terminal wraps
+        # the parts' names between words, never a path mid-token.
+        longest = max((len(e) for row in kept for e in row.lines.split(", ")), default=0)
+        table.add_column("busiest lines", min_width=min(longest, MAX_LINE_WIDTH),
+                         overflow="fold")
     if priced:
-        table.add_column("priced by", no_wrap=True)
+        table.add_column("priced by", no_wrap=True, min_width=len("priced by"))
+    bar_width = LINES_BAR_WIDTH if lines else BAR_WIDTH
     start = 0.0
     for row in kept:
         # A waterfall: each bar starts where the previous part ended.
-        lead = round(start * BAR_WIDTH)
-        width = max(1, round((start + row.share) * BAR_WIDTH) - lead) if row.share > 0 else 0
+        lead = round(start * bar_width)
+        width = max(1, round((start + row.share) * bar_width) - lead) if row.share > 0 else 0
         bar = " " * lead + "█" * width
         start += row.share
         ms = f"{row.ms:,.2f}" if unit == "ms/step" else f"{row.ms:,.0f}"
         cells: list[Text | str] = [Text(row.part), ms, f"{row.share:.1%}",
-                                   Text(bar.ljust(BAR_WIDTH))]
+                                   Text(bar.ljust(bar_width))]
         if lines:
-            cells.append(Text(row.lines))
+            cells.append(Text("\n".join(row.lines.split(", "))))
         if priced:
             cells.append(row.findings)
         table.add_row(*cells)
