@@ -398,9 +398,13 @@ def _line(script: Path, statement: str) -> int:
 def test_an_evaluation_every_20_steps_is_named_at_its_call_and_priced_on_the_whole_run(
         tmp_path: Path) -> None:
     run, truth, output = _periodic(tmp_path, eval_every=20, save_every=0, slow_after=True)
-    found = [f for f in run.findings if f.id == "GD703"]
+    found = [f for f in run.findings if f.id == "GD703" and f.severity != "info"]
     assert len(found) == 1, output
     evaluation = found[0]
+    # A loaded CPU may show another small regularity (the evaluation loader's own waits):
+    # information at most, never at the evaluation's call.
+    others = [f for f in run.findings if f.id == "GD703" and f is not evaluation]
+    assert all(f.location != evaluation.location for f in others), output
     script = tmp_path / "periodic.py"
     assert evaluation.location == f"periodic.py:{_line(script, 'evaluate()')}"
     assert evaluation.evidence["period_steps"] == 20
