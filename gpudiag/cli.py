@@ -356,7 +356,8 @@ def profile(
                                            soft_wrap=True))
     _warn_reruns(output.run.reruns)
     if options.try_fixes and output.exit_code == 0 and not output.run.interrupted:
-        _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)))
+        with stop_on_signals():  # a SIGTERM between the runs stops them as Ctrl-C does
+            _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)))
     elif options.try_fixes:
         stderr.print("[yellow]try-fixes:[/] not tried: the diagnosis run did not end cleanly",
                      soft_wrap=True)

@@ -313,3 +313,25 @@ def test_a_stop_keeps_the_measured_runs_and_names_the_fixes_it_left_unmeasured(
     assert f"| {REMEDIES['no-empty-cache'].title} (not measured) |" in text
     assert "| not measured: interrupted |" in text
     assert reassess(run, kept) == run.fixes
+
+
+def test_a_sigterm_between_runs_stops_them_with_its_own_exit_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kill` between two --try-fixes runs (gpudiag holds no child then) stops them as Ctrl-C
+    does, keeping the runs measured, and the exit code says SIGTERM (143), not SIGINT."""
+    from gpudiag.measure.interrupts import Terminated
+    from gpudiag.measure.profile import tryfixes
+    from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest
+
+    def profile_command(request: ProfileRequest) -> ProfileOutput:
+        return ProfileOutput(run=_timed(request.config, 10.0), exit_code=0)
+
+    def on_start(label: str) -> None:
+        if label == "no-empty-cache":
+            raise Terminated
+
+    monkeypatch.setattr(tryfixes, "profile_command", profile_command)
+    done = tryfixes.run_fixes(tmp_path, ProfileConfig(), ["no-empty-cache"], paid=lambda _: [],
+                              on_start=on_start, on_done=lambda out, output: None)
+    assert done.interrupted and done.exit_code == 143
+    assert set(done.runs) == {"without-fixes-1"} and done.unmeasured == [("no-empty-cache",)]

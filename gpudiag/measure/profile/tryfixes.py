@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpudiag.measure.interrupts import signal_of
 from gpudiag.measure.profile.scratch import SCRATCH_DIR, ScratchError
 from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest, profile_command
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.errors import EXIT_INTERRUPTED
 from gpudiag.model.remedies import BASELINE_RUNS, COMBINED_RUN
 from gpudiag.model.results import Rerun, RunResult
 
@@ -76,8 +76,8 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
             if len(together) > 1:
                 plan.append((together, COMBINED_RUN))
                 measure(together, COMBINED_RUN)
-    except KeyboardInterrupt:  # between runs, where no child holds the signal
-        done.interrupted, done.exit_code = True, EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # between runs, where no child holds the signal
+        done.interrupted, done.exit_code = True, 128 + signal_of(exc)
     if done.interrupted:
         done.unmeasured = [names for names, label in plan if names and label not in done.runs]
     return done
