@@ -484,3 +484,37 @@ def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_pat
     assert process.returncode == -signal.SIGINT, err
     assert "Fatal Python error" not in err and "Traceback" not in err, err
     assert not out and not err
+
+
+def test_a_ctrl_c_lost_in_a_fork_stops_the_script_at_its_next_step(tmp_path: Path) -> None:
+    """A SIGINT that lands while multiprocessing forks a process (a DataLoader without
+    persistent workers forks them every epoch) runs inside Python's at-fork callbacks, where
+    a KeyboardInterrupt is printed as "Exception ignored" and lost: the script trained on until
+    gpudiag killed it 30 s later (the CI saw it). The script's next step boundary now raises
+    it: the script stops there, one line, no traceback."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, os, signal
+        import torch
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3000):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 20:  # Ctrl-C, as it lands in the fork's callbacks in the parent
+                os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(),
+                                                                    signal.SIGINT))
+                child = multiprocessing.get_context("fork").Process(target=print)
+                child.start()
+                child.join()
+    """))
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
+                           "--no-rerun", "--", sys.executable, str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    stage = load_run(out).stages[0]
+    assert stage.facts.script is not None and stage.facts.script.steps <= 23, stage.facts.script

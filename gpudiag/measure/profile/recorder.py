@@ -130,6 +130,7 @@ class Recorder:
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
+        self.interrupt_pending = False  # a SIGINT came: a step boundary after it stops
         # --try-fixes (gpudiag/measure/profile/remedies.py): remedies applied, first losses.
         self.applied = Applied(config.remedies)
         self.losses = LossLog(config.losses)
@@ -152,9 +153,16 @@ class Recorder:
         self.manual = True
         self.boundary()
 
-    def boundary(self) -> None:
+    def _stop_if_asked(self) -> None:
+        """A stop waiting for this step boundary: a SIGTERM (see _exit_on_sigterm), or a
+        Ctrl-C the script went on after (see _interrupt)."""
         if self.stop_signal is not None:
             raise SystemExit(128 + self.stop_signal)
+        if self.interrupt_pending:
+            raise KeyboardInterrupt
+
+    def boundary(self) -> None:
+        self._stop_if_asked()
         if self.finished:
             return
         if self.steps >= MAX_STEPS:
@@ -612,6 +620,8 @@ def install() -> Recorder:
     _write_before_os_exit(recorder)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
     return recorder
 
 
@@ -661,6 +671,24 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     if not loader_worker or parent is None or not parent.is_alive():
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C, or the SIGINT gpudiag passes on: KeyboardInterrupt, as Python's own handler
+    raises it, except inside multiprocessing's fork of a new process. There Python runs its
+    at-fork callbacks (logging's locks), and a KeyboardInterrupt raised in one is printed as
+    "Exception ignored" and lost: the script trained on until gpudiag killed it 30 s later
+    (a DataLoader without persistent workers forks them every epoch). So in the script's own
+    process a SIGINT is also remembered, and its next step boundary raises it again; inside a
+    fork it is only remembered (the new child leaves stopping to the script)."""
+    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
+
+    if RECORDER is not None and RECORDER.pid == os.getpid() \
+            and multiprocessing.parent_process() is None:
+        RECORDER.interrupt_pending = True
+    if _launching_a_process(frame):
+        return
+    signal.default_int_handler(signum, frame)
 
 
 def _launching_a_process(frame: FrameType | None) -> bool:
