@@ -513,7 +513,7 @@ def test_a_ctrl_c_lost_in_a_fork_stops_the_script_at_its_next_step(tmp_path: Pat
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
                            "--no-rerun", "--", sys.executable, str(script)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 128 + signal.SIGINT, done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     stage = load_run(out).stages[0]
