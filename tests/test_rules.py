@@ -806,3 +806,12 @@ def test_fp32_islands_fix_follows_what_ran_in_fp32() -> None:
     assert len(softmax) == 1 and "mask.to" not in softmax[0].fix
     assert "scaled_dot_product_attention" in softmax[0].fix
     assert "softmax 12.00, casts into fp32 4.00" in softmax[0].title
+
+
+def test_fp32_islands_split_evenly_gets_both_fixes() -> None:
+    """Promoted work and autocast's own fp32 work in equal parts: both causes' advice (keyed
+    by share, one overwrote the other)."""
+    from gpudiag.diagnose.gd3_precision import _island_fix
+
+    fix = _island_fix({"elementwise": 2.0, "softmax": 2.0})
+    assert "mask.to(scores.dtype)" in fix and "scaled_dot_product_attention" in fix

@@ -335,18 +335,19 @@ def _island_fix(ms_by_kind: dict[str, float]) -> str:
     that time gets its advice, the larger first."""
     total = sum(ms_by_kind.values()) or 1.0
     promoted = sum(v for k, v in ms_by_kind.items() if k in PROMOTED_KINDS) / total
-    advice = {
-        promoted: ("an fp32 tensor mixed into fp16/bf16 activations (a mask or bias built "
+    # Pairs, not a dict keyed by share: an even split would keep one cause's advice only.
+    advice = [
+        (promoted, "an fp32 tensor mixed into fp16/bf16 activations (a mask or bias built "
                    "with torch.zeros/ones/arange in the default dtype, a parameter used "
                    "outside a Linear, an fp32 residual stream) promotes the operation, and "
                    "what follows it, to fp32: create it in the activations' dtype "
                    "(mask.to(scores.dtype)) or use a bool mask with masked_fill"),
-        1.0 - promoted: ("autocast runs softmax, log_softmax, layer_norm and the losses in "
+        (1.0 - promoted, "autocast runs softmax, log_softmax, layer_norm and the losses in "
                          "fp32 on purpose (its fp32 list), with a cast into fp32 before each: "
                          "where they are the cost, a fused kernel does the same in one pass "
                          "(F.scaled_dot_product_attention for attention, torch.compile for "
-                         "norms and the chains around them)")}
-    chosen = [text for share, text in sorted(advice.items(), reverse=True)
+                         "norms and the chains around them)")]
+    chosen = [text for share, text in sorted(advice, key=lambda a: -a[0])
               if share >= ISLAND_ADVICE_SHARE]
     text = "; ".join(chosen)
     return f"{text[:1].upper()}{text[1:]}."
