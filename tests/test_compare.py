@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -205,61 +204,6 @@ def test_a_folder_of_runs_is_a_trial_set(tmp_path: Path) -> None:
     assert comparison.stage("train-fp16") is not None
     result = runner.invoke(app, ["gate", str(tmp_path / "before"), str(tmp_path / "after")])
     assert result.exit_code == 1
-
-
-def _slowed_trials(run: RunResult, factor: float) -> RunResult:
-    """The same trials with every step `factor` times longer (and every figure derived from
-    them: the run must stay consistent to be read)."""
-    slow = copy.deepcopy(run)
-    if slow.duration_s:
-        slow.duration_s *= factor
-    for stage in slow.stages:
-        stage.iter_ms = [t * factor for t in stage.iter_ms]
-        if stage.wall_s:
-            stage.wall_s *= factor
-        if stage.ms_per_iter and stage.samples_per_s:
-            stage.ms_per_iter *= factor
-            stage.samples_per_s /= factor
-        for trial in stage.trials:
-            trial.ms_per_iter *= factor
-            trial.samples_per_s /= factor
-    return slow
-
-
-@pytest.mark.slow
-def test_real_tiny_runs(tmp_path: Path) -> None:
-    """Two real single runs of the same code never exit 1 at a 5% gate; a real run of six
-    fresh-process trials against the same trials 50% slower exits 1; runs of different models
-    are not comparable (exit 2).
-
-    The slowdown uses trials because on a shared 2-core CPU fresh processes of the same code
-    differ by 6-12% (20-30% while other work shares the cores: a clean-clone CI run saw eight
-    trials that could only detect a 29% change, three attempts in a row): one trial per side
-    cannot prove a slowdown at 99% there, and honestly says inconclusive. 50% is beyond that
-    noise; a noisy attempt may still say inconclusive, so it gets up to two fresh retries; it
-    must never pass."""
-    args = ["run", "--device", "cpu", "--preset", "tiny", "--stages", "train-fp16",
-            "--evidence-steps", "0", "--quiet", "--model"]
-    for name, model in (("a", "dgca"), ("b", "dgca"), ("bert", "bert")):
-        result = runner.invoke(app, [*args, model, "--iters", "50", "--out",
-                                     str(tmp_path / name)])
-        assert result.exit_code == 0, result.output
-    gate = ["gate", "--max-regression", "5"]
-    assert runner.invoke(app, [*gate, str(tmp_path / "a"), str(tmp_path / "b")]).exit_code != 1
-    assert runner.invoke(app, [*gate, str(tmp_path / "a"), str(tmp_path / "bert")]).exit_code == 2
-    outcomes = []
-    for attempt in range(3):
-        base = tmp_path / f"trials-{attempt}"
-        result = runner.invoke(app, [*args, "dgca", "--iters", "20", "--trials", "6",
-                                     "--out", str(base)])
-        assert result.exit_code == 0, result.output
-        _save(_slowed_trials(load_run(base), 3.0), tmp_path / f"slow-{attempt}")
-        slowed = runner.invoke(app, [*gate, "--on-inconclusive", "fail", str(base),
-                                     str(tmp_path / f"slow-{attempt}")])
-        outcomes.append(slowed.exit_code)
-        if slowed.exit_code != 3:
-            break
-    assert outcomes[-1] == 1 and set(outcomes) <= {1, 3}, (outcomes, slowed.stdout)
 
 
 def test_energy_and_memory_limits(tmp_path: Path) -> None:

@@ -132,6 +132,22 @@ def test_a_new_sync_fails_only_where_a_limit_is_set() -> None:
     assert gate.outcome == "regression" and "m.py:9" in gate.reason
 
 
+def test_more_flops_fail_a_flops_limit_and_the_same_flops_pass_it() -> None:
+    """A layer added to the model: 5% more FLOPs per step fails `flops=2` at one trial a side
+    (an exact counter), the same FLOPs pass it (benchmarks/gate_regressions.py's extra-layer
+    build shows it on real runs)."""
+    base, same, wider = _run([68.0] * 5), _run([68.0] * 5), _run([68.0] * 5)
+    for run, flops in ((base, 1.0e12), (same, 1.0e12), (wider, 1.05e12)):
+        run.stages[0].facts.flops_per_step = flops
+    limits = parse_limits(["flops=2"])
+    grown = next(g for g in decide(compare_runs(base, wider), limits).stages
+                 if g.metric == "flops")
+    assert grown.outcome == "regression"
+    kept = next(g for g in decide(compare_runs(base, same), limits).stages
+                if g.metric == "flops")
+    assert kept.outcome == "pass"
+
+
 def test_trials_wanted_stops_when_decided_at_the_cap_or_out_of_reach() -> None:
     trials = [_run([68.0] * 5, wall_ms=w) for w in (88.0, 95.0)]
     other = [_run([68.0] * 5, wall_ms=w) for w in (91.0, 97.0)]

@@ -7,12 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import random
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +29,6 @@ from gpudiag.model.results import (
     RunResult,
     StageResult,
     TelemetrySummary,
-    load_run,
     save_run,
 )
 
@@ -198,30 +193,3 @@ def test_judge_refuses_runs_of_other_software() -> None:
     with pytest.raises(BadInput, match=re.escape("driver: '570.2' vs '580.1'")):
         judge(base, head, GateRules())
     judge(base, head, GateRules(allow_mismatch=True))
-
-
-@pytest.mark.slow
-def test_the_same_code_under_a_changing_load_is_not_a_regression(tmp_path: Path) -> None:
-    """Two real runs of the same code, the second while busy processes take the CPU: wall time
-    falls by far more than any limit (however wide the loaded run's own interval), every exact
-    counter stays the same, and the gate says the machine changed (exit 0), not that the code
-    regressed."""
-    args = ["-m", "gpudiag", "run", "--device", "cpu", "--preset", "tiny", "--stages",
-            "train-fp16", "--evidence-steps", "1", "--iters", "40", "--quiet"]
-    subprocess.run([sys.executable, *args, "--out", str(tmp_path / "a")], check=True)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(3 * (os.cpu_count() or 2))]
-    time.sleep(1.0)  # the busy processes running before the second run starts
-    try:
-        subprocess.run([sys.executable, *args, "--out", str(tmp_path / "b")], check=True)
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
-    result = runner.invoke(app, ["gate", "--max-regression", "5", str(tmp_path / "a"),
-                                 str(tmp_path / "b")])
-    a, b = (load_run(tmp_path / side) for side in "ab")
-    slowdown = a.stages[0].samples_per_s / b.stages[0].samples_per_s  # type: ignore[operator]
-    assert slowdown > 1.5, f"the load did not slow the run ({slowdown:.2f}x): nothing tested"
-    assert result.exit_code == 0, result.output
-    assert "the machine changed" in result.output, result.output

@@ -69,45 +69,27 @@ def _repo_with(tmp: Path, variant: str, bench: ModuleType) -> Path:
 @pytest.mark.slow
 def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
     """The README command against the previous commit, on the CPU (tiny preset): the head adds
-    a NaN check on the loss, one host sync per step. Exit 1 from the exact counters, with the
-    line, in the step summary; the base worktree is gone afterwards. The same job's trials then
-    serve as the CPU benchmark: one trial a side, an unchanged run passes with identical
-    counters and an extra layer fails on FLOPs."""
+    a NaN check on the loss, one host sync per step. Exit 1 from the exact counters at the
+    recipe's first trial a side, with the line, in the step summary; the base worktree is gone
+    afterwards. (A/A pairs and a FLOPs regression of real builds are
+    benchmarks/gate_regressions.py's; the decisions are tests/test_gate.py's.)"""
     bench = _benchmark()
     repo = _repo_with(tmp_path, "extra-sync", bench)
     argv = readme_gate_command()
     argv[argv.index("origin/main")] = "HEAD~1"
     summary = tmp_path / "summary.md"
     env = {**_env(), "GITHUB_STEP_SUMMARY": str(summary)}
-    # Two trials a side (the recipe stops at one when the syncs decide): the second base trial
-    # serves the A/A comparison below.
-    done = _gpudiag(repo, *argv[1:], "--device", "cpu", "--trials", "2", "--out",
-                    str(tmp_path / "job"), env=env)
+    done = _gpudiag(repo, *argv[1:], "--device", "cpu", "--out", str(tmp_path / "job"), env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     text = summary.read_text()
     assert text.startswith("## gpudiag gate: REGRESSION")
     assert re.search(r"regression\s+full-vectorized \[syncs\].*gpudiag/measure/models/dgca\.py:"
                      r"\d+ in forward\(\)", text), text
     assert (tmp_path / "job" / "gate.md").read_text() == text.rstrip("\n") + "\n"
+    assert "trial-2" not in {p.name for p in (tmp_path / "job" / "base").iterdir()}
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
                                text=True, check=True).stdout
     assert len(worktrees.strip().splitlines()) == 1  # the base checkout was removed
-
-    limits = [a for x in bench.RECIPE_LIMITS for a in ("--max-regression", x)]
-    base1, base2 = tmp_path / "job/base/trial-1", tmp_path / "job/base/trial-2"
-    same = _gpudiag(tmp_path, "gate", str(base1), str(base2), *limits)
-    assert same.returncode == 0 and "that changed" not in same.stdout, same.stdout
-    assert "host-device syncs" in same.stdout and "(unchanged)" in same.stdout
-    sync = _gpudiag(tmp_path, "gate", str(base1), str(tmp_path / "job/head/trial-1"), *limits)
-    assert sync.returncode == 1 and "[syncs]" in sync.stdout
-    layer = bench.build("extra-layer", tmp_path / "layer")
-    run = _gpudiag(layer, "run", "--device", "cpu", "--model", "dgca", "--stages",
-                   "full-vectorized", "--evidence-steps", "2", "--out", str(tmp_path / "layer-run"),
-                   "--quiet")
-    assert run.returncode == 0, run.stderr
-    wider = _gpudiag(tmp_path, "gate", str(base1), str(tmp_path / "layer-run"), *limits)
-    assert wider.returncode == 1 and re.search(r"regression\s+full-vectorized \[flops\]",
-                                               wider.stdout), wider.stdout
 
 
 def test_base_ref_errors_are_one_line(tmp_path: Path) -> None:

@@ -338,7 +338,7 @@ def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> Non
 # truth gpudiag's whole-run figures are held against). Steps of ~10 ms: a loaded CI host's
 # jitter is no spike.
 PERIODIC_SCRIPT = """
-    import json, time
+    import io, json, time
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -347,7 +347,15 @@ PERIODIC_SCRIPT = """
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     train = DataLoader(TensorDataset(torch.randn(8192, 32), torch.randn(8192, 1)), batch_size=16)
     val = DataLoader(TensorDataset(torch.randn(320, 32), torch.randn(320, 1)), batch_size=16)
-    state = {{"weights": torch.randn(4_000_000)}}  # 16 MB a save
+    state = {{"weights": torch.randn(250_000)}}  # 1 MB a save
+
+
+    class SlowDisk(io.BytesIO):  # a network disk: 40 ms a flush, a cost load leaves alone
+
+        def flush(self):
+            if not getattr(self, "flushed", False):
+                self.flushed = True
+                time.sleep(0.04)
     truth = {{"eval_ms": [], "save_ms": [], "step_ms": []}}
 
 
@@ -377,7 +385,7 @@ PERIODIC_SCRIPT = """
             truth["eval_ms"].append((time.perf_counter() - started) * 1e3)
         if {save_every} and step % {save_every} == 0:
             started = time.perf_counter()
-            torch.save(state, "ckpt.pt")
+            torch.save(state, SlowDisk())
             truth["save_ms"].append((time.perf_counter() - started) * 1e3)
     json.dump(truth, open("truth.json", "w"))
 """

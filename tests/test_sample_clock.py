@@ -167,7 +167,9 @@ def test_compiled_code_sampled_compiles_nothing_more() -> None:
             compiled(x)
 
     samples = _run_steps(step, 60, period_s=0.005)
-    assert samples.samples > 200
+    # ~240 on a quiet machine; a loaded one delivers fewer timer signals (145 seen): at least
+    # one a step is many handler runs inside compiled code.
+    assert samples.samples >= 60
     assert counts() == before
 
 
