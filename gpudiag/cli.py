@@ -1,9 +1,7 @@
 """The `gpudiag` command line. Parses arguments, calls into the package, renders; nothing else.
 
-Exit codes (gpudiag.model.errors; README "Exit codes and guarantees"): 0 success; 1 the gate
-found a regression; 2 bad input or incompatible runs; 3 the gate is inconclusive; 4 `run`
-measured nothing (every stage failed or was skipped); 130 interrupted by SIGINT, 143 by SIGTERM
-(partial results written).
+Exit codes: gpudiag.model.errors.ExitCode, each with its meaning (README's "Exit codes and
+guarantees" table is generated from it: `gpudiag exit-codes --markdown`).
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ from gpudiag.model.calibration import (
 )
 from gpudiag.model.config import ProfileConfig, RunConfig
 from gpudiag.model.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_NOTHING_MEASURED,
-    EXIT_TERMINATED,
     BadInput,
+    ExitCode,
     GpudiagError,
 )
 from gpudiag.model.options import (
@@ -109,24 +104,24 @@ class _OneLineErrors(typer.core.TyperGroup):
         except _NoArgsIsHelp as exc:
             ctx = getattr(exc, "ctx", None)
             typer.echo(ctx.get_help() if ctx else "", err=True)
-            code = EXIT_BAD_INPUT
+            code = ExitCode.BAD_INPUT
         except _ClickException as exc:
             ctx = getattr(exc, "ctx", None)
             command = ctx.command_path if ctx else "gpudiag"
             typer.echo(f"{command}: error: {exc.format_message()}", err=True)
-            code = EXIT_BAD_INPUT
+            code = ExitCode.BAD_INPUT
         except (GpudiagError, RunFileError) as exc:
             typer.echo(f"gpudiag: error: {exc}", err=True)
-            code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+            code = getattr(exc, "exit_code", ExitCode.BAD_INPUT)
         except BrokenPipeError:  # `gpudiag rules | head`: the reader left; nothing to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115, PTH123 (Python's own advice)
-            code = 0
+            code = ExitCode.OK
         except OSError as exc:  # a path the user gave that cannot be read or written
             where = f"{exc.filename}: " if exc.filename else ""
             typer.echo(f"gpudiag: error: {where}{exc.strerror or exc}", err=True)
-            code = EXIT_BAD_INPUT
+            code = ExitCode.BAD_INPUT
         except _Aborts as exc:  # click's wrapper of KeyboardInterrupt (and of SIGTERM's)
-            code = EXIT_TERMINATED if _by_sigterm(exc) else EXIT_INTERRUPTED
+            code = ExitCode.TERMINATED if _by_sigterm(exc) else ExitCode.INTERRUPTED
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
@@ -257,9 +252,9 @@ def _run(options: RunOptions, *, out: Path | None, as_json: bool, trials: int, q
     if not quiet:
         _show_run(output.run, run_dir, as_json=as_json)
     if output.run.interrupted:
-        raise typer.Exit(stop.exit_code or EXIT_INTERRUPTED)
+        raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
     if output.run.stages and not any(s.ok for s in output.run.stages):
-        raise typer.Exit(EXIT_NOTHING_MEASURED)
+        raise typer.Exit(ExitCode.NOTHING_MEASURED)
 
 
 def _show_run(run: RunResult, run_dir: Path, *, as_json: bool) -> None:
@@ -546,7 +541,7 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise typer.Exit(ExitCode.INTERRUPTED)
     return (merge_trials(done.base), merge_trials(done.head), out_dir,
             min(len(done.base), len(done.head)))
 
@@ -775,6 +770,24 @@ def rules(
             known = ", ".join(r.code for r in all_rules())
             raise BadInput(f"unknown rule {rule!r} (known: {known})")
         stdout.print(rule_panel(found))
+
+
+@app.command("exit-codes")
+def exit_codes(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as markdown "
+                                           "(README's \"Exit codes and guarantees\").")]
+    = False,
+) -> None:
+    """List the exit codes gpudiag's commands end with, and what each means."""
+    from gpudiag.present import (  # noqa: PLC0415  (pandas)
+        exit_codes_markdown,
+        exit_codes_table,
+    )
+
+    if markdown:
+        typer.echo(exit_codes_markdown(), nl=False)
+    else:
+        stdout.print(exit_codes_table())
 
 
 @app.command()

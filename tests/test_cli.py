@@ -1,4 +1,5 @@
-"""The command line: bad input is one line and exit 2; a tiny run writes its directory."""
+"""The command line: bad input is one line and exit 2; a tiny run writes its directory; README's
+exit codes are the enum's."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.model.errors import EXIT_BAD_INPUT
+from gpudiag.model.errors import ExitCode
+from gpudiag.present import exit_codes_markdown
 from gpudiag.present.files import RUN_MARKER
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _one_line_error(result: object, contains: str) -> None:
-    assert result.exit_code == EXIT_BAD_INPUT, result.output  # type: ignore[attr-defined]
+    assert result.exit_code == ExitCode.BAD_INPUT, result.output  # type: ignore[attr-defined]
     err = result.stderr.strip()  # type: ignore[attr-defined]
     assert contains in err
     assert len(err.splitlines()) == 1, err
@@ -97,3 +100,21 @@ def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
                           check=True)
     assert "Usage" in done.stdout
     assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-300:]
+
+
+def test_readme_exit_codes_are_generated_from_the_enum() -> None:
+    text = README.read_text()
+    start = text.index("## Exit codes and guarantees\n\n") + len("## Exit codes and guarantees\n\n")
+    table = text[start:text.index("\n\n", start) + 1]
+    assert table == exit_codes_markdown(), (
+        "README's exit code table is stale: regenerate it with `gpudiag exit-codes --markdown`")
+    assert [int(line.split("|")[1]) for line in table.splitlines()[2:]] == list(ExitCode)
+
+
+def test_exit_codes_command_prints_the_table() -> None:
+    markdown = runner.invoke(app, ["exit-codes", "--markdown"])
+    assert markdown.exit_code == 0 and markdown.stdout == exit_codes_markdown()
+    table = runner.invoke(app, ["exit-codes"], terminal_width=200)
+    assert table.exit_code == 0
+    assert all(code.name in table.stdout for code in ExitCode)
+
