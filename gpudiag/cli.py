@@ -58,7 +58,6 @@ from gpudiag.model.options import (
 from gpudiag.model.remedies import BASELINE_RUNS, REMEDIES
 from gpudiag.model.results import (
     Rerun,
-    RunFileError,
     RunResult,
     load_run,
     run_json_text,
@@ -110,9 +109,9 @@ class _OneLineErrors(typer.core.TyperGroup):
             command = ctx.command_path if ctx else "gpudiag"
             typer.echo(f"{command}: error: {exc.format_message()}", err=True)
             code = ExitCode.BAD_INPUT
-        except (GpudiagError, RunFileError) as exc:
+        except GpudiagError as exc:
             typer.echo(f"gpudiag: error: {exc}", err=True)
-            code = getattr(exc, "exit_code", ExitCode.BAD_INPUT)
+            code = exc.exit_code
         except BrokenPipeError:  # `gpudiag rules | head`: the reader left; nothing to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115, PTH123 (Python's own advice)
             code = ExitCode.OK

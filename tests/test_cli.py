@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import EXAMPLES
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
@@ -19,6 +20,8 @@ from gpudiag.present.files import RUN_MARKER
 runner = CliRunner()
 TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]
 README = Path(__file__).resolve().parent.parent / "README.md"
+# Two recorded runs of the same workload, on the same machine: a pair the gate judges.
+BASE, HEAD = EXAMPLES / "h100-dgca-earlier-commit", EXAMPLES / "h100-dgca"
 
 
 def _one_line_error(result: object, contains: str) -> None:
@@ -118,3 +121,10 @@ def test_exit_codes_command_prints_the_table() -> None:
     assert table.exit_code == 0
     assert all(code.name in table.stdout for code in ExitCode)
 
+
+def test_a_bad_run_json_is_bad_input_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "run.json"
+    bad.write_text('{"schema_version": 3, "stages": "none"}')
+    for argv in (["gate", str(bad), str(HEAD)], ["report", str(tmp_path)],
+                 ["compare", str(HEAD), str(bad)]):
+        _one_line_error(runner.invoke(app, argv), f"{bad}: ")
