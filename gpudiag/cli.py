@@ -1,7 +1,8 @@
 """The `gpudiag` command line. Parses arguments, calls into the package, renders; nothing else.
 
 Exit codes: gpudiag.model.errors.ExitCode, each with its meaning (README's "Exit codes and
-guarantees" table is generated from it: `gpudiag exit-codes --markdown`).
+guarantees" table is generated from it: `gpudiag exit-codes --markdown`). Every error ends a
+command with one line on stderr, never a traceback (`_OneLineErrors`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from gpudiag.model.errors import (
     BadInput,
     ExitCode,
     GpudiagError,
+    internal_error_line,
 )
 from gpudiag.model.options import (
     OptionsT,
@@ -91,12 +93,14 @@ _Aborts: tuple[type[BaseException], ...] = tuple(
 
 
 class _OneLineErrors(typer.core.TyperGroup):
-    """Turns usage errors and gpudiag's own errors into one line and a documented exit code."""
+    """Turns usage errors, gpudiag's own errors and any other exception (a bug: its traceback
+    goes to a file) into one line and a documented exit code."""
 
     # windows_expand_args (newer click only) travels in **extra, so older Typers work too.
     def main(self, args: Sequence[str] | None = None,  # type: ignore[override]
              prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = sys.argv[1:] if args is None else list(args)  # what a bug's report names
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
@@ -116,14 +120,25 @@ class _OneLineErrors(typer.core.TyperGroup):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115, PTH123 (Python's own advice)
             code = ExitCode.OK
         except OSError as exc:  # a path the user gave that cannot be read or written
-            where = f"{exc.filename}: " if exc.filename else ""
-            typer.echo(f"gpudiag: error: {where}{exc.strerror or exc}", err=True)
-            code = ExitCode.BAD_INPUT
+            code = _path_error(exc) if exc.filename else _internal_error(exc, argv)
         except _Aborts as exc:  # click's wrapper of KeyboardInterrupt (and of SIGTERM's)
             code = ExitCode.TERMINATED if _by_sigterm(exc) else ExitCode.INTERRUPTED
+        except Exception as exc:  # a bug in gpudiag (typer.Exit's code came back as `code`)
+            code = _internal_error(exc, argv)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _path_error(exc: OSError) -> ExitCode:
+    typer.echo(f"gpudiag: error: {exc.filename}: {exc.strerror or exc}", err=True)
+    return ExitCode.BAD_INPUT
+
+
+def _internal_error(exc: Exception, argv: Sequence[str]) -> ExitCode:
+    """One line, never a traceback on the terminal: the traceback goes to a new file."""
+    typer.echo(f"gpudiag: {internal_error_line(exc, argv)}", err=True)
+    return ExitCode.INTERNAL_ERROR
 
 
 def _by_sigterm(exc: BaseException) -> bool:

@@ -4,7 +4,20 @@ documented exit code; README's "Exit codes and guarantees" table is generated fr
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
 from enum import IntEnum
+from pathlib import Path
+
+from gpudiag._version import __version__
+
+INTERNAL_ERROR_PREFIX = "gpudiag-internal-error-"
+# The one line names the exception; a longer message is cut there (the file has it whole).
+MAX_MESSAGE_CHARS = 300
 
 
 class ExitCode(IntEnum):
@@ -60,3 +73,43 @@ class NothingMeasured(GpudiagError):
 class BadInput(GpudiagError):
     """An unknown name, an impossible size, a device that is not there, an unusable path."""
 
+
+def internal_error_line(exc: BaseException, argv: Sequence[str]) -> str:
+    """The one line an unexpected exception (a bug in gpudiag) ends a command with: the
+    exception, and the new file its traceback went to, or why none could be written."""
+    try:
+        where = f"traceback written to {write_traceback(exc, argv)}"
+    except Exception as err:  # the line must come out, whatever failed
+        where = f"its traceback could not be written: {_os_said(err)}"
+    return f"internal error: {_said(exc)} (a bug in gpudiag; {where})"
+
+
+def write_traceback(exc: BaseException, argv: Sequence[str]) -> Path:
+    """A new file in the temporary directory (mkstemp: created, never one that was there)
+    holding `exc`'s traceback and what gpudiag, Python and the command line were."""
+    fd, name = tempfile.mkstemp(prefix=INTERNAL_ERROR_PREFIX, suffix=".txt")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"gpudiag {__version__}, Python {sys.version.split()[0]} on "
+                     f"{platform.platform()}\n")
+            fh.write(f"command: gpudiag {' '.join(argv)}\n\n")
+            fh.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    except OSError as err:  # a full disk, a quota: say which file
+        raise OSError(err.errno, err.strerror, name) from None
+    return Path(name)
+
+
+def _os_said(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return _said(exc)
+
+
+def _said(exc: BaseException) -> str:
+    """`Type: message` on one line (`Type` alone when it has none), cut to a readable length."""
+    try:
+        message = " ".join(str(exc).split())
+    except Exception:  # a broken __str__ is one more bug to report, not a crash
+        message = "(its message could not be read)"
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."
