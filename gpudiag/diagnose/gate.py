@@ -22,6 +22,7 @@ from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison,
 from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
 from gpudiag.model.calibration import Calibration
 from gpudiag.model.errors import BadInput, ExitCode
+from gpudiag.model.options import OnInconclusive
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult
 from gpudiag.model.validity import trial_key
 
@@ -32,7 +33,6 @@ MAX_PROJECTED = 100  # trials a side beyond which a projection stops counting
 # "failed": the head's run broke (a stage crashed, was skipped where the base ran, or the run
 # was interrupted): nothing to compare, and no build that crashes passes.
 GateOutcome = Literal["pass", "regression", "inconclusive", "failed"]
-OnInconclusive = Literal["pass", "fail"]
 TIME_METRICS = ("wall", "device")
 METRICS = (*TIME_METRICS, "energy", *COUNTER_NAMES)
 
