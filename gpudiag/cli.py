@@ -600,7 +600,7 @@ def _append_summary(text: str) -> None:
 @_with_options(RunOptions, GateOptions)
 def gate(
     options: RunOptions,
-    gate_options: GateOptions,
+    own: GateOptions,
     baseline: Annotated[Path | None, typer.Argument(help="Baseline: run directory, run.json, "
                                                     "trial folder, or a saved baseline file.")]
     = None,
@@ -618,7 +618,6 @@ def gate(
     from gpudiag.present import writable_output_file, write_output_file  # noqa: PLC0415  (pandas)
     from gpudiag.present.compare import gate_lines, gate_markdown  # noqa: PLC0415  (scipy)
 
-    own = gate_options
     when_undecided = check_gate_options(own, (baseline, current), options)
     rules = GateRules(parse_limits(list(own.max_regression)), own.min_iters,
                       own.allow_mismatch, _calibration_for_gate(own.calibration))
