@@ -1,9 +1,8 @@
 """The `gpudiag` command line. Parses arguments, calls into the package, renders; nothing else.
 
-Exit codes (gpudiag.model.errors; README "Exit codes and guarantees"): 0 success; 1 the gate
-found a regression; 2 bad input or incompatible runs; 3 the gate is inconclusive; 4 `run`
-measured nothing (every stage failed or was skipped); 130 interrupted by SIGINT, 143 by SIGTERM
-(partial results written).
+Exit codes: gpudiag.model.errors.ExitCode, each with its meaning (README's "Exit codes and
+guarantees" table is generated from it: `gpudiag exit-codes --markdown`). Every error ends a
+command with one line on stderr, never a traceback (`_OneLineErrors`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
-from gpudiag.diagnose.counters import COUNTER_NAMES
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
 from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
 from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
@@ -45,17 +43,17 @@ from gpudiag.model.calibration import (
 )
 from gpudiag.model.config import ProfileConfig, RunConfig
 from gpudiag.model.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
-    EXIT_NOTHING_MEASURED,
-    EXIT_TERMINATED,
     BadInput,
+    ExitCode,
     GpudiagError,
+    internal_error_line,
 )
 from gpudiag.model.options import (
+    GateOptions,
     OptionsT,
     ProfileOptions,
     RunOptions,
+    check_gate_options,
     option_fields,
     options_of,
     profile_config,
@@ -63,7 +61,6 @@ from gpudiag.model.options import (
 from gpudiag.model.remedies import BASELINE_RUNS, REMEDIES
 from gpudiag.model.results import (
     Rerun,
-    RunFileError,
     RunResult,
     load_run,
     run_json_text,
@@ -72,7 +69,7 @@ from gpudiag.model.results import (
 )
 
 if TYPE_CHECKING:
-    from gpudiag.diagnose.gate import GateDecision, OnInconclusive
+    from gpudiag.diagnose.gate import GateDecision
     from gpudiag.measure.runner import RunOutput
 
 # Imports inside the commands below are of modules that pull in torch, scipy or pandas (each
@@ -97,39 +94,52 @@ _Aborts: tuple[type[BaseException], ...] = tuple(
 
 
 class _OneLineErrors(typer.core.TyperGroup):
-    """Turns usage errors and gpudiag's own errors into one line and a documented exit code."""
+    """Turns usage errors, gpudiag's own errors and any other exception (a bug: its traceback
+    goes to a file) into one line and a documented exit code."""
 
     # windows_expand_args (newer click only) travels in **extra, so older Typers work too.
     def main(self, args: Sequence[str] | None = None,  # type: ignore[override]
              prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = sys.argv[1:] if args is None else list(args)  # what a bug's report names
         try:
             code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=False, **extra)
         except _NoArgsIsHelp as exc:
             ctx = getattr(exc, "ctx", None)
             typer.echo(ctx.get_help() if ctx else "", err=True)
-            code = EXIT_BAD_INPUT
+            code = ExitCode.BAD_INPUT
         except _ClickException as exc:
             ctx = getattr(exc, "ctx", None)
             command = ctx.command_path if ctx else "gpudiag"
             typer.echo(f"{command}: error: {exc.format_message()}", err=True)
-            code = EXIT_BAD_INPUT
-        except (GpudiagError, RunFileError) as exc:
+            code = ExitCode.BAD_INPUT
+        except GpudiagError as exc:
             typer.echo(f"gpudiag: error: {exc}", err=True)
-            code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+            code = exc.exit_code
         except BrokenPipeError:  # `gpudiag rules | head`: the reader left; nothing to say
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115, PTH123 (Python's own advice)
-            code = 0
+            code = ExitCode.OK
         except OSError as exc:  # a path the user gave that cannot be read or written
-            where = f"{exc.filename}: " if exc.filename else ""
-            typer.echo(f"gpudiag: error: {where}{exc.strerror or exc}", err=True)
-            code = EXIT_BAD_INPUT
+            code = _path_error(exc) if exc.filename else _internal_error(exc, argv)
         except _Aborts as exc:  # click's wrapper of KeyboardInterrupt (and of SIGTERM's)
-            code = EXIT_TERMINATED if _by_sigterm(exc) else EXIT_INTERRUPTED
+            code = ExitCode.TERMINATED if _by_sigterm(exc) else ExitCode.INTERRUPTED
+        except Exception as exc:  # a bug in gpudiag (typer.Exit's code came back as `code`)
+            code = _internal_error(exc, argv)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _path_error(exc: OSError) -> ExitCode:
+    typer.echo(f"gpudiag: error: {exc.filename}: {exc.strerror or exc}", err=True)
+    return ExitCode.BAD_INPUT
+
+
+def _internal_error(exc: Exception, argv: Sequence[str]) -> ExitCode:
+    """One line, never a traceback on the terminal: the traceback goes to a new file."""
+    typer.echo(f"gpudiag: {internal_error_line(exc, argv)}", err=True)
+    return ExitCode.INTERNAL_ERROR
 
 
 def _by_sigterm(exc: BaseException) -> bool:
@@ -170,32 +180,39 @@ def _is_tuple(hint: Any) -> bool:
 
 
 def options_from_params(cls: type[OptionsT], params: dict[str, Any]) -> OptionsT:
-    """`cls` from parsed parameters (a list of comma-separated strings for tuples)."""
+    """`cls` from parsed parameters (a list of strings for a tuple, each comma-separated where
+    its option allows; click's own tuple where the parameters come from its context)."""
     values = {}
-    for f, _, hint in option_fields(cls):
+    for f, spec, hint in option_fields(cls):
         value = params[f.name]
-        if isinstance(value, list) and _is_tuple(hint):
-            value = tuple(_split(",".join(value)) or ()) or f.default
+        if isinstance(value, (list, tuple)) and _is_tuple(hint):
+            value = (tuple(_split(",".join(value)) or ()) if spec.commas else tuple(value)
+                     ) or f.default
         values[f.name] = value
     return cls(**values)
 
 
-def _with_options(cls: type[OptionsT]) -> Callable[[Callable[..., None]],
-                                                    Callable[..., None]]:
-    """`command(options, **own)` as a Typer command taking every option of `cls` as a flag."""
+def _with_options(*classes: type[Any]) -> Callable[[Callable[..., None]],
+                                                   Callable[..., None]]:
+    """`command(*options, **own)` as a Typer command taking every option of each of `classes`
+    as a flag: the command's first parameters get an instance of each, in order."""
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
-        own: list[inspect.Parameter] = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-               for p in inspect.signature(command, eval_str=True).parameters.values()
-               if p.name != "options"]
-        names = {f.name for f, _, _ in option_fields(cls)}
+        own: list[inspect.Parameter] = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in list(inspect.signature(command, eval_str=True).parameters.values())
+            [len(classes):]]
+        names = {f.name for cls in classes for f, _, _ in option_fields(cls)}
+        declared = [f.name for cls in classes for f, _, _ in option_fields(cls)]
+        assert len(declared) == len(names) and not names & {p.name for p in own}, (
+            f"{command.__name__}: an option declared twice")
 
         @functools.wraps(command)
         def wrapper(**params: Any) -> None:
-            options = options_from_params(cls, {k: v for k, v in params.items() if k in names})
-            command(options, **{k: v for k, v in params.items() if k not in names})
+            command(*(options_from_params(cls, params) for cls in classes),
+                    **{k: v for k, v in params.items() if k not in names})
 
-        parameters = [*_option_parameters(cls), *own]
+        parameters = [*(p for cls in classes for p in _option_parameters(cls)), *own]
         wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
         del wrapper.__wrapped__  # Typer must read the new signature, not the wrapped one's
@@ -257,9 +274,9 @@ def _run(options: RunOptions, *, out: Path | None, as_json: bool, trials: int, q
     if not quiet:
         _show_run(output.run, run_dir, as_json=as_json)
     if output.run.interrupted:
-        raise typer.Exit(stop.exit_code or EXIT_INTERRUPTED)
+        raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
     if output.run.stages and not any(s.ok for s in output.run.stages):
-        raise typer.Exit(EXIT_NOTHING_MEASURED)
+        raise typer.Exit(ExitCode.NOTHING_MEASURED)
 
 
 def _show_run(run: RunResult, run_dir: Path, *, as_json: bool) -> None:
@@ -516,14 +533,16 @@ def compare(
             stdout.print(f"  finding {title}: {f.id} {f.stage}: {f.title}", soft_wrap=True)
 
 
-def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
-               out: Path | None, force: bool,
+def _gate_runs(options: RunOptions, gate: GateOptions, out: Path | None, force: bool,
                decide_now: Callable[[RunResult, RunResult], GateDecision],
                ) -> tuple[RunResult, RunResult, Path, int]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
-    (up to max_trials a side); both sides merged, and the directory holding the trials."""
+    (up to --max-trials a side); both sides merged, and the directory holding the trials."""
     from gpudiag.diagnose.gate import TIME_METRICS  # noqa: PLC0415  (scipy)
     from gpudiag.present import default_run_dir, prepare_run_dir  # noqa: PLC0415  (pandas)
+
+    base_ref, trials, max_trials = gate.base_ref, gate.trials, gate.max_trials
+    assert base_ref is not None  # only called with --base-ref
 
     def next_count(done: Interleaved) -> int:
         k = min(len(done.base), len(done.head))
@@ -546,22 +565,9 @@ def _gate_runs(options: RunOptions, base_ref: str, trials: int, max_trials: int,
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise typer.Exit(ExitCode.INTERRUPTED)
     return (merge_trials(done.base), merge_trials(done.head), out_dir,
             min(len(done.base), len(done.head)))
-
-
-def _check_gate_options(on_inconclusive: str, min_iters: int, trials: int,
-                        max_trials: int) -> OnInconclusive:
-    """The gate's own options checked; what an undecided gate exits with."""
-    if on_inconclusive not in ("pass", "fail"):
-        raise BadInput(f"--on-inconclusive {on_inconclusive!r}: expected pass or fail")
-    if min_iters < 1:
-        raise BadInput(f"--min-iters must be positive (got {min_iters})")
-    if not 1 <= trials <= max_trials:
-        raise BadInput(f"--trials {trials} and --max-trials {max_trials}: need 1 <= trials <= "
-                       "max-trials")
-    return "pass" if on_inconclusive == "pass" else "fail"
 
 
 def _calibration_for_gate(path: Path | None) -> Calibration | None:
@@ -591,37 +597,14 @@ def _append_summary(text: str) -> None:
 
 
 @app.command()
-@_with_options(RunOptions)
+@_with_options(RunOptions, GateOptions)
 def gate(
     options: RunOptions,
+    own: GateOptions,
     baseline: Annotated[Path | None, typer.Argument(help="Baseline: run directory, run.json, "
                                                     "trial folder, or a saved baseline file.")]
     = None,
     current: Annotated[Path | None, typer.Argument(help="The run to check.")] = None,
-    base_ref: Annotated[str | None, typer.Option(
-        help="Measure this git ref (a temporary worktree) and this checkout here, "
-             "interleaved, instead of reading two runs; takes the run options.")] = None,
-    trials: Annotated[int, typer.Option(help="With --base-ref: trials a side to start "
-                                        "with.")] = 1,
-    max_trials: Annotated[int, typer.Option(help="With --base-ref: add trials while the gate "
-                                            "is inconclusive, up to this many a side.")] = 5,
-    on_inconclusive: Annotated[str, typer.Option(
-        help="What an undecided gate exits with: pass (0, the summary says what it could not "
-             "see) or fail (3).")] = "pass",
-    max_regression: Annotated[list[str] | None, typer.Option(
-        help="Allowed loss in percent: PCT (wall time, all stages), STAGE=PCT, METRIC=PCT or "
-             "STAGE:METRIC=PCT; METRIC: wall, device, energy, or an exact counter "
-             f"({', '.join(COUNTER_NAMES)}; 0 = no increase). Repeat.")]
-    = None,
-    min_iters: Annotated[int, typer.Option(help="Steady-state steps a side needs per stage.")]
-    = 10,
-    allow_mismatch: Annotated[bool, typer.Option(help="Gate runs of different model, preset, "
-                                                 "batch, precision, stages, GPU, driver or "
-                                                 "torch anyway.")] = False,
-    calibration: Annotated[Path | None, typer.Option(
-        help="This machine's between-process spread (`gpudiag calibrate`); default "
-             f"{DEFAULT_CALIBRATION} when it exists, else the device kind's built-in "
-             "floors.")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Also write the decision as markdown.")]
     = None,
     out: Annotated[Path | None, typer.Option(help="With --base-ref: where the trials go "
@@ -635,30 +618,24 @@ def gate(
     from gpudiag.present import writable_output_file, write_output_file  # noqa: PLC0415  (pandas)
     from gpudiag.present.compare import gate_lines, gate_markdown  # noqa: PLC0415  (scipy)
 
-    when_undecided = _check_gate_options(on_inconclusive, min_iters, trials, max_trials)
-    rules = GateRules(parse_limits(max_regression or []), min_iters, allow_mismatch,
-                      _calibration_for_gate(calibration))
+    when_undecided = check_gate_options(own, (baseline, current), options)
+    rules = GateRules(parse_limits(list(own.max_regression)), own.min_iters,
+                      own.allow_mismatch, _calibration_for_gate(own.calibration))
     if markdown is not None:
         writable_output_file(markdown, "--markdown", force=force)
-    labels = (str(baseline or base_ref), str(current or "this checkout"))
-    interleaved, per_side = base_ref is not None, 0
-    if base_ref is not None:
-        _check_sources(baseline is None and current is None, "give either BASELINE and "
-                       "CURRENT or --base-ref, not both")
+    labels = (str(baseline or own.base_ref), str(current or "this checkout"))
+    interleaved, per_side = own.base_ref is not None, 0
+    if interleaved:
         a, b, trials_dir, per_side = _gate_runs(
-            options, base_ref, trials, max_trials, out, force,
+            options, own, out, force,
             lambda x, y: judge(x, y, rules, labels=labels, interleaved=True)[0])
         markdown = markdown or trials_dir / "gate.md"
     else:
-        _check_sources(baseline is not None and current is not None, "give BASELINE and "
-                       "CURRENT (two runs), or --base-ref REF to measure both")
-        _check_sources(options == RunOptions(), "run options (--model, --stages, ...) only "
-                       "apply with --base-ref")
-        assert baseline is not None and current is not None
+        assert baseline is not None and current is not None  # check_gate_options saw to it
         a, b = _load_pair(baseline, current)
     decision, comparison = judge(a, b, rules, labels=labels, interleaved=interleaved)
     if interleaved:
-        decision.stopped = decision.why_stopped(per_side, max_trials)
+        decision.stopped = decision.why_stopped(per_side, own.max_trials)
     text = gate_markdown(decision, comparison, when_undecided)
     if markdown is not None:
         write_output_file(markdown, text, "--markdown")
@@ -775,6 +752,24 @@ def rules(
             known = ", ".join(r.code for r in all_rules())
             raise BadInput(f"unknown rule {rule!r} (known: {known})")
         stdout.print(rule_panel(found))
+
+
+@app.command("exit-codes")
+def exit_codes(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as markdown "
+                                           "(README's \"Exit codes and guarantees\").")]
+    = False,
+) -> None:
+    """List the exit codes gpudiag's commands end with, and what each means."""
+    from gpudiag.present import (  # noqa: PLC0415  (pandas)
+        exit_codes_markdown,
+        exit_codes_table,
+    )
+
+    if markdown:
+        typer.echo(exit_codes_markdown(), nl=False)
+    else:
+        stdout.print(exit_codes_table())
 
 
 @app.command()

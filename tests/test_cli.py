@@ -1,25 +1,32 @@
-"""The command line: bad input is one line and exit 2; a tiny run writes its directory."""
+"""The command line: bad input is one line and exit 2, a bug one line and exit 70 (its traceback
+in a file); a tiny run writes its directory; README's exit codes are the enum's."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import EXAMPLES
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.model.errors import EXIT_BAD_INPUT
+from gpudiag.model.errors import INTERNAL_ERROR_PREFIX, ExitCode
+from gpudiag.present import exit_codes_markdown
 from gpudiag.present.files import RUN_MARKER
 
 runner = CliRunner()
 TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]
+README = Path(__file__).resolve().parent.parent / "README.md"
+# Two recorded runs of the same workload, on the same machine: a pair the gate judges.
+BASE, HEAD = EXAMPLES / "h100-dgca-earlier-commit", EXAMPLES / "h100-dgca"
 
 
 def _one_line_error(result: object, contains: str) -> None:
-    assert result.exit_code == EXIT_BAD_INPUT, result.output  # type: ignore[attr-defined]
+    assert result.exit_code == ExitCode.BAD_INPUT, result.output  # type: ignore[attr-defined]
     err = result.stderr.strip()  # type: ignore[attr-defined]
     assert contains in err
     assert len(err.splitlines()) == 1, err
@@ -97,3 +104,107 @@ def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
                           check=True)
     assert "Usage" in done.stdout
     assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-300:]
+
+
+def test_readme_exit_codes_are_generated_from_the_enum() -> None:
+    text = README.read_text()
+    start = text.index("## Exit codes and guarantees\n\n") + len("## Exit codes and guarantees\n\n")
+    table = text[start:text.index("\n\n", start) + 1]
+    assert table == exit_codes_markdown(), (
+        "README's exit code table is stale: regenerate it with `gpudiag exit-codes --markdown`")
+    assert [int(line.split("|")[1]) for line in table.splitlines()[2:]] == list(ExitCode)
+
+
+def test_exit_codes_command_prints_the_table() -> None:
+    markdown = runner.invoke(app, ["exit-codes", "--markdown"])
+    assert markdown.exit_code == 0 and markdown.stdout == exit_codes_markdown()
+    table = runner.invoke(app, ["exit-codes"], terminal_width=200)
+    assert table.exit_code == 0
+    assert all(code.name in table.stdout for code in ExitCode)
+
+
+def _internal_error(result: object, tmp: Path, exception: str) -> str:
+    """The one line a bug ends with, exit 70; the file it names holds the traceback."""
+    assert result.exit_code == ExitCode.INTERNAL_ERROR == 70, result.output  # type: ignore[attr-defined]
+    err = result.stderr  # type: ignore[attr-defined]
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert "Traceback" not in result.output  # type: ignore[attr-defined]
+    assert err.startswith(f"gpudiag: internal error: {exception} (a bug in gpudiag; "
+                          "traceback written to "), err
+    files = list(tmp.glob(f"{INTERNAL_ERROR_PREFIX}*.txt"))
+    assert len(files) == 1 and f"traceback written to {files[0]})" in err, (err, files)
+    text = files[0].read_text()
+    assert "Traceback (most recent call last)" in text and exception.partition(":")[0] in text
+    return text
+
+
+@pytest.fixture
+def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tempfile's directory for this test: the tracebacks a test provokes stay in it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_a_bug_in_gate_is_one_line_and_exit_70_with_the_traceback_in_a_file(
+        temp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpudiag.diagnose.gate
+
+    def judge(*_: object, **__: object) -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(gpudiag.diagnose.gate, "judge", judge)
+    result = runner.invoke(app, ["gate", str(BASE), str(HEAD)])
+    text = _internal_error(result, temp_dir, "RuntimeError: boom second line")
+    assert "in judge" in text and "RuntimeError: boom\nsecond line" in text
+    assert f"command: gpudiag gate {BASE} {HEAD}" in text
+
+
+def test_a_bug_in_any_command_is_one_line_and_exit_70(
+        temp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpudiag.present
+
+    def broken(*_: object) -> str:
+        raise KeyError("GD101")
+
+    monkeypatch.setattr(gpudiag.present, "rules_markdown", broken)
+    _internal_error(runner.invoke(app, ["rules", "--markdown"]), temp_dir, "KeyError: 'GD101'")
+
+
+def test_an_oserror_naming_no_path_is_a_bug_but_one_naming_a_path_is_bad_input(
+        temp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpudiag.present
+
+    def no_space(*_: object) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gpudiag.present, "rules_markdown", no_space)
+    _internal_error(runner.invoke(app, ["rules", "--markdown"]), temp_dir,
+                    "OSError: [Errno 28] No space left on device")
+    missing = runner.invoke(app, ["report", str(temp_dir / "nowhere")])
+    _one_line_error(missing, "nowhere: no run.json there")
+
+
+def test_a_traceback_that_cannot_be_written_is_said_on_the_same_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpudiag.present
+
+    def broken(*_: object) -> str:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(gpudiag.present, "rules_markdown", broken)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    result = runner.invoke(app, ["rules", "--markdown"])
+    assert result.exit_code == ExitCode.INTERNAL_ERROR
+    err = result.stderr
+    assert err.startswith(
+        "gpudiag: internal error: ValueError: boom (a bug in gpudiag; its traceback could not "
+        f"be written: {tmp_path / 'gone' / INTERNAL_ERROR_PREFIX}"), err
+    assert err.endswith(": No such file or directory)\n") and len(err.splitlines()) == 1, err
+
+
+def test_a_bad_run_json_is_bad_input_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "run.json"
+    bad.write_text('{"schema_version": 3, "stages": "none"}')
+    for argv in (["gate", str(bad), str(HEAD)], ["report", str(tmp_path)],
+                 ["compare", str(HEAD), str(bad)]):
+        _one_line_error(runner.invoke(app, argv), f"{bad}: ")

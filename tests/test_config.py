@@ -12,14 +12,17 @@ import typer
 from typer.testing import CliRunner
 
 from gpudiag.cli import app, options_from_params
+from gpudiag.diagnose.counters import COUNTER_NAMES
 from gpudiag.measure.plan import build_config, cpu_bf16_native
 from gpudiag.measure.profile.protocol import ENV_CONFIG, config_env, config_from_env
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.model.config import PRESETS, ProfileConfig, RunConfig
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import (
+    GateOptions,
     ProfileOptions,
     RunOptions,
+    check_gate_options,
     option_fields,
     options_of,
     profile_config,
@@ -162,6 +165,60 @@ def test_profile_options_make_the_profile_config() -> None:
         profile_config(ProfileOptions(fixes=("tf32",)), ["true"])
     with pytest.raises(BadInput, match="--telemetry must be one of full, basic, off"):
         profile_config(ProfileOptions(telemetry="loud"), ["true"])
+
+
+def _parse_gate(argv: list[str]) -> tuple[RunOptions, GateOptions]:
+    """`gpudiag gate ARGV` parsed by the real command line: its run options and its own."""
+    command = typer.main.get_command(app).commands["gate"]  # type: ignore[attr-defined]
+    with command.make_context("gate", list(argv)) as ctx:
+        return (options_from_params(RunOptions, ctx.params),
+                options_from_params(GateOptions, ctx.params))
+
+
+def test_gate_options_come_from_the_command_line() -> None:
+    """Every GateOptions field is a flag of `gate`; --max-regression repeats and is never split
+    on commas; the run options stay RunOptions."""
+    assert _parse_gate(["a", "b"]) == (RunOptions(), GateOptions())
+    run, own = _parse_gate([
+        "--base-ref", "origin/main", "--model", "bert", "--trials", "2", "--max-trials", "4",
+        "--on-inconclusive", "fail", "--max-regression", "10", "--max-regression",
+        "syncs=0,flops=2", "--min-iters", "5", "--allow-mismatch", "--calibration", "c.json"])
+    assert run == RunOptions(model="bert")
+    assert own == GateOptions(base_ref="origin/main", trials=2, max_trials=4,
+                              on_inconclusive="fail", max_regression=("10", "syncs=0,flops=2"),
+                              min_iters=5, allow_mismatch=True, calibration=Path("c.json"))
+    help_text = " ".join(CliRunner().invoke(app, ["gate", "--help"], terminal_width=200)
+                         .output.split())
+    assert all(spec.flag.split("/")[0] in help_text
+               for _, spec, _ in option_fields(GateOptions))
+
+
+def test_gate_limit_help_names_every_counter() -> None:
+    """The model cannot import the diagnosis' counters: their names are spelled out in the
+    help, and this keeps them the same."""
+    spec = next(s for f, s, _ in option_fields(GateOptions) if f.name == "max_regression")
+    assert f"({', '.join(COUNTER_NAMES)}; 0 = no increase)" in spec.help
+
+
+@pytest.mark.parametrize(("own", "runs", "run", "message"), [
+    (GateOptions(on_inconclusive="maybe"), ("a", "b"), RunOptions(),
+     "--on-inconclusive 'maybe': expected pass or fail"),
+    (GateOptions(min_iters=0), ("a", "b"), RunOptions(), "--min-iters must be positive"),
+    (GateOptions(base_ref="x", trials=3, max_trials=2), (None, None), RunOptions(),
+     "--trials 3 and --max-trials 2: need 1 <= trials <= max-trials"),
+    (GateOptions(trials=0), ("a", "b"), RunOptions(), "need 1 <= trials"),
+    (GateOptions(base_ref="x"), ("a", None), RunOptions(), "not both"),
+    (GateOptions(), ("a", None), RunOptions(), "give BASELINE and CURRENT"),
+    (GateOptions(), ("a", "b"), RunOptions(iters=5), "only apply with --base-ref"),
+])
+def test_gate_options_are_checked_in_one_place(own: GateOptions, runs: tuple[str | None, ...],
+                                               run: RunOptions, message: str) -> None:
+    with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_gate_options(own, runs, run)
+    assert check_gate_options(GateOptions(on_inconclusive="fail"), ("a", "b"),
+                              RunOptions()) == "fail"
+    assert check_gate_options(GateOptions(base_ref="x"), (None, None),
+                              RunOptions(model="bert")) == "pass"
 
 
 def test_profile_config_round_trips_through_run_json_and_the_child_env() -> None:

@@ -21,7 +21,7 @@ from gpudiag.diagnose.gate import GateRules, decide, judge, parse_limits
 from gpudiag.diagnose.noise import DEVICE_FLOOR, calibration_record
 from gpudiag.diagnose.trials import merge_trials
 from gpudiag.model.calibration import Calibration
-from gpudiag.model.errors import EXIT_BAD_INPUT, EXIT_HEAD_FAILED, BadInput
+from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.results import (
     Env,
     Evidence,
@@ -152,7 +152,7 @@ def test_a_head_that_broke_fails_the_gate(tmp_path: Path) -> None:
         stage.iter_ms, stage.ms_per_iter, stage.samples_per_s, stage.evidence = [], None, None, None
         head.interrupted = interrupted
         code, output = _gate(tmp_path / str(k), _run(68.0, seed=1), head)
-        assert code == EXIT_HEAD_FAILED, output
+        assert code == ExitCode.HEAD_FAILED, output
         assert output.startswith("FAILED") and ("skipped" in output or "failed" in output
                                                  or "interrupted" in output)
     # The same stage skipped on both sides (a ddp stage on one GPU) is not a failure.
@@ -184,7 +184,7 @@ def test_calibrate_records_and_the_gate_reads_it(tmp_path: Path) -> None:
     mine = tmp_path / "notes.json"
     mine.write_text('{"my": "notes"}\n')
     refused = runner.invoke(app, ["calibrate", "--from", str(folder), "--file", str(mine)])
-    assert refused.exit_code == EXIT_BAD_INPUT and mine.read_text() == '{"my": "notes"}\n'
+    assert refused.exit_code == ExitCode.BAD_INPUT and mine.read_text() == '{"my": "notes"}\n'
 
 
 def test_judge_refuses_runs_of_other_software() -> None:

@@ -24,7 +24,7 @@ from conftest import ladder_config
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
-from gpudiag.model.errors import EXIT_BAD_INPUT
+from gpudiag.model.errors import ExitCode
 from gpudiag.model.results import Env, RunResult, StageResult, TimingStats, save_run
 
 runner = CliRunner()
@@ -123,7 +123,7 @@ class Case:
     argv: list[str]  # "{ws}" stands for the workspace
     message: str  # a part of the one line the command must print
     setup: list[Setup] = field(default_factory=list)
-    code: int = EXIT_BAD_INPUT
+    code: int = ExitCode.BAD_INPUT
 
 
 DEEP = "[" * 200_000 + "]" * 200_000
@@ -471,7 +471,7 @@ def test_unwritable_step_summary_is_a_warning_not_a_regression(
                     reason="root ignores file modes; /proc is read-only for everyone")
 def test_unwritable_out_is_one_line(tmp_path: Path) -> None:
     result = runner.invoke(app, ["run", *TINY, "--out", "/proc/gpudiag-run"])
-    assert result.exit_code == EXIT_BAD_INPUT and "cannot create it" in result.stderr
+    assert result.exit_code == ExitCode.BAD_INPUT and "cannot create it" in result.stderr
 
 
 def test_force_replaces_an_earlier_run_whole(tmp_path: Path) -> None:
@@ -522,7 +522,7 @@ def test_force_never_deletes_a_directory_holding_the_users_files(
     for command in (["run", *TINY], ["profile", "--", sys.executable, "-c", "pass"]):
         result = runner.invoke(app, [*command[:1], "--out", str(proj), "--force",
                                      *command[1:]])
-        assert result.exit_code == EXIT_BAD_INPUT, result.output
+        assert result.exit_code == ExitCode.BAD_INPUT, result.output
         assert "not a directory gpudiag made for a run" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
     after = {p.relative_to(proj): p.read_bytes() for p in proj.rglob("*") if p.is_file()}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.model.errors import EXIT_INTERRUPTED
+from gpudiag.model.errors import ExitCode
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_ctrl_c_writes_partial_results_and_exits_130(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     text = stdout.decode() + stderr.decode()
-    assert proc.returncode == EXIT_INTERRUPTED, text
+    assert proc.returncode == ExitCode.INTERRUPTED, text
     assert "Traceback" not in text, text
     run = json.loads((out / "run.json").read_text())
     assert run["interrupted"] is True

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from gpudiag.cli import app
 from gpudiag.diagnose import Rule, all_rules
-from gpudiag.model.errors import EXIT_BAD_INPUT
+from gpudiag.model.errors import ExitCode
 from gpudiag.present import rules_markdown
 
 RULES_MD = Path(__file__).resolve().parent.parent / "docs" / "rules.md"
@@ -93,7 +93,7 @@ def test_rules_markdown_option_prints_the_document() -> None:
 
 def test_unknown_rule_is_a_one_line_error() -> None:
     result = runner.invoke(app, ["rules", "GD999"])
-    assert result.exit_code == EXIT_BAD_INPUT == 2
+    assert result.exit_code == ExitCode.BAD_INPUT == 2
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1, err
     assert "unknown rule 'GD999'" in err and "GD101" in err

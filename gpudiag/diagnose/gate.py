@@ -21,13 +21,8 @@ from typing import Literal
 from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison, compare_runs
 from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
 from gpudiag.model.calibration import Calibration
-from gpudiag.model.errors import (
-    EXIT_HEAD_FAILED,
-    EXIT_INCONCLUSIVE,
-    EXIT_OK,
-    EXIT_REGRESSION,
-    BadInput,
-)
+from gpudiag.model.errors import BadInput, ExitCode
+from gpudiag.model.options import OnInconclusive
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult
 from gpudiag.model.validity import trial_key
 
@@ -38,7 +33,6 @@ MAX_PROJECTED = 100  # trials a side beyond which a projection stops counting
 # "failed": the head's run broke (a stage crashed, was skipped where the base ran, or the run
 # was interrupted): nothing to compare, and no build that crashes passes.
 GateOutcome = Literal["pass", "regression", "inconclusive", "failed"]
-OnInconclusive = Literal["pass", "fail"]
 TIME_METRICS = ("wall", "device")
 METRICS = (*TIME_METRICS, "energy", *COUNTER_NAMES)
 
@@ -113,12 +107,12 @@ class GateDecision:
     priors: list[str] = field(default_factory=list)  # the spreads assumed, and whence
     stopped: list[str] = field(default_factory=list)  # why trials stopped (--base-ref)
 
-    def exit_code(self, on_inconclusive: OnInconclusive = "pass") -> int:
+    def exit_code(self, on_inconclusive: OnInconclusive = "pass") -> ExitCode:
         if self.outcome == "failed":
-            return EXIT_HEAD_FAILED
+            return ExitCode.HEAD_FAILED
         if self.outcome == "inconclusive":
-            return EXIT_OK if on_inconclusive == "pass" else EXIT_INCONCLUSIVE
-        return EXIT_REGRESSION if self.outcome == "regression" else EXIT_OK
+            return ExitCode.OK if on_inconclusive == "pass" else ExitCode.INCONCLUSIVE
+        return ExitCode.REGRESSION if self.outcome == "regression" else ExitCode.OK
 
     def trials_wanted(self, per_side: int, max_trials: int) -> int:
         """Trials per side the next round should reach: enough for every undecided instrument

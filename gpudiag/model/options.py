@@ -1,9 +1,10 @@
-"""Every option of `gpudiag run` and `gpudiag profile`, defined once.
+"""Every option of `gpudiag run`, `gpudiag profile` and `gpudiag gate`, defined once.
 
-`RunOptions` and `ProfileOptions` are what the user asked for, field by field, with the flag,
-help, range and choices beside each. The command line's options are generated from them
-(gpudiag/cli.py); `build_config` validates a RunOptions into a `RunConfig`
-(gpudiag/measure/plan.py) and `profile_config` a ProfileOptions into a `ProfileConfig`; and
+`RunOptions`, `ProfileOptions` and `GateOptions` (the gate's own; `gate --base-ref` takes the
+run options too) are what the user asked for, field by field, with the flag, help, range and
+choices beside each. The command line's options are generated from them (gpudiag/cli.py);
+`build_config` validates a RunOptions into a `RunConfig` (gpudiag/measure/plan.py),
+`profile_config` a ProfileOptions into a `ProfileConfig` and `check_gate_options` a gate's; and
 `to_argv(options_of(config))` turns a ladder config back into the arguments that rebuild it,
 for `--trials` children: one spelling of each option, and tests/test_config.py checks the round
 trip.
@@ -16,8 +17,10 @@ import math
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from gpudiag.model.calibration import DEFAULT_CALIBRATION
 from gpudiag.model.config import (
     AMP_DTYPES,
     DDP_NO_SYNC,
@@ -32,6 +35,8 @@ from gpudiag.model.remedies import FIX_SEED, REMEDIES
 
 Check = Literal["", "positive", "non-negative"]
 MAX_HOST_SAMPLE_HZ = 1000.0
+OnInconclusive = Literal["pass", "fail"]  # what an undecided gate exits with
+ON_INCONCLUSIVE: tuple[OnInconclusive, ...] = ("pass", "fail")
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,13 @@ class OptionSpec:
     aliases: tuple[str, ...] = ()  # other spellings: a short flag, an older name
     check: Check = ""
     choices: tuple[str, ...] = ()  # the values allowed (each element, for a tuple option)
+    commas: bool = True  # a tuple option: each flag's value may list several, comma-separated
 
 
 def _option(default: Any, flag: str, help: str, *, aliases: tuple[str, ...] = (),
-            check: Check = "", choices: tuple[str, ...] = ()) -> Any:
+            check: Check = "", choices: tuple[str, ...] = (), commas: bool = True) -> Any:
     return field(default=default,
-                 metadata={"spec": OptionSpec(flag, help, aliases, check, choices)})
+                 metadata={"spec": OptionSpec(flag, help, aliases, check, choices, commas)})
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,60 @@ class ProfileOptions:
                                      "commas.", choices=tuple(REMEDIES))
 
 
+@dataclass(frozen=True)
+class GateOptions:
+    """A `gpudiag gate`'s own options: what it reads or measures, its limits, and what an
+    undecided gate exits with. The counters --max-regression names are
+    gpudiag.diagnose.counters.COUNTER_NAMES (tests/test_config.py checks the help lists them)."""
+
+    base_ref: str | None = _option(None, "--base-ref", "Measure this git ref (a temporary "
+                                   "worktree) and this checkout here, interleaved, instead of "
+                                   "reading two runs; takes the run options.")
+    trials: int = _option(1, "--trials", "With --base-ref: trials a side to start with.")
+    max_trials: int = _option(5, "--max-trials", "With --base-ref: add trials while the gate "
+                              "is inconclusive, up to this many a side.")
+    on_inconclusive: str = _option("pass", "--on-inconclusive", "What an undecided gate exits "
+                                   "with: pass (0, the summary says what it could not see) or "
+                                   "fail (3).")
+    max_regression: tuple[str, ...] = _option(
+        (), "--max-regression", "Allowed loss in percent: PCT (wall time, all stages), "
+        "STAGE=PCT, METRIC=PCT or STAGE:METRIC=PCT; METRIC: wall, device, energy, or an exact "
+        "counter (ops, launches, kernels, syncs, copies, copy-bytes, flops, memory, graphs, "
+        "graph-breaks; 0 = no increase). Repeat.", commas=False)
+    min_iters: int = _option(10, "--min-iters", "Steady-state steps a side needs per stage.",
+                             check="positive")
+    allow_mismatch: bool = _option(False, "--allow-mismatch/--no-allow-mismatch", "Gate runs "
+                                   "of different model, preset, batch, precision, stages, GPU, "
+                                   "driver or torch anyway.")
+    # RUF009: ruff knows str and int for immutable, not Path; `_option` is a field() anyway.
+    calibration: Path | None = _option(  # noqa: RUF009
+        None, "--calibration", "This machine's between-process spread (`gpudiag calibrate`); "
+        f"default {DEFAULT_CALIBRATION} when it exists, else the device kind's built-in "
+        "floors.")
+
+
+def check_gate_options(options: GateOptions, runs: Sequence[object | None],
+                       run_options: RunOptions) -> OnInconclusive:
+    """A gate's options checked, each error one line naming its flag: their ranges, and what
+    it compares (`runs`, the BASELINE and CURRENT given, or --base-ref with `run_options`).
+    Returns what an undecided gate exits with. (The limits' grammar is checked where the
+    metrics are known: gpudiag.diagnose.gate.parse_limits.)"""
+    if options.on_inconclusive not in ON_INCONCLUSIVE:
+        raise BadInput(f"--on-inconclusive {options.on_inconclusive!r}: expected pass or fail")
+    check_ranges(options)
+    if not 1 <= options.trials <= options.max_trials:
+        raise BadInput(f"--trials {options.trials} and --max-trials {options.max_trials}: need "
+                       "1 <= trials <= max-trials")
+    given = sum(run is not None for run in runs)
+    if options.base_ref is not None and given:
+        raise BadInput("give either BASELINE and CURRENT or --base-ref, not both")
+    if options.base_ref is None and given < len(runs):
+        raise BadInput("give BASELINE and CURRENT (two runs), or --base-ref REF to measure both")
+    if options.base_ref is None and run_options != RunOptions():
+        raise BadInput("run options (--model, --stages, ...) only apply with --base-ref")
+    return "pass" if options.on_inconclusive == "pass" else "fail"
+
+
 def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileConfig:
     """The config a `gpudiag profile` runs `command` with, its options checked. Every run of
     a --try-fixes stops after its window, shares a seed and records its first losses."""
@@ -159,8 +219,8 @@ def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileCo
         seed=FIX_SEED if options.try_fixes else None)
 
 
-Options = RunOptions | ProfileOptions
-OptionsT = TypeVar("OptionsT", RunOptions, ProfileOptions)
+Options = RunOptions | ProfileOptions | GateOptions
+OptionsT = TypeVar("OptionsT", RunOptions, ProfileOptions, GateOptions)
 
 
 def option_fields(cls: type[Options] = RunOptions

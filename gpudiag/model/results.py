@@ -1,8 +1,8 @@
 """The results gpudiag produces, and `run.json` reading and writing.
 
 This module is the contract between measuring (runner, stages, telemetry) and everything that
-reads measurements (rules, compare, reports). It imports nothing from gpudiag, so that a recorded
-`run.json` can be analysed anywhere without torch or a GPU.
+reads measurements (rules, compare, reports). It imports nothing from gpudiag outside
+gpudiag.model, so that a recorded `run.json` can be analysed anywhere without torch or a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pydantic import Field
 
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import AnyConfig
+from gpudiag.model.errors import GpudiagError
 from gpudiag.model.facts import StageFacts, facts_from_details
 from gpudiag.model.schema import SchemaError, parse_json, validate_as
 from gpudiag.model.validity import check_run
@@ -47,8 +48,9 @@ SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 RUN_MARKER = ".gpudiag-run"
 
 
-class RunFileError(Exception):
-    """A run.json that cannot be read: missing, not JSON, or from an incompatible schema."""
+class RunFileError(GpudiagError):
+    """A run.json that cannot be read: missing, not JSON, or from an incompatible schema (bad
+    input: exit 2, its one-line message naming the file and the field)."""
 
 
 # Bounds a file must meet (gpudiag.model.schema validates them on load). A timed step under a

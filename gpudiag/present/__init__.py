@@ -1,5 +1,6 @@
 """Renderers: pure functions of a RunResult (terminal tables, markdown) and the run directory."""
 
+from gpudiag.present.exitcodes import exit_codes_markdown, exit_codes_table
 from gpudiag.present.files import (
     default_run_dir,
     prepare_run_dir,
@@ -22,6 +23,8 @@ from gpudiag.present.waterfall import terminal_tables as waterfall_tables
 __all__ = [
     "default_run_dir",
     "env_table",
+    "exit_codes_markdown",
+    "exit_codes_table",
     "findings_panel",
     "fixes_table",
     "prepare_run_dir",

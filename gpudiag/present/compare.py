@@ -6,7 +6,8 @@ from rich import box
 from rich.table import Table
 
 from gpudiag.diagnose.compare import Comparison, MetricChange, StageComparison
-from gpudiag.diagnose.gate import MAX_PROJECTED, GateDecision, OnInconclusive, describe_change
+from gpudiag.diagnose.gate import MAX_PROJECTED, GateDecision, describe_change
+from gpudiag.model.options import OnInconclusive
 from gpudiag.model.results import Finding
 from gpudiag.present.rows import DASH, fmt
 from gpudiag.present.tables import markdown_table

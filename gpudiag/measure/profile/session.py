@@ -35,7 +35,7 @@ from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.jobprocesses import JobProcesses, describe, job_processes
 from gpudiag.measure.profile.scratch import SCRATCH_DIR, Scratch, ScratchError, make_scratch
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.errors import EXIT_INTERRUPTED, BadInput
+from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.results import Env, RunFileError, RunResult, StageResult, from_jsonable
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
@@ -347,7 +347,7 @@ def profile_command(request: ProfileRequest,
             note = f"the script made {made} steps, too few for a profiler window; {exc}"
             announced = False
         except KeyboardInterrupt:  # while copying, where no child holds the signal
-            output.run.interrupted, output.exit_code = True, EXIT_INTERRUPTED
+            output.run.interrupted, output.exit_code = True, ExitCode.INTERRUPTED
         if not announced:
             output.messages.insert(0, note)
         output.run.notes.insert(0, note)
