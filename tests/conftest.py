@@ -1,17 +1,30 @@
-"""Shared fixtures: tiny CPU configs, one recorded tiny ladder run, a fake GPU."""
+"""Shared fixtures: tiny CPU configs, one recorded tiny ladder run, a fake GPU, and the tests'
+two doors to the tool: `invoke(argv)` runs a command in this process (typer's CliRunner),
+`profile_script(...)` runs `gpudiag profile` on a script as a user does, in processes of its
+own (the recorder lives in the script's interpreter, and signals, exit codes and the output
+of both sides are the real ones)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from gpudiag.cli import app
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.measure.telemetry.fake import fake_spec
 from gpudiag.model.config import PRESETS, RunConfig
+from gpudiag.model.results import RunResult, load_run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
@@ -41,3 +54,84 @@ def tiny_ladder() -> RunOutput:
     """The whole default ladder of the dgca model on the CPU, with a fake GPU's telemetry."""
     config = tiny_config(stages=list(DEFAULT_LADDER))
     return run_stages(config, telemetry_spec=fake_spec([(0.0, 250.0)]))
+
+
+@dataclass
+class Invoked:
+    """What one gpudiag command did: its exit code and what it wrote on each stream."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    exception: BaseException | None = None  # one that escaped the command (SystemExit: none)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+_runner = CliRunner()
+
+
+def invoke(argv: Sequence[str | Path], **options: Any) -> Invoked:
+    """`gpudiag ARGV...` in this process, as the console script runs it (`options`: CliRunner's
+    own options, such as env or terminal_width)."""
+    result = _runner.invoke(app, [str(a) for a in argv], **options)
+    return Invoked(result.exit_code, result.stdout, result.stderr, result.exception)
+
+
+def write_script(path: Path, body: str) -> Path:
+    """A script for a test (`body` dedented), its folder made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def line_of(script: Path, statement: str) -> int:
+    """The number of the first line that is `statement` (stripped), else that contains it."""
+    lines = script.read_text().splitlines()
+    exact = [n for n, line in enumerate(lines, 1) if line.strip() == statement]
+    return (exact or [n for n, line in enumerate(lines, 1) if statement in line])[0]
+
+
+def script_line(script: Path, statement: str) -> str:
+    """`name:N`, as findings name a line of the script."""
+    return f"{script.name}:{line_of(script, statement)}"
+
+
+@dataclass
+class Profiled:
+    """A `gpudiag profile` of a script: its exit code, the run it wrote (None when it wrote
+    none), and what both processes printed."""
+
+    exit_code: int
+    run: RunResult | None
+    output: str
+    out: Path
+
+    def ok(self) -> RunResult:
+        """The run, once the profile exited 0 (the output shown when it did not)."""
+        assert self.exit_code == 0 and self.run is not None, self.output
+        return self.run
+
+
+def profile_script(tmp_path: Path, script: Path, *options: str,
+                   env: dict[str, str] | None = None, timeout: float = 600) -> Profiled:
+    """`gpudiag profile --out tmp_path/run OPTIONS -- python SCRIPT`, run from `tmp_path` in
+    processes of its own, with `env` over this process's environment."""
+    return profile_command(tmp_path, [sys.executable, str(script)], *options, env=env,
+                           timeout=timeout)
+
+
+def profile_command(tmp_path: Path, command: Sequence[str], *options: str,
+                    env: dict[str, str] | None = None, timeout: float = 600) -> Profiled:
+    """`gpudiag profile --out tmp_path/run OPTIONS -- COMMAND` (torchrun, a module), as
+    profile_script runs a script."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--force", *options,
+         "--", *command],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **(env or {})},
+        timeout=timeout, check=False)
+    run = load_run(out) if (out / "run.json").is_file() else None
+    return Profiled(done.returncode, run, done.stdout + done.stderr, out)

@@ -7,18 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ladder_config
-from typer.testing import CliRunner
+from conftest import invoke, ladder_config
 
-from gpudiag.cli import app
 from gpudiag.diagnose.ceilings import compute_dtype, utilisation
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.plan import cpu_bf16_native
 from gpudiag.model.facts import PeakFacts, StageFacts
 from gpudiag.model.hardware import datasheet_tflops
 from gpudiag.model.results import Env, RunResult, StageResult, load_run
-
-runner = CliRunner()
 
 
 def test_flops_of_a_linear_layer_by_hand() -> None:
@@ -80,7 +76,7 @@ def test_compute_dtype_and_datasheet() -> None:
 
 @pytest.mark.slow
 def test_peak_stage_and_mfu_on_a_cpu_run(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+    result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "peak,train-fp16", "--iters", "4", "--evidence-steps", "1",
                                  "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -7,16 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ladder_config
-from typer.testing import CliRunner
+from conftest import invoke, ladder_config
 
-from gpudiag.cli import app
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
 from gpudiag.model.facts import CheckpointFacts, SaveRecord
 from gpudiag.model.results import Env, RunResult, StageResult, load_run
-
-runner = CliRunner()
 
 
 def _series(n: int = 120, base: float = 50.0, noise: float = 0.02, seed: int = 0) -> np.ndarray:
@@ -175,7 +171,7 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
     """A 2 MB tiny checkpoint every 3 steps of ~20 ms: the blocking save costs ~10%, the
     asynchronous one a few percent at most, never a warning-level stall."""
     out = tmp_path / "run"
-    result = runner.invoke(app, [
+    result = invoke([
         "run", "--device", "cpu", "--preset", "tiny", "--stages",
         "train-fp16,checkpoint-sync,checkpoint-async", "--checkpoint-every", "3", "--iters",
         "60", "--evidence-steps", "0", "--quiet", "--out", str(out)])
@@ -198,7 +194,7 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_keep_checkpoints_and_bad_interval(tmp_path: Path) -> None:
     where = tmp_path / "ckpt"
-    result = runner.invoke(app, [
+    result = invoke([
         "run", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
         "--checkpoint-every", "2", "--iters", "4", "--evidence-steps", "0", "--quiet",
         "--checkpoint-dir", str(where), "--keep-checkpoints", "--out", str(tmp_path / "run")])
@@ -207,7 +203,7 @@ def test_keep_checkpoints_and_bad_interval(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-sync-0.pt",
                                                         "checkpoint-sync-1.pt"]
     assert load_run(tmp_path / "run").stages[0].facts.checkpoint.directory == str(folder)
-    bad = runner.invoke(app, ["run", "--device", "cpu", "--checkpoint-every", "0",
+    bad = invoke(["run", "--device", "cpu", "--checkpoint-every", "0",
                               "--stages", "checkpoint-sync"])
     assert bad.exit_code == 2 and "--checkpoint-every must be positive" in bad.output
 
@@ -220,7 +216,7 @@ def test_checkpoint_dir_keeps_what_the_user_had_there(tmp_path: Path) -> None:
     own = {"checkpoint-sync-0.pt": b"the user's weights", "notes.txt": b"keep me"}
     for name, data in own.items():
         (where / name).write_bytes(data)
-    result = runner.invoke(app, [
+    result = invoke([
         "run", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
         "--checkpoint-every", "2", "--iters", "4", "--evidence-steps", "0", "--quiet",
         "--checkpoint-dir", str(where), "--out", str(tmp_path / "run")])

@@ -10,15 +10,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES
-from typer.testing import CliRunner
+from conftest import EXAMPLES, invoke
 
-from gpudiag.cli import app
 from gpudiag.model.errors import INTERNAL_ERROR_PREFIX, ExitCode
 from gpudiag.present import exit_codes_markdown
 from gpudiag.present.files import RUN_MARKER
 
-runner = CliRunner()
 TINY = ["--device", "cpu", "--preset", "tiny", "--iters", "2", "--warmup", "0"]
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Two recorded runs of the same workload, on the same machine: a pair the gate judges.
@@ -44,21 +41,21 @@ def _one_line_error(result: object, contains: str) -> None:
     (["--nonsense"], "No such option"),
 ])
 def test_run_rejects_bad_input(args: list[str], contains: str) -> None:
-    _one_line_error(runner.invoke(app, ["run", *args]), contains)
+    _one_line_error(invoke(["run", *args]), contains)
 
 
 def test_out_must_be_a_directory(tmp_path: Path) -> None:
     file = tmp_path / "file"
     file.write_text("x")
-    _one_line_error(runner.invoke(app, ["run", *TINY, "--out", str(file)]),
+    _one_line_error(invoke(["run", *TINY, "--out", str(file)]),
                     "exists and is not a directory")
-    _one_line_error(runner.invoke(app, ["run", *TINY, "--out", str(file / "sub")]),
+    _one_line_error(invoke(["run", *TINY, "--out", str(file / "sub")]),
                     "cannot create it")
 
 
 def test_tiny_run_writes_the_run_directory(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = runner.invoke(app, ["run", *TINY, "--stages", "infer,train", "--out", str(out),
+    result = invoke(["run", *TINY, "--stages", "infer,train", "--out", str(out),
                                  "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -71,7 +68,7 @@ def test_tiny_run_writes_the_run_directory(tmp_path: Path) -> None:
 
 
 def test_tiny_run_prints_the_table(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["run", *TINY, "--stages", "infer,full-loop",
+    result = invoke(["run", *TINY, "--stages", "infer,full-loop",
                                  "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "full-loop" in result.stdout and "ms/iter" in result.stdout
@@ -79,16 +76,16 @@ def test_tiny_run_prints_the_table(tmp_path: Path) -> None:
 
 
 def test_env_and_models() -> None:
-    env = runner.invoke(app, ["env", "--device", "cpu", "--json"])
+    env = invoke(["env", "--device", "cpu", "--json"])
     assert env.exit_code == 0
     facts = json.loads(env.stdout)
     assert facts["device"] == "cpu" and facts["torch_version"] and facts["cpu_count"] >= 1
-    models = runner.invoke(app, ["models"])
+    models = invoke(["models"])
     assert models.exit_code == 0 and "dgca" in models.stdout and "vectorized" in models.stdout
 
 
 def test_no_arguments_shows_help() -> None:
-    result = runner.invoke(app, [])
+    result = invoke([])
     assert "run" in result.output and "Usage" in result.output
 
 
@@ -116,9 +113,9 @@ def test_readme_exit_codes_are_generated_from_the_enum() -> None:
 
 
 def test_exit_codes_command_prints_the_table() -> None:
-    markdown = runner.invoke(app, ["exit-codes", "--markdown"])
+    markdown = invoke(["exit-codes", "--markdown"])
     assert markdown.exit_code == 0 and markdown.stdout == exit_codes_markdown()
-    table = runner.invoke(app, ["exit-codes"], terminal_width=200)
+    table = invoke(["exit-codes"], terminal_width=200)
     assert table.exit_code == 0
     assert all(code.name in table.stdout for code in ExitCode)
 
@@ -153,7 +150,7 @@ def test_a_bug_in_gate_is_one_line_and_exit_70_with_the_traceback_in_a_file(
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(gpudiag.diagnose.gate, "judge", judge)
-    result = runner.invoke(app, ["gate", str(BASE), str(HEAD)])
+    result = invoke(["gate", str(BASE), str(HEAD)])
     text = _internal_error(result, temp_dir, "RuntimeError: boom second line")
     assert "in judge" in text and "RuntimeError: boom\nsecond line" in text
     assert f"command: gpudiag gate {BASE} {HEAD}" in text
@@ -167,7 +164,7 @@ def test_a_bug_in_any_command_is_one_line_and_exit_70(
         raise KeyError("GD101")
 
     monkeypatch.setattr(gpudiag.present, "rules_markdown", broken)
-    _internal_error(runner.invoke(app, ["rules", "--markdown"]), temp_dir, "KeyError: 'GD101'")
+    _internal_error(invoke(["rules", "--markdown"]), temp_dir, "KeyError: 'GD101'")
 
 
 def test_an_oserror_naming_no_path_is_a_bug_but_one_naming_a_path_is_bad_input(
@@ -178,9 +175,9 @@ def test_an_oserror_naming_no_path_is_a_bug_but_one_naming_a_path_is_bad_input(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gpudiag.present, "rules_markdown", no_space)
-    _internal_error(runner.invoke(app, ["rules", "--markdown"]), temp_dir,
+    _internal_error(invoke(["rules", "--markdown"]), temp_dir,
                     "OSError: [Errno 28] No space left on device")
-    missing = runner.invoke(app, ["report", str(temp_dir / "nowhere")])
+    missing = invoke(["report", str(temp_dir / "nowhere")])
     _one_line_error(missing, "nowhere: no run.json there")
 
 
@@ -193,7 +190,7 @@ def test_a_traceback_that_cannot_be_written_is_said_on_the_same_line(
 
     monkeypatch.setattr(gpudiag.present, "rules_markdown", broken)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
-    result = runner.invoke(app, ["rules", "--markdown"])
+    result = invoke(["rules", "--markdown"])
     assert result.exit_code == ExitCode.INTERNAL_ERROR
     err = result.stderr
     assert err.startswith(
@@ -207,4 +204,4 @@ def test_a_bad_run_json_is_bad_input_in_one_line(tmp_path: Path) -> None:
     bad.write_text('{"schema_version": 3, "stages": "none"}')
     for argv in (["gate", str(bad), str(HEAD)], ["report", str(tmp_path)],
                  ["compare", str(HEAD), str(bad)]):
-        _one_line_error(runner.invoke(app, argv), f"{bad}: ")
+        _one_line_error(invoke(argv), f"{bad}: ")

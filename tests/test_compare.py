@@ -8,10 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ladder_config
-from typer.testing import CliRunner
+from conftest import invoke, ladder_config
 
-from gpudiag.cli import app
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.gate import GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials, steady_state
@@ -25,7 +23,6 @@ from gpudiag.model.results import (
     save_run,
 )
 
-runner = CliRunner()
 BATCH = 128
 
 
@@ -138,22 +135,22 @@ def test_gate_cli_exit_codes(tmp_path: Path) -> None:
     other.config = dataclasses.replace(other.config, model="bert")
     other_dir = _save(other, tmp_path / "other")
     gate = ["gate", "--max-regression", "5"]
-    assert runner.invoke(app, [*gate, str(base), str(same)]).exit_code == 0
-    result = runner.invoke(app, [*gate, str(base), str(slow)])
+    assert invoke([*gate, str(base), str(same)]).exit_code == 0
+    result = invoke([*gate, str(base), str(slow)])
     assert result.exit_code == 1 and "REGRESSION" in result.stdout and "train-fp16" in result.stdout
-    noisy_result = runner.invoke(app, [*gate, "--on-inconclusive", "fail", str(base),
+    noisy_result = invoke([*gate, "--on-inconclusive", "fail", str(base),
                                        str(noisy)])
     assert noisy_result.exit_code == 3 and "trials per side" in noisy_result.stdout
-    lenient = runner.invoke(app, [*gate, str(base), str(noisy)])  # the default: pass, and say so
+    lenient = invoke([*gate, str(base), str(noisy)])  # the default: pass, and say so
     assert lenient.exit_code == 0 and "could only detect" in lenient.stdout
-    mismatch = runner.invoke(app, [*gate, str(base), str(other_dir)])
+    mismatch = invoke([*gate, str(base), str(other_dir)])
     assert mismatch.exit_code == 2 and "not comparable" in mismatch.stderr
-    assert runner.invoke(app, [*gate, "--allow-mismatch", str(base), str(other_dir)]).exit_code == 0
-    loose = runner.invoke(app, ["gate", "--max-regression", "train-fp16=15", str(base), str(slow)])
+    assert invoke([*gate, "--allow-mismatch", str(base), str(other_dir)]).exit_code == 0
+    loose = invoke(["gate", "--max-regression", "train-fp16=15", str(base), str(slow)])
     assert loose.exit_code == 0
-    bad = runner.invoke(app, ["gate", "--max-regression", "warp=3", str(base), str(slow)])
+    bad = invoke(["gate", "--max-regression", "warp=3", str(base), str(slow)])
     assert bad.exit_code == 2 and "unknown stage" in bad.stderr
-    assert runner.invoke(app, ["gate", str(base), str(tmp_path / "nope")]).exit_code == 2
+    assert invoke(["gate", str(base), str(tmp_path / "nope")]).exit_code == 2
 
 
 def test_gate_appends_to_the_github_step_summary(tmp_path: Path,
@@ -163,22 +160,22 @@ def test_gate_appends_to_the_github_step_summary(tmp_path: Path,
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     base = _save(_side(50.0, 5, 0.005, 1), tmp_path / "a")
     slow = _save(_side(56.0, 5, 0.005, 3), tmp_path / "b")
-    assert runner.invoke(app, ["gate", str(base), str(slow)]).exit_code == 1
+    assert invoke(["gate", str(base), str(slow)]).exit_code == 1
     text = summary.read_text()
     assert text.startswith("earlier\n") and "## gpudiag gate: REGRESSION" in text
 
 
 def test_baseline_save_is_small_and_gates(tmp_path: Path) -> None:
     run_dir = _save(_side(50.0, 3, 0.005, 1), tmp_path / "run")
-    result = runner.invoke(app, ["baseline", "save", str(run_dir), "--name", "main",
+    result = invoke(["baseline", "save", str(run_dir), "--name", "main",
                                  "--dir", str(tmp_path / ".gpudiag")])
     assert result.exit_code == 0, result.output
     baseline = tmp_path / ".gpudiag" / "main.json"
     assert load_run(baseline).stages[0].trials
     other = _save(_side(50.0, 3, 0.005, 2), tmp_path / "other")
-    gated = runner.invoke(app, ["gate", str(baseline), str(other)])
+    gated = invoke(["gate", str(baseline), str(other)])
     assert gated.exit_code == 0, gated.output
-    same = runner.invoke(app, ["gate", str(baseline), str(run_dir)])
+    same = invoke(["gate", str(baseline), str(run_dir)])
     assert same.exit_code == 2 and "same measurement" in same.output
 
 
@@ -186,12 +183,12 @@ def test_compare_cli_markdown_and_json(tmp_path: Path) -> None:
     a = _save(_side(50.0, 3, 0.005, 1), tmp_path / "a")
     b = _save(_side(40.0, 3, 0.005, 2), tmp_path / "b")
     md = tmp_path / "cmp.md"
-    table = runner.invoke(app, ["compare", str(a), str(b), "--markdown", str(md)])
+    table = invoke(["compare", str(a), str(b), "--markdown", str(md)])
     assert table.exit_code == 0 and "faster" in table.stdout
     assert "| train-fp16 |" in md.read_text() and "95% CI" in md.read_text()
-    data = json.loads(runner.invoke(app, ["compare", str(a), str(b), "--json"]).stdout)
+    data = json.loads(invoke(["compare", str(a), str(b), "--json"]).stdout)
     assert data["stages"][0]["verdict"] == "faster"
-    assert runner.invoke(app, ["compare", str(a), str(tmp_path / "missing")]).exit_code == 2
+    assert invoke(["compare", str(a), str(tmp_path / "missing")]).exit_code == 2
 
 
 def test_a_folder_of_runs_is_a_trial_set(tmp_path: Path) -> None:
@@ -202,7 +199,7 @@ def test_a_folder_of_runs_is_a_trial_set(tmp_path: Path) -> None:
     comparison = compare_runs(*(load_run(p / "trial-0") for p in (tmp_path / "before",
                                                                   tmp_path / "after")))
     assert comparison.stage("train-fp16") is not None
-    result = runner.invoke(app, ["gate", str(tmp_path / "before"), str(tmp_path / "after")])
+    result = invoke(["gate", str(tmp_path / "before"), str(tmp_path / "after")])
     assert result.exit_code == 1
 
 
@@ -210,12 +207,12 @@ def test_energy_and_memory_limits(tmp_path: Path) -> None:
     before, after = _side(50.0, 5, 0.005, 1), _side(50.0, 5, 0.005, 2)
     before.stages[0].telemetry.energy_j, after.stages[0].telemetry.energy_j = 100.0, 120.0
     base, cur = _save(before, tmp_path / "a"), _save(after, tmp_path / "b")
-    energy = runner.invoke(app, ["gate", "--max-regression", "energy=10", str(base), str(cur)])
+    energy = invoke(["gate", "--max-regression", "energy=10", str(base), str(cur)])
     assert energy.exit_code == 1 and "energy +20.0%" in energy.stdout
-    loose = runner.invoke(app, ["gate", "--max-regression", "train-fp16:energy=25", str(base),
+    loose = invoke(["gate", "--max-regression", "train-fp16:energy=25", str(base),
                                 str(cur)])
     assert loose.exit_code == 0, loose.stdout
-    memory = runner.invoke(app, ["gate", "--max-regression", "memory=10", "--on-inconclusive",
+    memory = invoke(["gate", "--max-regression", "memory=10", "--on-inconclusive",
                                  "fail", str(base), str(cur)])
     assert memory.exit_code == 3 and "no memory counter measured" in memory.stdout
 
@@ -225,7 +222,7 @@ def test_run_trials_merges_fresh_processes(tmp_path: Path) -> None:
     """`run --trials 2` runs two child processes, keeps each one's folder, and merges them into
     one run with a trial per process and the evidence of the last one; every trial keeps its
     own evidence, whose exact counters the gate compares trial by trial."""
-    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+    result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "train-fp16", "--iters", "20", "--evidence-steps", "1",
                                  "--model", "dgca", "--trials", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import profile_script, script_line, write_script
 
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.results import RunResult, load_run
@@ -76,28 +77,16 @@ NOT_COMPILED = """
 
 
 def _profile(tmp_path: Path, body: str) -> tuple[RunResult, str, Path]:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(body))
-    out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
-                           "--", sys.executable, str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return load_run(out), done.stdout + done.stderr, script
-
-
-def _line(script: Path, text: str) -> str:
-    number = next(n for n, line in enumerate(script.read_text().splitlines(), 1)
-                  if text in line)
-    return f"{script.name}:{number}"
+    script = write_script(tmp_path / "train.py", body)
+    profiled = profile_script(tmp_path, script)
+    return profiled.ok(), profiled.output, script
 
 
 def test_recompilations_are_named_with_the_guard_and_the_calls_line(tmp_path: Path) -> None:
     run, output, script = _profile(tmp_path, RECOMPILING.replace("{dynamic}", "False"))
     by_code = {f.id: f for f in run.findings}
     recompiles = by_code["GD901"]
-    call = _line(script, "loss = compiled(x)")
+    call = script_line(script, "loss = compiled(x)")
     assert recompiles.location == call
     assert recompiles.evidence["recompiles"] >= 6
     assert "size mismatch at index 1" in recompiles.evidence["recompile_reasons"][0]
@@ -128,7 +117,7 @@ def test_a_graph_break_is_named_with_its_reason_and_line(tmp_path: Path) -> None
     run, _, script = _profile(tmp_path, GRAPH_BREAK)
     breaks = next(f for f in run.findings if f.id == "GD903")
     assert "print" in breaks.title
-    assert breaks.location == _line(script, 'print("a print inside')
+    assert breaks.location == script_line(script, 'print("a print inside')
 
 
 def test_a_script_that_never_compiles_has_no_compile_facts(tmp_path: Path) -> None:
@@ -181,7 +170,7 @@ def test_compiled_kernels_are_charged_to_the_lines_they_fused(tmp_path: Path) ->
     assert "charged to the source lines of the operators they fused" in \
         evidence.attribution_note
     timed = {c.location: c for c in evidence.line_counts if c.device_ms > 0}
-    fused = _line(script, "scaled = torch.tanh(h)")
+    fused = script_line(script, "scaled = torch.tanh(h)")
     assert fused in timed, sorted(timed)
     assert timed[fused].kind_ms  # its kernels' time, by kind
 

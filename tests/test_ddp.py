@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ladder_config
-from typer.testing import CliRunner
+from conftest import invoke, ladder_config
 
-from gpudiag.cli import app
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.stages.ddp.launch import _failure_line, launch_command, merge_parts
@@ -29,7 +27,6 @@ from gpudiag.model.facts import (
 )
 from gpudiag.model.results import Env, Evidence, RunResult, StageResult, load_run
 
-runner = CliRunner()
 PARTS = Path(__file__).resolve().parent / "data" / "ddp-cpu-parts.json"
 
 
@@ -185,7 +182,7 @@ def test_no_sync_misuse_from_microstep_evidence() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("no_sync", "misuse"), [("backward-only", True), ("correct", False)])
 def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -> None:
-    result = runner.invoke(app, ["run", "--model", "bert", "--preset", "tiny", "--device", "cpu",
+    result = invoke(["run", "--model", "bert", "--preset", "tiny", "--device", "cpu",
                                  "--stages", "ddp", "--nproc", "2", "--iters", "4", "--quiet",
                                  "--ddp-accum", "3", "--ddp-no-sync", no_sync,
                                  "--out", str(tmp_path)])
@@ -202,9 +199,9 @@ def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -
 
 
 def test_bad_ddp_options_are_one_line_errors() -> None:
-    bad = runner.invoke(app, ["run", "--device", "cpu", "--stages", "ddp", "--nnodes", "2"])
+    bad = invoke(["run", "--device", "cpu", "--stages", "ddp", "--nnodes", "2"])
     assert bad.exit_code == 2 and "--rdzv-endpoint" in bad.output
-    bad = runner.invoke(app, ["run", "--device", "cpu", "--stages", "ddp",
+    bad = invoke(["run", "--device", "cpu", "--stages", "ddp",
                               "--ddp-no-sync", "sometimes"])
     assert bad.exit_code == 2 and "--ddp-no-sync" in bad.output
 

@@ -7,16 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
-from gpudiag.cli import app
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.model.results import load_run
 from gpudiag.present.markdown import PLOT_CAPTIONS, render_markdown
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 RUNS = sorted(p.parent for p in EXAMPLES.rglob("run.json"))
-runner = CliRunner()
 
 
 def _id(path: Path) -> str:
@@ -44,7 +42,7 @@ def test_example_report_re_renders_as_committed(run_dir: Path) -> None:
 def test_gpudiag_report_re_renders_a_committed_run(tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(EXAMPLES / "h100-dgca", copy)
-    result = runner.invoke(app, ["report", str(copy)])
+    result = invoke(["report", str(copy)])
     assert result.exit_code == 0, result.output
     text = (copy / "report.md").read_text()
     assert "**full-loop: " in text and "| full-vectorized |" in text

@@ -12,10 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import ladder_config
-from typer.testing import CliRunner
+from conftest import invoke, ladder_config
 
-from gpudiag.cli import app
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.gate import GateRules, decide, judge, parse_limits
 from gpudiag.diagnose.noise import DEVICE_FLOOR, calibration_record
@@ -31,8 +29,6 @@ from gpudiag.model.results import (
     TelemetrySummary,
     save_run,
 )
-
-runner = CliRunner()
 
 
 def _run(device_ms: float, wall_ms: float = 90.0, *, seed: int = 0, jitter: float = 2e-4,
@@ -139,7 +135,7 @@ def test_wall_time_drift_of_the_same_work_is_not_a_regression() -> None:
 def _gate(tmp: Path, before: RunResult, after: RunResult, *args: str) -> tuple[int, str]:
     save_run(before, tmp / "a" / "run.json")
     save_run(after, tmp / "b" / "run.json")
-    result = runner.invoke(app, ["gate", str(tmp / "a"), str(tmp / "b"), *args])
+    result = invoke(["gate", str(tmp / "a"), str(tmp / "b"), *args])
     return result.exit_code, result.output
 
 
@@ -169,7 +165,7 @@ def test_calibrate_records_and_the_gate_reads_it(tmp_path: Path) -> None:
         save_run(_run(68.0 * (1 + 0.001 * k), 90.0 * (1 + 0.02 * k), seed=k),
                  folder / f"trial-{k + 1}" / "run.json")
     file = tmp_path / "cal.json"
-    done = runner.invoke(app, ["calibrate", "--from", str(folder), "--file", str(file)])
+    done = invoke(["calibrate", "--from", str(folder), "--file", str(file)])
     assert done.exit_code == 0, done.output
     record = json.loads(file.read_text())["records"][0]
     assert record["gpu_name"] == "H100" and record["stages"][0]["trials"] == 4
@@ -178,12 +174,12 @@ def test_calibrate_records_and_the_gate_reads_it(tmp_path: Path) -> None:
                       "--calibration", str(file))
     assert "calibrated: 4 trials on H100" in output, output
     # Recording again replaces this workload's record only; a file of the user's is kept.
-    assert runner.invoke(app, ["calibrate", "--from", str(folder), "--file",
+    assert invoke(["calibrate", "--from", str(folder), "--file",
                                str(file)]).exit_code == 0
     assert len(json.loads(file.read_text())["records"]) == 1
     mine = tmp_path / "notes.json"
     mine.write_text('{"my": "notes"}\n')
-    refused = runner.invoke(app, ["calibrate", "--from", str(folder), "--file", str(mine)])
+    refused = invoke(["calibrate", "--from", str(folder), "--file", str(mine)])
     assert refused.exit_code == ExitCode.BAD_INPUT and mine.read_text() == '{"my": "notes"}\n'
 
 

@@ -9,7 +9,6 @@ import json
 import statistics
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import types
@@ -20,13 +19,14 @@ from typing import cast
 import numpy as np
 import pytest
 import torch
+from conftest import profile_script, script_line, write_script
 
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import periodic_groups
 from gpudiag.measure.profile import threadtimer
 from gpudiag.measure.profile.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import Evidence, LineCount, RunResult, StageResult, load_run
+from gpudiag.model.results import Evidence, LineCount, RunResult, StageResult
 
 BLOCK_S = 0.4
 
@@ -251,25 +251,10 @@ def test_too_few_samples_make_no_account() -> None:
 # --- gpudiag profile on scripts written for these tests --------------------------------------
 
 
-def _write(path: Path, body: str) -> Path:
-    path.write_text(textwrap.dedent(body))
-    return path
-
-
 def _profile(tmp_path: Path, script: Path, *options: str) -> tuple[RunResult, str]:
-    out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
-                           "--force", *options, "--", sys.executable, str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return load_run(out), done.stdout + done.stderr
+    profiled = profile_script(tmp_path, script, *options)
+    return profiled.ok(), profiled.output
 
-
-def _line(script: Path, statement: str) -> str:
-    number = next(n for n, line in enumerate(script.read_text().splitlines(), 1)
-                  if line.strip() == statement)
-    return f"{script.name}:{number}"
 
 
 # Per-sample augmentation in numpy on the training thread; the script times it itself.
@@ -312,7 +297,7 @@ AUGMENT_SCRIPT = """
 @pytest.mark.slow
 def test_numpy_augmentation_on_the_training_thread_is_named_with_ms_per_step(
         tmp_path: Path) -> None:
-    script = _write(tmp_path / "aug.py", AUGMENT_SCRIPT)
+    script = write_script(tmp_path / "aug.py", AUGMENT_SCRIPT)
     # A 3 s run at the default 100 Hz gives ~45 samples (+-15% on a line); at 400 Hz the
     # comparison with the script's timer tests the attribution, not the sample count.
     run, output = _profile(tmp_path, script, "--host-sample-hz", "400")
@@ -321,9 +306,9 @@ def test_numpy_augmentation_on_the_training_thread_is_named_with_ms_per_step(
     assert found, output
     host = found[0]
     lines = host.evidence["lines"]
-    inside = {_line(script, "image = np.ascontiguousarray(np.rot90(image)) * 0.999 + 0.001"),
-              _line(script, "return (image - image.mean()) / (image.std() + 1e-6)"),
-              _line(script, "batch = np.stack([augment(images[i]) for i in picked])")}
+    inside = {script_line(script, "image = np.ascontiguousarray(np.rot90(image)) * 0.999 + 0.001"),
+              script_line(script, "return (image - image.mean()) / (image.std() + 1e-6)"),
+              script_line(script, "batch = np.stack([augment(images[i]) for i in picked])")}
     assert host.location in inside
     named_ms = sum(v["ms_per_step"] for k, v in lines.items() if k in inside)
     # The script's own timer around its augmentation, against the samples' ms per step.
@@ -358,11 +343,11 @@ LOGGING_SCRIPT = """
 
 @pytest.mark.slow
 def test_per_step_item_logging_is_named_as_syncs(tmp_path: Path) -> None:
-    script = _write(tmp_path / "logging_loop.py", LOGGING_SCRIPT)
+    script = write_script(tmp_path / "logging_loop.py", LOGGING_SCRIPT)
     run, output = _profile(tmp_path, script)
     syncs = [f for f in run.findings if f.id == "GD103"]
     assert syncs, output
-    line = _line(script, "log.append((loss.item(), accuracy.item(), out.max().item(), "
+    line = script_line(script, "log.append((loss.item(), accuracy.item(), out.max().item(), "
                          "out.min().item()))")
     assert syncs[0].location == line
     assert syncs[0].evidence["lines"][line] >= 4
@@ -409,16 +394,17 @@ EVAL_SCRIPT = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("every", [20, 10])
-def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(
-        tmp_path: Path, every: int) -> None:
-    script = _write(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=every))
+def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(tmp_path: Path) -> None:
+    # Every 10 steps; every 20 is test_profile_field's (an evaluation DataLoader) and the
+    # next test's.
+    every = 10
+    script = write_script(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=every))
     run, output = _profile(tmp_path, script)
     truth = json.loads((tmp_path / "truth.json").read_text())
     found = [f for f in run.findings if f.id == "GD703"]
     assert len(found) == 1, output
     evaluation = found[0]
-    assert evaluation.location == _line(script, "score = evaluate()")
+    assert evaluation.location == script_line(script, "score = evaluate()")
     assert evaluation.evidence["period_steps"] == every
     assert evaluation.evidence["extra_ms_per_occurrence"] == pytest.approx(
         statistics.fmean(truth["eval_ms"]), rel=0.2)
@@ -429,7 +415,7 @@ def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(
 
 @pytest.mark.slow
 def test_without_host_samples_periodic_work_says_it_has_no_line(tmp_path: Path) -> None:
-    script = _write(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=20))
+    script = write_script(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=20))
     run, output = _profile(tmp_path, script, "--host-sample-hz", "0")
     found = [f for f in run.findings if f.id == "GD703"]
     assert len(found) == 1, output

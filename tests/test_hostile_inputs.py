@@ -20,14 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ladder_config
-from typer.testing import CliRunner
+from conftest import invoke, ladder_config
 
-from gpudiag.cli import app
 from gpudiag.model.errors import ExitCode
 from gpudiag.model.results import Env, RunResult, StageResult, TimingStats, save_run
 
-runner = CliRunner()
 Setup = Callable[[Path], None]
 
 
@@ -445,7 +442,7 @@ def test_hostile_input_is_refused_cleanly(case: Case, tmp_path: Path,
     monkeypatch.chdir(ws)
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
     before = _snapshot(ws)
-    result = runner.invoke(app, [arg.replace("{ws}", str(ws)) for arg in case.argv])
+    result = invoke([arg.replace("{ws}", str(ws)) for arg in case.argv])
     assert result.exception is None or isinstance(result.exception, SystemExit), \
         result.exception
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -462,7 +459,7 @@ def test_unwritable_step_summary_is_a_warning_not_a_regression(
     with a one-line warning."""
     ws = _workspace(tmp_path)
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(ws / "mine"))
-    result = runner.invoke(app, ["gate", str(ws / "a"), str(ws / "b")])
+    result = invoke(["gate", str(ws / "a"), str(ws / "b")])
     assert result.exit_code == 0, result.output
     assert "warning: GITHUB_STEP_SUMMARY" in result.stderr
 
@@ -470,7 +467,7 @@ def test_unwritable_step_summary_is_a_warning_not_a_regression(
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0,
                     reason="root ignores file modes; /proc is read-only for everyone")
 def test_unwritable_out_is_one_line(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["run", *TINY, "--out", "/proc/gpudiag-run"])
+    result = invoke(["run", *TINY, "--out", "/proc/gpudiag-run"])
     assert result.exit_code == ExitCode.BAD_INPUT and "cannot create it" in result.stderr
 
 
@@ -496,10 +493,10 @@ def test_default_run_directories_never_collide(tmp_path: Path) -> None:
 def test_saving_the_same_baseline_again_is_fine(tmp_path: Path) -> None:
     ws = _workspace(tmp_path)
     for _ in range(2):
-        result = runner.invoke(app, ["baseline", "save", str(ws / "a"), "--name", "new",
+        result = invoke(["baseline", "save", str(ws / "a"), "--name", "new",
                                      "--dir", str(ws / "bl")])
         assert result.exit_code == 0, result.output
-    forced = runner.invoke(app, ["baseline", "save", str(ws / "a"), "--name", "main",
+    forced = invoke(["baseline", "save", str(ws / "a"), "--name", "main",
                                  "--dir", str(ws / "bl"), "--force"])
     assert forced.exit_code == 0, forced.output
     assert (ws / "bl" / "main.json").read_bytes() == (ws / "bl" / "new.json").read_bytes()
@@ -520,7 +517,7 @@ def test_force_never_deletes_a_directory_holding_the_users_files(
         (proj / RUN_MARKER).write_text("made by gpudiag\n")
     before = {p.relative_to(proj): p.read_bytes() for p in proj.rglob("*") if p.is_file()}
     for command in (["run", *TINY], ["profile", "--", sys.executable, "-c", "pass"]):
-        result = runner.invoke(app, [*command[:1], "--out", str(proj), "--force",
+        result = invoke([*command[:1], "--out", str(proj), "--force",
                                      *command[1:]])
         assert result.exit_code == ExitCode.BAD_INPUT, result.output
         assert "not a directory gpudiag made for a run" in result.stderr

@@ -12,24 +12,21 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke, profile_command
 
-from gpudiag.cli import app
 from gpudiag.model.results import RunResult, StageResult, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-runner = CliRunner()
 pytestmark = pytest.mark.slow
 
 
 def profile(tmp_path: Path, *command: str, timed: int = 15,
             options: tuple[str, ...] = ()) -> tuple[int, RunResult, str]:
-    out = tmp_path / "run"
-    result = runner.invoke(app, ["profile", "--out", str(out), "--force", "--warmup", "3",
-                                 "--timed",
-                                 str(timed), *options, "--", *command])
-    return result.exit_code, load_run(out), result.output
+    profiled = profile_command(tmp_path, command, "--warmup", "3", "--timed", str(timed),
+                               *options)
+    assert profiled.run is not None, profiled.output
+    return profiled.exit_code, profiled.run, profiled.output
 
 
 def example(tmp_path: Path, name: str, timed: int = 15) -> RunResult:
@@ -273,7 +270,7 @@ def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
 
 
 def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["profile", "--out", str(tmp_path), "--",
+    result = invoke(["profile", "--out", str(tmp_path), "--",
                                  "no-such-command-gpudiag"])
     assert result.exit_code == 2 and "command not found" in result.output
 

@@ -6,38 +6,25 @@ interpreter. Each runs the real command line on the CPU."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from conftest import line_of, profile_script, write_script
 
 from gpudiag.model.results import RunResult, load_run
 
 pytestmark = pytest.mark.slow
 
 
-def _write(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(body))
-    return path
-
-
 def _profile(tmp_path: Path, script: Path, *options: str,
              env: dict[str, str] | None = None) -> tuple[int, RunResult, str]:
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--force",
-               *options, "--",
-               sys.executable, str(script)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, **(env or {})}, timeout=600, check=False)
-    output = done.stdout + done.stderr
-    return done.returncode, (load_run(out) if (out / "run.json").is_file() else None), output  # type: ignore[return-value]
+    profiled = profile_script(tmp_path, script, *options, env=env)
+    return profiled.exit_code, profiled.run, profiled.output  # type: ignore[return-value]
 
 
 LOOP_SCRIPT = """
@@ -59,7 +46,7 @@ LOOP_SCRIPT = """
 
 
 def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> None:
-    script = _write(tmp_path / "short.py", LOOP_SCRIPT.format(steps=12))
+    script = write_script(tmp_path / "short.py", LOOP_SCRIPT.format(steps=12))
     code, run, output = _profile(tmp_path, script)
     assert code == 0, output
     assert "it is run once more" in output and run.stages[0].evidence is not None
@@ -80,7 +67,7 @@ def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> Non
 
 
 def test_stop_after_window_ends_a_long_script_cleanly(tmp_path: Path) -> None:
-    script = _write(tmp_path / "long.py", """
+    script = write_script(tmp_path / "long.py", """
         import torch
         model = torch.nn.Linear(32, 32)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -104,7 +91,7 @@ def test_stop_after_window_ends_a_long_script_cleanly(tmp_path: Path) -> None:
 def test_a_script_that_changes_directory_keeps_a_relative_out(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    script = _write(tmp_path / "chdir.py", f"""
+    script = write_script(tmp_path / "chdir.py", f"""
         import os
         import torch
         os.chdir({str(elsewhere)!r})  # as Hydra's job.chdir does
@@ -124,7 +111,7 @@ def test_a_script_that_changes_directory_keeps_a_relative_out(tmp_path: Path) ->
 
 
 def test_evaluation_every_n_steps_is_named_not_a_checkpoint_stall(tmp_path: Path) -> None:
-    script = _write(tmp_path / "evaluates.py", """
+    script = write_script(tmp_path / "evaluates.py", """
         import time
         import torch
         from torch.utils.data import DataLoader, TensorDataset
@@ -162,7 +149,7 @@ def test_evaluation_every_n_steps_is_named_not_a_checkpoint_stall(tmp_path: Path
 
 
 def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
-    script = _write(tmp_path / "hf_train.py", """
+    script = write_script(tmp_path / "hf_train.py", """
         import torch
         from torch.utils.data import Dataset
         from transformers import BertConfig, BertForSequenceClassification, Trainer
@@ -206,7 +193,7 @@ def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
 
 
 def test_torch_compile_is_not_recompiled_or_broken_by_gpudiag(tmp_path: Path) -> None:
-    script = _write(tmp_path / "compiled.py", """
+    script = write_script(tmp_path / "compiled.py", """
         import json, sys
         import torch
         from torch._dynamo.utils import counters
@@ -240,14 +227,14 @@ def test_torch_compile_is_not_recompiled_or_broken_by_gpudiag(tmp_path: Path) ->
 
 def test_library_frames_are_passed_through_to_the_users_line(tmp_path: Path) -> None:
     library = tmp_path / "lib" / "site-packages" / "fancylib.py"
-    _write(library, """
+    write_script(library, """
         def train_step(model, opt, x):
             loss = model(x).sum()
             loss.backward()
             opt.step()
             opt.zero_grad()
     """)
-    script = _write(tmp_path / "uses_lib.py", """
+    script = write_script(tmp_path / "uses_lib.py", """
         import torch
         import fancylib
         model = torch.nn.Linear(16, 16)
@@ -266,7 +253,7 @@ def test_library_frames_are_passed_through_to_the_users_line(tmp_path: Path) -> 
 
 
 def test_sigterm_stops_the_script_and_keeps_the_report(tmp_path: Path) -> None:
-    script = _write(tmp_path / "forever.py", """
+    script = write_script(tmp_path / "forever.py", """
         import time
         import torch
         model = torch.nn.Linear(8, 8)
@@ -295,8 +282,8 @@ def test_sigterm_stops_the_script_and_keeps_the_report(tmp_path: Path) -> None:
 
 def test_an_interpreter_that_cannot_load_gpudiag_fails_loudly(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
-    _write(broken / "nvtx.py", "raise ImportError('nvtx is broken in this environment')\n")
-    script = _write(tmp_path / "ok.py", LOOP_SCRIPT.format(steps=45))
+    write_script(broken / "nvtx.py", "raise ImportError('nvtx is broken in this environment')\n")
+    script = write_script(tmp_path / "ok.py", LOOP_SCRIPT.format(steps=45))
     code, _, output = _profile(tmp_path, script, env={"PYTHONPATH": str(broken)})
     assert code == 2, output
     assert sys.executable in output and "cannot load gpudiag's recorder" in output
@@ -305,7 +292,7 @@ def test_an_interpreter_that_cannot_load_gpudiag_fails_loudly(tmp_path: Path) ->
 
 def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    script = _write(tmp_path / "lit.py", """
+    script = write_script(tmp_path / "lit.py", """
         import torch
         import lightning as L
         from torch.utils.data import DataLoader, TensorDataset
@@ -392,15 +379,11 @@ PERIODIC_SCRIPT = """
 
 
 def _periodic(tmp_path: Path, **plant: object) -> tuple[RunResult, dict[str, list[float]], str]:
-    script = _write(tmp_path / "periodic.py", PERIODIC_SCRIPT.format(**plant))
+    script = write_script(tmp_path / "periodic.py", PERIODIC_SCRIPT.format(**plant))
     code, run, output = _profile(tmp_path, script)
     assert code == 0, output
     return run, json.loads((tmp_path / "truth.json").read_text()), output
 
-
-def _line(script: Path, statement: str) -> int:
-    return next(n for n, line in enumerate(script.read_text().splitlines(), 1)
-                if line.strip() == statement)
 
 
 def test_an_evaluation_every_20_steps_is_named_at_its_call_and_priced_on_the_whole_run(
@@ -414,7 +397,7 @@ def test_an_evaluation_every_20_steps_is_named_at_its_call_and_priced_on_the_who
     others = [f for f in run.findings if f.id == "GD703" and f is not evaluation]
     assert all(f.location != evaluation.location for f in others), output
     script = tmp_path / "periodic.py"
-    assert evaluation.location == f"periodic.py:{_line(script, 'evaluate()')}"
+    assert evaluation.location == f"periodic.py:{line_of(script, 'evaluate()')}"
     assert evaluation.evidence["period_steps"] == 20
     assert evaluation.evidence["occurrences"] == len(truth["eval_ms"]) == 9
     per_eval = statistics.fmean(truth["eval_ms"])

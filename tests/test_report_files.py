@@ -6,15 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
-from typer.testing import CliRunner
+from conftest import invoke
 
-from gpudiag.cli import app
 from gpudiag.model.results import load_run
 from gpudiag.present.files import read_samples
 from gpudiag.present.trace import build_trace
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
-runner = CliRunner()
 
 
 def test_trace_of_a_recorded_h100_run() -> None:
@@ -40,17 +38,17 @@ def test_report_rerenders_a_saved_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(EXAMPLES / "h100-checkpoint", run_dir)
     (run_dir / "report.md").unlink()
-    result = runner.invoke(app, ["report", str(run_dir), "--rules"])
+    result = invoke(["report", str(run_dir), "--rules"])
     assert result.exit_code == 0, result.output
     text = (run_dir / "report.md").read_text()
     assert "checkpoint-sync" in text and "[trace.json](trace.json)" in text
     trace = json.loads((run_dir / "trace.json").read_text())
     assert any(e["ph"] == "C" for e in trace["traceEvents"])
-    assert runner.invoke(app, ["report", str(tmp_path / "none")]).exit_code == 2
+    assert invoke(["report", str(tmp_path / "none")]).exit_code == 2
 
 
 def test_cpu_run_trace_is_laid_out_from_wall_times(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+    result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "infer,train-fp16", "--iters", "3", "--evidence-steps", "0",
                                  "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -66,7 +64,7 @@ def test_plots_from_a_recorded_run(tmp_path: Path) -> None:
     shutil.copytree(EXAMPLES / "h100-checkpoint", run_dir)
     for png in run_dir.glob("*.png"):
         png.unlink()
-    result = runner.invoke(app, ["report", str(run_dir)])
+    result = invoke(["report", str(run_dir)])
     assert result.exit_code == 0, result.output
     text = (run_dir / "report.md").read_text()
     for name in ("throughput.png", "timeline.png", "step-times.png"):
@@ -77,7 +75,7 @@ def test_plots_from_a_recorded_run(tmp_path: Path) -> None:
 
 def test_cpu_run_draws_what_it_has(tmp_path: Path) -> None:
     """No telemetry on a CPU: throughput and step times, no timeline, and no broken links."""
-    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+    result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "train-fp16", "--iters", "4", "--evidence-steps", "0",
                                  "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -89,7 +87,7 @@ def test_cpu_run_draws_what_it_has(tmp_path: Path) -> None:
 def test_profiler_windows_are_kept_as_traces(tmp_path: Path) -> None:
     import gzip
 
-    result = runner.invoke(app, ["run", "--device", "cpu", "--preset", "tiny", "--stages",
+    result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "train-fp16", "--iters", "3", "--evidence-steps", "1",
                                  "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

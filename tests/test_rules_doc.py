@@ -7,16 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from conftest import invoke
 
-from gpudiag.cli import app
 from gpudiag.diagnose import Rule, all_rules
 from gpudiag.model.errors import ExitCode
 from gpudiag.present import rules_markdown
 
 RULES_MD = Path(__file__).resolve().parent.parent / "docs" / "rules.md"
 SECTIONS = ("What it detects", "Thresholds", "Why it matters", "How to fix")
-runner = CliRunner()
 
 
 def test_docs_rules_md_is_generated_from_the_registry() -> None:
@@ -49,7 +47,7 @@ def test_rule_is_documented(rule: Rule) -> None:
         assert t.why.strip(), f"{rule.code} {t.name}: no reason"
     # What `gpudiag rules CODE` prints is what decides the rule (tests/test_architecture.py
     # checks the rule's source reads no other number).
-    shown = " ".join(runner.invoke(app, ["rules", rule.code], terminal_width=200)
+    shown = " ".join(invoke(["rules", rule.code], terminal_width=200)
                      .stdout.split())
     for t in rule.thresholds:
         assert f"{t.name} = {t.value:g}" in shown, (rule.code, t.name)
@@ -66,7 +64,7 @@ def test_rule_codes_and_names_are_unique_and_live_in_their_family_file() -> None
 
 
 def test_rules_lists_every_code() -> None:
-    result = runner.invoke(app, ["rules"])
+    result = invoke(["rules"])
     assert result.exit_code == 0, result.output
     for r in all_rules():
         assert r.code in result.stdout and r.name in result.stdout
@@ -74,7 +72,7 @@ def test_rules_lists_every_code() -> None:
 
 @pytest.mark.parametrize("key", ["GD101", "gd101", "python-loop-launches"])
 def test_rules_explains_one_rule(key: str) -> None:
-    result = runner.invoke(app, ["rules", key])
+    result = invoke(["rules", key])
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "GD101 python-loop-launches" in out
@@ -86,13 +84,13 @@ def test_rules_explains_one_rule(key: str) -> None:
 
 
 def test_rules_markdown_option_prints_the_document() -> None:
-    result = runner.invoke(app, ["rules", "--markdown"])
+    result = invoke(["rules", "--markdown"])
     assert result.exit_code == 0, result.output
     assert result.stdout == rules_markdown(all_rules())
 
 
 def test_unknown_rule_is_a_one_line_error() -> None:
-    result = runner.invoke(app, ["rules", "GD999"])
+    result = invoke(["rules", "GD999"])
     assert result.exit_code == ExitCode.BAD_INPUT == 2
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1, err
