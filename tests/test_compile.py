@@ -199,7 +199,7 @@ def test_a_shift_from_compiling_on_timed_steps_is_not_blamed_on_interference() -
                              compiles=CompileFacts(events=events, seconds=2.0 * len(events)))
         times = [10.0] * 30
         times[2:7] = [40.0] * 5  # a slow block: steps 7-11
-        one = StageResult(name="train.py", status="ok", iter_ms=times, ms_per_iter=10.0,
+        one = StageResult(name="train.py", status="ok", iter_ms=times,
                           facts=StageFacts(script=script))
         run = RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
                         stages=[one])

@@ -33,7 +33,6 @@ def _run(stage: StageResult) -> RunResult:
 def _script_stage(host: HostSamples | None = None, **planted: float) -> StageResult:
     timeline = _timeline(**planted)  # type: ignore[arg-type]
     return StageResult(name="train.py", status="ok", iter_ms=timeline.step_ms[1:36],
-                       ms_per_iter=23.0,
                        facts=StageFacts(script=ScriptFacts(steps=200, warmup=5, timed=30,
                                                            step_clock="optimizer.step()",
                                                            timeline=timeline, host=host)))

@@ -260,7 +260,7 @@ def _timed(config: ProfileConfig, ms: float) -> RunResult:
     script = ScriptFacts(steps=40, warmup=0, timed=40, step_clock="optimizer.step()",
                          losses=[1.0, 0.9], remedies={n: {} for n in config.remedies})
     return RunResult(tool_version="t", env=Env(device="cpu"), config=config, stages=[
-        StageResult(name="train.py", status="ok", iter_ms=[ms] * 40, ms_per_iter=ms,
+        StageResult(name="train.py", status="ok", iter_ms=[ms] * 40,
                     facts=StageFacts(script=script))])
 
 

@@ -188,7 +188,6 @@ def bracketed(first: RunResult, last: RunResult) -> RunResult:
     stage = _main_stage(merged)
     assert stage is not None
     stage.iter_ms = steady_state(a.iter_ms) + steady_state(b.iter_ms)
-    stage.ms_per_iter = statistics.median(stage.iter_ms)
     energies = [e for e in (_energy_per_step(a), _energy_per_step(b)) if e is not None]
     stage.telemetry = dataclasses.replace(
         stage.telemetry, energy_j=statistics.fmean(energies) * len(stage.iter_ms)
