@@ -29,7 +29,7 @@ from gpudiag.model.validity import check_run
 # 3: stages[].role says what a stage is to the others; config.mode tells the two configs apart.
 # 4: a stage's ms_per_iter, samples_per_s, tokens_per_s and timing (and a trial's samples_per_s
 #    and device_ms) are derived from its steps, written but not read; a trial keeps its
-#    samples_per_step.
+#    samples_per_step; findings[].account (typed) replaced findings[].evidence.account.
 SCHEMA_VERSION = 4
 READABLE_SCHEMAS = (1, 2, 3, 4)
 
@@ -404,6 +404,19 @@ class StageResult:
 
 
 @dataclass
+class FindingAccount:
+    """The part of its stage's account a finding that prices time prices
+    (gpudiag/diagnose/ledger.py): its share of that whole (the steady step, or the run's wall
+    time), and of the run's wall time, the one whole every finding of the stage shares."""
+
+    part: str  # a step's host kind ("sync", "data", ...), or a run part's description
+    whole: Literal["step", "run"]  # what `share` is a share of
+    share: Share  # the finding's impact, as a share of `whole`
+    share_of_wall: Share | None = None  # None: a step part, without the run's timeline
+    ms_per_step: NonNegative | None = None  # a step part's time per steady step
+
+
+@dataclass
 class Finding:
     """One diagnosis: what was seen, where, what it costs (`impact`, 0..1) and the fix."""
 
@@ -416,6 +429,7 @@ class Finding:
     impact: Share = 0.0
     location: str | None = None
     fix: str = ""
+    account: FindingAccount | None = None  # set after the rules, for a finding that prices time
 
 
 @dataclass
@@ -577,7 +591,9 @@ def _upgrade_from_2(data: dict[str, Any]) -> dict[str, Any]:
 
 def _upgrade_from_3(data: dict[str, Any]) -> dict[str, Any]:
     stages = [_stage_from_3(s) if isinstance(s, dict) else s for s in data.get("stages") or []]
-    return {**data, "stages": stages, "schema_version": 4}
+    findings = [_finding_from_3(f) if isinstance(f, dict) else f
+                for f in data.get("findings") or []]
+    return {**data, "stages": stages, "findings": findings, "schema_version": 4}
 
 
 def _stage_from_3(stage: dict[str, Any]) -> dict[str, Any]:
@@ -588,6 +604,22 @@ def _stage_from_3(stage: dict[str, Any]) -> dict[str, Any]:
         return stage
     return dict(stage, trials=[{"samples_per_step": per_step, **t} if isinstance(t, dict) else t
                                for t in trials])
+
+
+def _finding_from_3(finding: dict[str, Any]) -> dict[str, Any]:
+    """Schema 3 kept a finding's account in its evidence, as {part, share_of_step or
+    share_of_run, share_of_wall, ms_per_step}; anything else there is refused as the account."""
+    evidence = finding.get("evidence")
+    if not isinstance(evidence, dict) or "account" not in evidence:
+        return finding
+    rest = {k: v for k, v in evidence.items() if k != "account"}
+    old = evidence["account"]
+    if not isinstance(old, dict):
+        return {**finding, "evidence": rest, "account": old}
+    whole = "run" if "share_of_run" in old else "step"
+    account = {"part": old.get("part"), "whole": whole, "share": old.get(f"share_of_{whole}"),
+               "share_of_wall": old.get("share_of_wall"), "ms_per_step": old.get("ms_per_step")}
+    return {**finding, "evidence": rest, "account": account}
 
 
 # Derived values written into run.json for readers that do not use this module; a reader of
