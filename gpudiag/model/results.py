@@ -22,6 +22,7 @@ from pydantic import Field
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import AnyConfig
 from gpudiag.model.facts import StageFacts, facts_from_details
+from gpudiag.model.remedies import RemedyEvidence, field_of
 from gpudiag.model.schema import SchemaError, parse_json, validate_as
 from gpudiag.model.validity import check_run
 
@@ -29,7 +30,9 @@ from gpudiag.model.validity import check_run
 # 3: stages[].role says what a stage is to the others; config.mode tells the two configs apart.
 # 4: a stage's ms_per_iter, samples_per_s, tokens_per_s and timing (and a trial's samples_per_s
 #    and device_ms) are derived from its steps, written but not read; a trial keeps its
-#    samples_per_step; findings[].account (typed) replaced findings[].evidence.account.
+#    samples_per_step; findings[].account (typed) replaced findings[].evidence.account;
+#    the remedies' records (fixes[].evidence, facts.script.remedies) are typed, keyed by field
+#    (no_empty_cache), not by remedy name (no-empty-cache).
 SCHEMA_VERSION = 4
 READABLE_SCHEMAS = (1, 2, 3, 4)
 
@@ -457,7 +460,8 @@ class MeasuredFix:
     equivalence: Equivalence = "unchecked"
     loss_gap: NonNegative | None = None  # largest relative loss difference over the first steps
     loss_floor: NonNegative | None = None  # the same between two runs without the fix
-    evidence: dict[str, Any] = field(default_factory=dict)  # what the script saw of it
+    # What the script saw of it (of them, combined): each remedy's record.
+    evidence: RemedyEvidence = field(default_factory=RemedyEvidence)
     note: str = ""
     # The remedy found nothing to change in the script (no DataLoader, no save): its speedup is
     # noise between two runs, never a reason to rank or recommend it.
@@ -593,17 +597,32 @@ def _upgrade_from_3(data: dict[str, Any]) -> dict[str, Any]:
     stages = [_stage_from_3(s) if isinstance(s, dict) else s for s in data.get("stages") or []]
     findings = [_finding_from_3(f) if isinstance(f, dict) else f
                 for f in data.get("findings") or []]
-    return {**data, "stages": stages, "findings": findings, "schema_version": 4}
+    fixes = [dict(f, evidence=_remedies_from_3(f.get("evidence"))) if isinstance(f, dict) else f
+             for f in data.get("fixes") or []]
+    return {**data, "stages": stages, "findings": findings, "fixes": fixes, "schema_version": 4}
 
 
 def _stage_from_3(stage: dict[str, Any]) -> dict[str, Any]:
     """A trial's samples per step, which schema 3 kept on its stage only (a trial's stored
-    samples_per_s was that over its ms_per_iter: refused on load when it was not)."""
+    samples_per_s was that over its ms_per_iter: refused on load when it was not); the
+    remedies a profiled script's process applied, by field."""
     trials, per_step = stage.get("trials"), stage.get("samples_per_step")
-    if not isinstance(trials, list) or per_step is None:
-        return stage
-    return dict(stage, trials=[{"samples_per_step": per_step, **t} if isinstance(t, dict) else t
-                               for t in trials])
+    if isinstance(trials, list) and per_step is not None:
+        stage = dict(stage, trials=[{"samples_per_step": per_step, **t}
+                                    if isinstance(t, dict) else t for t in trials])
+    facts = stage.get("facts")
+    script = facts.get("script") if isinstance(facts, dict) else None
+    if isinstance(facts, dict) and isinstance(script, dict) and "remedies" in script:
+        script = dict(script, remedies=_remedies_from_3(script["remedies"]))
+        stage = dict(stage, facts=dict(facts, script=script))
+    return stage
+
+
+def _remedies_from_3(records: Any) -> Any:
+    """Remedies' records keyed by name ("no-empty-cache") as keyed by RemedyEvidence's field."""
+    if not isinstance(records, dict):
+        return records
+    return {field_of(str(name)): record for name, record in records.items()}
 
 
 def _finding_from_3(finding: dict[str, Any]) -> dict[str, Any]:
