@@ -12,7 +12,7 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -594,12 +594,16 @@ def _upgrade_from_2(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _upgrade_from_3(data: dict[str, Any]) -> dict[str, Any]:
-    stages = [_stage_from_3(s) if isinstance(s, dict) else s for s in data.get("stages") or []]
-    findings = [_finding_from_3(f) if isinstance(f, dict) else f
-                for f in data.get("findings") or []]
-    fixes = [dict(f, evidence=_remedies_from_3(f.get("evidence"))) if isinstance(f, dict) else f
-             for f in data.get("fixes") or []]
-    return {**data, "stages": stages, "findings": findings, "fixes": fixes, "schema_version": 4}
+    upgrades: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "stages": _stage_from_3, "findings": _finding_from_3,
+        "fixes": lambda fix: dict(fix, evidence=_remedies_from_3(fix["evidence"]))
+        if "evidence" in fix else fix}
+    upgraded = {**data, "schema_version": 4}
+    for key, upgrade in upgrades.items():
+        items = data.get(key)
+        if isinstance(items, list):  # anything else is left for the schema to refuse
+            upgraded[key] = [upgrade(x) if isinstance(x, dict) else x for x in items]
+    return upgraded
 
 
 def _stage_from_3(stage: dict[str, Any]) -> dict[str, Any]:
