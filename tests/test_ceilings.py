@@ -41,7 +41,7 @@ def test_flops_of_a_two_layer_mlp_step() -> None:
 
 def _run(gpu: str | None, flops: float, ms: float, precision: str,
          peak: dict[str, float] | None = None) -> RunResult:
-    stage = StageResult(name="train-fp16", status="ok", ms_per_iter=ms,
+    stage = StageResult(name="train-fp16", status="ok", iter_ms=[ms] * 5,
                         facts=StageFacts(flops_per_step=flops, precision=precision))
     stages = [stage]
     if peak is not None:

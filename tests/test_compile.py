@@ -97,7 +97,8 @@ def test_recompilations_are_named_with_the_guard_and_the_calls_line(tmp_path: Pa
     assert whole is not None
     compiling = next(w for w in whole.works if w.kind == "compile")
     assert recompiles.impact == compiling.extra_ms / whole.wall_ms
-    assert recompiles.evidence["account"]["share_of_wall"] == round(recompiles.impact, 4)
+    assert recompiles.account is not None
+    assert recompiles.account.share_of_wall == round(recompiles.impact, 4)
     # Dynamo's default limit (8) is reached by 12 lengths: the rest of the run is eager.
     fallback = by_code["GD902"]
     assert fallback.location == call and fallback.evidence["recompile_limit"] == 8
@@ -188,7 +189,7 @@ def test_a_shift_from_compiling_on_timed_steps_is_not_blamed_on_interference() -
                              compiles=CompileFacts(events=events, seconds=2.0 * len(events)))
         times = [10.0] * 30
         times[2:7] = [40.0] * 5  # a slow block: steps 7-11
-        one = StageResult(name="train.py", status="ok", iter_ms=times, ms_per_iter=10.0,
+        one = StageResult(name="train.py", status="ok", iter_ms=times,
                           facts=StageFacts(script=script))
         run = RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
                         stages=[one])

@@ -117,7 +117,7 @@ def _stage(*, step: float, single: float, efficiency: float, transfer: float | N
         straggler=Straggler(rank=1, ratio=straggler_ratio, compute_ms=30.0,
                             fastest_compute_ms=30.0 / straggler_ratio),
         sweep=[DdpVariant(**row) for row in sweep or []])
-    stage = StageResult(name="ddp", status="ok", ms_per_iter=step, samples_per_s=128 / step * 1e3,
+    stage = StageResult(name="ddp", status="ok", samples_per_step=128,
                         iter_ms=[step] * 10, facts=StageFacts(ddp=info), evidence=evidence)
     return RunResult(tool_version="t", env=Env(device="cuda"), config=ladder_config(),
                      created_utc="2026-11-23T00:00:00+00:00", stages=[stage])
@@ -221,7 +221,7 @@ def _rank(rank: int, *, step: float, exposed: float, compute: float, window: flo
                       allreduce_probe=None if probe is None else LinkProbe(
                           bytes=grad, ms=grad / probe / 1e6, algbw_gbps=probe,
                           busbw_gbps=probe))
-    return StageResult(name=f"train.py[rank{rank}]", status="ok", ms_per_iter=step,
+    return StageResult(name=f"train.py[rank{rank}]", status="ok",
                        iter_ms=[step] * 10, samples_per_step=2, evidence=evidence,
                        facts=StageFacts(ddp_job=job))
 

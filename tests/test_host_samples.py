@@ -194,7 +194,6 @@ def test_the_window_steps_are_not_slots_a_period_must_fill() -> None:
 
 def _stage(host: HostSamples, evidence: Evidence | None = None) -> StageResult:
     return StageResult(name="train.py", status="ok", evidence=evidence, iter_ms=[10.0] * 20,
-                       ms_per_iter=10.0,
                        facts=StageFacts(script=ScriptFacts(steps=100, warmup=5, timed=30,
                                                            step_clock="optimizer.step()",
                                                            host=host)))

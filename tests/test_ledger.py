@@ -5,6 +5,7 @@ price."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,16 @@ from gpudiag.diagnose.ledger import SYMPTOMS, ledger, wall_shares
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import Env, Evidence, RunResult, StageResult, load_run
+from gpudiag.model.results import (
+    Env,
+    Evidence,
+    FindingAccount,
+    RunFileError,
+    RunResult,
+    StageResult,
+    load_run,
+    save_run,
+)
 from gpudiag.present.waterfall import markdown_sections
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
@@ -33,7 +43,6 @@ def _run(stage: StageResult) -> RunResult:
 def _script_stage(host: HostSamples | None = None, **planted: float) -> StageResult:
     timeline = _timeline(**planted)  # type: ignore[arg-type]
     return StageResult(name="train.py", status="ok", iter_ms=timeline.step_ms[1:36],
-                       ms_per_iter=23.0,
                        facts=StageFacts(script=ScriptFacts(steps=200, warmup=5, timed=30,
                                                            step_clock="optimizer.step()",
                                                            timeline=timeline, host=host)))
@@ -49,8 +58,9 @@ def test_a_save_and_an_evaluation_are_priced_on_one_wall_and_named_in_the_waterf
     assert {"GD701", "GD703"} <= set(by_code)
     truth = {"GD701": 60.0 * (199 // 7), "GD703": 218.0 * (199 // 10)}
     for code, planted in truth.items():
-        account = by_code[code].evidence["account"]
-        assert account["share_of_wall"] == pytest.approx(planted / whole.wall_ms, rel=0.05)
+        account = by_code[code].account
+        assert account is not None and account.whole == "run"
+        assert account.share_of_wall == pytest.approx(planted / whole.wall_ms, rel=0.05)
     assert sum(wall_shares(run, stage).values()) <= 1.0
     report = "\n".join(markdown_sections(run))
     assert "priced by" in report
@@ -75,11 +85,11 @@ def test_a_step_finding_is_a_share_of_the_run_through_the_steady_steps_share() -
     books = ledger(stage)
     assert books is not None and books.steps_share is not None
     host_work = next(f for f in run.findings if f.id == "GD105")
-    account = host_work.evidence["account"]
-    assert account["part"] == "python"
-    assert account["share_of_step"] == pytest.approx(0.4, abs=0.01)
-    assert account["share_of_wall"] == pytest.approx(0.4 * books.steps_share, abs=0.002)
-    assert account["ms_per_step"] == pytest.approx(0.4 * step_ms, rel=0.03)
+    account = host_work.account
+    assert account is not None and account.part == "python" and account.whole == "step"
+    assert account.share == pytest.approx(0.4, abs=0.01)
+    assert account.share_of_wall == pytest.approx(0.4 * books.steps_share, abs=0.002)
+    assert account.ms_per_step == pytest.approx(0.4 * step_ms, rel=0.03)
     assert sum(wall_shares(run, stage).values()) <= 1.0
     report = "\n".join(markdown_sections(run))
     python_row = next(line for line in report.splitlines() if line.startswith("| Python"))
@@ -95,10 +105,43 @@ def test_the_findings_of_a_recorded_stage_add_up_to_at_most_its_wall(run_dir: Pa
         assert sum(shares.values()) <= 1.0 + 1e-6, (stage.name, shares)
         books = ledger(stage)
         for finding in run.findings:
-            account = finding.evidence.get("account")
+            account = finding.account
             if finding.stage != stage.name or account is None or finding.id in SYMPTOMS:
                 continue
             assert books is not None
-            if "share_of_step" in account and books.steps_share is not None:
-                assert account["share_of_wall"] == pytest.approx(
-                    account["share_of_step"] * books.steps_share, abs=1e-3)
+            if account.whole == "step" and books.steps_share is not None:
+                assert account.share_of_wall == pytest.approx(
+                    account.share * books.steps_share, abs=1e-3)
+
+
+def test_a_schema_3_account_in_the_evidence_becomes_the_findings_account(tmp_path: Path) -> None:
+    """Schema 3 kept the account in the finding's evidence, untyped; read, it is the typed
+    `Finding.account` (the evidence keeps the rest), and report.md shows it as before."""
+    committed = EXAMPLES / "h100-periodic" / "eval20" / "run.json"
+    data = json.loads(committed.read_text())
+    assert data["schema_version"] == 3
+    run = load_run(committed)
+    data_wait, loop = (next(f for f in run.findings if f.id == code) for code in ("GD201",
+                                                                              "GD703"))
+    assert data_wait.account == FindingAccount(part="data", whole="step", share=0.4033,
+                                               share_of_wall=0.0404, ms_per_step=1.49)
+    assert loop.account is not None and loop.account.whole == "run"
+    assert loop.account.share == loop.account.share_of_wall == 0.1629
+    assert loop.account.part.startswith("DataLoader loop at periodic_eval.py:48")
+    assert "account" not in data_wait.evidence and "account" not in loop.evidence
+    # Written again, it is schema 4's own key and reads back the same.
+    save_run(run, tmp_path / "run.json")
+    again = json.loads((tmp_path / "run.json").read_text())
+    finding = next(f for f in again["findings"] if f["id"] == "GD201")
+    assert finding["account"]["share"] == 0.4033 and "account" not in finding["evidence"]
+    assert load_run(tmp_path).findings == run.findings
+
+
+def test_a_schema_3_account_that_is_no_account_is_refused_naming_it(tmp_path: Path) -> None:
+    data = json.loads((EXAMPLES / "h100-periodic" / "eval20" / "run.json").read_text())
+    finding = next(i for i, f in enumerate(data["findings"]) if f["id"] == "GD201")
+    data["findings"][finding]["evidence"]["account"]["share_of_step"] = "most"
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    with pytest.raises(RunFileError, match=rf"findings\[{finding}\]\.account\.share") as info:
+        load_run(tmp_path)
+    assert "\n" not in str(info.value)

@@ -5,6 +5,7 @@ are the real ones, driven in this process with the remedy's DataLoader wrapper a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +17,28 @@ from gpudiag.diagnose.loaderadvice import loader_change
 from gpudiag.diagnose.tryfix import measured_fix
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import ScriptFacts, StageFacts
-from gpudiag.model.remedies import REMEDIES
+from gpudiag.model.remedies import (
+    REMEDIES,
+    LoaderRecord,
+    LoaderSeen,
+    LoaderSettings,
+    RemedyEvidence,
+)
 from gpudiag.model.results import Env, Finding, RunResult, StageResult
 
 HERE = Path(__file__).name
 
 
 @pytest.fixture
-def loader_remedy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """The loader remedy's DataLoader wrapper, applied for one test; what it recorded."""
+def loader_remedy(monkeypatch: pytest.MonkeyPatch) -> list[LoaderSeen]:
+    """The loader remedy's DataLoader wrapper, applied for one test; the loaders it saw."""
     from gpudiag.measure.profile.remedies import APPLIERS
 
     monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)  # restored afterwards
-    evidence: dict[str, Any] = {}
-    APPLIERS["loader"](evidence)
-    return evidence
+    seen = RemedyEvidence()
+    APPLIERS["loader"](seen)
+    assert seen.loader is not None
+    return seen.loader.loaders
 
 
 def _line(marker: str) -> str:
@@ -50,7 +58,7 @@ class _Tiny(torch.nn.Module):
 
 
 def test_hf_trainer_loader_is_set_in_training_arguments(
-        loader_remedy: dict[str, Any], tmp_path: Path) -> None:
+        loader_remedy: list[LoaderSeen], tmp_path: Path) -> None:
     """The field run pointed at "the DataLoader(...) call" at trainer.train(); the Trainer
     builds it from TrainingArguments, so that is where the setting goes."""
     from transformers import Trainer, TrainingArguments
@@ -60,13 +68,15 @@ def test_hf_trainer_loader_is_set_in_training_arguments(
     trainer = Trainer(model=_Tiny(), args=args,
                       train_dataset=[{"x": torch.randn(4)} for _ in range(16)])
     trainer.get_train_dataloader()  # TRAIN
-    built, *rest = loader_remedy["loaders"]
-    assert built["framework"] == "transformers" and built["arguments"] == "TrainingArguments"
-    assert built["site"].endswith(_line("# TRAIN")) and built["edit_at"].endswith(_line("# ARGS"))
+    built, *rest = loader_remedy
+    assert built.framework == "transformers" and built.arguments == "TrainingArguments"
+    assert built.site is not None and built.site.endswith(_line("# TRAIN"))
+    assert built.edit_at is not None and built.edit_at.endswith(_line("# ARGS"))
     assert rest, "accelerate's prepare rebuilds it: noted too"
     change = loader_change(loader_remedy)
-    assert change is not None and change.location == built["edit_at"]
-    workers = built["after"]["num_workers"]
+    assert change is not None and change.location == built.edit_at
+    assert built.after is not None
+    workers = built.after.num_workers
     # The Trainer pins by default: pin_memory was not changed, so not named.
     assert change.change == (
         f"in TrainingArguments(...): dataloader_num_workers={workers}, "
@@ -74,7 +84,7 @@ def test_hf_trainer_loader_is_set_in_training_arguments(
 
 
 def test_a_trainer_subclass_that_builds_its_own_loader_is_told_its_hook(
-        loader_remedy: dict[str, Any], tmp_path: Path) -> None:
+        loader_remedy: list[LoaderSeen], tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 
     class Built(Exception):
@@ -95,7 +105,7 @@ def test_a_trainer_subclass_that_builds_its_own_loader_is_told_its_hook(
         "in your OwnLoader.get_train_dataloader(): DataLoader(..., num_workers=")
 
 
-def test_lightning_loader_is_set_in_the_datamodules_hook(loader_remedy: dict[str, Any]) -> None:
+def test_lightning_loader_is_set_in_the_datamodules_hook(loader_remedy: list[LoaderSeen]) -> None:
     lightning = pytest.importorskip("lightning")
 
     class Model(lightning.LightningModule):
@@ -118,29 +128,29 @@ def test_lightning_loader_is_set_in_the_datamodules_hook(loader_remedy: dict[str
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False)
     trainer.fit(Model(), Data())
-    built = loader_remedy["loaders"][0]
-    assert built["framework"] == "lightning" and built["hook"] == "Data.train_dataloader"
+    built = loader_remedy[0]
+    assert built.framework == "lightning" and built.hook == "Data.train_dataloader"
     change = loader_change(loader_remedy)
-    assert change is not None and change.location == built["site"]
+    assert change is not None and change.location == built.site
     assert change.location.endswith(_line("# HOOK"))
     assert change.change.startswith("in your Data.train_dataloader(): DataLoader(..., ")
 
 
 def test_a_loader_accelerate_rebuilt_is_changed_where_the_script_built_it(
-        loader_remedy: dict[str, Any]) -> None:
+        loader_remedy: list[LoaderSeen]) -> None:
     from accelerate.data_loader import prepare_data_loader
 
     loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)  # BUILT
     prepare_data_loader(loader, torch.device("cpu"), num_processes=1, process_index=0)
-    built, rebuilt = loader_remedy["loaders"]
-    assert "framework" not in built and rebuilt["rebuilt_by"] == "accelerate"
+    built, rebuilt = loader_remedy
+    assert built.framework is None and rebuilt.rebuilt_by == "accelerate"
     change = loader_change(loader_remedy)
-    assert change is not None and change.location == built["site"]
+    assert change is not None and change.location == built.site
     assert change.location.endswith(_line("# BUILT"))
     assert change.change.startswith("in the DataLoader(...) call: num_workers=")
 
 
-def _script_run(remedies: dict[str, Any], step_ms: float) -> RunResult:
+def _script_run(remedies: RemedyEvidence, step_ms: float) -> RunResult:
     script = ScriptFacts(steps=40, warmup=4, timed=36, step_clock="optimizer.step()",
                          losses=[1.0, 0.9, 0.8], remedies=remedies)
     stage = StageResult(name="train.py", status="ok", iter_ms=[step_ms] * 36,
@@ -154,15 +164,16 @@ def _script_run(remedies: dict[str, Any], step_ms: float) -> RunResult:
 def test_make_it_permanent_names_the_settings_measured() -> None:
     """The field run advised 8 workers and pinned memory; it had measured 2, unpinned (a
     2-CPU machine without CUDA)."""
-    recorded = {"loaders": [{
-        "site": "train.py:12",
-        "before": {"num_workers": 0, "pin_memory": False, "persistent_workers": False,
-                   "prefetch_factor": None},
-        "after": {"num_workers": 2, "pin_memory": False, "persistent_workers": True,
-                  "prefetch_factor": 4}}]}
-    without = _script_run({}, 20.0)
+    recorded = LoaderRecord([LoaderSeen(
+        site="train.py:12",
+        before=LoaderSettings(num_workers=0, pin_memory=False, persistent_workers=False,
+                              prefetch_factor=None),
+        after=LoaderSettings(num_workers=2, pin_memory=False, persistent_workers=True,
+                             prefetch_factor=4))])
+    without = _script_run(RemedyEvidence(), 20.0)
     fix = measured_fix(REMEDIES["loader"], ["loader"], without,
-                       _script_run({"loader": recorded}, 10.0), [1.0, 0.9, 0.8], without)
+                       _script_run(RemedyEvidence(loader=recorded), 10.0), [1.0, 0.9, 0.8],
+                       without)
     assert fix.location == "train.py:12"
     assert fix.change == ("in the DataLoader(...) call: num_workers=2, persistent_workers=True, "
                           "prefetch_factor=4")
@@ -172,20 +183,21 @@ def test_make_it_permanent_names_the_settings_measured() -> None:
 def test_one_change_for_loaders_set_in_one_place() -> None:
     """Trainer's train and evaluation loaders come from one TrainingArguments: one line to
     edit. Loaders built at two lines of the script: both named."""
-    changed = {"before": {"num_workers": 0}, "after": {"num_workers": 4}}
-    hf = {"framework": "transformers", "arguments": "Seq2SeqTrainingArguments",
-          "edit_at": "t.py:5", "site": "t.py:20", **changed}
-    assert loader_change({"loaders": [hf, {**hf, "site": "t.py:21"}]}) == (
-        loader_change({"loaders": [hf]}))
-    found = loader_change({"loaders": [hf]})
+    changed = {"before": LoaderSettings(num_workers=0), "after": LoaderSettings(num_workers=4)}
+    hf = LoaderSeen(framework="transformers", arguments="Seq2SeqTrainingArguments",
+                    edit_at="t.py:5", site="t.py:20", **changed)
+    assert loader_change([hf, dataclasses.replace(hf, site="t.py:21")]) == loader_change([hf])
+    found = loader_change([hf])
     assert found is not None
     assert found.change == "in Seq2SeqTrainingArguments(...): dataloader_num_workers=4"
-    unfound = {k: v for k, v in hf.items() if k != "edit_at"}
-    assert loader_change({"loaders": [unfound]}) == type(found)(
+    unfound = dataclasses.replace(hf, edit_at=None)
+    assert loader_change([unfound]) == type(found)(
         "in the Seq2SeqTrainingArguments the Trainer is given: dataloader_num_workers=4",
         "t.py:20")
-    two = loader_change({"loaders": [{"site": "a.py:3", **changed}, {"site": "b.py:7", **changed}]})
+    two = loader_change([LoaderSeen(site="a.py:3", **changed), LoaderSeen(site="b.py:7",
+                                                                           **changed)])
     assert two is not None and two.change.endswith("num_workers=4 (likewise at b.py:7)")
-    unchanged = {"site": "a.py:3", "before": {"num_workers": 2}, "after": {"num_workers": 2}}
-    assert loader_change({"loaders": [unchanged]}) is None
+    unchanged = LoaderSeen(site="a.py:3", before=LoaderSettings(num_workers=2),
+                           after=LoaderSettings(num_workers=2))
+    assert loader_change([unchanged]) is None
 

@@ -293,7 +293,7 @@ def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
 
 
 def _stage(name: str) -> StageResult:
-    return StageResult(name=name, status="ok", iter_ms=[5.0] * 5, ms_per_iter=5.0)
+    return StageResult(name=name, status="ok", iter_ms=[5.0] * 5)
 
 
 def test_ranks_are_named_without_torchruns_rank_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,8 +28,7 @@ from gpudiag.model.results import (
 def _run() -> RunResult:
     times = [50.0, 51.0, 49.0, 52.0, 50.5]
     stage = StageResult(
-        name="train-fp16", status="ok", title="t", ms_per_iter=50.5, samples_per_s=2534.6,
-        iter_ms=times, timing=TimingStats.of(times), samples_per_step=128,
+        name="train-fp16", status="ok", title="t", iter_ms=times, samples_per_step=128,
         memory=MemoryStats(peak_allocated_mib=11000.0, peak_reserved_mib=12000.0),
         telemetry=TelemetrySummary(available=True, energy_j=1000.0, power_mean_w=550.0,
                                    gpm={"sm_active_pct": 65.0}, throttle_share={"power_cap": 0.1}),
@@ -70,9 +69,9 @@ def test_contract_fields_present(tmp_path: Path) -> None:
 
 def test_non_finite_numbers_become_null(tmp_path: Path) -> None:
     run = _run()
-    run.stages[0].samples_per_s = math.inf
+    run.stages[0].wall_s = math.inf
     save_run(run, tmp_path / "run.json")
-    assert json.loads((tmp_path / "run.json").read_text())["stages"][0]["samples_per_s"] is None
+    assert json.loads((tmp_path / "run.json").read_text())["stages"][0]["wall_s"] is None
 
 
 def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
@@ -106,3 +105,59 @@ def test_timing_stats_are_robust() -> None:
     assert TimingStats.of([5.0]).iqr_ms == 0.0
     with pytest.raises(ValueError):
         TimingStats.of([])
+
+
+def test_a_stages_summaries_follow_its_steps() -> None:
+    """Time per step, throughput and the timing summary are derived from the steps: change the
+    steps and every figure follows (nothing stored can contradict them)."""
+    stage = StageResult(name="s", status="ok", iter_ms=[10.0, 12.0, 11.0], samples_per_step=8,
+                        tokens_per_step=512)
+    assert stage.ms_per_iter == 11.0 and stage.samples_per_s == pytest.approx(8 / 11.0 * 1e3)
+    assert stage.tokens_per_s == pytest.approx(512 / 11.0 * 1e3)
+    stage.iter_ms = [20.0, 22.0, 21.0, 100.0]
+    assert stage.ms_per_iter == 21.5 and stage.samples_per_s == pytest.approx(8 / 21.5 * 1e3)
+    assert stage.timing == TimingStats.of([20.0, 22.0, 21.0, 100.0])
+    stage.facts.bursty = True  # a prefetching loader: the mean
+    assert stage.ms_per_iter == pytest.approx(163.0 / 4)
+    stage.iter_ms = []
+    assert stage.ms_per_iter is None and stage.samples_per_s is None and stage.timing is None
+
+
+def test_merged_trials_and_the_ceiling_stage_summarise_what_they_hold() -> None:
+    """Merged runs: the medians over their trials. The ceiling stage times no step: its figures
+    are of the bf16 matmuls it repeats, which stay out of iter_ms."""
+    from gpudiag.model.facts import PeakFacts, StageFacts
+    from gpudiag.model.results import Trial
+
+    stage = StageResult(name="s", status="ok", iter_ms=[10.0] * 5, samples_per_step=8, trials=[
+        Trial(ms_per_iter=ms, iters=5, samples_per_step=8) for ms in (10.0, 12.0, 16.0)])
+    assert stage.ms_per_iter == 12.0 and stage.samples_per_s == pytest.approx(8 / 12.0 * 1e3)
+    assert stage.trials[2].samples_per_s == pytest.approx(500.0)
+    peak = StageResult(name="peak", status="ok", role="ceiling", facts=StageFacts(
+        peak=PeakFacts(matmul_n=8192, matmul_tflops={"bf16": 700.0}, copy_gbps=3000.0,
+                       copy_bytes=2**30, bf16_matmul_ms=[1.5, 1.6, 1.7])))
+    assert peak.iter_ms == [] and peak.ms_per_iter == 1.6 and peak.samples_per_s is None
+    assert peak.timing is not None and peak.timing.n == 3
+
+
+def test_derived_figures_in_a_file_are_written_and_not_read(tmp_path: Path) -> None:
+    """run.json holds ms_per_iter, samples_per_s and timing for its readers; gpudiag derives
+    them again from the steps, so a file whose figures disagree with its steps cannot mislead
+    it (before, such a file was refused)."""
+    data = _run().to_dict()
+    stage = data["stages"][0]
+    assert stage["ms_per_iter"] == 50.5 and stage["samples_per_s"] == pytest.approx(128 / 0.0505)
+    stage.update(ms_per_iter=30.0, samples_per_s=1.0, timing={"n": 1})
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    loaded = load_run(tmp_path).stages[0]
+    assert loaded.ms_per_iter == 50.5 and loaded.samples_per_s == pytest.approx(128 / 0.0505)
+
+
+def test_a_schema_3_trial_takes_its_samples_per_step_from_its_stage(tmp_path: Path) -> None:
+    data = _run().to_dict()
+    data["schema_version"] = 3
+    data["stages"][0]["trials"] = [{"samples_per_s": 128 / 0.0505, "ms_per_iter": 50.5,
+                                    "iters": 5, "device_ms": None}]
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    (trial,) = load_run(tmp_path).stages[0].trials
+    assert trial.samples_per_step == 128 and trial.samples_per_s == pytest.approx(128 / 0.0505)

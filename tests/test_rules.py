@@ -180,7 +180,7 @@ def make_stage(name: str, *, ms: float = STEP_MS, evidence: Evidence | None = No
                                  throttle_share=throttle or {})
     phases = {"data_wait": [data_wait_ms] * 5} if data_wait_ms is not None else {}
     # The ladder's roles: train-fp16 is the reference the other steps are held against.
-    return StageResult(name=name, status="ok", ms_per_iter=ms, iter_ms=[ms] * 5,
+    return StageResult(name=name, status="ok", iter_ms=[ms] * 5,
                        role="reference" if name == "train-fp16" else "step",
                        samples_per_step=8, telemetry=telemetry, memory=memory,
                        phases_ms=phases, facts=facts or StageFacts(), evidence=evidence)
@@ -620,7 +620,7 @@ def test_loop_severity_follows_its_share_of_the_step(share: float, severity: str
 def test_loop_is_priced_by_its_counterfactual_twin() -> None:
     run = gd101(share=0.05)
     loop = run.stages[0]
-    loop.ms_per_iter = 300.0
+    loop.iter_ms = [300.0] * 5
     loop.facts.counterfactual = "full-vectorized"
     twin_ev = make_evidence(kernels_per_step=1000.0, memcpy_per_step={"HtoD": 7.0})
     run.stages.append(make_stage("full-vectorized", ms=100.0, evidence=twin_ev))

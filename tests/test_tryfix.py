@@ -14,7 +14,20 @@ import torch
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.remedies import NO_REMEDY, REMEDIES
+from gpudiag.model.remedies import (
+    NO_REMEDY,
+    REMEDIES,
+    AsyncSaveRecord,
+    Bf16AutocastRecord,
+    LoaderRecord,
+    LoaderSeen,
+    LoaderSettings,
+    NoEmptyCacheRecord,
+    PinnedRecord,
+    RemedyEvidence,
+    Tf32Record,
+    field_of,
+)
 from gpudiag.model.results import Env, Finding, MeasuredFix, RunResult, load_run
 from gpudiag.present.fixes import fixes_markdown
 
@@ -85,9 +98,10 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
     fixes = {f.remedy: f for f in load_run(tmp_path / "run").fixes}
     assert set(REMEDIES) <= set(fixes)
     assert all(fixes[name].status == "measured" and fixes[name].after_ms for name in REMEDIES)
-    assert fixes["no-empty-cache"].evidence["no-empty-cache"]["calls_skipped"] >= 6
-    saved = fixes["async-save"].evidence["async-save"]
-    assert saved["saves"] >= 2 and not saved["errors"]
+    skipped = fixes["no-empty-cache"].evidence.no_empty_cache
+    assert skipped is not None and skipped.calls_skipped >= 6
+    saved = fixes["async-save"].evidence.async_save
+    assert saved is not None and saved.saves >= 2 and not saved.errors
     lines = script.read_text().splitlines()
     save_line = next(n for n, line in enumerate(lines, 1) if "torch.save(" in line)
     off_line = next(n for n, line in enumerate(lines, 1) if "allow_tf32 = False" in line)
@@ -160,16 +174,49 @@ def test_only_fixes_that_paid_and_kept_the_result_are_combined() -> None:
                                                  "no-empty-cache"]
 
 
+def test_a_remedys_record_is_typed_and_a_wrong_field_is_refused_naming_it(
+        tmp_path: Path) -> None:
+    """What a remedy saw in the script is a typed record, read from a schema-3 file (keyed by
+    the remedy's name) as from a new one; a record with a field of the wrong type is refused
+    like any other run.json field: one line naming it."""
+    from gpudiag.model.results import RunFileError, save_run
+
+    run = load_run(EXAMPLES / "blocking_save")
+    saved = next(f for f in run.fixes if f.remedy == "async-save").evidence.async_save
+    assert saved is not None and saved.saves == 7 and saved.site == "examples/blocking_save.py:29"
+    save_run(run, tmp_path / "run" / "run.json")
+    assert load_run(tmp_path / "run") == run
+    loader = load_run(EXAMPLES / "slow_dataset" / "fixes" / "loader").stages[0].facts.script
+    assert loader is not None and loader.remedies.loader is not None
+    (seen,) = loader.remedies.loader.loaders
+    assert seen.before == LoaderSettings(num_workers=0, pin_memory=False)
+    assert seen.after == LoaderSettings(num_workers=8, pin_memory=True)
+    for name, remedy, where, wrong in [
+            ("blocking_save", "async-save", "fixes[{i}].evidence.async_save.saves",
+             lambda e: e.update(saves="seven")),
+            ("slow_dataset", "loader", "fixes[{i}].evidence.loader.loaders[0].before.num_workers",
+             lambda e: e["loaders"][0]["before"].update(num_workers=[0]))]:
+        data = json.loads((EXAMPLES / name / "run.json").read_text())
+        i = next(k for k, f in enumerate(data["fixes"]) if f["remedy"] == remedy)
+        wrong(data["fixes"][i]["evidence"][remedy])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps(data))
+        with pytest.raises(RunFileError) as info:
+            load_run(tmp_path / name)
+        assert where.format(i=i) + ": input should be a valid integer" in str(info.value)
+        assert "\n" not in str(info.value)
+
+
 def test_a_fix_that_changed_nothing_says_so() -> None:
     """HF Trainer's loaders already had workers and pinned memory (seen on the CPU with
     examples/hf_trainer.py): the row then measures noise, and says so."""
     from gpudiag.diagnose.tryfix import _no_effect
 
-    same = {"num_workers": 2, "pin_memory": True}
-    assert "had these settings already" in _no_effect(
-        {"loader": {"loaders": [{"site": "t.py:3", "before": same, "after": same}]}})
-    assert "nothing was changed" in _no_effect({"async-save": {"saves": 0}})
-    assert _no_effect({"async-save": {"saves": 3}}) == ""
+    same = LoaderSettings(num_workers=2, pin_memory=True)
+    assert "had these settings already" in _no_effect(RemedyEvidence(loader=LoaderRecord(
+        [LoaderSeen(site="t.py:3", before=same, after=same)])))
+    assert "nothing was changed" in _no_effect(RemedyEvidence(async_save=AsyncSaveRecord()))
+    assert _no_effect(RemedyEvidence(async_save=AsyncSaveRecord(saves=3))) == ""
 
 
 def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:
@@ -252,15 +299,31 @@ def test_the_terminal_fixes_table_is_readable_at_100_columns() -> None:
     assert shown <= words | labels, sorted(shown - words - labels)  # no piece of a broken word
 
 
+def _took_effect(names: tuple[str, ...]) -> RemedyEvidence:
+    """What remedies `names` record when each changed something in the script."""
+    seen = RemedyEvidence()
+    records = {
+        "tf32": Tf32Record(matmul_precision="high", cudnn_allow_tf32=True),
+        "bf16-autocast": Bf16AutocastRecord(device="cpu", forwards=40, module="Linear"),
+        "loader": LoaderRecord([LoaderSeen(site=None, before=LoaderSettings(num_workers=0),
+                                           after=LoaderSettings(num_workers=2))]),
+        "pinned": PinnedRecord(non_blocking_copies=40),
+        "no-empty-cache": NoEmptyCacheRecord(calls_skipped=40),
+        "async-save": AsyncSaveRecord(saves=4)}
+    for name in names:
+        setattr(seen, field_of(name), records[name])
+    return seen
+
+
 def _timed(config: ProfileConfig, ms: float) -> RunResult:
     """A run of the script with `config`'s remedies: 40 steps of `ms`."""
     from gpudiag.model.facts import ScriptFacts, StageFacts
     from gpudiag.model.results import StageResult
 
     script = ScriptFacts(steps=40, warmup=0, timed=40, step_clock="optimizer.step()",
-                         losses=[1.0, 0.9], remedies={n: {} for n in config.remedies})
+                         losses=[1.0, 0.9], remedies=_took_effect(config.remedies))
     return RunResult(tool_version="t", env=Env(device="cpu"), config=config, stages=[
-        StageResult(name="train.py", status="ok", iter_ms=[ms] * 40, ms_per_iter=ms,
+        StageResult(name="train.py", status="ok", iter_ms=[ms] * 40,
                     facts=StageFacts(script=script))])
 
 

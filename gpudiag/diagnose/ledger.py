@@ -18,7 +18,7 @@ from typing import Literal
 from gpudiag.diagnose.host import StepAccount, step_account
 from gpudiag.diagnose.timeline import RunAccount, describe, stage_account
 from gpudiag.model.facts import HostKind
-from gpudiag.model.results import Finding, RunResult, StageResult
+from gpudiag.model.results import Finding, FindingAccount, RunResult, StageResult
 
 Whole = Literal["step", "run"]
 
@@ -64,7 +64,7 @@ def ledger(stage: StageResult) -> Ledger | None:
 
 def account_findings(run: RunResult, findings: list[Finding]) -> None:
     """Each finding that prices a part of its stage's account says which, and its share of
-    the step and of the run's wall time (evidence["account"])."""
+    the step and of the run's wall time (`Finding.account`)."""
     ledgers: dict[str, Ledger | None] = {}
     for finding in findings:
         whole: Whole | None = ("step" if finding.id in STEP_PARTS else
@@ -77,14 +77,13 @@ def account_findings(run: RunResult, findings: list[Finding]) -> None:
         books = ledgers[stage.name]
         if books is None:
             continue
-        part = STEP_PARTS[finding.id] if whole == "step" else _run_part(books, finding)
-        entry: dict[str, object] = {"part": part, f"share_of_{whole}": round(finding.impact, 4)}
         wall = books.wall_share(whole, finding.impact)
-        if wall is not None:
-            entry["share_of_wall"] = round(wall, 4)
-        if whole == "step" and books.step is not None:
-            entry["ms_per_step"] = round(finding.impact * books.step.step_ms, 2)
-        finding.evidence["account"] = entry
+        finding.account = FindingAccount(
+            part=STEP_PARTS[finding.id] if whole == "step" else _run_part(books, finding),
+            whole=whole, share=round(finding.impact, 4),
+            share_of_wall=None if wall is None else round(wall, 4),
+            ms_per_step=round(finding.impact * books.step.step_ms, 2)
+            if whole == "step" and books.step is not None else None)
 
 
 def _run_part(books: Ledger, finding: Finding) -> str:
@@ -101,10 +100,10 @@ def findings_by_part(run: RunResult, stage: StageResult) -> dict[str, list[str]]
     their description), for the waterfalls."""
     found: dict[str, list[str]] = defaultdict(list)
     for finding in run.findings:
-        entry = finding.evidence.get("account")
-        if finding.stage == stage.name and isinstance(entry, dict) and "part" in entry \
-                and finding.id not in found[str(entry["part"])]:
-            found[str(entry["part"])].append(finding.id)
+        entry = finding.account
+        if finding.stage == stage.name and entry is not None \
+                and finding.id not in found[entry.part]:
+            found[entry.part].append(finding.id)
     return dict(found)
 
 
@@ -113,10 +112,9 @@ def wall_shares(run: RunResult, stage: StageResult) -> dict[str, float]:
     cause carries the price); the parts these price are disjoint, so they add up to <= 1."""
     shares: dict[str, float] = {}
     for finding in run.findings:
-        entry = finding.evidence.get("account")
-        if finding.stage != stage.name or finding.id in SYMPTOMS or not isinstance(entry, dict):
+        entry = finding.account
+        if finding.stage != stage.name or finding.id in SYMPTOMS or entry is None:
             continue
-        wall = entry.get("share_of_wall")
-        if isinstance(wall, (int, float)):
-            shares[finding.id] = shares.get(finding.id, 0.0) + float(wall)
+        if entry.share_of_wall is not None:
+            shares[finding.id] = shares.get(finding.id, 0.0) + entry.share_of_wall
     return shares

@@ -6,9 +6,8 @@ where the script decides them (gpudiag/measure/profile/frameworks.py finds that 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from gpudiag.model.remedies import LOADER_SETTINGS
+from gpudiag.model.remedies import LOADER_SETTINGS, LoaderSeen
 
 # transformers' TrainingArguments field for each DataLoader argument (the names of
 # transformers 5.24, the version the tests run with).
@@ -21,39 +20,40 @@ class LoaderChange:
     location: str | None  # the line it goes to
 
 
-def loader_change(evidence: dict[str, Any]) -> LoaderChange | None:
-    """The edit that makes permanent what the loader remedy changed (`evidence`: its record,
-    {"loaders": [...]}); None when it changed no loader."""
-    notes = [n for n in evidence.get("loaders", []) if isinstance(n, dict) and _changed(n)]
+def loader_change(loaders: list[LoaderSeen]) -> LoaderChange | None:
+    """The edit that makes permanent what the loader remedy changed in `loaders` (those its
+    record saw built); None when it changed none."""
+    notes = [n for n in loaders if _changed(n)]
     # A loader a library rebuilt from the script's (Accelerate's prepare) has the script's
     # settings: the change goes where the script built that one.
-    built = [n for n in notes if "rebuilt_by" not in n] or notes
+    built = [n for n in notes if n.rebuilt_by is None] or notes
     if not built:
         return None
-    locations = list(dict.fromkeys(str(n.get("edit_at") or n.get("site")) for n in built))
+    locations = list(dict.fromkeys(str(n.edit_at or n.site) for n in built))
     change = _change(built[0])
     if len(locations) > 1:
         change += f" (likewise at {', '.join(locations[1:])})"
     return LoaderChange(change, locations[0])
 
 
-def _changed(note: dict[str, Any]) -> dict[str, Any]:
-    """The settings the remedy changed in one loader, as it left them."""
-    before, after = note.get("before"), note.get("after")
-    if not isinstance(before, dict) or not isinstance(after, dict):
+def _changed(note: LoaderSeen) -> dict[str, object]:
+    """The settings the remedy changed in one loader, as it left them (None: not recorded)."""
+    before, after = note.before, note.after
+    if before is None or after is None:
         return {}
-    return {k: after[k] for k in LOADER_SETTINGS if k in after and after[k] != before.get(k)}
+    return {k: getattr(after, k) for k in LOADER_SETTINGS
+            if getattr(after, k) is not None and getattr(after, k) != getattr(before, k)}
 
 
-def _change(note: dict[str, Any]) -> str:
+def _change(note: LoaderSeen) -> str:
     settings = _changed(note)
-    if "hook" in note:  # the script's own hook builds it, called by the framework
+    if note.hook is not None:  # the script's own hook builds it, called by the framework
         arguments = ", ".join(f"{k}={v!r}" for k, v in settings.items())
-        return f"in your {note['hook']}(): DataLoader(..., {arguments})"
-    if note.get("framework") == "transformers":  # the Trainer builds it from its arguments
+        return f"in your {note.hook}(): DataLoader(..., {arguments})"
+    if note.framework == "transformers":  # the Trainer builds it from its arguments
         fields = ", ".join(f"{TRAINING_ARGUMENTS[k]}={v!r}" for k, v in settings.items())
-        arguments = note.get("arguments", "TrainingArguments")
-        where = f"in {arguments}(...)" if "edit_at" in note else \
+        arguments = note.arguments or "TrainingArguments"
+        where = f"in {arguments}(...)" if note.edit_at is not None else \
             f"in the {arguments} the Trainer is given"
         return f"{where}: {fields}"
     return "in the DataLoader(...) call: " + ", ".join(f"{k}={v!r}" for k, v in settings.items())

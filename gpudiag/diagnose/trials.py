@@ -55,11 +55,9 @@ def trial_of(stage: StageResult) -> Trial | None:
     # Bursty stages (a prefetching DataLoader) are scored by their mean, as everywhere else.
     ms = statistics.fmean(steady) if stage.facts.bursty else statistics.median(steady)
     device = stage.evidence.device_ms_by_step if stage.evidence is not None else []
-    return Trial(samples_per_s=stage.samples_per_step / ms * 1e3, ms_per_iter=ms,
-                 iters=len(steady), throttled=throttled(stage),
-                 energy_per_sample_j=stage.energy_per_sample_j,
-                 counters=read_counters(stage), device_ms_by_step=list(device),
-                 device_ms=statistics.median(device) if device else None)
+    return Trial(ms_per_iter=ms, iters=len(steady), samples_per_step=stage.samples_per_step,
+                 throttled=throttled(stage), energy_per_sample_j=stage.energy_per_sample_j,
+                 counters=read_counters(stage), device_ms_by_step=list(device))
 
 
 def block_scores(stage: StageResult) -> list[float]:
@@ -128,7 +126,8 @@ def side_counters(stage: StageResult) -> list[dict[str, float]]:
 def merge_trials(runs: list[RunResult]) -> RunResult:
     """One run from several runs of the same configuration (fresh processes): each stage keeps
     the first run's facts and telemetry, the first evidence any trial recorded, and one Trial
-    per run; ms/iter and throughput become the median over trials."""
+    per run; its ms/iter and throughput are then the median over trials
+    (StageResult.merged_trials)."""
     if not runs:
         raise ValueError("no runs to merge")
     merged = copy.deepcopy(runs[0])
@@ -138,11 +137,6 @@ def merge_trials(runs: list[RunResult]) -> RunResult:
                   if t is not None]
         stage.trials = trials
         stage.evidence = next((s.evidence for s in same if s.evidence is not None), None)
-        if stage.ok and trials:
-            stage.ms_per_iter = statistics.median(t.ms_per_iter for t in trials)
-            stage.samples_per_s = statistics.median(t.samples_per_s for t in trials)
-            if stage.tokens_per_step:
-                stage.tokens_per_s = stage.tokens_per_step / stage.ms_per_iter * 1e3
     merged.notes.append(f"{len(runs)} trials, each a fresh process; per-stage figures are "
                         "medians over trials.")
     merged.interrupted = any(r.interrupted for r in runs)

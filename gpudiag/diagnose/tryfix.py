@@ -24,8 +24,13 @@ from gpudiag.model.remedies import (
     COMBINED_RUN,
     NO_REMEDY,
     REMEDIES,
+    AsyncSaveRecord,
+    LoaderRecord,
     Numerics,
+    PinnedRecord,
     Remedy,
+    RemedyEvidence,
+    Tf32Record,
     remedies_for,
 )
 from gpudiag.model.results import Equivalence, Finding, MeasuredFix, RunResult, StageResult
@@ -95,8 +100,8 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
         fix.status = "failed"
         fix.note = _why_not_measured(after, b)
         return fix
-    fix.evidence = (b.facts.script.remedies if b.facts.script else {})
-    fix.location = _site_seen(fix.evidence) or fix.location
+    fix.evidence = b.facts.script.remedies if b.facts.script else RemedyEvidence()
+    fix.location = _site_seen(fix.evidence, names) or fix.location
     # The mean step: what a run's length is made of. A median would not see a save every N
     # steps, the very cost a background save removes.
     fix.before_ms = statistics.fmean(steady_state(a.iter_ms))
@@ -155,11 +160,18 @@ def assess(run: RunResult, plan: FixPlan, runs: dict[str, RunResult],
     fixes = [measured_fix(r, [r.name], before, runs[r.name], losses, run)
              for r in plan.remedies if r.name in runs]
     if COMBINED_RUN in runs:
-        stage = _main_stage(runs[COMBINED_RUN])
-        names = [n for n in (stage.facts.script.remedies if stage and stage.facts.script
-                             else {}) if n in REMEDIES]
+        names = _combined(runs[COMBINED_RUN])
         fixes.append(measured_fix(None, names, before, runs[COMBINED_RUN], losses, run))
     return ranked(fixes + stopped + plan.untreated)
+
+
+def _combined(kept: RunResult) -> list[str]:
+    """The remedies the combined run's script applied, in the order the run was given them
+    (a config of schema 2 and before has no remedies: in REMEDIES' order)."""
+    stage = _main_stage(kept)
+    seen = stage.facts.script.remedies if stage and stage.facts.script else RemedyEvidence()
+    given = kept.config.remedies if isinstance(kept.config, ProfileConfig) else ()
+    return [name for name in given or seen.applied if seen.record(name) is not None]
 
 
 def reassess(run: RunResult, runs: dict[str, RunResult]) -> list[MeasuredFix]:
@@ -188,7 +200,6 @@ def bracketed(first: RunResult, last: RunResult) -> RunResult:
     stage = _main_stage(merged)
     assert stage is not None
     stage.iter_ms = steady_state(a.iter_ms) + steady_state(b.iter_ms)
-    stage.ms_per_iter = statistics.median(stage.iter_ms)
     energies = [e for e in (_energy_per_step(a), _energy_per_step(b)) if e is not None]
     stage.telemetry = dataclasses.replace(
         stage.telemetry, energy_j=statistics.fmean(energies) * len(stage.iter_ms)
@@ -274,13 +285,13 @@ def _location(run: RunResult, names: list[str]) -> str | None:
     return None
 
 
-def _switched_off(evidence: dict[str, dict[str, object]]) -> str | None:
+def _switched_off(evidence: RemedyEvidence) -> str | None:
     """The tf32 remedy found the script switching TF32 off itself: that line is the change."""
-    kept = evidence.get("tf32", {}).get("kept_on")
-    if not isinstance(kept, list) or not kept:
+    kept = evidence.tf32.kept_on if evidence.tf32 is not None else []
+    if not kept:
         return None
-    others = ", ".join(str(k["site"]) for k in kept[1:] if isinstance(k, dict))
-    return (f"the script switches TF32 off here (`{kept[0]['set']}`"
+    others = ", ".join(str(k.site) for k in kept[1:])
+    return (f"the script switches TF32 off here (`{kept[0].set}`"
             + (f"; also at {others}" if others else "") + "): delete that, or set it to True")
 
 
@@ -289,22 +300,21 @@ def _measured_loader_change(fix: MeasuredFix) -> None:
     terms of the framework that built the loader, at the line where the script sets them."""
     if fix.remedy != "loader":
         return
-    recorded = loader_change(fix.evidence.get("loader", {}))
+    recorded = loader_change(fix.evidence.loader.loaders if fix.evidence.loader else [])
     if recorded is not None:
         fix.change, fix.location = recorded.change, recorded.location or fix.location
 
 
-def _no_effect(evidence: dict[str, dict[str, object]]) -> str:
+def _no_effect(evidence: RemedyEvidence) -> str:
     """A remedy that found nothing to change in this script: its row measures noise."""
-    loaders = evidence.get("loader", {}).get("loaders")
-    if isinstance(loaders, list) and not loaders:
+    loaders = evidence.loader.loaders if evidence.loader is not None else None
+    if loaders is not None and not loaders:
         return "the script built no DataLoader while it ran: nothing was changed"
-    if isinstance(loaders, list) and all(
-            isinstance(n, dict) and n.get("before") == n.get("after") for n in loaders):
+    if loaders is not None and all(n.before == n.after for n in loaders):
         return "the script's DataLoaders had these settings already: nothing was changed"
-    if evidence.get("async-save", {}).get("saves") == 0:
+    if evidence.async_save is not None and evidence.async_save.saves == 0:
         return "the script called torch.save on no path while it ran: nothing was changed"
-    if evidence.get("no-empty-cache", {}).get("calls_skipped") == 0:
+    if evidence.no_empty_cache is not None and evidence.no_empty_cache.calls_skipped == 0:
         return "the script never called torch.cuda.empty_cache(): nothing was changed"
     return ""
 
@@ -312,12 +322,11 @@ def _no_effect(evidence: dict[str, dict[str, object]]) -> str:
 QUEUED_SAVE_MS = 10.0  # a background save that waits this long for the previous one queues
 
 
-def _queued_saves(evidence: dict[str, dict[str, object]]) -> str:
+def _queued_saves(evidence: RemedyEvidence) -> str:
     """Why background saves bought less than they could: each waited for the one before."""
-    saves = evidence.get("async-save", {})
-    count, waited = saves.get("saves"), saves.get("waited_ms")
-    if not isinstance(count, int) or not count or not isinstance(waited, float):
+    if evidence.async_save is None or not evidence.async_save.saves:
         return ""
+    count, waited = evidence.async_save.saves, evidence.async_save.waited_ms
     if waited / count < QUEUED_SAVE_MS:
         return ""
     return (f"each save waited {waited / count:.0f} ms on average for the one before it: "
@@ -325,15 +334,16 @@ def _queued_saves(evidence: dict[str, dict[str, object]]) -> str:
             "checkpoint-async-contention)")
 
 
-def _site_seen(evidence: dict[str, dict[str, object]]) -> str | None:
-    """The script's line a remedy acted on (a DataLoader built, a torch.save called)."""
-    for seen in evidence.values():
-        loaders = seen.get("loaders")
-        if isinstance(loaders, list) and loaders and isinstance(loaders[0], dict):
-            site = loaders[0].get("site")
-            return site if isinstance(site, str) else None
-        site = seen.get("site")
-        if isinstance(site, str):
+def _site_seen(evidence: RemedyEvidence, names: Sequence[str]) -> str | None:
+    """The script's line one of remedies `names` acted on, the first that did (a DataLoader
+    built, a torch.save called, TF32 switched off)."""
+    for name in names:
+        record = evidence.record(name)
+        loaders = record.loaders if isinstance(record, (LoaderRecord, PinnedRecord)) else []
+        if loaders:
+            return loaders[0].site
+        site = record.site if isinstance(record, (Tf32Record, AsyncSaveRecord)) else None
+        if site is not None:
             return site
     return None
 

@@ -18,7 +18,7 @@ import torch
 from gpudiag.measure.interrupts import Stopped
 from gpudiag.measure.telemetry import Sampler
 from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
-from gpudiag.model.results import MemoryStats, StageResult, TelemetrySummary, TimingStats
+from gpudiag.model.results import MemoryStats, StageResult, TelemetrySummary
 
 _MIB = 2**20
 
@@ -98,19 +98,14 @@ def peak_memory(device: torch.device) -> MemoryStats | None:
 
 def fill_timed(result: StageResult, window: Window, *, samples_per_step: int | None,
                tokens_per_step: int | None = None) -> StageResult:
-    """Put the window's timings on `result`: per-step times, their summary, the stage's time
-    per step (the median, or the mean when `result.facts.bursty`), throughput, telemetry,
-    phases and memory."""
-    stats = TimingStats.of(window.iter_ms)
-    result.iter_ms, result.warmup_ms, result.timing = window.iter_ms, window.warmup_ms, stats
-    result.ms_per_iter = stats.mean_ms if result.facts.bursty else stats.median_ms
+    """Put the window's timings on `result`: per-step times (the stage's time per step,
+    throughput and timing summary follow from them), what a step holds, telemetry, phases and
+    memory."""
+    if not window.iter_ms:
+        raise ValueError("no iteration times to summarise")
+    result.iter_ms, result.warmup_ms = window.iter_ms, window.warmup_ms
     result.timer, result.wall_s = window.timer, window.wall_s
     result.telemetry, result.phases_ms, result.memory = (window.telemetry, window.phases_ms,
                                                          window.memory)
     result.samples_per_step, result.tokens_per_step = samples_per_step, tokens_per_step
-    if result.ms_per_iter > 0:
-        if samples_per_step is not None:
-            result.samples_per_s = samples_per_step / result.ms_per_iter * 1e3
-        if tokens_per_step is not None:
-            result.tokens_per_s = tokens_per_step / result.ms_per_iter * 1e3
     return result

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field
 
+from gpudiag.model.remedies import RemedyEvidence
+
 
 @dataclass
 class LoaderFacts:
@@ -294,7 +296,7 @@ class ScriptFacts:
     # profile --try-fixes: the first steps' losses (what each backward() started from), and
     # what each remedy applied in this process saw (gpudiag/measure/profile/remedies.py).
     losses: list[float] = field(default_factory=list)
-    remedies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    remedies: RemedyEvidence = field(default_factory=RemedyEvidence)
     timeline: StepTimeline | None = None
     host: HostSamples | None = None
     compiles: CompileFacts | None = None

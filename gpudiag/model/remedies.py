@@ -3,13 +3,19 @@
 Each remedy is declared once: the findings that call for it, how gpudiag applies it (inside the
 script's process, through the profile bootstrap: gpudiag/measure/profile/remedies.py), whether
 it keeps the script's numerics, and the code change that makes it permanent. Findings with no
-safe automatic remedy keep their written advice (NO_REMEDY says why).
+safe automatic remedy keep their written advice (NO_REMEDY says why). What each one saw in the
+script when applied (a record per remedy, together a `RemedyEvidence`) is declared here too:
+the applier fills it in, run.json keeps it (validated on load like the rest), diagnose reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 Numerics = Literal["exact", "precision"]
 FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
@@ -85,3 +91,153 @@ NO_REMEDY: dict[str, str] = {
 
 def remedies_for(code: str) -> list[Remedy]:
     return [r for r in REMEDIES.values() if code in r.findings]
+
+
+# --- what each remedy saw in the script -----------------------------------------------------
+
+Count = Annotated[int, Field(ge=0)]
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):  # not a count DataLoader could use either
+        return None
+
+
+@dataclass
+class LoaderSettings:
+    """A DataLoader's LOADER_SETTINGS as it was given them. None: not recorded (records of
+    schema 3 and before have num_workers and pin_memory only), or prefetch_factor left unset."""
+
+    num_workers: Count | None = None
+    pin_memory: bool | None = None
+    persistent_workers: bool | None = None
+    prefetch_factor: Count | None = None
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> LoaderSettings:
+        """From DataLoader's bound arguments, as plain numbers and booleans."""
+        return cls(num_workers=_int(arguments.get("num_workers")),
+                   pin_memory=bool(arguments.get("pin_memory")),
+                   persistent_workers=bool(arguments.get("persistent_workers")),
+                   prefetch_factor=_int(arguments.get("prefetch_factor")))
+
+
+assert tuple(f.name for f in dataclasses.fields(LoaderSettings)) == LOADER_SETTINGS
+
+
+@dataclass
+class LoaderSeen:
+    """One DataLoader a loader remedy saw built: where, its settings before and after the
+    remedy, and what built it (gpudiag/measure/profile/frameworks.py)."""
+
+    site: str | None  # the script's line that built it
+    before: LoaderSettings | None = None
+    after: LoaderSettings | None = None
+    kept: str | None = None  # why it was left as it was (an IterableDataset)
+    # A framework's loader: transformers' Trainer from its arguments (their class, and the
+    # script's line that constructs them), a framework calling the script's hook, or a library
+    # that rebuilt a loader the script built.
+    framework: str | None = None
+    arguments: str | None = None
+    edit_at: str | None = None
+    hook: str | None = None
+    rebuilt_by: str | None = None
+
+    @classmethod
+    def of(cls, site: str | None, origin: Mapping[str, str]) -> LoaderSeen:
+        """Built at `site`, by what `origin` says (frameworks.loader_origin's keys)."""
+        return cls(site=site, framework=origin.get("framework"),
+                   arguments=origin.get("arguments"), edit_at=origin.get("edit_at"),
+                   hook=origin.get("hook"), rebuilt_by=origin.get("rebuilt_by"))
+
+
+@dataclass
+class Tf32Overruled:
+    """The script switching TF32 off, overruled for the run: its line, and what it set."""
+
+    site: str | None
+    set: str
+
+
+@dataclass
+class Tf32Record:
+    kept_on: list[Tf32Overruled] = field(default_factory=list)
+    matmul_precision: str | None = None  # at the end of the run
+    cudnn_allow_tf32: bool | None = None
+
+    @property
+    def site(self) -> str | None:
+        """The first line that switched TF32 off: the one to edit."""
+        return self.kept_on[0].site if self.kept_on else None
+
+
+@dataclass
+class Bf16AutocastRecord:
+    device: str | None = None
+    forwards: Count = 0  # outermost module calls run under autocast
+    module: str | None = None  # the first one's class
+
+
+@dataclass
+class LoaderRecord:
+    loaders: list[LoaderSeen] = field(default_factory=list)
+
+
+@dataclass
+class PinnedRecord:
+    loaders: list[LoaderSeen] = field(default_factory=list)
+    non_blocking_copies: Count = 0  # .to()/.cuda() of pinned tensors made non_blocking
+
+
+@dataclass
+class NoEmptyCacheRecord:
+    calls_skipped: Count = 0
+
+
+@dataclass
+class AsyncSaveRecord:
+    saves: Count = 0  # written in the background
+    kept_blocking: Count = 0  # to a buffer, not a path: left as they were
+    waited_ms: Annotated[float, Field(ge=0)] = 0.0  # a save waiting for the one before
+    errors: list[str] = field(default_factory=list)
+    site: str | None = None  # the first save's line
+
+
+RemedyRecord = (Tf32Record | Bf16AutocastRecord | LoaderRecord | PinnedRecord
+                | NoEmptyCacheRecord | AsyncSaveRecord)
+
+
+@dataclass
+class RemedyEvidence:
+    """What the remedies applied in one process saw, one record per remedy (None: not
+    applied). A field is its remedy's name with underscores (run.json's keys of schema 3 and
+    before were the names)."""
+
+    tf32: Tf32Record | None = None
+    bf16_autocast: Bf16AutocastRecord | None = None
+    loader: LoaderRecord | None = None
+    pinned: PinnedRecord | None = None
+    no_empty_cache: NoEmptyCacheRecord | None = None
+    async_save: AsyncSaveRecord | None = None
+
+    def record(self, name: str) -> RemedyRecord | None:
+        """Remedy `name`'s record (None: not applied, or no such remedy)."""
+        value: RemedyRecord | None = getattr(self, field_of(name), None) \
+            if name in REMEDIES else None
+        return value
+
+    @property
+    def applied(self) -> list[str]:
+        """The names of the remedies recorded, in REMEDIES' order."""
+        return [name for name in REMEDIES if self.record(name) is not None]
+
+
+def field_of(name: str) -> str:
+    """RemedyEvidence's field for remedy `name`."""
+    return name.replace("-", "_")
+
+
+assert {f.name for f in dataclasses.fields(RemedyEvidence)} == {field_of(n) for n in REMEDIES}, \
+    "every declared remedy has a record"

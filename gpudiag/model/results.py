@@ -12,7 +12,7 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -23,13 +23,19 @@ from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import AnyConfig
 from gpudiag.model.errors import GpudiagError
 from gpudiag.model.facts import StageFacts, facts_from_details
+from gpudiag.model.remedies import RemedyEvidence, field_of
 from gpudiag.model.schema import SchemaError, parse_json, validate_as
 from gpudiag.model.validity import check_run
 
 # 2: stages[].facts (typed, gpudiag.model.facts) replaced stages[].details (an untyped dict).
 # 3: stages[].role says what a stage is to the others; config.mode tells the two configs apart.
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (1, 2, 3)
+# 4: a stage's ms_per_iter, samples_per_s, tokens_per_s and timing (and a trial's samples_per_s
+#    and device_ms) are derived from its steps, written but not read; a trial keeps its
+#    samples_per_step; findings[].account (typed) replaced findings[].evidence.account;
+#    the remedies' records (fixes[].evidence, facts.script.remedies) are typed, keyed by field
+#    (no_empty_cache), not by remedy name (no-empty-cache).
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)
 
 StageStatus = Literal["ok", "error", "skipped"]
 # What a stage is to the others: a training (or inference) step; the reference step others are
@@ -285,38 +291,47 @@ def bus_bandwidth_factor(world: int) -> float:
 
 @dataclass
 class Trial:
-    """One fresh process's score for a stage (see gpudiag.diagnose.trials)."""
+    """One fresh process's score for a stage (see gpudiag.diagnose.trials): the summary of its
+    steady-state steps, which the trial does not keep; its throughput and kernel time per step
+    follow from what it keeps."""
 
-    samples_per_s: Positive  # from the median steady-state step time
-    ms_per_iter: StepMs
+    ms_per_iter: StepMs  # the median of its steady-state steps (their mean for a bursty stage)
     iters: Count  # steady-state steps behind the score
+    samples_per_step: Annotated[int, Field(ge=1)]  # the stage's, which every trial shares
     throttled: bool = False  # thermal/hardware slowdown: not valid for a gate
     energy_per_sample_j: NonNegative | None = None
     # Exact counters per step (gpudiag.diagnose.counters), and the kernel time of each profiled
-    # step with its median: what the trial's evidence window measured.
+    # step: what the trial's evidence window measured.
     counters: dict[str, NonNegative] = field(default_factory=dict)
     device_ms_by_step: list[NonNegative] = field(default_factory=list)
-    device_ms: NonNegative | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        """The trial's score: throughput at its time per step."""
+        return self.samples_per_step / self.ms_per_iter * 1e3
+
+    @property
+    def device_ms(self) -> float | None:
+        """The median kernel time of its profiled steps; None without a profiled step."""
+        return statistics.median(self.device_ms_by_step) if self.device_ms_by_step else None
 
 
 @dataclass
 class StageResult:
-    """One stage of a run. `ms_per_iter` is the median of `iter_ms` (the timed iterations), or
-    their mean for bursty stages such as a prefetching DataLoader (`facts.bursty`)."""
+    """One stage of a run: its timed iterations (`iter_ms`) and what else it recorded. Its time
+    per step, throughput and timing summary are derived from those (`ms_per_iter` and the other
+    properties below), so they never contradict the steps; run.json holds them too, for
+    readers without this module, and they are not read back."""
 
     name: str
     status: StageStatus
     title: str = ""
     role: StageRole = "step"
     workload: str = ""  # what ran, e.g. "dgca (prompt: loop)"
-    ms_per_iter: StepMs | None = None
-    samples_per_s: Positive | None = None
-    tokens_per_s: Positive | None = None
     samples_per_step: Annotated[int, Field(ge=1)] | None = None
     tokens_per_step: Annotated[int, Field(ge=1)] | None = None
     iter_ms: list[StepMs] = field(default_factory=list)
     warmup_ms: list[NonNegative] = field(default_factory=list)
-    timing: TimingStats | None = None
     timer: str | None = None  # how iter_ms was measured
     wall_s: float | None = None
     memory: MemoryStats | None = None
@@ -333,6 +348,55 @@ class StageResult:
     interrupted: bool = False  # stopped by a signal while it ran (status "error")
 
     @property
+    def timed_ms(self) -> list[float]:
+        """The times the stage's summaries are of: its timed steps. The ceiling stage times no
+        step; its summaries are of the operation it repeats, the bf16 matmul
+        (`facts.peak.bf16_matmul_ms`), kept out of `iter_ms` so that no rule reads them as
+        training steps."""
+        if self.iter_ms or self.facts.peak is None:
+            return self.iter_ms
+        return self.facts.peak.bf16_matmul_ms
+
+    @property
+    def merged_trials(self) -> bool:
+        """Runs merged into this one (gpudiag.diagnose.trials.merge_trials): its figures are
+        medians over their trials, not over its own steps."""
+        return self.ok and len(self.trials) >= 2
+
+    @property
+    def ms_per_iter(self) -> float | None:
+        """Time per step: the median of the timed steps, or their mean for a bursty stage such
+        as a prefetching DataLoader (`facts.bursty`); with merged trials, the median of theirs.
+        None when nothing was timed."""
+        if self.merged_trials:
+            return statistics.median(t.ms_per_iter for t in self.trials)
+        times = self.timed_ms
+        if not times:
+            return None
+        return statistics.fmean(times) if self.facts.bursty else statistics.median(times)
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Throughput at `ms_per_iter`; with merged trials, the median of their throughputs."""
+        if self.merged_trials:
+            return statistics.median(t.samples_per_s for t in self.trials)
+        return self._per_s(self.samples_per_step)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._per_s(self.tokens_per_step)
+
+    def _per_s(self, per_step: int | None) -> float | None:
+        ms = self.ms_per_iter
+        return None if not per_step or not ms else per_step / ms * 1e3
+
+    @property
+    def timing(self) -> TimingStats | None:
+        """The robust summary of `timed_ms`; None when nothing was timed."""
+        times = self.timed_ms
+        return TimingStats.of(times) if times else None
+
+    @property
     def ok(self) -> bool:
         return self.status == "ok"
 
@@ -342,6 +406,19 @@ class StageResult:
         if energy is None or not self.samples_per_step or not self.iter_ms:
             return None
         return energy / (self.samples_per_step * len(self.iter_ms))
+
+
+@dataclass
+class FindingAccount:
+    """The part of its stage's account a finding that prices time prices
+    (gpudiag/diagnose/ledger.py): its share of that whole (the steady step, or the run's wall
+    time), and of the run's wall time, the one whole every finding of the stage shares."""
+
+    part: str  # a step's host kind ("sync", "data", ...), or a run part's description
+    whole: Literal["step", "run"]  # what `share` is a share of
+    share: Share  # the finding's impact, as a share of `whole`
+    share_of_wall: Share | None = None  # None: a step part, without the run's timeline
+    ms_per_step: NonNegative | None = None  # a step part's time per steady step
 
 
 @dataclass
@@ -357,6 +434,7 @@ class Finding:
     impact: Share = 0.0
     location: str | None = None
     fix: str = ""
+    account: FindingAccount | None = None  # set after the rules, for a finding that prices time
 
 
 @dataclass
@@ -384,7 +462,8 @@ class MeasuredFix:
     equivalence: Equivalence = "unchecked"
     loss_gap: NonNegative | None = None  # largest relative loss difference over the first steps
     loss_floor: NonNegative | None = None  # the same between two runs without the fix
-    evidence: dict[str, Any] = field(default_factory=dict)  # what the script saw of it
+    # What the script saw of it (of them, combined): each remedy's record.
+    evidence: RemedyEvidence = field(default_factory=RemedyEvidence)
     note: str = ""
     # The remedy found nothing to change in the script (no DataLoader, no save): its speedup is
     # noise between two runs, never a reason to rank or recommend it.
@@ -488,6 +567,8 @@ class RunResult:
             data = _upgrade_from_1(data)
         if version in (1, 2):
             data = _upgrade_from_2(data)
+        if version in (1, 2, 3):
+            data = _upgrade_from_3(data)
         try:
             run = validate_as(cls, data)
         except SchemaError as exc:
@@ -511,11 +592,66 @@ def _upgrade_from_1(data: dict[str, Any]) -> dict[str, Any]:
 def _upgrade_from_2(data: dict[str, Any]) -> dict[str, Any]:
     stages = [dict(s, role=_ROLES_BY_NAME.get(str(s.get("name")), "step"))
               if isinstance(s, dict) else s for s in data.get("stages") or []]
-    return {**data, "stages": stages, "schema_version": SCHEMA_VERSION}
+    return {**data, "stages": stages, "schema_version": 3}
 
 
-# Derived values written into run.json for readers that do not use this module.
-_DERIVED = {StageResult: ("energy_per_sample_j",), TimingStats: ("iqr_ms",),
+def _upgrade_from_3(data: dict[str, Any]) -> dict[str, Any]:
+    upgrades: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "stages": _stage_from_3, "findings": _finding_from_3,
+        "fixes": lambda fix: dict(fix, evidence=_remedies_from_3(fix["evidence"]))
+        if "evidence" in fix else fix}
+    upgraded = {**data, "schema_version": 4}
+    for key, upgrade in upgrades.items():
+        items = data.get(key)
+        if isinstance(items, list):  # anything else is left for the schema to refuse
+            upgraded[key] = [upgrade(x) if isinstance(x, dict) else x for x in items]
+    return upgraded
+
+
+def _stage_from_3(stage: dict[str, Any]) -> dict[str, Any]:
+    """A trial's samples per step, which schema 3 kept on its stage only (a trial's stored
+    samples_per_s was that over its ms_per_iter: refused on load when it was not); the
+    remedies a profiled script's process applied, by field."""
+    trials, per_step = stage.get("trials"), stage.get("samples_per_step")
+    if isinstance(trials, list) and per_step is not None:
+        stage = dict(stage, trials=[{"samples_per_step": per_step, **t}
+                                    if isinstance(t, dict) else t for t in trials])
+    facts = stage.get("facts")
+    script = facts.get("script") if isinstance(facts, dict) else None
+    if isinstance(facts, dict) and isinstance(script, dict) and "remedies" in script:
+        script = dict(script, remedies=_remedies_from_3(script["remedies"]))
+        stage = dict(stage, facts=dict(facts, script=script))
+    return stage
+
+
+def _remedies_from_3(records: Any) -> Any:
+    """Remedies' records keyed by name ("no-empty-cache") as keyed by RemedyEvidence's field."""
+    if not isinstance(records, dict):
+        return records
+    return {field_of(str(name)): record for name, record in records.items()}
+
+
+def _finding_from_3(finding: dict[str, Any]) -> dict[str, Any]:
+    """Schema 3 kept a finding's account in its evidence, as {part, share_of_step or
+    share_of_run, share_of_wall, ms_per_step}; anything else there is refused as the account."""
+    evidence = finding.get("evidence")
+    if not isinstance(evidence, dict) or "account" not in evidence:
+        return finding
+    rest = {k: v for k, v in evidence.items() if k != "account"}
+    old = evidence["account"]
+    if not isinstance(old, dict):
+        return {**finding, "evidence": rest, "account": old}
+    whole = "run" if "share_of_run" in old else "step"
+    account = {"part": old.get("part"), "whole": whole, "share": old.get(f"share_of_{whole}"),
+               "share_of_wall": old.get("share_of_wall"), "ms_per_step": old.get("ms_per_step")}
+    return {**finding, "evidence": rest, "account": account}
+
+
+# Derived values written into run.json for readers that do not use this module; a reader of
+# run.json that does (RunResult.from_dict) derives them again and ignores these keys.
+_DERIVED = {StageResult: ("ms_per_iter", "samples_per_s", "tokens_per_s", "timing",
+                          "energy_per_sample_j"),
+            Trial: ("samples_per_s", "device_ms"), TimingStats: ("iqr_ms",),
             Evidence: ("collective_share",), StageFacts: ("step_statistic",)}
 
 

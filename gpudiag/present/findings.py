@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.diagnose import Rule
-from gpudiag.model.results import Finding, RunResult
+from gpudiag.model.results import Finding, FindingAccount, RunResult
 from gpudiag.present.tables import markdown_table
 
 _STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
@@ -24,9 +24,27 @@ def _at_stake(finding: Finding) -> str:
     stake = f"{finding.impact:.0%} of {'the run' if whole else 'the step'}"
     # A step's share is also one of the run's wall, the same whole for every finding
     # (gpudiag/diagnose/ledger.py).
-    account = finding.evidence.get("account")
-    wall = account.get("share_of_wall") if isinstance(account, dict) and not whole else None
-    return f"{stake} ({wall:.1%} of the run's wall time)" if isinstance(wall, float) else stake
+    wall = finding.account.share_of_wall if finding.account is not None and not whole else None
+    return f"{stake} ({wall:.1%} of the run's wall time)" if wall is not None else stake
+
+
+def _account(account: FindingAccount) -> dict[str, float | str]:
+    """The account as the evidence line shows it: part, its share of its whole, of the wall,
+    and a step part's ms per step."""
+    shown: dict[str, float | str] = {"part": account.part,
+                                     f"share_of_{account.whole}": account.share}
+    if account.share_of_wall is not None:
+        shown["share_of_wall"] = account.share_of_wall
+    if account.ms_per_step is not None:
+        shown["ms_per_step"] = account.ms_per_step
+    return shown
+
+
+def _evidence(finding: Finding) -> dict[str, Any]:
+    """What the finding saw, and last the part of the account it prices."""
+    if finding.account is None:
+        return finding.evidence
+    return {**finding.evidence, "account": _account(finding.account)}
 
 
 def _value(value: Any) -> str:
@@ -77,7 +95,7 @@ def diagnosis_markdown(run: RunResult) -> list[str]:
             lines.append(f"- Where: `{f.location}`")
         lines.append(f"- At stake: {_at_stake(f)}")
         lines.append("- Evidence: " + "; ".join(f"{k} = {_value(v)}"
-                                               for k, v in f.evidence.items()))
+                                               for k, v in _evidence(f).items()))
         lines += [f"- Fix: {f.fix}", ""]
     if observations:
         lines += ["Observations (information, no action needed):", ""]

@@ -2,9 +2,10 @@
 
 Each is applied at start-up, before the script's first line, by replacing or wrapping what the
 script will call (torch.save, DataLoader.__init__, torch.cuda.empty_cache, ...), and records
-what it saw in the script (`evidence`: a DataLoader's workers before and after, calls skipped,
-saves written in the background), so the report shows the fix took effect. The catalog (what
-each remedy is, which findings call for it, the permanent change) is gpudiag/model/remedies.py.
+what it saw in the script (its record in a `RemedyEvidence`: a DataLoader's workers before and
+after, calls skipped, saves written in the background), so the report shows the fix took
+effect. The catalog (what each remedy is, which findings call for it, the permanent change) and
+the records are gpudiag/model/remedies.py.
 
 Also here: the first steps' losses, recorded for the equivalence check (the value every
 backward() starts from, up to a count), and the seed every run of one --try-fixes shares.
@@ -30,9 +31,20 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
 from gpudiag.measure.profile.frameworks import loader_origin
-from gpudiag.model.remedies import LOADER_SETTINGS, REMEDIES
+from gpudiag.model.remedies import (
+    REMEDIES,
+    AsyncSaveRecord,
+    Bf16AutocastRecord,
+    LoaderRecord,
+    LoaderSeen,
+    LoaderSettings,
+    NoEmptyCacheRecord,
+    PinnedRecord,
+    RemedyEvidence,
+    Tf32Overruled,
+    Tf32Record,
+)
 
-Evidence = dict[str, Any]
 MAX_LOADER_WORKERS = 8
 LOADER_PREFETCH = 4
 
@@ -52,15 +64,15 @@ def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable
 
 # --- tf32 ---------------------------------------------------------------------------------
 
-def _tf32(evidence: Evidence) -> Callable[[], None]:
+def _tf32(seen: RemedyEvidence) -> Callable[[], None]:
     """TF32 on, and kept on: a script that switches it off itself (the usual cause of the
     finding) is overruled for this run, and the line that did it is noted (the one to edit)."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
-    evidence["kept_on"] = []
+    record = seen.tf32 = Tf32Record()
 
     def overruled(what: str) -> None:
-        evidence["kept_on"].append({"site": _site(depth=3), "set": what})
+        record.kept_on.append(Tf32Overruled(site=_site(depth=3), set=what))
 
     def guard(cls: type[object]) -> None:
         original = cls.__setattr__
@@ -87,27 +99,25 @@ def _tf32(evidence: Evidence) -> Callable[[], None]:
     _wrap(torch, "set_float32_matmul_precision", around)
 
     def observe() -> None:
-        evidence["matmul_precision"] = torch.get_float32_matmul_precision()
-        evidence["cudnn_allow_tf32"] = bool(torch.backends.cudnn.allow_tf32)
-        if evidence["kept_on"]:
-            evidence["site"] = evidence["kept_on"][0]["site"]
+        record.matmul_precision = torch.get_float32_matmul_precision()
+        record.cudnn_allow_tf32 = bool(torch.backends.cudnn.allow_tf32)
     return observe
 
 
 # --- bf16 autocast around the outermost module call ----------------------------------------
 
-def _bf16_autocast(evidence: Evidence) -> Callable[[], None]:
+def _bf16_autocast(seen: RemedyEvidence) -> Callable[[], None]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = threading.local()
-    evidence.update(device=device, forwards=0)
+    record = seen.bf16_autocast = Bf16AutocastRecord(device=device)
 
     def enter(module: torch.nn.Module, _args: Any) -> None:
         depth = getattr(state, "depth", 0)
         if depth == 0:
             state.context = torch.autocast(device, dtype=torch.bfloat16)
             state.context.__enter__()
-            evidence["forwards"] += 1
-            evidence.setdefault("module", type(module).__name__)
+            record.forwards += 1
+            record.module = record.module or type(module).__name__
         state.depth = depth + 1
 
     def leave(_module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -133,11 +143,10 @@ def _bf16_autocast(evidence: Evidence) -> Callable[[], None]:
 
 # --- DataLoader settings --------------------------------------------------------------------
 
-def _loader_options(evidence: Evidence, change: Callable[[dict[str, Any]], dict[str, Any]],
-                    ) -> None:
+def _loader_options(loaders: list[LoaderSeen],
+                    change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Rewrite each map-style DataLoader's arguments with `change`; note every loader, and what
     built it (a framework, from the script's line: gpudiag/measure/profile/frameworks.py)."""
-    evidence.setdefault("loaders", [])
     signature = inspect.signature(DataLoader.__init__)
 
     def around(original: Callable[..., None]) -> Callable[..., None]:
@@ -146,15 +155,15 @@ def _loader_options(evidence: Evidence, change: Callable[[dict[str, Any]], dict[
             bound.apply_defaults()
             given = dict(bound.arguments)
             given.pop("self")
-            note: dict[str, Any] = {"site": _site(), **loader_origin(sys._getframe(1), self)}
+            note = LoaderSeen.of(_site(), loader_origin(sys._getframe(1), self))
             if isinstance(given["dataset"], IterableDataset):
                 # More workers would each iterate the whole dataset: not the same training.
-                note["kept"] = "an IterableDataset: worker count left as it was"
+                note.kept = "an IterableDataset: worker count left as it was"
             else:
-                before = {k: given[k] for k in LOADER_SETTINGS}
+                note.before = LoaderSettings.of(given)
                 given = change(given)
-                note.update(before=before, after={k: given[k] for k in before})
-            evidence["loaders"].append(note)
+                note.after = LoaderSettings.of(given)
+            loaders.append(note)
             original(self, **given)
         return __init__
 
@@ -171,14 +180,15 @@ def _more_workers(given: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
-def _loader(evidence: Evidence) -> Callable[[], None]:
-    _loader_options(evidence, _more_workers)
+def _loader(seen: RemedyEvidence) -> Callable[[], None]:
+    seen.loader = LoaderRecord()
+    _loader_options(seen.loader.loaders, _more_workers)
     return lambda: None
 
 
-def _pinned(evidence: Evidence) -> Callable[[], None]:
-    _loader_options(evidence, lambda given: {**given, "pin_memory": True})
-    evidence["non_blocking_copies"] = 0
+def _pinned(seen: RemedyEvidence) -> Callable[[], None]:
+    record = seen.pinned = PinnedRecord()
+    _loader_options(record.loaders, lambda given: {**given, "pin_memory": True})
 
     def around(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -186,7 +196,7 @@ def _pinned(evidence: Evidence) -> Callable[[], None]:
             if (self.device.type == "cpu" and "non_blocking" not in kwargs and len(args) < 3
                     and self.is_pinned()):
                 kwargs["non_blocking"] = True
-                evidence["non_blocking_copies"] += 1
+                record.non_blocking_copies += 1
             return original(self, *args, **kwargs)
         return to
 
@@ -197,11 +207,11 @@ def _pinned(evidence: Evidence) -> Callable[[], None]:
 
 # --- empty_cache ---------------------------------------------------------------------------
 
-def _no_empty_cache(evidence: Evidence) -> Callable[[], None]:
-    evidence["calls_skipped"] = 0
+def _no_empty_cache(seen: RemedyEvidence) -> Callable[[], None]:
+    record = seen.no_empty_cache = NoEmptyCacheRecord()
 
     def skipped() -> None:
-        evidence["calls_skipped"] += 1
+        record.calls_skipped += 1
 
     torch.cuda.empty_cache = skipped
     torch.cuda.memory.empty_cache = skipped
@@ -215,22 +225,22 @@ class _BackgroundSaver:
     background thread; a save waits for the one before it (at most one snapshot is held), and
     the process waits for the last one before it exits."""
 
-    def __init__(self, original: Callable[..., Any], evidence: Evidence) -> None:
-        self.original, self.evidence = original, evidence
+    def __init__(self, original: Callable[..., Any], record: AsyncSaveRecord) -> None:
+        self.original, self.record = original, record
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="gpudiag-save")
         self.pending: Future[Any] | None = None
-        evidence.update(saves=0, kept_blocking=0, waited_ms=0.0, errors=[])
         atexit.register(self.flush)
 
     def __call__(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if not isinstance(f, (str, os.PathLike)):  # a buffer the script reads right after
-            self.evidence["kept_blocking"] += 1
+            self.record.kept_blocking += 1
             return self.original(obj, f, *args, **kwargs)
         self.flush()
         snapshot = _snapshot(obj, {})
         self.pending = self.executor.submit(self.original, snapshot, f, *args, **kwargs)
-        self.evidence["saves"] += 1
-        self.evidence.setdefault("site", _site())
+        self.record.saves += 1
+        if self.record.saves == 1:
+            self.record.site = _site()
         return None
 
     def flush(self) -> None:
@@ -240,9 +250,9 @@ class _BackgroundSaver:
         try:
             self.pending.result()
         except Exception as exc:  # the file the script asked for was not written: say so
-            self.evidence["errors"].append(f"{type(exc).__name__}: {exc}")
+            self.record.errors.append(f"{type(exc).__name__}: {exc}")
             print(f"gpudiag profile: a background torch.save failed: {exc}", file=sys.stderr)
-        self.evidence["waited_ms"] += (time.perf_counter() - start) * 1e3
+        self.record.waited_ms += (time.perf_counter() - start) * 1e3
         self.pending = None
 
 
@@ -261,13 +271,14 @@ def _snapshot(value: Any, seen: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     return value
 
 
-def _async_save(evidence: Evidence) -> Callable[[], None]:
-    saver = _BackgroundSaver(torch.save, evidence)
+def _async_save(seen: RemedyEvidence) -> Callable[[], None]:
+    seen.async_save = AsyncSaveRecord()
+    saver = _BackgroundSaver(torch.save, seen.async_save)
     torch.save = saver
     return saver.flush
 
 
-APPLIERS: dict[str, Callable[[Evidence], Callable[[], None]]] = {
+APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader, "pinned": _pinned,
     "no-empty-cache": _no_empty_cache, "async-save": _async_save,
 }
@@ -281,10 +292,10 @@ class Applied:
         unknown = [n for n in names if n not in APPLIERS]
         if unknown:
             raise ValueError(f"unknown remedy {unknown[0]!r}")
-        self.evidence: dict[str, Evidence] = {name: {} for name in names}
-        self.observers = [APPLIERS[name](self.evidence[name]) for name in names]
+        self.evidence = RemedyEvidence()
+        self.observers = [APPLIERS[name](self.evidence) for name in names]
 
-    def observe(self) -> dict[str, Evidence]:
+    def observe(self) -> RemedyEvidence:
         for observe in self.observers:
             with contextlib.suppress(Exception):
                 observe()

@@ -80,12 +80,13 @@ def peak(ctx: StageContext) -> StageResult:
         if name == "bf16":
             bf16_times = times
     gpu = torch.cuda.get_device_name(device) if kind == "cuda" else None
-    stats = TimingStats.of(bf16_times)
     facts = PeakFacts(
         matmul_n=n, matmul_tflops=rates, copy_gbps=copy_gbps(device, COPY_BYTES[kind]),
         copy_bytes=COPY_BYTES[kind],
         datasheet_tflops={name: datasheet_tflops(gpu, name) for name in DTYPES},
         # The matmul times stay in the facts: they are not training steps for rules to read.
+        # The stage's time per iteration and its timing summary are of them
+        # (StageResult.timed_ms).
         fastest_dtype=max(rates, key=rates.__getitem__), bf16_matmul_ms=bf16_times)
     if kind == "cuda":
         torch.cuda.empty_cache()
@@ -93,5 +94,4 @@ def peak(ctx: StageContext) -> StageResult:
         name=PEAK_STAGE, status="ok", title=TITLE,
         workload=(f"{n}x{n} matmuls: " + ", ".join(f"{k} {v:,.1f}" for k, v in rates.items())
                   + f" TFLOP/s; copy {facts.copy_gbps:,.0f} GB/s"),
-        ms_per_iter=stats.median_ms, timing=stats,
         timer="cuda-events" if kind == "cuda" else "host-clock", facts=StageFacts(peak=facts))
