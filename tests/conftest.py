@@ -56,6 +56,15 @@ def tiny_ladder() -> RunOutput:
     return run_stages(config, telemetry_spec=fake_spec([(0.0, 250.0)]))
 
 
+@pytest.fixture(scope="session")
+def inductor_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One Inductor cache for every test that compiles with Inductor, in this session's own
+    temporary folder: the C++ kernels one test compiled serve the next, and none are read from
+    (or left in) the machine's shared /tmp/torchinductor_<user>, whose graphs keep the source
+    paths of whatever run compiled them."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+
+
 @dataclass
 class Invoked:
     """What one gpudiag command did: its exit code and what it wrote on each stream."""

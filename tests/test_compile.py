@@ -6,18 +6,14 @@ and line), and a script that never compiles."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from conftest import profile_script, script_line, write_script
 
 from gpudiag.diagnose.timeline import stage_account
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
 
 # aot_eager: Dynamo and AOTAutograd as torch.compile runs them, without a C++ compiler.
 RECOMPILING = """
@@ -154,19 +150,11 @@ COMPILED_MODEL = """
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="Inductor on a CPU compiles C++: no compiler here")
-def test_compiled_kernels_are_charged_to_the_lines_they_fused(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(COMPILED_MODEL))
-    out = tmp_path / "run"
-    # A cache of its own: Inductor's cached graphs keep the provenance (the source paths) of
-    # the run that compiled them.
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--compile-lines",
-                           "--out", str(out), "--", sys.executable, str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=900,
-                          check=False, env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
-    evidence = load_run(out).stages[0].evidence
+def test_compiled_kernels_are_charged_to_the_lines_they_fused(
+        tmp_path: Path, inductor_env: dict[str, str]) -> None:
+    script = write_script(tmp_path / "train.py", COMPILED_MODEL)
+    run = profile_script(tmp_path, script, "--compile-lines", env=inductor_env, timeout=900).ok()
+    evidence = run.stages[0].evidence
     assert evidence is not None and evidence.attribution_note is not None
     assert "charged to the source lines of the operators they fused" in \
         evidence.attribution_note
