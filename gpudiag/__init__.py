@@ -38,7 +38,7 @@ _LAZY = {
 def step() -> None:
     """Mark the end of a training step for `gpudiag profile`, for loops without an optimizer
     (or with several). A no-op when the script is not being profiled."""
-    recorder = sys.modules.get("gpudiag.measure.profile.recorder")
+    recorder = sys.modules.get("gpudiag.measure.profile.inscript.recorder")
     if recorder is not None and recorder.RECORDER is not None:
         recorder.RECORDER.manual_step()
 

@@ -25,7 +25,7 @@ HERE = Path(__file__).name
 @pytest.fixture
 def loader_remedy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The loader remedy's DataLoader wrapper, applied for one test; what it recorded."""
-    from gpudiag.measure.profile.remedies import APPLIERS
+    from gpudiag.measure.profile.inscript.remedies import APPLIERS
 
     monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)  # restored afterwards
     evidence: dict[str, Any] = {}

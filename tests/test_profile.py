@@ -229,7 +229,7 @@ def test_a_process_that_dies_without_shutdown_is_reported_so(tmp_path: Path) -> 
 
 
 def test_a_damaged_part_is_named_and_the_others_are_read(tmp_path: Path) -> None:
-    from gpudiag.measure.profile.session import collect
+    from gpudiag.measure.profile.launching.session import collect
     from gpudiag.model.results import to_jsonable
 
     good = {"pid": 1, "rank": None, "steps": 5, "argv": ["t.py"], "error": None, "final": True,
@@ -279,7 +279,7 @@ def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
 def test_the_parent_never_imports_torch() -> None:
     """gpudiag profile starts the script at once: its own side imports no torch (the recorder
     in the script reports the machine instead)."""
-    code = ("import sys, gpudiag.cli, gpudiag.measure.profile.session, gpudiag.present; "
+    code = ("import sys, gpudiag.cli, gpudiag.measure.profile.launching.session, gpudiag.present; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
@@ -300,7 +300,7 @@ def _stage(name: str) -> StageResult:
 def test_ranks_are_named_without_torchruns_rank_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's own launcher starts its ranks with LOCAL_RANK and WORLD_SIZE, no RANK:
     each rank keeps its own name."""
-    from gpudiag.measure.profile import recorder
+    from gpudiag.measure.profile.inscript import recorder
 
     monkeypatch.setattr(sys, "argv", ["train.py"])
     monkeypatch.delenv("RANK", raising=False)

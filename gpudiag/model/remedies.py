@@ -1,9 +1,9 @@
 """The fixes `gpudiag profile --try-fixes` can apply to an unmodified script, for one run.
 
 Each remedy is declared once: the findings that call for it, how gpudiag applies it (inside the
-script's process, through the profile bootstrap: gpudiag/measure/profile/remedies.py), whether
-it keeps the script's numerics, and the code change that makes it permanent. Findings with no
-safe automatic remedy keep their written advice (NO_REMEDY says why).
+script's process, through the profile bootstrap: gpudiag/measure/profile/inscript/remedies.py),
+whether it keeps the script's numerics, and the code change that makes it permanent. Findings
+with no safe automatic remedy keep their written advice (NO_REMEDY says why).
 """
 
 from __future__ import annotations

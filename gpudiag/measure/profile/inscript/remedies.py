@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
-from gpudiag.measure.profile.frameworks import loader_origin
+from gpudiag.measure.profile.inscript.frameworks import loader_origin
 from gpudiag.model.remedies import LOADER_SETTINGS, REMEDIES
 
 Evidence = dict[str, Any]
@@ -136,7 +136,7 @@ def _bf16_autocast(evidence: Evidence) -> Callable[[], None]:
 def _loader_options(evidence: Evidence, change: Callable[[dict[str, Any]], dict[str, Any]],
                     ) -> None:
     """Rewrite each map-style DataLoader's arguments with `change`; note every loader, and what
-    built it (a framework, from the script's line: gpudiag/measure/profile/frameworks.py)."""
+    built it (a framework, from the script's line: frameworks.py, beside this one)."""
     evidence.setdefault("loaders", [])
     signature = inspect.signature(DataLoader.__init__)
 

@@ -40,9 +40,16 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
-from gpudiag.measure.profile import writewatch
-from gpudiag.measure.profile.compiles import CompileWatch, kernel_lines
-from gpudiag.measure.profile.hostsampler import HostSampler, loop_frame, stack
+from gpudiag.measure.profile.inscript import writewatch
+from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
+from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
+from gpudiag.measure.profile.inscript.remedies import Applied, LossLog, seed_everything
+from gpudiag.measure.profile.inscript.timeline import (
+    TIMELINE_STEPS,
+    Site,
+    build_timeline,
+    training_loaders,
+)
 from gpudiag.measure.profile.protocol import (
     ENV_OUT,
     ENV_PARENT,
@@ -50,13 +57,6 @@ from gpudiag.measure.profile.protocol import (
     config_from_env,
     part_name,
     window_done_name,
-)
-from gpudiag.measure.profile.remedies import Applied, LossLog, seed_everything
-from gpudiag.measure.profile.timeline import (
-    TIMELINE_STEPS,
-    Site,
-    build_timeline,
-    training_loaders,
 )
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
@@ -131,7 +131,7 @@ class Recorder:
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
         self.interrupt_pending = False  # a SIGINT came: a step boundary after it stops
-        # --try-fixes (gpudiag/measure/profile/remedies.py): remedies applied, first losses.
+        # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
         self.applied = Applied(config.remedies)
         self.losses = LossLog(config.losses)
 
@@ -330,7 +330,7 @@ class Recorder:
     def _training_waits(self, steps: range) -> list[float]:
         """Per step, the wait for the loader(s) that feed training. An evaluation (or other)
         loop's waits belong to that work, not to the next training step's input
-        (gpudiag/measure/profile/timeline.py tells them apart)."""
+        (gpudiag/measure/profile/inscript/timeline.py tells them apart)."""
         training = training_loaders(self.data_calls)
         waits: dict[int, float] = defaultdict(float)
         for (step, key), ms in self.data_wait.items():

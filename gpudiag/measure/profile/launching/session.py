@@ -32,14 +32,21 @@ from types import FrameType
 from gpudiag._version import __version__
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S
 from gpudiag.measure.profile import protocol
-from gpudiag.measure.profile.jobprocesses import JobProcesses, describe, job_processes
-from gpudiag.measure.profile.scratch import SCRATCH_DIR, Scratch, ScratchError, make_scratch
+from gpudiag.measure.profile.launching.jobprocesses import JobProcesses, describe, job_processes
+from gpudiag.measure.profile.launching.scratch import (
+    SCRATCH_DIR,
+    Scratch,
+    ScratchError,
+    make_scratch,
+)
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import EXIT_INTERRUPTED, BadInput
 from gpudiag.model.results import Env, RunFileError, RunResult, StageResult, from_jsonable
 
-BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
-PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds gpudiag/: the child imports it
+# The folder whose sitecustomize.py installs the recorder in every Python process the command
+# starts: the script's side's (a path only; this side never imports that code).
+BOOTSTRAP = Path(__file__).resolve().parents[1] / "inscript" / "bootstrap"
+PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # holds gpudiag/: the child imports it
 PARTS_DIR = "parts"
 RERUN_DIR = "rerun"  # a short script's second run: its scratch copy, and its label
 STOP_GRACE_S = 30.0  # after a forwarded signal, before the command's processes are killed

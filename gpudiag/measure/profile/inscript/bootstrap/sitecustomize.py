@@ -38,10 +38,10 @@ def _stop_as_python_does() -> None:
 
 if os.environ.get("GPUDIAG_PROFILE_OUT"):
     try:
-        from gpudiag.measure.profile.writewatch import install as watch_writes
+        from gpudiag.measure.profile.inscript.writewatch import install as watch_writes
 
         watch_writes()  # a re-run's only; before the recorder imports torch
-        from gpudiag.measure.profile.recorder import install
+        from gpudiag.measure.profile.inscript.recorder import install
 
         install()
     except KeyboardInterrupt:
