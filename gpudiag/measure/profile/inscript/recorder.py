@@ -1,7 +1,8 @@
 """Inside a profiled script: step boundaries, step times, data wait, saves, telemetry and one
 profiler window, written as a stage when the process exits.
 
-Installed at interpreter start-up by the bootstrap's sitecustomize (see session.py). Steps end
+Made at interpreter start-up by install.py (which the bootstrap's sitecustomize calls), fed by
+the patches of hooks.py, and written at exit by lifecycle.py's handlers. Steps end
 at each `optimizer.step()` of the first optimizer that steps (a global post-hook), or at each
 `gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Steps are split:
 warm-up [0, W), timed [W, W+T), profiled [W+T, W+T+K); later steps are kept but not used, since
@@ -10,40 +11,30 @@ the profiler slows what follows it on some GPUs (pytorch/pytorch#144455).
 
 from __future__ import annotations
 
-import _thread
-import atexit
-import contextlib
 import dataclasses
-import importlib.util
 import itertools
 import json
 import os
-import signal
 import statistics
 import sys
 import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import nvtx
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
-from gpudiag.measure.profile.inscript import writewatch
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
-from gpudiag.measure.profile.inscript.remedies import Applied, LossLog, seed_everything
+from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.timeline import (
     TIMELINE_STEPS,
     Site,
@@ -51,10 +42,8 @@ from gpudiag.measure.profile.inscript.timeline import (
     training_loaders,
 )
 from gpudiag.measure.profile.protocol import (
-    ENV_OUT,
     ENV_PARENT,
     ENV_TRACE_DIR,
-    config_from_env,
     part_name,
     window_done_name,
 )
@@ -83,8 +72,6 @@ MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long r
 PART_EVERY_S = 60.0
 MAX_LOOP_SITES = 10_000  # DataLoader iterations whose line is looked up (one per epoch or eval)
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
-MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
-STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 
 
 class Recorder:
@@ -154,8 +141,8 @@ class Recorder:
         self.boundary()
 
     def _stop_if_asked(self) -> None:
-        """A stop waiting for this step boundary: a SIGTERM (see _exit_on_sigterm), or a
-        Ctrl-C the script went on after (see _interrupt)."""
+        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
+        after (lifecycle.py's handlers set them)."""
         if self.stop_signal is not None:
             raise SystemExit(128 + self.stop_signal)
         if self.interrupt_pending:
@@ -574,180 +561,3 @@ def _batch_size(batch: Any) -> int | None:
             if size:
                 return size
     return None
-
-
-RECORDER: Recorder | None = None
-
-
-def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
-          ) -> None:
-    original = getattr(owner, name)
-    if getattr(original, "__gpudiag__", False):
-        return
-    wrapped = around(original)
-    wrapped.__gpudiag__ = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapped)
-
-
-def install() -> Recorder:
-    """Hook the running interpreter (idempotent)."""
-    global RECORDER  # noqa: PLW0603  (one recorder per interpreter, found by gpudiag.step())
-    if RECORDER is not None:
-        return RECORDER
-    config = config_from_env(os.environ)
-    if config.seed is not None:
-        seed_everything(config.seed)
-    recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), config)
-    register_optimizer_step_post_hook(recorder.optimizer_stepped)
-    _hook_loader(recorder)
-    _hook_saves(recorder)
-    _hook_ddp(recorder)
-    atexit.register(recorder.finish)
-    previous_hook = sys.excepthook
-
-    def record_crash(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        recorder.crashed(exc_type, exc, tb)
-        if issubclass(exc_type, KeyboardInterrupt) and previous_hook is sys.__excepthook__:
-            # A stop gpudiag passed on (or the user's Ctrl-C): where it stopped, in one line,
-            # instead of a traceback of whatever the loop happened to be doing.
-            where = traceback.extract_tb(tb)[-1] if tb is not None else None
-            print(f"KeyboardInterrupt{f' at {where.filename}:{where.lineno}' if where else ''}",
-                  file=sys.stderr)
-            return
-        previous_hook(exc_type, exc, tb)
-
-    sys.excepthook = record_crash
-    _write_before_os_exit(recorder)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt)
-    return recorder
-
-
-def _write_before_os_exit(recorder: Recorder) -> None:
-    """os._exit skips atexit: in the script's own process, what was recorded is written
-    first (a forked child calling os._exit, a DataLoader worker, is not the script)."""
-    real_exit = os._exit
-
-    def exit_after_writing(status: int) -> NoReturn:
-        if recorder.pid == os.getpid():
-            with contextlib.suppress(Exception):
-                recorder.finish(shutdown=False)  # every step, and that it ended so
-        real_exit(status)
-
-    os._exit = exit_after_writing
-
-
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """torchrun stops the other ranks with SIGTERM when one fails, and gpudiag passes its own
-    SIGTERM on: the script exits (SystemExit, so atexit writes what was recorded). A script
-    that is stepping exits at its next step boundary, within STOP_AT_STEP_S, not in the middle
-    of receiving a batch from its DataLoader workers (which would leave them printing EOFError
-    tracebacks); one that is not, or a second SIGTERM, exits at once.
-
-    A process the script started (forked or spawned) inherits this hook. A DataLoader worker
-    leaves stopping to the script, whose exit shuts it down, as in gpudiag's own stages
-    (gpudiag/measure/stages/base.py): a SystemExit there would print "Exception ignored", and
-    a worker killed under its loader makes the script raise; once its parent is gone it stops
-    as it would have without gpudiag. Any other child (a Pool's worker the script terminates,
-    a process it kills, a daemon it forked) dies at once, as it would without gpudiag."""
-    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
-
-    parent = multiprocessing.parent_process()
-    # A signal pending at a fork runs its handler in the new child too, before multiprocessing
-    # has set parent_process(): a pid other than the one that installed the hook is a child.
-    if parent is None and RECORDER is not None and RECORDER.pid == os.getpid():
-        if RECORDER.stop_signal is None and RECORDER.steps and not RECORDER.finished:
-            RECORDER.stop_signal = signum
-            timer = threading.Timer(STOP_AT_STEP_S, _thread.interrupt_main, (signum,))
-            timer.daemon = True
-            timer.start()
-            return
-        sys.exit(128 + signum)
-    if parent is None and _launching_a_process(frame):
-        return  # a fork still on its way in (the signal was pending): the script stops
-    loader_worker = torch.utils.data.get_worker_info() is not None
-    if not loader_worker or parent is None or not parent.is_alive():
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """Ctrl-C, or the SIGINT gpudiag passes on: KeyboardInterrupt, as Python's own handler
-    raises it, except inside multiprocessing's fork of a new process. There Python runs its
-    at-fork callbacks (logging's locks), and a KeyboardInterrupt raised in one is printed as
-    "Exception ignored" and lost: the script trained on until gpudiag killed it 30 s later
-    (a DataLoader without persistent workers forks them every epoch). So in the script's own
-    process a SIGINT is also remembered, and its next step boundary raises it again; inside a
-    fork it is only remembered (the new child leaves stopping to the script)."""
-    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
-
-    if RECORDER is not None and RECORDER.pid == os.getpid() \
-            and multiprocessing.parent_process() is None:
-        RECORDER.interrupt_pending = True
-    if _launching_a_process(frame):
-        return
-    signal.default_int_handler(signum, frame)
-
-
-def _launching_a_process(frame: FrameType | None) -> bool:
-    """Inside multiprocessing's fork of a new process, which has not yet set the child's
-    parent_process(); a plain os.fork (a daemon's) never is."""
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(MULTIPROCESSING_FORK):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _hook_loader(recorder: Recorder) -> None:
-    def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __next__(self: Any) -> Any:
-            start = time.perf_counter()
-            batch = original(self)
-            recorder.data_waited((time.perf_counter() - start) * 1e3, batch, self)
-            return batch
-        return __next__
-
-    def sited_iter(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __iter__(self: Any) -> Any:
-            iterator = original(self)
-            recorder.loader_iterated(iterator, sys._getframe(1))
-            return iterator
-        return __iter__
-
-    _wrap(_BaseDataLoaderIter, "__next__", timed_next)
-    _wrap(DataLoader, "__iter__", sited_iter)
-
-
-def _hook_saves(recorder: Recorder) -> None:
-    def timed_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("filename"))
-                recorder.saved((time.perf_counter() - start) * 1e3, target)
-                writewatch.written(target)  # native code wrote it: no audit event saw it
-        return save
-
-    _wrap(torch, "save", timed_save)
-    # Model weights are often written with safetensors (transformers' save_pretrained); hooked
-    # here, before the script imports the names it binds (from safetensors.torch import ...).
-    if importlib.util.find_spec("safetensors") is not None:
-        import safetensors.torch  # noqa: PLC0415 (only where installed)
-
-        for name in ("save_file", "save_model"):
-            _wrap(safetensors.torch, name, timed_save)
-
-
-def _hook_ddp(recorder: Recorder) -> None:
-    def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            recorder.ddp_wrapped(self)
-        return __init__
-
-    _wrap(DistributedDataParallel, "__init__", noted_ddp)

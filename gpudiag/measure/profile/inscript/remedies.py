@@ -45,7 +45,7 @@ def _site(depth: int = 2) -> str | None:
 
 def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
           ) -> None:
-    # Not the recorder's _wrap, which wraps once: remedies stack (loader and pinned both wrap
+    # Not hooks.py's _wrap, which wraps once: remedies stack (loader and pinned both wrap
     # DataLoader.__init__ in a combined run), and the recorder then wraps what they made.
     setattr(owner, name, around(getattr(owner, name)))
 

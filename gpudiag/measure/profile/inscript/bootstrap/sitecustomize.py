@@ -38,12 +38,9 @@ def _stop_as_python_does() -> None:
 
 if os.environ.get("GPUDIAG_PROFILE_OUT"):
     try:
-        from gpudiag.measure.profile.inscript.writewatch import install as watch_writes
+        from gpudiag.measure.profile.inscript.install import install
 
-        watch_writes()  # a re-run's only; before the recorder imports torch
-        from gpudiag.measure.profile.inscript.recorder import install
-
-        install()
+        install()  # in a re-run the write watch first, then the recorder
     except KeyboardInterrupt:
         _stop_as_python_does()
     except Exception as exc:  # never break the user's program
