@@ -158,10 +158,11 @@ class Recorder:
         if self.cuda is None:
             self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             self._open_telemetry()
-        # Device-clock step times are the timed window's (warm-up included, for its spread);
-        # later steps are on the host clock only: an event costs ~12 us of the step's host
-        # time on an H100 host (benchmarks/host_sampler.py), 0.6% of a 2 ms step.
-        if self.cuda and len(self.events) <= self.warmup + self.timed:
+        # Device-clock step times are the timed window's (warm-up included, for its spread):
+        # an event ends each warm-up and timed step. Later steps are on the host clock only:
+        # an event costs ~12 us of the step's host time on an H100 host
+        # (benchmarks/host_sampler.py), 0.6% of a 2 ms step.
+        if self.cuda and len(self.events) < self.warmup + self.timed:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
@@ -255,7 +256,7 @@ class Recorder:
         if not keep:
             return
         self.compile_counts = _compile_counts()
-        timed = self._step_ms()[self.warmup:self.warmup + self.timed]
+        timed = self._measured_ms()[2]
         compiled_lines = kernel_lines() if not self.window.annotate else {}
         self.evidence = self.window.evidence(
             events, TimingStats.of(timed).p25_ms if timed else None, compiled_lines)
@@ -357,12 +358,18 @@ class Recorder:
             return [a.elapsed_time(b) for a, b in itertools.pairwise(self.events)]
         return [(b - a) * 1e3 for a, b in itertools.pairwise(self.host_marks)]
 
-    def stage(self) -> StageResult:
+    def _measured_ms(self) -> tuple[int, list[float], list[float]]:
+        """(the first timed step measured, the warm-up steps' ms, the timed steps' ms). CUDA
+        events start at the first boundary: step i's time is events[i-1] -> events[i], and step
+        0 has none; on the host clock step i is marks[i] -> marks[i+1]."""
         all_ms = self._step_ms()
-        # CUDA events start at the first boundary: step i's time is events[i-1] -> events[i].
-        offset = 1 if self.cuda else 0
+        offset = 1 if self.cuda else 0  # all_ms[j] is step j + offset
         first = max(self.warmup, offset)
-        timed = all_ms[first - offset:self.warmup + self.timed - offset]
+        return (first, all_ms[:first - offset],
+                all_ms[first - offset:self.warmup + self.timed - offset])
+
+    def stage(self) -> StageResult:
+        first, warmup_ms, timed = self._measured_ms()
         result = StageResult(name=_stage_name(), status="ok", title=" ".join(sys.argv),
                              workload=f"{' '.join(sys.argv)} (profiled)",
                              facts=self._facts(len(timed)), evidence=self.evidence)
@@ -381,7 +388,7 @@ class Recorder:
             return result
         steps = range(first, first + len(timed))
         phases = {"data_wait": self._training_waits(steps)} if self.data_wait else {}
-        window = Window(warmup_ms=all_ms[:first - offset], iter_ms=timed,
+        window = Window(warmup_ms=warmup_ms, iter_ms=timed,
                         timer="cuda-events" if self.cuda else "host-clock",
                         telemetry=self.telemetry or result.telemetry, phases_ms=phases)
         status = result.status
