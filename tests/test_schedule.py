@@ -1,4 +1,6 @@
-"""The step schedule of `gpudiag profile`: which steps the recorder inside the script times
+"""The step schedule of `gpudiag profile` (gpudiag/measure/profile/inscript/schedule.py): each
+step's phase and the ranges the recorder reads, for schedules with and without warm-up and a
+profiler window; and which steps the recorder inside the script times
 (gpudiag/measure/profile/inscript/recorder.py), on the host clock and on CUDA events, and which
 pace the profiler window is held against."""
 
@@ -12,8 +14,66 @@ import pytest
 import torch
 
 from gpudiag.measure.profile.inscript.recorder import Recorder
+from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.results import TimingStats
+
+W, T, P, A = Phase.WARMUP, Phase.TIMED, Phase.PROFILED, Phase.AFTER
+
+# (warmup, timed, evidence_steps) -> the phases of steps 0, 1, 2, ...
+PHASES = [
+    ((2, 3, 2), [W, W, T, T, T, P, P, A, A]),
+    ((0, 3, 2), [T, T, T, P, P, A]),  # no warm-up: step 0 is timed
+    ((2, 3, 0), [W, W, T, T, T, A, A]),  # no profiler window
+    ((0, 2, 0), [T, T, A]),
+    ((1, 1, 1), [W, T, P, A]),
+    ((5, 30, 3), [W] * 5 + [T] * 30 + [P] * 3 + [A] * 2),  # the defaults
+]
+
+
+@pytest.mark.parametrize(("schedule", "phases"), PHASES, ids=[str(s) for s, _ in PHASES])
+def test_each_steps_phase(schedule: tuple[int, int, int], phases: list[Phase]) -> None:
+    plan = Schedule(*schedule)
+    assert [plan.phase(step) for step in range(len(phases))] == phases
+    assert plan.phase(10_000) is Phase.AFTER
+
+
+# (warmup, timed, evidence_steps) -> timed, profiled, quiet, unsampled steps; end
+RANGES = [
+    ((2, 3, 2), range(2, 5), range(5, 7), range(2, 8), range(5, 8), 7),
+    ((0, 3, 2), range(0, 3), range(3, 5), range(0, 6), range(3, 6), 5),
+    ((2, 3, 0), range(2, 5), range(5, 5), range(2, 6), range(0), 5),
+    ((0, 2, 0), range(0, 2), range(2, 2), range(0, 3), range(0), 2),
+]
+
+
+@pytest.mark.parametrize(("schedule", "timed", "profiled", "quiet", "unsampled", "end"), RANGES,
+                         ids=[str(r[0]) for r in RANGES])
+def test_the_ranges_the_recorder_reads(schedule: tuple[int, int, int], timed: range,
+                                       profiled: range, quiet: range, unsampled: range,
+                                       end: int) -> None:
+    plan = Schedule(*schedule)
+    assert (plan.timed_steps, plan.profiled_steps, plan.end) == (timed, profiled, end)
+    assert (plan.quiet_steps, plan.unsampled_steps) == (quiet, unsampled)
+    assert all(plan.phase(s) is Phase.TIMED for s in timed)
+    assert all(plan.phase(s) is Phase.PROFILED for s in profiled)
+
+
+def test_a_config_gives_its_schedule_and_needs_its_steps() -> None:
+    config = ProfileConfig(warmup=4, timed=10, evidence_steps=2)
+    assert Schedule.of(config) == Schedule(4, 10, 2)
+    assert Schedule.of(config).end == config.steps_needed
+
+
+@pytest.mark.parametrize("bad", [(-1, 3, 2), (2, -3, 2), (2, 3, -1)])
+def test_no_negative_counts(bad: tuple[int, int, int]) -> None:
+    with pytest.raises(ValueError, match="none negative"):
+        Schedule(*bad)
+
+
+def test_steps_count_from_zero() -> None:
+    with pytest.raises(ValueError, match="from 0"):
+        Schedule(1, 1, 1).phase(-1)
 
 
 class _Event:

@@ -4,9 +4,8 @@ profiler window, written as a stage when the process exits.
 Made at interpreter start-up by install.py (which the bootstrap's sitecustomize calls), fed by
 the patches of hooks.py, and written at exit by lifecycle.py's handlers. Steps end
 at each `optimizer.step()` of the first optimizer that steps (a global post-hook), or at each
-`gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Steps are split:
-warm-up [0, W), timed [W, W+T), profiled [W+T, W+T+K); later steps are kept but not used, since
-the profiler slows what follows it on some GPUs (pytorch/pytorch#144455).
+`gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Which steps warm
+up, are timed, run under the profiler or come after is schedule.py's to say.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
+from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
 from gpudiag.measure.profile.inscript.timeline import (
     TIMELINE_STEPS,
     Site,
@@ -77,8 +77,7 @@ CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
 class Recorder:
     def __init__(self, out: Path, config: ProfileConfig) -> None:
         self.out, self.config = out, config
-        self.warmup, self.timed, self.evidence_steps = (config.warmup, config.timed,
-                                                        config.evidence_steps)
+        self.schedule = Schedule.of(config)
         self.pid = os.getpid()
         self.host_marks: list[float] = [time.perf_counter()]
         self.events: list[Any] = []
@@ -162,7 +161,7 @@ class Recorder:
         # an event ends each warm-up and timed step. Later steps are on the host clock only:
         # an event costs ~12 us of the step's host time on an H100 host
         # (benchmarks/host_sampler.py), 0.6% of a 2 ms step.
-        if self.cuda and len(self.events) < self.warmup + self.timed:
+        if self.cuda and self.schedule.phase(self.steps) in (Phase.WARMUP, Phase.TIMED):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
@@ -191,9 +190,9 @@ class Recorder:
         writing costs tens of ms. Runs before the step's end mark, so that time is the ending
         step's, a warm-up or later step."""
         ending = self.steps  # the step this boundary ends (0-based)
-        measured = self.warmup <= ending <= self.warmup + self.timed + self.evidence_steps
-        if self.steps and not measured and (ending == self.warmup - 1
-                                            or now - self.part_at >= PART_EVERY_S):
+        ends_warmup = ending + 1 == self.schedule.timed_steps.start
+        if ending and ending not in self.schedule.quiet_steps and (
+                ends_warmup or now - self.part_at >= PART_EVERY_S):
             self.part_at = now
             self._write_part()
 
@@ -205,27 +204,29 @@ class Recorder:
             return
         loop = loop_frame(self.first_stack, sys._getframe())
         self.first_stack = []  # frames hold their locals: let them go
-        start = self.warmup + self.timed
-        window = range(start, start + self.evidence_steps + 1) if self.evidence_steps else ()
         self.host_sampler = HostSampler(
             self.host_marks, thread_id=threading.get_ident(),
             loop_code=loop.f_code if loop is not None else None, cuda=bool(self.cuda),
-            warmup=self.warmup, skip=window, max_steps=TIMELINE_STEPS,
+            warmup=self.schedule.warmup, skip=self.schedule.unsampled_steps,
+            max_steps=TIMELINE_STEPS,
             period_s=1 / self.config.host_sample_hz)
         self.host_sampler.start()
 
     def _windows(self, done: int) -> None:
-        start_profile = self.warmup + self.timed
-        if done == self.warmup and self.sampler is not None:
+        """At the boundary before step `done`: the timed steps' telemetry begins with them and
+        ends after them; the profiler window opens with the profiled steps, marks each one's
+        end, and closes after them."""
+        timed, profiled = self.schedule.timed_steps, self.schedule.profiled_steps
+        if done == timed.start and self.sampler is not None:
             self.sampler.begin("timed")
-        if done == start_profile:
+        if done == timed.stop:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
-            if self.evidence_steps:
+            if profiled:
                 self.window = ProfilerWindow(self._device(), annotate=not _compiled())
                 self.window.start()
         elif self.window is not None and self.window.open:
-            if done == start_profile + self.evidence_steps:
+            if done == profiled.stop:
                 self._stop_profiler(keep=True, at_boundary=True)
                 self._probe_link()
                 self._window_closed()
@@ -364,9 +365,9 @@ class Recorder:
         0 has none; on the host clock step i is marks[i] -> marks[i+1]."""
         all_ms = self._step_ms()
         offset = 1 if self.cuda else 0  # all_ms[j] is step j + offset
-        first = max(self.warmup, offset)
-        return (first, all_ms[:first - offset],
-                all_ms[first - offset:self.warmup + self.timed - offset])
+        timed = self.schedule.timed_steps
+        first = max(timed.start, offset)
+        return first, all_ms[:first - offset], all_ms[first - offset:timed.stop - offset]
 
     def stage(self) -> StageResult:
         first, warmup_ms, timed = self._measured_ms()
@@ -381,8 +382,9 @@ class Recorder:
                 return result
         if not timed:
             result.status = "error"
+            timed_steps = self.schedule.timed_steps
             result.error = (f"no timed steps: the script made {self.steps} step(s); gpudiag "
-                            f"times steps {self.warmup}..{self.warmup + self.timed - 1}")
+                            f"times steps {timed_steps.start}..{timed_steps.stop - 1}")
             result.advice = ("lower --warmup, or mark steps: call gpudiag.step() once per "
                              "step, or wrap the loop body in `with gpudiag.watch():`")
             return result
@@ -404,7 +406,7 @@ class Recorder:
 
     def _facts(self, timed: int) -> StageFacts:
         facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
-            steps=self.steps, warmup=self.warmup, timed=timed,
+            steps=self.steps, warmup=self.schedule.warmup, timed=timed,
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
@@ -415,8 +417,8 @@ class Recorder:
         return facts
 
     def _timeline(self) -> StepTimeline:
-        start = self.warmup + self.timed
-        window = (start, start + self.evidence_steps) if self.evidence is not None else None
+        profiled = self.schedule.profiled_steps
+        window = (profiled.start, profiled.stop) if self.evidence is not None else None
         return build_timeline(self.host_marks, extra_steps=self.extra_steps,
                               end_mark=self.end_mark, exit_mark=self.exit_mark,
                               waits=self.data_wait,
@@ -424,9 +426,9 @@ class Recorder:
                               window=window)
 
     def _why_no_evidence(self) -> str:
-        if not self.evidence_steps:
+        if not self.schedule.profiled_steps:
             return "--evidence-steps 0: no profiler window was asked for"
-        window_at = self.warmup + self.timed
+        window_at = self.schedule.profiled_steps.start
         if self.steps <= window_at:
             ended = (f"the script ended after {self.steps} steps, before the profiler window "
                      f"at step {window_at}")
@@ -459,7 +461,7 @@ class Recorder:
             self.error = self.error or f"compile metrics: {type(exc).__name__}: {exc}"
         if self.sampler is not None:
             try:
-                if self.telemetry is None and self.steps > self.warmup:
+                if self.telemetry is None and self.steps > self.schedule.timed_steps.start:
                     self.telemetry = self.sampler.end()
                 self.sampler.__exit__(None, None, None)
             except Exception as exc:
