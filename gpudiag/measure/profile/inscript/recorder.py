@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -45,6 +44,7 @@ from gpudiag.measure.profile.protocol import (
     ENV_PARENT,
     ENV_TRACE_DIR,
     part_name,
+    part_text,
     window_done_name,
 )
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
@@ -63,7 +63,8 @@ from gpudiag.model.facts import (
     StageFacts,
     StepTimeline,
 )
-from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_jsonable
+from gpudiag.model.profilepart import ProfilePart
+from gpudiag.model.results import Env, Evidence, StageResult, TimingStats
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
@@ -492,13 +493,13 @@ class Recorder:
         root = os.environ.get(ENV_PARENT) == str(os.getppid())
         if self.steps == 0 and not root:
             return  # a helper process (torchrun's agent, a spawned worker): nothing to say
-        part = {"pid": os.getpid(), "rank": _rank()[0], "steps": self.steps,
-                "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
-                "final": final, "crash": "".join(self.crash) or None,
-                "stage": to_jsonable(self.stage()) if self.steps else None,
-                "env": to_jsonable(self._environment())}
+        part = ProfilePart(pid=os.getpid(), argv=list(sys.argv), steps=self.steps,
+                           rank=_rank()[0], cuda=bool(self.cuda), error=self.error,
+                           final=final, crash="".join(self.crash) or None,
+                           stage=self.stage() if self.steps else None,
+                           env=self._environment())
         self.out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.out / part_name(os.getpid()), json.dumps(part))
+        write_text_atomic(self.out / part_name(os.getpid()), part_text(part))
 
 
 def _rank() -> tuple[int | None, int]:
