@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.measure.env import collect_env, device_identity
+from gpudiag.measure.evidence.profiler_window import ProfilerWindow, save_trace
 from gpudiag.measure.evidence.source import call_site, caller_site
-from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
@@ -49,7 +49,7 @@ from gpudiag.measure.profile.protocol import (
 )
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
-from gpudiag.measure.window import Window, fill_timed
+from gpudiag.measure.timed_window import Window, fill_timed
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import (
