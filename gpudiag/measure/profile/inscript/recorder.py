@@ -76,6 +76,12 @@ CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
 
 
 class Recorder:
+    """One process's record of the script: its step boundaries (from hooks.py's optimizer hook,
+    or gpudiag.step()), what each step waited for and saved, the profiler window the schedule
+    (schedule.py) places, and its part (gpudiag.model.profilepart.ProfilePart), written at the
+    end of warm-up, at the window's close, every PART_EVERY_S after and at exit (lifecycle.py).
+    """
+
     def __init__(self, out: Path, config: ProfileConfig) -> None:
         self.out, self.config = out, config
         self.schedule = Schedule.of(config)
