@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import RunAccount, stage_account
-from gpudiag.measure.profile.hostsampler import SLOW_STEP, SLOW_STEP_MIN_EXTRA_MS
+from gpudiag.measure.profile.inscript.hostsampler import SLOW_STEP, SLOW_STEP_MIN_EXTRA_MS
 from gpudiag.model.results import RunResult, load_run
 
 WARMUP = 10  # the script's first steps are left out of its own medians
@@ -37,8 +37,8 @@ def host_rows(name: str, run: RunResult, truth: dict[str, list[float]]) -> list[
     assert step is not None
     times = truth["step_ms"][WARMUP:]
     usual = statistics.median(times)
-    # gpudiag's steady steps leave out the slow ones (gpudiag/measure/profile/hostsampler.py):
-    # the plain mean does the same.
+    # gpudiag's steady steps leave out the slow ones
+    # (gpudiag/measure/profile/inscript/hostsampler.py): the plain mean does the same.
     steady = [t for t in times if t <= max(SLOW_STEP * usual, usual + SLOW_STEP_MIN_EXTRA_MS)]
     rows = [[name, "steady step", f"{statistics.fmean(steady):.2f} ms",
              f"{step.step_ms:.2f} ms"]]

@@ -64,8 +64,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpudiag.measure.profile.hostsampler import Clock, HostSampler
-from gpudiag.measure.profile.recorder import Recorder
+from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
+from gpudiag.measure.profile.inscript.recorder import Recorder
 from gpudiag.model.config import HOST_SAMPLE_HZ, ProfileConfig
 
 BOOTSTRAP = 2000

@@ -38,9 +38,11 @@ _LAZY = {
 def step() -> None:
     """Mark the end of a training step for `gpudiag profile`, for loops without an optimizer
     (or with several). A no-op when the script is not being profiled."""
-    recorder = sys.modules.get("gpudiag.measure.profile.recorder")
-    if recorder is not None and recorder.RECORDER is not None:
-        recorder.RECORDER.manual_step()
+    # Installed by the profile bootstrap (gpudiag/measure/profile/inscript/install.py); looked
+    # up, never imported: importing it would load torch into a script that is not profiled.
+    installed = sys.modules.get("gpudiag.measure.profile.inscript.install")
+    if installed is not None and installed.RECORDER is not None:
+        installed.RECORDER.manual_step()
 
 
 @contextmanager

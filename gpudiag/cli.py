@@ -27,13 +27,13 @@ from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
 from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
 from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
-from gpudiag.measure.profile.session import (
+from gpudiag.measure.profile.launching.session import (
     ProfileOutput,
     ProfileRequest,
     check_command,
     profile_command,
 )
-from gpudiag.measure.profile.tryfixes import SCRATCH_PATTERN, run_fixes
+from gpudiag.measure.profile.launching.tryfixes import SCRATCH_PATTERN, run_fixes
 from gpudiag.model.calibration import (
     DEFAULT_CALIBRATION,
     MIN_CALIBRATION_TRIALS,
@@ -404,7 +404,7 @@ def _announce_try_fixes(*, rerun: bool) -> None:
 
 def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
     """The remedies the diagnosis calls for (and `forced` ones), measured
-    (gpudiag.measure.profile.tryfixes) and assessed (gpudiag.diagnose.tryfix) into
+    (gpudiag.measure.profile.launching.tryfixes) and assessed (gpudiag.diagnose.tryfix) into
     `first.run.fixes`."""
     from gpudiag.diagnose.tryfix import assess, passing, plan_fixes  # noqa: PLC0415  (scipy)
 

@@ -1,8 +1,9 @@
 """The shape of the code, checked against the source itself: function sizes, rules that declare
 every number that decides them, no dependency on documents outside the repository.
 
-(The layers and the no-cycles rule are import-linter contracts in pyproject.toml, run by
-`lint-imports` in .ci/run.)"""
+(The layers, the no-cycles rule and `gpudiag profile`'s process boundary, launching/ and
+inscript/ apart and no torch on the launching side, are import-linter contracts in
+pyproject.toml, run by `lint-imports` in .ci/run.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What keeps a host sample cheap (gpudiag/measure/profile/hostsampler.py) changes nothing it
-says: the memo of classified stacks (Classifier) says what classify() says on every stack of
-a small training loop, and steps filed in batches add up as filed one at a time."""
+"""What keeps a host sample cheap (gpudiag/measure/profile/inscript/hostsampler.py) changes
+nothing it says: the memo of classified stacks (Classifier) says what classify() says on every
+stack of a small training loop, and steps filed in batches add up as filed one at a time."""
 
 from __future__ import annotations
 
@@ -18,8 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from gpudiag.measure.profile import hostsampler
-from gpudiag.measure.profile.hostsampler import Classifier, HostSampler, Key, Sample, classify
+from gpudiag.measure.profile.inscript import hostsampler
+from gpudiag.measure.profile.inscript.hostsampler import (
+    Classifier,
+    HostSampler,
+    Key,
+    Sample,
+    classify,
+)
 from gpudiag.model.facts import HostSamples
 
 

@@ -1,7 +1,7 @@
-"""Host time by line (gpudiag/measure/profile/hostsampler.py, gpudiag/diagnose/host.py): what
-a sample says the training thread was doing, the steady step's waterfall, periodic work found
-by the time it holds, and `gpudiag profile` on scripts written for these tests, held against
-the scripts' own timers."""
+"""Host time by line (gpudiag/measure/profile/inscript/hostsampler.py,
+gpudiag/diagnose/host.py): what a sample says the training thread was doing, the steady step's
+waterfall, periodic work found by the time it holds, and `gpudiag profile` on scripts written
+for these tests, held against the scripts' own timers."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from conftest import profile_script, script_line, write_script
 
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import periodic_groups
-from gpudiag.measure.profile import threadtimer
-from gpudiag.measure.profile.hostsampler import Clock, HostSampler
+from gpudiag.measure.profile.inscript import threadtimer
+from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
 from gpudiag.model.results import Evidence, LineCount, RunResult, StageResult
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpudiag.measure.profile import protocol, scratch
-from gpudiag.measure.profile.scratch import make_scratch, outside_writes
-from gpudiag.measure.profile.writewatch import MAX_PATHS, WriteWatch
+from gpudiag.measure.profile import protocol
+from gpudiag.measure.profile.inscript.writewatch import MAX_PATHS, WriteWatch
+from gpudiag.measure.profile.launching import scratch
+from gpudiag.measure.profile.launching.scratch import make_scratch, outside_writes
 from gpudiag.model.remedies import BASELINE_RUNS, REMEDIES
 from gpudiag.model.results import RUN_MARKER, load_run
 
@@ -101,7 +102,7 @@ def test_the_copy_is_the_users_folder_and_changes_none_of_it(
 WATCHED_SCRIPT = """
     import os, shutil, sys, tempfile
     from pathlib import Path
-    from gpudiag.measure.profile.writewatch import install, written
+    from gpudiag.measure.profile.inscript.writewatch import install, written
     install()
     out = Path(sys.argv[1])
     with open("log.txt", "a") as log:

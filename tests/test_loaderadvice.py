@@ -32,7 +32,7 @@ HERE = Path(__file__).name
 @pytest.fixture
 def loader_remedy(monkeypatch: pytest.MonkeyPatch) -> list[LoaderSeen]:
     """The loader remedy's DataLoader wrapper, applied for one test; the loaders it saw."""
-    from gpudiag.measure.profile.remedies import APPLIERS
+    from gpudiag.measure.profile.inscript.remedies import APPLIERS
 
     monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)  # restored afterwards
     seen = RemedyEvidence()

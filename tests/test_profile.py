@@ -228,7 +228,7 @@ def test_a_process_that_dies_without_shutdown_is_reported_so(tmp_path: Path) -> 
 
 
 def test_a_damaged_part_is_named_and_the_others_are_read(tmp_path: Path) -> None:
-    from gpudiag.measure.profile.session import collect
+    from gpudiag.measure.profile.launching.session import collect
     from gpudiag.model.results import to_jsonable
 
     good = {"pid": 1, "rank": None, "steps": 5, "argv": ["t.py"], "error": None, "final": True,
@@ -238,6 +238,74 @@ def test_a_damaged_part_is_named_and_the_others_are_read(tmp_path: Path) -> None
     found = collect(tmp_path)
     assert [s.name for s in found.stages] == ["t.py"]
     assert any("part-2.json: unreadable" in m for m in found.messages)
+
+
+def test_a_part_with_a_wrong_typed_field_is_left_out_naming_the_field(tmp_path: Path) -> None:
+    """Parts are validated as run.json is (gpudiag.model.profilepart.ProfilePart): a field of
+    the wrong type, at the top or inside the stage, leaves that part out with one line naming
+    the field; the others are read."""
+    from gpudiag.measure.profile.launching.session import collect
+    from gpudiag.model.results import to_jsonable
+
+    good = {"pid": 1, "rank": None, "steps": 5, "argv": ["t.py"], "error": None, "final": True,
+            "stage": to_jsonable(_stage("t.py")), "env": {"device": "cpu"}}
+    (tmp_path / "part-1.json").write_text(json.dumps(good))
+    (tmp_path / "part-2.json").write_text(json.dumps({**good, "steps": "5"}))
+    (tmp_path / "part-3.json").write_text(json.dumps(
+        {**good, "stage": {**good["stage"], "iter_ms": [5.0, None]}}))
+    (tmp_path / "part-4.json").write_text(json.dumps({**good, "rank": True}))
+    found = collect(tmp_path)
+    assert [s.name for s in found.stages] == ["t.py"]
+    unreadable = sorted(m for m in found.messages if "unreadable, left out" in m)
+    assert [m.split(":", 1)[0] for m in unreadable] == ["part-2.json", "part-3.json",
+                                                         "part-4.json"]
+    assert "(steps: input should be a valid integer" in unreadable[0]
+    assert "(stage.iter_ms[1]: " in unreadable[1]
+    assert "(rank: " in unreadable[2]
+
+
+def test_a_part_reads_back_as_written(tmp_path: Path) -> None:
+    from gpudiag.measure.profile import protocol
+    from gpudiag.model.profilepart import ProfilePart
+    from gpudiag.model.results import Env
+
+    part = ProfilePart(pid=7, argv=["train.py", "--lr", "0.1"], steps=12, rank=1, cuda=True,
+                       error="telemetry: off", final=False, crash="Traceback ...\n",
+                       stage=_stage("train.py[rank1]"), env=Env(device="cuda:0"))
+    (tmp_path / protocol.part_name(7)).write_text(protocol.part_text(part))
+    read = protocol.read_part(tmp_path / protocol.part_name(7))
+    assert (read.pid, read.argv, read.steps, read.rank, read.cuda, read.error, read.final,
+            read.crash) == (7, part.argv, 12, 1, True, "telemetry: off", False, part.crash)
+    assert read.stage is not None and read.stage.iter_ms == part.stage.iter_ms
+    assert read.env == part.env
+
+
+def test_an_interpreter_without_gpudiag_reports_it(tmp_path: Path) -> None:
+    """The bootstrap writes its error file with the standard library alone (here the gpudiag it
+    finds fails to import): the session reads it as a BootstrapError, one line naming the
+    interpreter and the error."""
+    from gpudiag.measure.profile import protocol
+    from gpudiag.measure.profile.launching.session import BOOTSTRAP, bootstrap_failures
+
+    broken = tmp_path / "broken" / "gpudiag"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('gpudiag is broken here')\n")
+    parts = tmp_path / "parts"
+    env = {**os.environ, protocol.ENV_OUT: str(parts),
+           "PYTHONPATH": os.pathsep.join(map(str, (BOOTSTRAP, broken.parent)))}
+    done = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    assert bootstrap_failures(parts) == [
+        f"{sys.executable} cannot load gpudiag's recorder (ImportError: gpudiag is broken here)"]
+
+
+def test_the_bootstrap_and_the_package_are_where_the_child_looks() -> None:
+    """session.py moved a folder down once: the paths it puts on the child's PYTHONPATH."""
+    from gpudiag.measure.profile.launching.session import BOOTSTRAP, PACKAGE_ROOT
+
+    assert (BOOTSTRAP / "sitecustomize.py").is_file()
+    assert (PACKAGE_ROOT / "gpudiag" / "__init__.py").is_file()
 
 
 def test_ctrl_c_keeps_what_was_measured(tmp_path: Path) -> None:
@@ -278,7 +346,7 @@ def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
 def test_the_parent_never_imports_torch() -> None:
     """gpudiag profile starts the script at once: its own side imports no torch (the recorder
     in the script reports the machine instead)."""
-    code = ("import sys, gpudiag.cli, gpudiag.measure.profile.session, gpudiag.present; "
+    code = ("import sys, gpudiag.cli, gpudiag.measure.profile.launching.session, gpudiag.present; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
@@ -299,7 +367,7 @@ def _stage(name: str) -> StageResult:
 def test_ranks_are_named_without_torchruns_rank_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's own launcher starts its ranks with LOCAL_RANK and WORLD_SIZE, no RANK:
     each rank keeps its own name."""
-    from gpudiag.measure.profile import recorder
+    from gpudiag.measure.profile.inscript import recorder
 
     monkeypatch.setattr(sys, "argv", ["train.py"])
     monkeypatch.delenv("RANK", raising=False)

@@ -1,6 +1,7 @@
-"""Who takes the host samples (gpudiag/measure/profile/threadtimer.py, hostsampler.py): a timer
-signal handled in the training thread, and what it must never do to the script: interrupt its
-system calls, take a signal the script uses, compile in Dynamo, end the process at exit."""
+"""Who takes the host samples (gpudiag/measure/profile/inscript/threadtimer.py, hostsampler.py):
+a timer signal handled in the training thread, and what it must never do to the script:
+interrupt its system calls, take a signal the script uses, compile in Dynamo, end the process at
+exit."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpudiag.measure.profile import threadtimer
-from gpudiag.measure.profile.hostsampler import Clock, HostSampler
+from gpudiag.measure.profile.inscript import threadtimer
+from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostSamples
 
 pytestmark = pytest.mark.skipif(threadtimer.unavailable() is not None,
@@ -179,7 +180,7 @@ def test_a_timer_left_running_does_not_end_the_process_at_exit(tmp_path: Path) -
     script = tmp_path / "left.py"
     script.write_text(textwrap.dedent("""
         import threading, time
-        from gpudiag.measure.profile.hostsampler import HostSampler
+        from gpudiag.measure.profile.inscript.hostsampler import HostSampler
         marks = [time.perf_counter()]
         sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=None,
                               cuda=False, warmup=0, skip=(), max_steps=10**6,

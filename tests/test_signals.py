@@ -434,8 +434,8 @@ def test_what_the_command_leaves_running(tmp_path: Path, monkeypatch: pytest.Mon
     descendants cannot be tracked (forced here as on a system without prctl and /proc) the job
     is the command's process group, as before: the command's exit ends the run, and nothing
     else is named or signalled."""
-    from gpudiag.measure.profile import jobprocesses
-    from gpudiag.measure.profile.session import run_command
+    from gpudiag.measure.profile.launching import jobprocesses
+    from gpudiag.measure.profile.launching.session import run_command
 
     monkeypatch.setattr(jobprocesses, "TRACKS_DESCENDANTS",
                         tracked and jobprocesses.TRACKS_DESCENDANTS)
@@ -462,7 +462,7 @@ def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_pat
     no "Fatal Python error: init_import_site" dump. The recorder's `import torch` finds a
     stand-in first on the path, which says it started and waits: the signal lands there."""
     from gpudiag.measure.profile import protocol
-    from gpudiag.measure.profile.session import BOOTSTRAP, PACKAGE_ROOT
+    from gpudiag.measure.profile.launching.session import BOOTSTRAP, PACKAGE_ROOT
 
     stand_in = tmp_path / "stand-in"
     (stand_in / "torch").mkdir(parents=True)

@@ -338,8 +338,8 @@ def test_a_stop_keeps_the_measured_runs_and_names_the_fixes_it_left_unmeasured(
     the run.json said `fixes: []` although a run without fixes had been measured). `gpudiag
     report --rules` makes the same rows of the runs kept on disk."""
     from gpudiag.diagnose.tryfix import assess, reassess
-    from gpudiag.measure.profile import tryfixes
-    from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest
+    from gpudiag.measure.profile.launching import tryfixes
+    from gpudiag.measure.profile.launching.session import ProfileOutput, ProfileRequest
 
     def profile_command(request: ProfileRequest) -> ProfileOutput:
         label = request.out.name
@@ -383,8 +383,8 @@ def test_a_sigterm_between_runs_stops_them_with_its_own_exit_code(
     """`kill` between two --try-fixes runs (gpudiag holds no child then) stops them as Ctrl-C
     does, keeping the runs measured, and the exit code says SIGTERM (143), not SIGINT."""
     from gpudiag.measure.interrupts import Terminated
-    from gpudiag.measure.profile import tryfixes
-    from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest
+    from gpudiag.measure.profile.launching import tryfixes
+    from gpudiag.measure.profile.launching.session import ProfileOutput, ProfileRequest
 
     def profile_command(request: ProfileRequest) -> ProfileOutput:
         return ProfileOutput(run=_timed(request.config, 10.0), exit_code=0)

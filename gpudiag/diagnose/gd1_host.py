@@ -37,7 +37,7 @@ HOST_THRESHOLDS = (
          "so workers do it beside the step, or do it on the whole batch with torch ops; compute "
          "metrics on the device and log them every N steps."),
     thresholds=HOST_THRESHOLDS,
-    references=("gpudiag/measure/profile/hostsampler.py (how host time is sampled)",),
+    references=("gpudiag/measure/profile/inscript/hostsampler.py (how host time is sampled)",),
 )
 def host_work_by_line(run: RunResult) -> Iterator[Draft]:
     """A profiled script's steady steps, sampled: the lines whose Python/numpy time is at least

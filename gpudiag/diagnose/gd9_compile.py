@@ -1,5 +1,5 @@
 """torch.compile rules: recompilations, the recompile limit's silent fallback to eager, graph
-breaks; from Dynamo's own compilation records (gpudiag/measure/profile/compiles.py)."""
+breaks; from Dynamo's own compilation records (gpudiag/measure/profile/inscript/compiles.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The permanent change of the DataLoader remedy, from what its run recorded: the settings it
 measured (not the catalog's), in the terms of the framework that built the loader, at the line
-where the script decides them (gpudiag/measure/profile/frameworks.py finds that line).
+where the script decides them (gpudiag/measure/profile/inscript/frameworks.py finds that line).
 """
 
 from __future__ import annotations

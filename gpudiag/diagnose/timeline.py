@@ -198,7 +198,7 @@ def _compile_ms(compiles: CompileFacts | None, n: int) -> dict[int, float]:
 def _attribute(work: PeriodicWork, host: HostSamples) -> None:
     """The training loop's line whose time on the work's steps most exceeds its usual: the
     call that does the work (an evaluation, a save, a log). Only slow steps keep their
-    samples (gpudiag/measure/profile/hostsampler.py), which the work's steps are."""
+    samples (gpudiag/measure/profile/inscript/hostsampler.py), which the work's steps are."""
     slow = {s.step: s for s in host.slow_steps}
     covered = [slow[step] for step in work.steps if step in slow]
     if not covered or not host.steady_steps:

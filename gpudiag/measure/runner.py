@@ -34,8 +34,8 @@ from gpudiag.measure.interrupts import Stopped, signal_of
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
+from gpudiag.measure.timed_window import Window, fill_timed, measure_window
 from gpudiag.measure.timing import PhaseRecorder, time_steps
-from gpudiag.measure.window import Window, fill_timed, measure_window
 from gpudiag.model.config import RunConfig
 from gpudiag.model.results import RunResult, StageResult
 

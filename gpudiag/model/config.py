@@ -145,7 +145,7 @@ class RunConfig:
                 "loader_workers": self.loader_workers}
 
 
-# Host samples per second in a profiled script (gpudiag/measure/profile/hostsampler.py). A
+# Host samples per second in a profiled script (gpudiag/measure/profile/inscript/hostsampler.py). A
 # sample costs the training thread ~90 us on an H100 host (signal, handler, cold caches; its
 # handler 57 us median): at 50 Hz ~0.35% of a 2 ms host-bound step, measured side by side at
 # 0.7% (95% CI -0.4% .. 1.6%) (benchmarks/host_sampler.py,

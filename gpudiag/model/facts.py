@@ -199,11 +199,12 @@ class StepTimeline:
     window_end: int | None = None
 
 
-# What the training thread was doing in a host sample (gpudiag/measure/profile/hostsampler.py):
-# blocked reading a device value back, inside a torch call (launching work, or the op itself on
-# a CPU), waiting for the training DataLoader, running Python or numpy, in a C call or operator
-# at the user's line whose target the sample cannot tell (torch or not: the profiler window
-# tells, by the line's torch calls), or in gpudiag's own code.
+# What the training thread was doing in a host sample
+# (gpudiag/measure/profile/inscript/hostsampler.py): blocked reading a device value back, inside
+# a torch call (launching work, or the op itself on a CPU), waiting for the training DataLoader,
+# running Python or numpy, in a C call or operator at the user's line whose target the sample
+# cannot tell (torch or not: the profiler window tells, by the line's torch calls), or in
+# gpudiag's own code.
 HostKind = Literal["sync", "torch", "data", "python", "call", "gpudiag"]
 HOST_KINDS: tuple[HostKind, ...] = get_args(HostKind)
 
@@ -294,7 +295,7 @@ class ScriptFacts:
     compiled_graphs: int | None = None
     graph_breaks: int | None = None
     # profile --try-fixes: the first steps' losses (what each backward() started from), and
-    # what each remedy applied in this process saw (gpudiag/measure/profile/remedies.py).
+    # what each remedy applied in this process saw (gpudiag/measure/profile/inscript/remedies.py).
     losses: list[float] = field(default_factory=list)
     remedies: RemedyEvidence = field(default_factory=RemedyEvidence)
     timeline: StepTimeline | None = None

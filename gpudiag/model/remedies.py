@@ -1,11 +1,12 @@
 """The fixes `gpudiag profile --try-fixes` can apply to an unmodified script, for one run.
 
 Each remedy is declared once: the findings that call for it, how gpudiag applies it (inside the
-script's process, through the profile bootstrap: gpudiag/measure/profile/remedies.py), whether
-it keeps the script's numerics, and the code change that makes it permanent. Findings with no
-safe automatic remedy keep their written advice (NO_REMEDY says why). What each one saw in the
-script when applied (a record per remedy, together a `RemedyEvidence`) is declared here too:
-the applier fills it in, run.json keeps it (validated on load like the rest), diagnose reads it.
+script's process, through the profile bootstrap: gpudiag/measure/profile/inscript/remedies.py),
+whether it keeps the script's numerics, and the code change that makes it permanent. Findings
+with no safe automatic remedy keep their written advice (NO_REMEDY says why). What each one saw
+in the script when applied (a record per remedy, together a `RemedyEvidence`) is declared here
+too: the applier fills it in, run.json keeps it (validated on load like the rest), diagnose
+reads it.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ assert tuple(f.name for f in dataclasses.fields(LoaderSettings)) == LOADER_SETTI
 @dataclass
 class LoaderSeen:
     """One DataLoader a loader remedy saw built: where, its settings before and after the
-    remedy, and what built it (gpudiag/measure/profile/frameworks.py)."""
+    remedy, and what built it (gpudiag/measure/profile/inscript/frameworks.py)."""
 
     site: str | None  # the script's line that built it
     before: LoaderSettings | None = None

@@ -474,7 +474,7 @@ class MeasuredFix:
 class Rerun:
     """A re-run of a profiled script (a fix's, one without fixes, or a short script's second
     run), made in a scratch copy of the working directory its first run had, so the user's
-    files stay as they were (gpudiag/measure/profile/scratch.py)."""
+    files stay as they were (gpudiag/measure/profile/launching/scratch.py)."""
 
     label: str  # its folder under fixes/, or "rerun" for a short script's second run
     source: str  # the working directory copied

@@ -65,7 +65,7 @@ def shown(rows: list[Row]) -> list[Row]:
     return big
 
 
-# How the samples were taken (gpudiag/measure/profile/hostsampler.py).
+# How the samples were taken (gpudiag/measure/profile/inscript/hostsampler.py).
 _CLOCKS = {"signal": "taken in the training thread at a timer signal",
            "thread": "read from a sampling thread, each delaying the training thread ~0.1 ms"}
 

@@ -1,14 +1,23 @@
-"""What `gpudiag profile`'s parent and the recorder inside the script agree on: environment
-variables, file names and the run's ProfileConfig. No torch here: the parent starts the script
-before it imports torch itself."""
+"""What `gpudiag profile`'s two sides agree on: the launching side in gpudiag's process
+(launching/) and the recorder inside each of the script's interpreters (inscript/). Environment
+variables one way (where to write, the run's ProfileConfig), files the other (a part per
+process, typed as gpudiag.model.profilepart.ProfilePart; bootstrap errors; the window's close;
+a re-run's writes outside its copy). Neither side imports the other, and this module imports
+neither and no torch (import-linter contracts in pyproject.toml): the parent never loads torch."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
+from typing import TypeVar
 
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.results import from_jsonable, to_jsonable
+from gpudiag.model.profilepart import BootstrapError, ProfilePart
+from gpudiag.model.results import RunFileError, from_jsonable, to_jsonable
+from gpudiag.model.schema import SchemaError, parse_json
+
+T = TypeVar("T")
 
 ENV_OUT = "GPUDIAG_PROFILE_OUT"  # the parts folder (absolute)
 ENV_PARENT = "GPUDIAG_PROFILE_PARENT"
@@ -52,3 +61,32 @@ def config_from_env(environ: Mapping[str, str]) -> ProfileConfig:
     recorder installed by hand)."""
     text = environ.get(ENV_CONFIG)
     return from_jsonable(ProfileConfig, json.loads(text)) if text else ProfileConfig()
+
+
+def part_text(part: ProfilePart) -> str:
+    """A part file's text (the recorder writes it atomically)."""
+    return json.dumps(to_jsonable(part))
+
+
+def read_part(path: Path) -> ProfilePart:
+    """A process's part, validated like run.json: RunFileError naming the field that does not
+    fit, or why the file cannot be read."""
+    return _read(ProfilePart, path)
+
+
+def read_bootstrap_error(path: Path) -> BootstrapError:
+    """An interpreter's bootstrap error (written by sitecustomize.py, without gpudiag)."""
+    return _read(BootstrapError, path)
+
+
+def _read(cls: type[T], path: Path) -> T:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise RunFileError(f"cannot read ({reason})") from None
+    try:
+        data = parse_json(text)
+    except SchemaError as exc:
+        raise RunFileError(str(exc)) from None
+    return from_jsonable(cls, data)

@@ -28,7 +28,7 @@ import torch
 from gpudiag.measure.interrupts import Terminated, wait_child
 from gpudiag.measure.stages.ddp.worker import PARTS_FILE
 from gpudiag.measure.stages.ladder import precision_of
-from gpudiag.measure.window import Window, fill_timed
+from gpudiag.measure.timed_window import Window, fill_timed
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import (
     DdpFacts,

@@ -38,8 +38,8 @@ from gpudiag.measure.stages.base import StageContext
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.stages.ladder import LEARNING_RATE, WEIGHT_DECAY, train_step
 from gpudiag.measure.telemetry import Sampler, open_sampler
+from gpudiag.measure.timed_window import measure_window
 from gpudiag.measure.timing import PhaseRecorder
-from gpudiag.measure.window import measure_window
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import DdpVariant
 from gpudiag.model.results import TimingStats, from_jsonable, to_jsonable

@@ -5,7 +5,7 @@ The ladder's runner and the ddp stage's ranks drive their step function through
 `measure_window`; `gpudiag profile`'s recorder, where the user's script drives the steps, builds
 a `Window` from its own step marks. All three turn it into a stage result with `fill_timed`, so
 a stage's timings mean the same whoever measured them. The evidence window (profiler) follows
-separately, never among the timed steps (see measure/evidence/window.py).
+separately, never among the timed steps (see measure/evidence/profiler_window.py).
 """
 
 from __future__ import annotations

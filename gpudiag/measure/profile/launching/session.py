@@ -16,7 +16,6 @@ torch: the recorder in each process reports its machine and settings.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
 import shutil
@@ -32,14 +31,21 @@ from types import FrameType
 from gpudiag._version import __version__
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S
 from gpudiag.measure.profile import protocol
-from gpudiag.measure.profile.jobprocesses import JobProcesses, describe, job_processes
-from gpudiag.measure.profile.scratch import SCRATCH_DIR, Scratch, ScratchError, make_scratch
+from gpudiag.measure.profile.launching.jobprocesses import JobProcesses, describe, job_processes
+from gpudiag.measure.profile.launching.scratch import (
+    SCRATCH_DIR,
+    Scratch,
+    ScratchError,
+    make_scratch,
+)
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import BadInput, ExitCode
-from gpudiag.model.results import Env, RunFileError, RunResult, StageResult, from_jsonable
+from gpudiag.model.results import Env, RunFileError, RunResult, StageResult
 
-BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
-PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds gpudiag/: the child imports it
+# The folder whose sitecustomize.py installs the recorder in every Python process the command
+# starts: the script's side's (a path only; this side never imports that code).
+BOOTSTRAP = Path(__file__).resolve().parents[1] / "inscript" / "bootstrap"
+PACKAGE_ROOT = Path(__file__).resolve().parents[4]  # holds gpudiag/: the child imports it
 PARTS_DIR = "parts"
 RERUN_DIR = "rerun"  # a short script's second run: its scratch copy, and its label
 STOP_GRACE_S = 30.0  # after a forwarded signal, before the command's processes are killed
@@ -266,22 +272,20 @@ def collect(parts_dir: Path) -> Collected:
     envs = []
     for path in sorted(parts_dir.glob(protocol.PART_GLOB)):
         try:
-            part = json.loads(path.read_text())
-            stage = from_jsonable(StageResult, part["stage"]) if part.get("stage") else None
-            env = from_jsonable(Env, part["env"]) if part.get("env") else None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RunFileError) as exc:
+            part = protocol.read_part(path)
+        except RunFileError as exc:
             found.messages.append(f"{path.name}: unreadable, left out ({exc})")
             continue
-        if part.get("error"):
-            found.messages.append(f"{' '.join(part['argv'])}: {part['error']}")
-        if stage is not None:
-            found.stages.append(stage)
-            if not part.get("final", True):
-                found.unfinished.append(stage)
-        elif part.get("crash"):
-            found.crash = part["crash"]
-        if env is not None:
-            envs.append((int(part.get("rank") or 0), env))
+        if part.error:
+            found.messages.append(f"{' '.join(part.argv)}: {part.error}")
+        if part.stage is not None:
+            found.stages.append(part.stage)
+            if not part.final:
+                found.unfinished.append(part.stage)
+        elif part.crash:
+            found.crash = part.crash
+        if part.env is not None:
+            envs.append((part.rank or 0, part.env))
     found.stages.sort(key=lambda s: s.name)
     found.env = min(envs, key=lambda e: e[0])[1] if envs else None
     return found
@@ -292,10 +296,10 @@ def bootstrap_failures(parts_dir: Path) -> list[str]:
     lines = []
     for path in sorted(parts_dir.glob(protocol.BOOTSTRAP_ERROR_GLOB)):
         try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
+            failure = protocol.read_bootstrap_error(path)
+        except RunFileError:
             continue
-        lines.append(f"{info.get('python')} cannot load gpudiag's recorder ({info.get('error')})")
+        lines.append(f"{failure.python} cannot load gpudiag's recorder ({failure.error})")
     return list(dict.fromkeys(lines))
 
 

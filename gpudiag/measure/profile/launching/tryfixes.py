@@ -1,8 +1,8 @@
 """`gpudiag profile --try-fixes`: the runs. Each remedy the diagnosis calls for is one more run
-of the script with it applied (gpudiag/measure/profile/remedies.py), between two runs without
-any; then, when more than one paid, the ones that paid together. Which remedies, and which of
-them paid, are gpudiag.diagnose.tryfix's to say: the caller passes both in, so that measuring
-never imports diagnosing (docs/architecture.md).
+of the script with it applied (gpudiag/measure/profile/inscript/remedies.py), between two runs
+without any; then, when more than one paid, the ones that paid together. Which remedies, and
+which of them paid, are gpudiag.diagnose.tryfix's to say: the caller passes both in, so that
+measuring never imports diagnosing (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.interrupts import signal_of
-from gpudiag.measure.profile.scratch import SCRATCH_DIR, ScratchError
-from gpudiag.measure.profile.session import ProfileOutput, ProfileRequest, profile_command
+from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR, ScratchError
+from gpudiag.measure.profile.launching.session import ProfileOutput, ProfileRequest, profile_command
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import BASELINE_RUNS, COMBINED_RUN
 from gpudiag.model.results import Rerun, RunResult

@@ -1,6 +1,6 @@
 """Inside a re-run of a profiled script, which runs in a scratch copy of its working directory
-(gpudiag/measure/profile/scratch.py): the paths the process writes outside that copy, for the
-report to list.
+(gpudiag/measure/profile/launching/scratch.py): the paths the process writes outside that
+copy, for the report to list.
 
 An audit hook (PEP 578) sees what the process does to files through Python: a file opened for
 writing, removed, renamed, truncated, a folder made or removed; torch.save and safetensors,

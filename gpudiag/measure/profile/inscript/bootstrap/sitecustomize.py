@@ -14,8 +14,9 @@ from pathlib import Path
 
 def _report_failure(exc: BaseException) -> None:
     """Tell the parent this interpreter could not load the recorder (it fails the profile with
-    this line when no process recorded anything); file name as in protocol.py, which may be
-    the very module that did not import."""
+    this line when no process recorded anything). Standard library only: file name as in
+    protocol.py and keys as gpudiag.model.profilepart.BootstrapError's fields, spelled out
+    here since gpudiag may be the very package that did not import."""
     import json  # noqa: PLC0415 (only on failure)
 
     out = Path(os.environ["GPUDIAG_PROFILE_OUT"])
@@ -38,12 +39,9 @@ def _stop_as_python_does() -> None:
 
 if os.environ.get("GPUDIAG_PROFILE_OUT"):
     try:
-        from gpudiag.measure.profile.writewatch import install as watch_writes
+        from gpudiag.measure.profile.inscript.install import install
 
-        watch_writes()  # a re-run's only; before the recorder imports torch
-        from gpudiag.measure.profile.recorder import install
-
-        install()
+        install()  # in a re-run the write watch first, then the recorder
     except KeyboardInterrupt:
         _stop_as_python_does()
     except Exception as exc:  # never break the user's program

@@ -105,7 +105,8 @@ class ProfilerWindow:
     def evidence(self, events: list[dict[str, Any]], timed_step_ms: float | None,
                  kernel_lines: dict[str, list[str]] | None = None) -> Evidence | None:
         """The window's evidence, against the timed steps' pace; None without a closed step.
-        `kernel_lines`: compiled kernels' source lines (gpudiag/measure/profile/compiles.py)."""
+        `kernel_lines`: compiled kernels' source lines
+        (gpudiag/measure/profile/inscript/compiles.py)."""
         if not self.step_ms:
             return None
         return analyze(events, steps=len(self.step_ms), step_ms=statistics.fmean(self.step_ms),

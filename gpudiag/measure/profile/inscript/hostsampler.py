@@ -2,8 +2,8 @@
 sampled at a fixed period, each sample standing for the time since the previous one.
 
 Who takes a sample: when the training thread is the main thread (on Linux), a timer signal
-to that thread (gpudiag/measure/profile/threadtimer.py), whose handler runs in it between two
-bytecodes with its frame (~30 us a sample on a Python loop; reports/examples/h100-host).
+to that thread (gpudiag/measure/profile/inscript/threadtimer.py), whose handler runs in it
+between two bytecodes with its frame (~30 us a sample on a Python loop; reports/examples/h100-host).
 Otherwise a daemon thread reads its stack (`sys._current_frames`, the in-process form of
 what py-spy reads from outside): to do so it
 must take the GIL, and from a thread running Python it gets it only by a forced switch after
@@ -60,7 +60,7 @@ from typing import Literal, NamedTuple, cast
 import torch
 
 from gpudiag.measure.evidence.source import display_path, frame_role
-from gpudiag.measure.profile import threadtimer
+from gpudiag.measure.profile.inscript import threadtimer
 from gpudiag.model.config import HOST_SAMPLE_HZ
 from gpudiag.model.facts import HostKind, HostLine, HostSamples, HostStep
 

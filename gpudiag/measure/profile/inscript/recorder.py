@@ -1,66 +1,55 @@
 """Inside a profiled script: step boundaries, step times, data wait, saves, telemetry and one
 profiler window, written as a stage when the process exits.
 
-Installed at interpreter start-up by the bootstrap's sitecustomize (see session.py). Steps end
+Made at interpreter start-up by install.py (which the bootstrap's sitecustomize calls), fed by
+the patches of hooks.py, and written at exit by lifecycle.py's handlers. Steps end
 at each `optimizer.step()` of the first optimizer that steps (a global post-hook), or at each
-`gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Steps are split:
-warm-up [0, W), timed [W, W+T), profiled [W+T, W+T+K); later steps are kept but not used, since
-the profiler slows what follows it on some GPUs (pytorch/pytorch#144455).
+`gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Which steps warm
+up, are timed, run under the profiler or come after is schedule.py's to say.
 """
 
 from __future__ import annotations
 
-import _thread
-import atexit
-import contextlib
 import dataclasses
-import importlib.util
 import itertools
-import json
 import os
-import signal
 import statistics
 import sys
 import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import nvtx
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
 from gpudiag.measure.env import collect_env, device_identity
+from gpudiag.measure.evidence.profiler_window import ProfilerWindow, save_trace
 from gpudiag.measure.evidence.source import call_site, caller_site
-from gpudiag.measure.evidence.window import ProfilerWindow, save_trace
-from gpudiag.measure.profile import writewatch
-from gpudiag.measure.profile.compiles import CompileWatch, kernel_lines
-from gpudiag.measure.profile.hostsampler import HostSampler, loop_frame, stack
-from gpudiag.measure.profile.protocol import (
-    ENV_OUT,
-    ENV_PARENT,
-    ENV_TRACE_DIR,
-    config_from_env,
-    part_name,
-    window_done_name,
-)
-from gpudiag.measure.profile.remedies import Applied, LossLog, seed_everything
-from gpudiag.measure.profile.timeline import (
+from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
+from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
+from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
+from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
+from gpudiag.measure.profile.inscript.timeline import (
     TIMELINE_STEPS,
     Site,
     build_timeline,
     training_loaders,
 )
+from gpudiag.measure.profile.protocol import (
+    ENV_PARENT,
+    ENV_TRACE_DIR,
+    part_name,
+    part_text,
+    window_done_name,
+)
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
-from gpudiag.measure.window import Window, fill_timed
+from gpudiag.measure.timed_window import Window, fill_timed
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
 from gpudiag.model.facts import (
@@ -74,7 +63,8 @@ from gpudiag.model.facts import (
     StageFacts,
     StepTimeline,
 )
-from gpudiag.model.results import Env, Evidence, StageResult, TimingStats, to_jsonable
+from gpudiag.model.profilepart import ProfilePart
+from gpudiag.model.results import Env, Evidence, StageResult, TimingStats
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
@@ -83,15 +73,18 @@ MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long r
 PART_EVERY_S = 60.0
 MAX_LOOP_SITES = 10_000  # DataLoader iterations whose line is looked up (one per epoch or eval)
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
-MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
-STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 
 
 class Recorder:
+    """One process's record of the script: its step boundaries (from hooks.py's optimizer hook,
+    or gpudiag.step()), what each step waited for and saved, the profiler window the schedule
+    (schedule.py) places, and its part (gpudiag.model.profilepart.ProfilePart), written at the
+    end of warm-up, at the window's close, every PART_EVERY_S after and at exit (lifecycle.py).
+    """
+
     def __init__(self, out: Path, config: ProfileConfig) -> None:
         self.out, self.config = out, config
-        self.warmup, self.timed, self.evidence_steps = (config.warmup, config.timed,
-                                                        config.evidence_steps)
+        self.schedule = Schedule.of(config)
         self.pid = os.getpid()
         self.host_marks: list[float] = [time.perf_counter()]
         self.events: list[Any] = []
@@ -131,7 +124,7 @@ class Recorder:
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
         self.interrupt_pending = False  # a SIGINT came: a step boundary after it stops
-        # --try-fixes (gpudiag/measure/profile/remedies.py): remedies applied, first losses.
+        # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
         self.applied = Applied(config.remedies)
         self.losses = LossLog(config.losses)
 
@@ -154,8 +147,8 @@ class Recorder:
         self.boundary()
 
     def _stop_if_asked(self) -> None:
-        """A stop waiting for this step boundary: a SIGTERM (see _exit_on_sigterm), or a
-        Ctrl-C the script went on after (see _interrupt)."""
+        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
+        after (lifecycle.py's handlers set them)."""
         if self.stop_signal is not None:
             raise SystemExit(128 + self.stop_signal)
         if self.interrupt_pending:
@@ -171,10 +164,11 @@ class Recorder:
         if self.cuda is None:
             self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             self._open_telemetry()
-        # Device-clock step times are the timed window's (warm-up included, for its spread);
-        # later steps are on the host clock only: an event costs ~12 us of the step's host
-        # time on an H100 host (benchmarks/host_sampler.py), 0.6% of a 2 ms step.
-        if self.cuda and len(self.events) <= self.warmup + self.timed:
+        # Device-clock step times are the timed window's (warm-up included, for its spread):
+        # an event ends each warm-up and timed step. Later steps are on the host clock only:
+        # an event costs ~12 us of the step's host time on an H100 host
+        # (benchmarks/host_sampler.py), 0.6% of a 2 ms step.
+        if self.cuda and self.schedule.phase(self.steps) in (Phase.WARMUP, Phase.TIMED):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
@@ -203,9 +197,9 @@ class Recorder:
         writing costs tens of ms. Runs before the step's end mark, so that time is the ending
         step's, a warm-up or later step."""
         ending = self.steps  # the step this boundary ends (0-based)
-        measured = self.warmup <= ending <= self.warmup + self.timed + self.evidence_steps
-        if self.steps and not measured and (ending == self.warmup - 1
-                                            or now - self.part_at >= PART_EVERY_S):
+        ends_warmup = ending + 1 == self.schedule.timed_steps.start
+        if ending and ending not in self.schedule.quiet_steps and (
+                ends_warmup or now - self.part_at >= PART_EVERY_S):
             self.part_at = now
             self._write_part()
 
@@ -217,27 +211,29 @@ class Recorder:
             return
         loop = loop_frame(self.first_stack, sys._getframe())
         self.first_stack = []  # frames hold their locals: let them go
-        start = self.warmup + self.timed
-        window = range(start, start + self.evidence_steps + 1) if self.evidence_steps else ()
         self.host_sampler = HostSampler(
             self.host_marks, thread_id=threading.get_ident(),
             loop_code=loop.f_code if loop is not None else None, cuda=bool(self.cuda),
-            warmup=self.warmup, skip=window, max_steps=TIMELINE_STEPS,
+            warmup=self.schedule.warmup, skip=self.schedule.unsampled_steps,
+            max_steps=TIMELINE_STEPS,
             period_s=1 / self.config.host_sample_hz)
         self.host_sampler.start()
 
     def _windows(self, done: int) -> None:
-        start_profile = self.warmup + self.timed
-        if done == self.warmup and self.sampler is not None:
+        """At the boundary before step `done`: the timed steps' telemetry begins with them and
+        ends after them; the profiler window opens with the profiled steps, marks each one's
+        end, and closes after them."""
+        timed, profiled = self.schedule.timed_steps, self.schedule.profiled_steps
+        if done == timed.start and self.sampler is not None:
             self.sampler.begin("timed")
-        if done == start_profile:
+        if done == timed.stop:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
-            if self.evidence_steps:
+            if profiled:
                 self.window = ProfilerWindow(self._device(), annotate=not _compiled())
                 self.window.start()
         elif self.window is not None and self.window.open:
-            if done == start_profile + self.evidence_steps:
+            if done == profiled.stop:
                 self._stop_profiler(keep=True, at_boundary=True)
                 self._probe_link()
                 self._window_closed()
@@ -268,7 +264,7 @@ class Recorder:
         if not keep:
             return
         self.compile_counts = _compile_counts()
-        timed = self._step_ms()[self.warmup:self.warmup + self.timed]
+        timed = self._measured_ms()[2]
         compiled_lines = kernel_lines() if not self.window.annotate else {}
         self.evidence = self.window.evidence(
             events, TimingStats.of(timed).p25_ms if timed else None, compiled_lines)
@@ -330,7 +326,7 @@ class Recorder:
     def _training_waits(self, steps: range) -> list[float]:
         """Per step, the wait for the loader(s) that feed training. An evaluation (or other)
         loop's waits belong to that work, not to the next training step's input
-        (gpudiag/measure/profile/timeline.py tells them apart)."""
+        (gpudiag/measure/profile/inscript/timeline.py tells them apart)."""
         training = training_loaders(self.data_calls)
         waits: dict[int, float] = defaultdict(float)
         for (step, key), ms in self.data_wait.items():
@@ -370,12 +366,18 @@ class Recorder:
             return [a.elapsed_time(b) for a, b in itertools.pairwise(self.events)]
         return [(b - a) * 1e3 for a, b in itertools.pairwise(self.host_marks)]
 
-    def stage(self) -> StageResult:
+    def _measured_ms(self) -> tuple[int, list[float], list[float]]:
+        """(the first timed step measured, the warm-up steps' ms, the timed steps' ms). CUDA
+        events start at the first boundary: step i's time is events[i-1] -> events[i], and step
+        0 has none; on the host clock step i is marks[i] -> marks[i+1]."""
         all_ms = self._step_ms()
-        # CUDA events start at the first boundary: step i's time is events[i-1] -> events[i].
-        offset = 1 if self.cuda else 0
-        first = max(self.warmup, offset)
-        timed = all_ms[first - offset:self.warmup + self.timed - offset]
+        offset = 1 if self.cuda else 0  # all_ms[j] is step j + offset
+        timed = self.schedule.timed_steps
+        first = max(timed.start, offset)
+        return first, all_ms[:first - offset], all_ms[first - offset:timed.stop - offset]
+
+    def stage(self) -> StageResult:
+        first, warmup_ms, timed = self._measured_ms()
         result = StageResult(name=_stage_name(), status="ok", title=" ".join(sys.argv),
                              workload=f"{' '.join(sys.argv)} (profiled)",
                              facts=self._facts(len(timed)), evidence=self.evidence)
@@ -387,14 +389,15 @@ class Recorder:
                 return result
         if not timed:
             result.status = "error"
+            timed_steps = self.schedule.timed_steps
             result.error = (f"no timed steps: the script made {self.steps} step(s); gpudiag "
-                            f"times steps {self.warmup}..{self.warmup + self.timed - 1}")
+                            f"times steps {timed_steps.start}..{timed_steps.stop - 1}")
             result.advice = ("lower --warmup, or mark steps: call gpudiag.step() once per "
                              "step, or wrap the loop body in `with gpudiag.watch():`")
             return result
         steps = range(first, first + len(timed))
         phases = {"data_wait": self._training_waits(steps)} if self.data_wait else {}
-        window = Window(warmup_ms=all_ms[:first - offset], iter_ms=timed,
+        window = Window(warmup_ms=warmup_ms, iter_ms=timed,
                         timer="cuda-events" if self.cuda else "host-clock",
                         telemetry=self.telemetry or result.telemetry, phases_ms=phases)
         status = result.status
@@ -410,7 +413,7 @@ class Recorder:
 
     def _facts(self, timed: int) -> StageFacts:
         facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
-            steps=self.steps, warmup=self.warmup, timed=timed,
+            steps=self.steps, warmup=self.schedule.warmup, timed=timed,
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
@@ -421,8 +424,8 @@ class Recorder:
         return facts
 
     def _timeline(self) -> StepTimeline:
-        start = self.warmup + self.timed
-        window = (start, start + self.evidence_steps) if self.evidence is not None else None
+        profiled = self.schedule.profiled_steps
+        window = (profiled.start, profiled.stop) if self.evidence is not None else None
         return build_timeline(self.host_marks, extra_steps=self.extra_steps,
                               end_mark=self.end_mark, exit_mark=self.exit_mark,
                               waits=self.data_wait,
@@ -430,9 +433,9 @@ class Recorder:
                               window=window)
 
     def _why_no_evidence(self) -> str:
-        if not self.evidence_steps:
+        if not self.schedule.profiled_steps:
             return "--evidence-steps 0: no profiler window was asked for"
-        window_at = self.warmup + self.timed
+        window_at = self.schedule.profiled_steps.start
         if self.steps <= window_at:
             ended = (f"the script ended after {self.steps} steps, before the profiler window "
                      f"at step {window_at}")
@@ -465,7 +468,7 @@ class Recorder:
             self.error = self.error or f"compile metrics: {type(exc).__name__}: {exc}"
         if self.sampler is not None:
             try:
-                if self.telemetry is None and self.steps > self.warmup:
+                if self.telemetry is None and self.steps > self.schedule.timed_steps.start:
                     self.telemetry = self.sampler.end()
                 self.sampler.__exit__(None, None, None)
             except Exception as exc:
@@ -496,13 +499,13 @@ class Recorder:
         root = os.environ.get(ENV_PARENT) == str(os.getppid())
         if self.steps == 0 and not root:
             return  # a helper process (torchrun's agent, a spawned worker): nothing to say
-        part = {"pid": os.getpid(), "rank": _rank()[0], "steps": self.steps,
-                "argv": sys.argv, "cuda": bool(self.cuda), "error": self.error,
-                "final": final, "crash": "".join(self.crash) or None,
-                "stage": to_jsonable(self.stage()) if self.steps else None,
-                "env": to_jsonable(self._environment())}
+        part = ProfilePart(pid=os.getpid(), argv=list(sys.argv), steps=self.steps,
+                           rank=_rank()[0], cuda=bool(self.cuda), error=self.error,
+                           final=final, crash="".join(self.crash) or None,
+                           stage=self.stage() if self.steps else None,
+                           env=self._environment())
         self.out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.out / part_name(os.getpid()), json.dumps(part))
+        write_text_atomic(self.out / part_name(os.getpid()), part_text(part))
 
 
 def _rank() -> tuple[int | None, int]:
@@ -574,180 +577,3 @@ def _batch_size(batch: Any) -> int | None:
             if size:
                 return size
     return None
-
-
-RECORDER: Recorder | None = None
-
-
-def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
-          ) -> None:
-    original = getattr(owner, name)
-    if getattr(original, "__gpudiag__", False):
-        return
-    wrapped = around(original)
-    wrapped.__gpudiag__ = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapped)
-
-
-def install() -> Recorder:
-    """Hook the running interpreter (idempotent)."""
-    global RECORDER  # noqa: PLW0603  (one recorder per interpreter, found by gpudiag.step())
-    if RECORDER is not None:
-        return RECORDER
-    config = config_from_env(os.environ)
-    if config.seed is not None:
-        seed_everything(config.seed)
-    recorder = RECORDER = Recorder(Path(os.environ[ENV_OUT]), config)
-    register_optimizer_step_post_hook(recorder.optimizer_stepped)
-    _hook_loader(recorder)
-    _hook_saves(recorder)
-    _hook_ddp(recorder)
-    atexit.register(recorder.finish)
-    previous_hook = sys.excepthook
-
-    def record_crash(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        recorder.crashed(exc_type, exc, tb)
-        if issubclass(exc_type, KeyboardInterrupt) and previous_hook is sys.__excepthook__:
-            # A stop gpudiag passed on (or the user's Ctrl-C): where it stopped, in one line,
-            # instead of a traceback of whatever the loop happened to be doing.
-            where = traceback.extract_tb(tb)[-1] if tb is not None else None
-            print(f"KeyboardInterrupt{f' at {where.filename}:{where.lineno}' if where else ''}",
-                  file=sys.stderr)
-            return
-        previous_hook(exc_type, exc, tb)
-
-    sys.excepthook = record_crash
-    _write_before_os_exit(recorder)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt)
-    return recorder
-
-
-def _write_before_os_exit(recorder: Recorder) -> None:
-    """os._exit skips atexit: in the script's own process, what was recorded is written
-    first (a forked child calling os._exit, a DataLoader worker, is not the script)."""
-    real_exit = os._exit
-
-    def exit_after_writing(status: int) -> NoReturn:
-        if recorder.pid == os.getpid():
-            with contextlib.suppress(Exception):
-                recorder.finish(shutdown=False)  # every step, and that it ended so
-        real_exit(status)
-
-    os._exit = exit_after_writing
-
-
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """torchrun stops the other ranks with SIGTERM when one fails, and gpudiag passes its own
-    SIGTERM on: the script exits (SystemExit, so atexit writes what was recorded). A script
-    that is stepping exits at its next step boundary, within STOP_AT_STEP_S, not in the middle
-    of receiving a batch from its DataLoader workers (which would leave them printing EOFError
-    tracebacks); one that is not, or a second SIGTERM, exits at once.
-
-    A process the script started (forked or spawned) inherits this hook. A DataLoader worker
-    leaves stopping to the script, whose exit shuts it down, as in gpudiag's own stages
-    (gpudiag/measure/stages/base.py): a SystemExit there would print "Exception ignored", and
-    a worker killed under its loader makes the script raise; once its parent is gone it stops
-    as it would have without gpudiag. Any other child (a Pool's worker the script terminates,
-    a process it kills, a daemon it forked) dies at once, as it would without gpudiag."""
-    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
-
-    parent = multiprocessing.parent_process()
-    # A signal pending at a fork runs its handler in the new child too, before multiprocessing
-    # has set parent_process(): a pid other than the one that installed the hook is a child.
-    if parent is None and RECORDER is not None and RECORDER.pid == os.getpid():
-        if RECORDER.stop_signal is None and RECORDER.steps and not RECORDER.finished:
-            RECORDER.stop_signal = signum
-            timer = threading.Timer(STOP_AT_STEP_S, _thread.interrupt_main, (signum,))
-            timer.daemon = True
-            timer.start()
-            return
-        sys.exit(128 + signum)
-    if parent is None and _launching_a_process(frame):
-        return  # a fork still on its way in (the signal was pending): the script stops
-    loader_worker = torch.utils.data.get_worker_info() is not None
-    if not loader_worker or parent is None or not parent.is_alive():
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """Ctrl-C, or the SIGINT gpudiag passes on: KeyboardInterrupt, as Python's own handler
-    raises it, except inside multiprocessing's fork of a new process. There Python runs its
-    at-fork callbacks (logging's locks), and a KeyboardInterrupt raised in one is printed as
-    "Exception ignored" and lost: the script trained on until gpudiag killed it 30 s later
-    (a DataLoader without persistent workers forks them every epoch). So in the script's own
-    process a SIGINT is also remembered, and its next step boundary raises it again; inside a
-    fork it is only remembered (the new child leaves stopping to the script)."""
-    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
-
-    if RECORDER is not None and RECORDER.pid == os.getpid() \
-            and multiprocessing.parent_process() is None:
-        RECORDER.interrupt_pending = True
-    if _launching_a_process(frame):
-        return
-    signal.default_int_handler(signum, frame)
-
-
-def _launching_a_process(frame: FrameType | None) -> bool:
-    """Inside multiprocessing's fork of a new process, which has not yet set the child's
-    parent_process(); a plain os.fork (a daemon's) never is."""
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(MULTIPROCESSING_FORK):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _hook_loader(recorder: Recorder) -> None:
-    def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __next__(self: Any) -> Any:
-            start = time.perf_counter()
-            batch = original(self)
-            recorder.data_waited((time.perf_counter() - start) * 1e3, batch, self)
-            return batch
-        return __next__
-
-    def sited_iter(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __iter__(self: Any) -> Any:
-            iterator = original(self)
-            recorder.loader_iterated(iterator, sys._getframe(1))
-            return iterator
-        return __iter__
-
-    _wrap(_BaseDataLoaderIter, "__next__", timed_next)
-    _wrap(DataLoader, "__iter__", sited_iter)
-
-
-def _hook_saves(recorder: Recorder) -> None:
-    def timed_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("filename"))
-                recorder.saved((time.perf_counter() - start) * 1e3, target)
-                writewatch.written(target)  # native code wrote it: no audit event saw it
-        return save
-
-    _wrap(torch, "save", timed_save)
-    # Model weights are often written with safetensors (transformers' save_pretrained); hooked
-    # here, before the script imports the names it binds (from safetensors.torch import ...).
-    if importlib.util.find_spec("safetensors") is not None:
-        import safetensors.torch  # noqa: PLC0415 (only where installed)
-
-        for name in ("save_file", "save_model"):
-            _wrap(safetensors.torch, name, timed_save)
-
-
-def _hook_ddp(recorder: Recorder) -> None:
-    def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            recorder.ddp_wrapped(self)
-        return __init__
-
-    _wrap(DistributedDataParallel, "__init__", noted_ddp)

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
-from gpudiag.measure.profile.frameworks import loader_origin
+from gpudiag.measure.profile.inscript.frameworks import loader_origin
 from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
@@ -57,7 +57,7 @@ def _site(depth: int = 2) -> str | None:
 
 def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
           ) -> None:
-    # Not the recorder's _wrap, which wraps once: remedies stack (loader and pinned both wrap
+    # Not hooks.py's _wrap, which wraps once: remedies stack (loader and pinned both wrap
     # DataLoader.__init__ in a combined run), and the recorder then wraps what they made.
     setattr(owner, name, around(getattr(owner, name)))
 
@@ -146,7 +146,7 @@ def _bf16_autocast(seen: RemedyEvidence) -> Callable[[], None]:
 def _loader_options(loaders: list[LoaderSeen],
                     change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Rewrite each map-style DataLoader's arguments with `change`; note every loader, and what
-    built it (a framework, from the script's line: gpudiag/measure/profile/frameworks.py)."""
+    built it (a framework, from the script's line: frameworks.py, beside this one)."""
     signature = inspect.signature(DataLoader.__init__)
 
     def around(original: Callable[..., None]) -> Callable[..., None]:

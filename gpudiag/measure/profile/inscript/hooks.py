@@ -1,0 +1,93 @@
+"""What the recorder patches in the script's interpreter to see its steps and work: a global
+optimizer step post-hook (the step clock), DataLoader iteration (the data wait and where each
+loop is), torch.save and safetensors' savers (blocking saves; the write watch hears of them),
+and DistributedDataParallel's constructor (the bytes it all-reduces). Each patch calls one of
+the Recorder's methods (recorder.py); each is made once, however often installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
+
+from gpudiag.measure.profile.inscript import writewatch
+
+if TYPE_CHECKING:
+    from gpudiag.measure.profile.inscript.recorder import Recorder
+
+
+def install(recorder: Recorder) -> None:
+    """Every patch, calling into `recorder`."""
+    register_optimizer_step_post_hook(recorder.optimizer_stepped)
+    _hook_loader(recorder)
+    _hook_saves(recorder)
+    _hook_ddp(recorder)
+
+
+def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
+          ) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "__gpudiag__", False):
+        return
+    wrapped = around(original)
+    wrapped.__gpudiag__ = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
+
+
+def _hook_loader(recorder: Recorder) -> None:
+    def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __next__(self: Any) -> Any:
+            start = time.perf_counter()
+            batch = original(self)
+            recorder.data_waited((time.perf_counter() - start) * 1e3, batch, self)
+            return batch
+        return __next__
+
+    def sited_iter(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __iter__(self: Any) -> Any:
+            iterator = original(self)
+            recorder.loader_iterated(iterator, sys._getframe(1))
+            return iterator
+        return __iter__
+
+    _wrap(_BaseDataLoaderIter, "__next__", timed_next)
+    _wrap(DataLoader, "__iter__", sited_iter)
+
+
+def _hook_saves(recorder: Recorder) -> None:
+    def timed_save(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("filename"))
+                recorder.saved((time.perf_counter() - start) * 1e3, target)
+                writewatch.written(target)  # native code wrote it: no audit event saw it
+        return save
+
+    _wrap(torch, "save", timed_save)
+    # Model weights are often written with safetensors (transformers' save_pretrained); hooked
+    # here, before the script imports the names it binds (from safetensors.torch import ...).
+    if importlib.util.find_spec("safetensors") is not None:
+        import safetensors.torch  # noqa: PLC0415 (only where installed)
+
+        for name in ("save_file", "save_model"):
+            _wrap(safetensors.torch, name, timed_save)
+
+
+def _hook_ddp(recorder: Recorder) -> None:
+    def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            recorder.ddp_wrapped(self)
+        return __init__
+
+    _wrap(DistributedDataParallel, "__init__", noted_ddp)

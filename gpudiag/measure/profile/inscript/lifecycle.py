@@ -1,0 +1,133 @@
+"""How a profiled process ends, and what the recorder writes on the way: at exit (atexit), at an
+exception the script did not catch (sys.excepthook), at os._exit (which skips atexit), and at
+SIGTERM or SIGINT, which stop the script at its next step boundary (Recorder._stop_if_asked)
+rather than wherever it happens to be. Installed once per interpreter by install.py, with the
+one Recorder bound to each handler."""
+
+from __future__ import annotations
+
+import _thread
+import atexit
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+
+if TYPE_CHECKING:
+    from gpudiag.measure.profile.inscript.recorder import Recorder
+
+MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
+STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
+
+
+def install(recorder: Recorder) -> None:
+    """The exit, crash and signal handling of this interpreter, for `recorder`. A signal the
+    script (or a library it imported at start-up) handles already keeps its handler."""
+    atexit.register(recorder.finish)
+    _record_crashes(recorder)
+    _write_before_os_exit(recorder)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, functools.partial(_exit_on_sigterm, recorder))
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, functools.partial(_interrupt, recorder))
+
+
+def _record_crashes(recorder: Recorder) -> None:
+    """An exception the script did not catch is kept on its stage (atexit's finish follows)."""
+    previous_hook = sys.excepthook
+
+    def record_crash(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        recorder.crashed(exc_type, exc, tb)
+        if issubclass(exc_type, KeyboardInterrupt) and previous_hook is sys.__excepthook__:
+            # A stop gpudiag passed on (or the user's Ctrl-C): where it stopped, in one line,
+            # instead of a traceback of whatever the loop happened to be doing.
+            where = traceback.extract_tb(tb)[-1] if tb is not None else None
+            print(f"KeyboardInterrupt{f' at {where.filename}:{where.lineno}' if where else ''}",
+                  file=sys.stderr)
+            return
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = record_crash
+
+
+def _write_before_os_exit(recorder: Recorder) -> None:
+    """os._exit skips atexit: in the script's own process, what was recorded is written
+    first (a forked child calling os._exit, a DataLoader worker, is not the script)."""
+    real_exit = os._exit
+
+    def exit_after_writing(status: int) -> NoReturn:
+        if recorder.pid == os.getpid():
+            with contextlib.suppress(Exception):
+                recorder.finish(shutdown=False)  # every step, and that it ended so
+        real_exit(status)
+
+    os._exit = exit_after_writing
+
+
+def _exit_on_sigterm(recorder: Recorder, signum: int, frame: FrameType | None) -> None:
+    """torchrun stops the other ranks with SIGTERM when one fails, and gpudiag passes its own
+    SIGTERM on: the script exits (SystemExit, so atexit writes what was recorded). A script
+    that is stepping exits at its next step boundary, within STOP_AT_STEP_S, not in the middle
+    of receiving a batch from its DataLoader workers (which would leave them printing EOFError
+    tracebacks); one that is not, or a second SIGTERM, exits at once.
+
+    A process the script started (forked or spawned) inherits this hook. A DataLoader worker
+    leaves stopping to the script, whose exit shuts it down, as in gpudiag's own stages
+    (gpudiag/measure/stages/base.py): a SystemExit there would print "Exception ignored", and
+    a worker killed under its loader makes the script raise; once its parent is gone it stops
+    as it would have without gpudiag. Any other child (a Pool's worker the script terminates,
+    a process it kills, a daemon it forked) dies at once, as it would without gpudiag."""
+    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
+
+    parent = multiprocessing.parent_process()
+    # A signal pending at a fork runs its handler in the new child too, before multiprocessing
+    # has set parent_process(): a pid other than the one that installed the hook is a child.
+    if parent is None and recorder.pid == os.getpid():
+        if recorder.stop_signal is None and recorder.steps and not recorder.finished:
+            recorder.stop_signal = signum
+            timer = threading.Timer(STOP_AT_STEP_S, _thread.interrupt_main, (signum,))
+            timer.daemon = True
+            timer.start()
+            return
+        sys.exit(128 + signum)
+    if parent is None and _launching_a_process(frame):
+        return  # a fork still on its way in (the signal was pending): the script stops
+    loader_worker = torch.utils.data.get_worker_info() is not None
+    if not loader_worker or parent is None or not parent.is_alive():
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _interrupt(recorder: Recorder, signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C, or the SIGINT gpudiag passes on: KeyboardInterrupt, as Python's own handler
+    raises it, except inside multiprocessing's fork of a new process. There Python runs its
+    at-fork callbacks (logging's locks), and a KeyboardInterrupt raised in one is printed as
+    "Exception ignored" and lost: the script trained on until gpudiag killed it 30 s later
+    (a DataLoader without persistent workers forks them every epoch). So in the script's own
+    process a SIGINT is also remembered, and its next step boundary raises it again; inside a
+    fork it is only remembered (the new child leaves stopping to the script)."""
+    import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
+
+    if recorder.pid == os.getpid() and multiprocessing.parent_process() is None:
+        recorder.interrupt_pending = True
+    if _launching_a_process(frame):
+        return
+    signal.default_int_handler(signum, frame)
+
+
+def _launching_a_process(frame: FrameType | None) -> bool:
+    """Inside multiprocessing's fork of a new process, which has not yet set the child's
+    parent_process(); a plain os.fork (a daemon's) never is."""
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(MULTIPROCESSING_FORK):
+            return True
+        frame = frame.f_back
+    return False
