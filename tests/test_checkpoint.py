@@ -172,7 +172,7 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = invoke([
         "run", "--device", "cpu", "--preset", "tiny", "--stages",
-        "train-fp16,checkpoint-sync,checkpoint-async", "--checkpoint-every", "3", "--iters",
+        "checkpoint-sync,checkpoint-async", "--checkpoint-every", "3", "--iters",
         "60", "--evidence-steps", "0", "--quiet", "--out", str(out)])
     assert result.exit_code == 0, result.output
     run = load_run(out)

@@ -79,7 +79,9 @@ def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
     argv[argv.index("origin/main")] = "HEAD~1"
     summary = tmp_path / "summary.md"
     env = {**_env(), "GITHUB_STEP_SUMMARY": str(summary)}
-    done = _gpudiag(repo, *argv[1:], "--device", "cpu", "--out", str(tmp_path / "job"), env=env)
+    # One profiled step counts the syncs exactly (the recipe's five serve device time on a GPU).
+    done = _gpudiag(repo, *argv[1:], "--device", "cpu", "--evidence-steps", "1", "--out",
+                    str(tmp_path / "job"), env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     text = summary.read_text()
     assert text.startswith("## gpudiag gate: REGRESSION")
