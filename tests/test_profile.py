@@ -62,8 +62,11 @@ def test_blocking_save_is_a_checkpoint_stall(tmp_path: Path) -> None:
     # Its severity follows its share: a warning on a quiet machine; where other work slows the
     # CPU-bound steps far more than the write (a loaded 2-core CI machine), an info line.
     assert top.id == "GD701"
-    # Priced on the whole run's timeline (every step, every save), not the timed window.
-    assert top.evidence["source"] == "the whole run's steps" and top.evidence["period_steps"] == 5
+    # Priced on the whole run's timeline (every step, every save), not the timed window. The
+    # period is the saves' (5) where the steps keep it; under load, whose spikes land between
+    # saves, it may go unnamed (None), never another number.
+    assert top.evidence["source"] == "the whole run's steps"
+    assert top.evidence["period_steps"] in (5, None)
     assert top.evidence["saves"] >= 6 and 0 < top.evidence["wall_share"] < 1
 
 
@@ -85,7 +88,7 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
 
 def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
-                                "--nproc-per-node", "2", str(EXAMPLES / "tiny_ddp.py"))
+                                "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "tiny_ddp.py"))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
@@ -112,7 +115,7 @@ def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
 def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
         tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
-                                "--nproc-per-node", "2", str(EXAMPLES / "tiny_fsdp2.py"))
+                                "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "tiny_fsdp2.py"))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_fsdp2.py[rank0]", "tiny_fsdp2.py[rank1]"]
     for stage in run.stages:
