@@ -88,7 +88,8 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
 
 def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
-                                "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "tiny_ddp.py"))
+                                "--standalone", "--nproc-per-node", "2",
+                                str(EXAMPLES / "tiny_ddp.py"))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
@@ -115,7 +116,8 @@ def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
 def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
         tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
-                                "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "tiny_fsdp2.py"))
+                                "--standalone", "--nproc-per-node", "2",
+                                str(EXAMPLES / "tiny_fsdp2.py"))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_fsdp2.py[rank0]", "tiny_fsdp2.py[rank1]"]
     for stage in run.stages:
