@@ -7,6 +7,12 @@ of both sides are the real ones)."""
 from __future__ import annotations
 
 import os
+
+# One intra-op thread in this process and every script a test profiles (they inherit it), as
+# torchrun does for each of its ranks: the suite runs one test per core (pytest-xdist), and
+# tiny ops on two OpenMP threads each, on a loaded machine, wait for each other's spinning
+# threads (steps of 8 ms measured at 92 ms with two tests at once), which no test is about.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import subprocess
 import sys
 import textwrap

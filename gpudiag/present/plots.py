@@ -9,7 +9,6 @@ text and mid-tone colours, so they read in dark and light viewers alike.
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -26,18 +25,19 @@ BLUE, ORANGE, GREEN, GREY = "#1f77b4", "#d9730d", "#2a9d4b", "#888888"
 DPI = 110
 
 
-def _figure(width: float = 9.0, height: float = 4.0) -> tuple[ModuleType, Figure, Axes]:
-    import matplotlib  # noqa: PLC0415 (optional at run time: the GPU machine may lack it)
+def _figure(width: float = 9.0, height: float = 4.0) -> tuple[Figure, Axes]:
+    # A Figure of its own on the Agg canvas, not pyplot: pyplot's import and its global
+    # figure registry cost more than the drawing (matplotlib's "Embedding in a web
+    # application server" recipe), and nothing here is shown on a screen.
+    from matplotlib.figure import Figure  # noqa: PLC0415 (optional: a GPU machine may lack it)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (after the backend is chosen)
-
-    fig, ax = plt.subplots(figsize=(width, height), facecolor="white")
+    fig = Figure(figsize=(width, height), facecolor="white")
+    ax = fig.subplots()
     ax.set_facecolor("white")
-    return plt, fig, ax
+    return fig, ax
 
 
-def _save(plt: ModuleType, fig: Figure, path: Path) -> None:
+def _save(fig: Figure, path: Path) -> None:
     """Drawn beside `path` and renamed over it: a full disk leaves no truncated PNG."""
     fig.tight_layout()
     partial = path.with_name(f".{path.name}.tmp")
@@ -47,15 +47,13 @@ def _save(plt: ModuleType, fig: Figure, path: Path) -> None:
     except OSError as exc:
         partial.unlink(missing_ok=True)
         raise OSError(exc.errno, exc.strerror, str(path)) from None
-    finally:
-        plt.close(fig)
 
 
 def throughput_plot(run: RunResult, path: Path) -> bool:
     stages = [s for s in run.ok_stages() if s.samples_per_s and s.role != "loader"]
     if not stages:
         return False
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     names = [s.name for s in stages]
     ax.bar(names, [s.samples_per_s or 0.0 for s in stages], color=BLUE)
     ax.set_ylabel("throughput (samples/s)", color=BLUE)
@@ -72,14 +70,14 @@ def throughput_plot(run: RunResult, path: Path) -> bool:
         if limit:
             power_ax.axhline(limit, color=ORANGE, linestyle=":", linewidth=1)
             power_ax.set_ylim(0, limit * 1.1)
-    _save(plt, fig, path)
+    _save(fig, path)
     return True
 
 
 def timeline_plot(run: RunResult, samples: pd.DataFrame, path: Path) -> bool:
     if samples.empty or "t_s" not in samples or "power_instant_w" not in samples:
         return False
-    plt, fig, ax = _figure(10.0, 4.2)
+    fig, ax = _figure(10.0, 4.2)
     ax.plot(samples["t_s"], samples["power_instant_w"], color=ORANGE, linewidth=1)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("power (W)", color=ORANGE)
@@ -104,7 +102,7 @@ def timeline_plot(run: RunResult, samples: pd.DataFrame, path: Path) -> bool:
                     fontsize=7, rotation=90)
     ax.set_title("Power and activity over the run (shaded: each stage's timed window; "
                  "after them, the profiler windows)")
-    _save(plt, fig, path)
+    _save(fig, path)
     return True
 
 
@@ -112,7 +110,7 @@ def steps_plot(run: RunResult, path: Path) -> bool:
     stages = [s for s in run.ok_stages() if len(s.iter_ms) >= 3]
     if not stages:
         return False
-    plt, fig, ax = _figure(9.0, 0.5 + 0.45 * len(stages) + 1.5)
+    fig, ax = _figure(9.0, 0.5 + 0.45 * len(stages) + 1.5)
     ax.boxplot([s.iter_ms for s in stages], orientation="horizontal", whis=(0, 100),
                tick_labels=[s.name for s in stages],
                medianprops={"color": ORANGE}, boxprops={"color": BLUE})
@@ -123,7 +121,7 @@ def steps_plot(run: RunResult, path: Path) -> bool:
     ax.set_xscale("log")
     ax.set_xlabel("step time (ms, log scale; dots: every timed step)")
     ax.set_title("Step-time distribution per stage")
-    _save(plt, fig, path)
+    _save(fig, path)
     return True
 
 
