@@ -130,9 +130,13 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
 
 
 def save_trace(events: list[dict[str, Any]], path: Path) -> None:
-    """The window's Chrome trace, gzipped (ui.perfetto.dev and chrome://tracing open it)."""
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
+    """The window's Chrome trace, gzipped (ui.perfetto.dev and chrome://tracing open it).
+    Encoded in one `json.dumps` (C), not `json.dump` (Python's encoder, chunk by chunk: 1.4
+    of 1.5 s for a tiny model's window), at gzip level 6 (zlib's default; 9 is slower for
+    a few percent)."""
+    text = json.dumps({"traceEvents": events})
+    with gzip.open(path, "wt", compresslevel=6) as f:
+        f.write(text)
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
