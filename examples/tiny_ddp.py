@@ -1,14 +1,16 @@
 """Planted problem: DDP with a tiny per-device batch, so each step's all-reduce and
-synchronisation cost more than its compute. Run with torchrun --nproc-per-node 2."""
+synchronisation cost more than its compute. Run with torchrun --nproc-per-node 2 tiny_ddp.py
+[STEPS] (default 60)."""
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-STEPS = 60
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 60
 
 
 def main() -> None:

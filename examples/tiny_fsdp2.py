@@ -1,16 +1,17 @@
 """FSDP2 (`fully_shard`) on a small MLP with a small per-device batch: each layer's parameters
 are all-gathered before its forward and backward and its gradients reduce-scattered after, so
 the collectives cost about as much as the compute. Run with torchrun --nproc-per-node 2 (gloo
-on CPUs, NCCL on GPUs)."""
+on CPUs, NCCL on GPUs), with an optional number of steps (default 60)."""
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-STEPS = 60
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 60
 
 
 def main() -> None:

@@ -19,6 +19,9 @@ from gpudiag.model.results import RunResult, StageResult, load_run
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 pytestmark = pytest.mark.slow
+# The steps profile()'s schedule needs (warm-up 3, timed 15, the window's 3) and two more:
+# a torchrun job runs to its own end, and its later steps would add nothing to the diagnosis.
+STEPS_TO_WINDOW = "23"
 
 
 def profile(tmp_path: Path, *command: str, timed: int = 15,
@@ -89,7 +92,7 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
 def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_ddp.py"))
+                                str(EXAMPLES / "tiny_ddp.py"), STEPS_TO_WINDOW)
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
@@ -117,7 +120,7 @@ def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
         tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_fsdp2.py"))
+                                str(EXAMPLES / "tiny_fsdp2.py"), STEPS_TO_WINDOW)
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_fsdp2.py[rank0]", "tiny_fsdp2.py[rank1]"]
     for stage in run.stages:
