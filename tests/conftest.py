@@ -35,6 +35,13 @@ from gpudiag.model.results import RunResult, load_run
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests (real processes, 5-50 s each) first, the rest after, each group in file
+    order: with one test per core, the fast ones fill the cores while the last slow ones
+    finish, instead of a 50 s test starting last on a core of its own."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def tiny_config(model: str = "dgca", **overrides: Any) -> RunConfig:
     """The tiny preset on the CPU, with few steps so a whole ladder takes seconds."""
     options: dict[str, Any] = {"preset": "tiny", "device": "cpu", "iters": 4, "warmup": 1,

@@ -467,8 +467,12 @@ def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_pat
     stand_in = tmp_path / "stand-in"
     (stand_in / "torch").mkdir(parents=True)
     importing = tmp_path / "importing-torch"
+    # Waits in short sleeps: a SIGINT the kernel hands to another thread of the interpreter
+    # (numpy's, started by an import before this one) is only seen by the main thread when
+    # its sleep ends; one 60 s sleep made the test time out, seen once with two tests at once.
     (stand_in / "torch" / "__init__.py").write_text(
-        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\ntime.sleep(60)\n")
+        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\n"
+        "for _ in range(600):\n    time.sleep(0.1)\n")
     env = {**os.environ, protocol.ENV_OUT: str(tmp_path / "parts"),
            "PYTHONPATH": os.pathsep.join(map(str, (BOOTSTRAP, PACKAGE_ROOT, stand_in)))}
     process = subprocess.Popen([sys.executable, "-c", "print('the script ran')"], env=env,
