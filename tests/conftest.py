@@ -13,10 +13,13 @@ import os
 # tiny ops on two OpenMP threads each, on a loaded machine, wait for each other's spinning
 # threads (steps of 8 ms measured at 92 ms with two tests at once), which no test is about.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-import subprocess
+import contextlib
+import fcntl
+import pickle
 import sys
+import tempfile
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,26 @@ def ladder_config(**fields: Any) -> RunConfig:
 
 
 @pytest.fixture(scope="session")
-def tiny_ladder() -> RunOutput:
-    """The whole default ladder of the dgca model on the CPU, with a fake GPU's telemetry."""
-    config = tiny_config(stages=list(DEFAULT_LADDER))
-    return run_stages(config, telemetry_spec=fake_spec([(0.0, 250.0)]))
+def tiny_ladder(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> RunOutput:
+    """The whole default ladder of the dgca model on the CPU, with a fake GPU's telemetry.
+    Built once a suite (15 s): under pytest-xdist every worker would build its own, so the
+    first builds it and the others read its pickle (xdist's recipe for a session fixture that
+    runs once: a lock in the folder all workers' temporary folders share)."""
+    def build() -> RunOutput:
+        config = tiny_config(stages=list(DEFAULT_LADDER))
+        return run_stages(config, telemetry_spec=fake_spec([(0.0, 250.0)]))
+
+    if worker_id == "master":  # one process: no other to share it with
+        return build()
+    shared = tmp_path_factory.getbasetemp().parent
+    with (shared / "tiny-ladder.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = shared / "tiny-ladder.pickle"
+        if cached.is_file():
+            return pickle.loads(cached.read_bytes())  # this suite's own file
+        output = build()
+        cached.write_bytes(pickle.dumps(output))
+        return output
 
 
 @pytest.fixture(scope="session")
@@ -138,22 +157,57 @@ class Profiled:
 
 
 def profile_script(tmp_path: Path, script: Path, *options: str,
-                   env: dict[str, str] | None = None, timeout: float = 600) -> Profiled:
-    """`gpudiag profile --out tmp_path/run OPTIONS -- python SCRIPT`, run from `tmp_path` in
-    processes of its own, with `env` over this process's environment."""
-    return profile_command(tmp_path, [sys.executable, str(script)], *options, env=env,
-                           timeout=timeout)
+                   env: dict[str, str] | None = None) -> Profiled:
+    """`gpudiag profile --out tmp_path/run OPTIONS -- python SCRIPT`, run from `tmp_path`,
+    with `env` over this process's environment."""
+    return profile_command(tmp_path, [sys.executable, str(script)], *options, env=env)
 
 
 def profile_command(tmp_path: Path, command: Sequence[str], *options: str,
-                    env: dict[str, str] | None = None, timeout: float = 600) -> Profiled:
+                    env: dict[str, str] | None = None) -> Profiled:
     """`gpudiag profile --out tmp_path/run OPTIONS -- COMMAND` (torchrun, a module), as
-    profile_script runs a script."""
+    profile_script runs a script: gpudiag's side in this process (`invoke`: what a process
+    of its own would import, 1-2 s a profile, is loaded already), the command in processes of
+    its own, started from `tmp_path`, its output (written to the file descriptors it
+    inherits) read back into `output` after gpudiag's."""
     out = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--force", *options,
-         "--", *command],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **(env or {})},
-        timeout=timeout, check=False)
+    # What `gpudiag`'s console script sets before the app runs (cli.main): kineto's own lines
+    # stay out of the script's output.
+    env = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "9"), **(env or {})}
+    with _working_folder(tmp_path), _descriptors_to_file() as commands_output:
+        result = invoke(["profile", "--out", out, "--force", *options, "--", *command], env=env)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        result.output, result.exception)
     run = load_run(out) if (out / "run.json").is_file() else None
-    return Profiled(done.returncode, run, done.stdout + done.stderr, out)
+    return Profiled(result.exit_code, run, result.output + commands_output(), out)
+
+
+@contextlib.contextmanager
+def _working_folder(path: Path) -> Iterator[None]:
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@contextlib.contextmanager
+def _descriptors_to_file() -> Iterator[Callable[[], str]]:
+    """File descriptors 1 and 2 (what child processes inherit) point to a temporary file
+    meanwhile; the function yielded returns what was written there, once they are restored."""
+    written: list[str] = []
+    with tempfile.TemporaryFile() as sink:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: "".join(written)
+        finally:
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            sink.seek(0)
+            written.append(sink.read().decode(errors="replace"))

@@ -153,7 +153,7 @@ COMPILED_MODEL = """
 def test_compiled_kernels_are_charged_to_the_lines_they_fused(
         tmp_path: Path, inductor_env: dict[str, str]) -> None:
     script = write_script(tmp_path / "train.py", COMPILED_MODEL)
-    run = profile_script(tmp_path, script, "--compile-lines", env=inductor_env, timeout=900).ok()
+    run = profile_script(tmp_path, script, "--compile-lines", env=inductor_env).ok()
     evidence = run.stages[0].evidence
     assert evidence is not None and evidence.attribution_note is not None
     assert "charged to the source lines of the operators they fused" in \

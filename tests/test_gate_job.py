@@ -5,15 +5,16 @@ counters judged with one trial a side (the CPU half of benchmarks/gate_regressio
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
@@ -49,8 +50,15 @@ def test_the_readme_recipe_is_the_benchmarked_one() -> None:
 
 def _gpudiag(cwd: Path, *args: str, env: dict[str, str] | None = None,
              ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpudiag", *args], cwd=cwd, text=True,
-                          capture_output=True, env=env, check=False, timeout=400)
+    """`gpudiag ARGS` from `cwd` with `env`, in this process (its trials run in their own)."""
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        done = invoke(args, env=env)
+    finally:
+        os.chdir(before)
+    assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
+    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
 
 
 def _repo_with(tmp: Path, variant: str, bench: ModuleType) -> Path:
@@ -78,7 +86,7 @@ def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
     argv = readme_gate_command()
     argv[argv.index("origin/main")] = "HEAD~1"
     summary = tmp_path / "summary.md"
-    env = {**_env(), "GITHUB_STEP_SUMMARY": str(summary)}
+    env = {"GITHUB_STEP_SUMMARY": str(summary)}
     # One profiled step counts the syncs exactly (the recipe's five serve device time on a GPU).
     done = _gpudiag(repo, *argv[1:], "--device", "cpu", "--evidence-steps", "1", "--out",
                     str(tmp_path / "job"), env=env)
@@ -117,16 +125,10 @@ def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
     for stage in run.stages:  # another run of the same steps: the gate refuses one run twice
         stage.iter_ms.reverse()
     save_run(run, tmp_path / "b" / "run.json")
-    env = {**_env(), "GITHUB_STEP_SUMMARY": str(tmp_path / "no-such-dir" / "summary.md")}
+    env = {"GITHUB_STEP_SUMMARY": str(tmp_path / "no-such-dir" / "summary.md")}
     done = _gpudiag(tmp_path, "gate", "a", "b", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "warning: GITHUB_STEP_SUMMARY" in done.stderr
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 
 
 def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path) -> None:
