@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import invoke, ladder_config
+from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.gate import GateLimits, decide
@@ -223,7 +224,7 @@ def test_run_trials_merges_fresh_processes(tmp_path: Path) -> None:
     own evidence, whose exact counters the gate compares trial by trial."""
     result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "train-fp16", "--iters", "20", "--evidence-steps", "1",
-                                 "--model", "dgca", "--trials", "2", "--out", str(tmp_path)])
+                                 "--model", TINY_MLP, "--trials", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     merged = load_run(tmp_path)
     stage = merged.stages[0]

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import invoke, ladder_config
+from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.plan import build_config
@@ -182,7 +183,7 @@ def test_no_sync_misuse_from_microstep_evidence() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("no_sync", "misuse"), [("backward-only", True), ("correct", False)])
 def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -> None:
-    result = invoke(["run", "--model", "bert", "--preset", "tiny", "--device", "cpu",
+    result = invoke(["run", "--model", TINY_MLP, "--preset", "tiny", "--device", "cpu",
                                  "--stages", "ddp", "--nproc", "2", "--iters", "4", "--quiet",
                                  "--ddp-accum", "3", "--ddp-no-sync", no_sync,
                                  "--out", str(tmp_path)])

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.model.errors import ExitCode
 
@@ -21,8 +22,8 @@ def test_ctrl_c_writes_partial_results_and_exits_130(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # infer is short; data-train runs long enough to be interrupted with its workers alive.
     command = [sys.executable, "-m", "gpudiag", "run", "--device", "cpu", "--preset", "tiny",
-               "--stages", "infer,data-train,train", "--iters", "150", "--warmup", "1",
-               "--workers", "2", "--out", str(out)]
+               "--model", TINY_MLP, "--stages", "infer,data-train,train", "--iters", "150",
+               "--warmup", "1", "--workers", "2", "--out", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # A process group of its own, as a shell gives a foreground job: Ctrl-C reaches every
     # process in it, DataLoader workers included.

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.model.results import load_run
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 STOP_WITHIN_S = 10.0
 ORPHAN_EXIT_S = 5.0  # a stopped run's children are gone within this of its exit
 START_TIMEOUT_S = 120.0
-TINY = ["--device", "cpu", "--preset", "tiny", "--model", "dgca", "--quiet"]
+TINY = ["--device", "cpu", "--preset", "tiny", "--model", TINY_MLP, "--quiet"]
 
 
 def _children(pid: int) -> list[int]:
