@@ -39,10 +39,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests (real processes, 5-50 s each) first, the rest after, each group in file
-    order: with one test per core, the fast ones fill the cores while the last slow ones
-    finish, instead of a 50 s test starting last on a core of its own."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The heavy tests (many processes, 20-55 s each) first, then the other slow ones (a real
+    process, 5-15 s), then the rest, each group in file order: with one test per core the
+    fast ones fill the cores while the last slow ones finish, instead of a 50 s test starting
+    last on a core of its own."""
+    items.sort(key=lambda item: (item.get_closest_marker("heavy") is None,
+                                 item.get_closest_marker("slow") is None))
 
 
 def tiny_config(model: str = "dgca", **overrides: Any) -> RunConfig:

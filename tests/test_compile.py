@@ -150,6 +150,7 @@ COMPILED_MODEL = """
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="Inductor on a CPU compiles C++: no compiler here")
+@pytest.mark.heavy
 def test_compiled_kernels_are_charged_to_the_lines_they_fused(
         tmp_path: Path, inductor_env: dict[str, str]) -> None:
     script = write_script(tmp_path / "train.py", COMPILED_MODEL)

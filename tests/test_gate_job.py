@@ -75,6 +75,7 @@ def _repo_with(tmp: Path, variant: str, bench: ModuleType) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
     """The README command against the previous commit, on the CPU (tiny preset): the head adds
     a NaN check on the loss, one host sync per step. Exit 1 from the exact counters at the

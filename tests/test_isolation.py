@@ -186,6 +186,7 @@ RESUMING_SCRIPT = """
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_try_fixes_reruns_leave_the_users_folder_as_one_run_left_it(tmp_path: Path) -> None:
     """8 steps against a schedule of 9: the diagnosis runs twice, then three --try-fixes
     runs. The user's folder sees one run: one more log line, the checkpoint one run further."""

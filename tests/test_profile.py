@@ -116,6 +116,7 @@ def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
                 assert 0 <= value <= 1, (f.id, key, value)
 
 
+@pytest.mark.heavy
 def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
         tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",

@@ -45,6 +45,7 @@ LOOP_SCRIPT = """
 """
 
 
+@pytest.mark.heavy
 def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> None:
     script = write_script(tmp_path / "short.py", LOOP_SCRIPT.format(steps=12))
     code, run, output = _profile(tmp_path, script)

@@ -88,8 +88,11 @@ def test_a_long_call_that_runs_no_bytecode_is_charged_all_its_time() -> None:
     assert samples.clock == "signal"
     c_call, python = _ms_at(samples, "sum(range(n))  # one C call"), \
         _ms_at(samples, "while time.perf_counter() < end:")
-    # The Python part stands on ~24 samples: +-20%.
-    assert c_call == pytest.approx(timers["c"] * 1e3, rel=0.15)
+    # The Python part stands on ~24 samples: +-20%. The C call's share: within 15% on a quiet
+    # machine, 28% short seen with another test's processes on both cores (this process off
+    # the CPU when a period ends moves that sample to the Python part); what it guards against,
+    # weighting by the time since the previous handler, gave a fifth.
+    assert c_call == pytest.approx(timers["c"] * 1e3, rel=0.4)
     assert python == pytest.approx(timers["python"] * 1e3, rel=0.5)
 
 

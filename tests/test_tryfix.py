@@ -70,6 +70,7 @@ OBSERVING_SCRIPT = """
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
