@@ -161,12 +161,18 @@ def _import_file(path: Path, modified_ns: int, ref: str) -> types.ModuleType:
         raise BadInput(f"--model {ref}: cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # No __pycache__ left beside the user's file (or beside what it imports): gpudiag adds
+    # nothing to the user's folders. Seen once CI allowed bytecode writing: a run of
+    # `--model exits.py:factory` left __pycache__/exits.cpython-311.pyc there.
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         spec.loader.exec_module(module)
     except BaseException as exc:
         del sys.modules[module_name]
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise BadInput(f"--model {ref}: importing {path.name} failed: {detail}") from None
+    finally:
+        sys.dont_write_bytecode = writes_bytecode
     return module
 
 
