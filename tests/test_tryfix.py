@@ -4,13 +4,12 @@ effect there; the equivalence check; which findings call for which fix; the repo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import profile_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.model.config import ProfileConfig
@@ -75,11 +74,8 @@ def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
     forced = [arg for name in REMEDIES for arg in ("--fix", name)]
-    done = subprocess.run(
-        [sys.executable, "-m", "gpudiag", "profile", "--try-fixes", *forced, "--warmup", "2",
-         "--timed", "6", "--steps", "1", "--out", str(tmp_path / "run"), "--", sys.executable,
-         str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr
+    profile_script(tmp_path, script, "--try-fixes", *forced, "--warmup", "2", "--timed", "6",
+                   "--steps", "1").ok()
     seen = {}
     # The diagnosis ran in the user's folder; each fix's run in a scratch copy of it.
     for path in [*tmp_path.glob("seen-*.json"), *tmp_path.glob("run/fixes/*/cwd/seen-*.json")]:
