@@ -1,8 +1,8 @@
 """Shared fixtures: tiny CPU configs, one recorded tiny ladder run, a fake GPU, and the tests'
 two doors to the tool: `invoke(argv)` runs a command in this process (typer's CliRunner),
-`profile_script(...)` runs `gpudiag profile` on a script as a user does, in processes of its
-own (the recorder lives in the script's interpreter, and signals, exit codes and the output
-of both sides are the real ones)."""
+`profile_script(...)` runs `gpudiag profile` on a script as a user does: gpudiag's side in this
+process, the script in processes of its own (the recorder lives in the script's interpreter;
+its exit code and output are the real ones). Tests of signals start `gpudiag` itself."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def profile_command(tmp_path: Path, command: Sequence[str], *options: str,
     # What `gpudiag`'s console script sets before the app runs (cli.main): kineto's own lines
     # stay out of the script's output.
     env = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "9"), **(env or {})}
-    with _working_folder(tmp_path), _descriptors_to_file() as commands_output:
+    with in_folder(tmp_path), _descriptors_to_file() as commands_output:
         result = invoke(["profile", "--out", out, "--force", *options, "--", *command], env=env)
     assert result.exception is None or isinstance(result.exception, SystemExit), (
         result.output, result.exception)
@@ -187,7 +187,8 @@ def profile_command(tmp_path: Path, command: Sequence[str], *options: str,
 
 
 @contextlib.contextmanager
-def _working_folder(path: Path) -> Iterator[None]:
+def in_folder(path: Path) -> Iterator[None]:
+    """`path` as the working directory meanwhile (contextlib.chdir, which Python 3.10 lacks)."""
     before = Path.cwd()
     os.chdir(path)
     try:

@@ -5,7 +5,6 @@ counters judged with one trial a side (the CPU half of benchmarks/gate_regressio
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shlex
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import invoke
+from conftest import in_folder, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
@@ -51,12 +50,8 @@ def test_the_readme_recipe_is_the_benchmarked_one() -> None:
 def _gpudiag(cwd: Path, *args: str, env: dict[str, str] | None = None,
              ) -> subprocess.CompletedProcess[str]:
     """`gpudiag ARGS` from `cwd` with `env`, in this process (its trials run in their own)."""
-    before = Path.cwd()
-    os.chdir(cwd)
-    try:
+    with in_folder(cwd):
         done = invoke(args, env=env)
-    finally:
-        os.chdir(before)
     assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
     return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
 
