@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,21 @@ def test_a_model_file_is_imported_once_per_run(tmp_path: Path) -> None:
                                       str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "imports").read_text() == "x"
+
+
+def test_a_model_file_leaves_no_bytecode_beside_it(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Python writes bytecode (no PYTHONDONTWRITEBYTECODE, as in CI), importing the
+    user's model file and what it imports leaves no __pycache__ in their folder, and the
+    interpreter's own setting is back afterwards."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    (tmp_path / "helpers_for_model.py").write_text("WIDTH = 8\n")
+    path = tmp_path / "bytecode_model.py"
+    path.write_text("import helpers_for_model\n" + USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    resolve_model(f"{path}:factory").build(OPTIONS)
+    assert not (tmp_path / "__pycache__").exists()
+    assert sys.dont_write_bytecode is False
 
 
 @pytest.mark.parametrize(("content", "ref", "message"), [

@@ -14,25 +14,27 @@ from pathlib import Path
 import pytest
 from conftest import invoke, profile_command
 
+from gpudiag.model.config import ProfileConfig
 from gpudiag.model.results import RunResult, StageResult, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 pytestmark = pytest.mark.slow
-# The steps profile()'s schedule needs (warm-up 3, timed 15, the window's 3) and two more:
-# a torchrun job runs to its own end, and its later steps would add nothing to the diagnosis.
-STEPS_TO_WINDOW = "23"
+WARMUP, TIMED = 3, 15  # profile()'s schedule
+# The steps that schedule needs (the window's too) and two more: a torchrun job runs to its own
+# end, and its later steps would add nothing to the diagnosis.
+STEPS_TO_WINDOW = str(ProfileConfig(warmup=WARMUP, timed=TIMED).steps_needed + 2)
 
 
-def profile(tmp_path: Path, *command: str, timed: int = 15,
+def profile(tmp_path: Path, *command: str, timed: int = TIMED,
             options: tuple[str, ...] = ()) -> tuple[int, RunResult, str]:
-    profiled = profile_command(tmp_path, command, "--warmup", "3", "--timed", str(timed),
-                               *options)
+    profiled = profile_command(tmp_path, command, "--warmup", str(WARMUP), "--timed",
+                               str(timed), *options)
     assert profiled.run is not None, profiled.output
     return profiled.exit_code, profiled.run, profiled.output
 
 
-def example(tmp_path: Path, name: str, timed: int = 15) -> RunResult:
+def example(tmp_path: Path, name: str, timed: int = TIMED) -> RunResult:
     """An example script, stopped once its window closed (the rest of its steps add nothing
     to the diagnosis, and the tests run in a CI with a time budget)."""
     code, run, output = profile(tmp_path, sys.executable, str(EXAMPLES / f"{name}.py"),
