@@ -227,6 +227,36 @@ def test_a_dataloader_peer_gone_in_the_resource_sharer_is_not_printed() -> None:
     assert [str(e) for e in passed_on] == ["[Errno 104] a real one"]
 
 
+def test_a_stopped_scripts_loader_worker_keeps_the_sharers_lost_peer_quiet(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """In the profiled script, and in the DataLoader workers it forks, the recorder's hook
+    keeps the sharer's lost peer quiet once a stop signal came (CI once saw a worker print
+    it when a SIGINT stopped the script mid-batch); before one, and any other error, it is
+    recorded and printed as always."""
+    from types import SimpleNamespace
+
+    from gpudiag.measure.profile.inscript import lifecycle
+
+    crashes: list[str] = []
+    recorder = SimpleNamespace(stop_seen=False,
+                               crashed=lambda _t, exc, _tb: crashes.append(str(exc)))
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    lifecycle._record_crashes(recorder)  # type: ignore[arg-type]
+
+    def lost_peer() -> None:
+        exec(compile("raise ConnectionResetError(104, 'Connection reset by peer')",
+                     "/usr/lib/python3/multiprocessing/resource_sharer.py", "exec"))
+
+    for stop_seen in (False, True):
+        recorder.stop_seen = stop_seen
+        try:
+            lost_peer()
+        except ConnectionResetError as exc:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+    assert crashes == ["[Errno 104] Connection reset by peer"]  # before the stop only
+    assert capsys.readouterr().err.count("Traceback") == 1
+
+
 def test_the_scripts_own_children_stop_when_it_stops_them(tmp_path: Path) -> None:
     """Under profile, a spawn Pool the script terminates and a child it SIGTERMs stop at once
     (they inherit the recorder's SIGTERM hook, which once left them running: 59 s to kill, a

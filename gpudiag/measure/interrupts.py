@@ -73,7 +73,7 @@ _PEER_GONE = (ConnectionResetError, BrokenPipeError, EOFError)
 _RESOURCE_SHARER = "multiprocessing/resource_sharer.py"
 
 
-def _sharer_lost_a_peer(exc_type: type[BaseException], tb: TracebackType | None) -> bool:
+def sharer_lost_a_peer(exc_type: type[BaseException], tb: TracebackType | None) -> bool:
     """A stop kills the DataLoader's workers, one perhaps in the middle of handing the main
     process a file descriptor: the sharer's background thread then reports an error that is
     the stop, not a failure (the loader itself reports a worker it lost)."""
@@ -86,7 +86,7 @@ def _quiet_resource_sharer(
         previous: Callable[[threading.ExceptHookArgs], Any],
 ) -> Callable[[threading.ExceptHookArgs], None]:
     def hook(args: threading.ExceptHookArgs) -> None:
-        if not _sharer_lost_a_peer(args.exc_type, args.exc_traceback):
+        if not sharer_lost_a_peer(args.exc_type, args.exc_traceback):
             previous(args)
     return hook
 
@@ -98,7 +98,7 @@ def _quiet_sharer_sys_hook(
     # (multiprocessing/resource_sharer.py, _ResourceSharer._serve), not threading's.
     def hook(exc_type: type[BaseException], exc: BaseException,
              tb: TracebackType | None) -> None:
-        if not _sharer_lost_a_peer(exc_type, tb):
+        if not sharer_lost_a_peer(exc_type, tb):
             previous(exc_type, exc, tb)
     return hook
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from gpudiag.measure.interrupts import sharer_lost_a_peer
+
 if TYPE_CHECKING:
     from gpudiag.measure.profile.inscript.recorder import Recorder
 
@@ -45,6 +47,11 @@ def _record_crashes(recorder: Recorder) -> None:
     previous_hook = sys.excepthook
 
     def record_crash(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if recorder.stop_seen and sharer_lost_a_peer(exc_type, tb):
+            # A DataLoader worker's file-descriptor handshake cut by the stop (the script's
+            # main process left mid-batch): the stop itself, as in gpudiag's own stages
+            # (gpudiag/measure/interrupts.py), not a failure to print.
+            return
         recorder.crashed(exc_type, exc, tb)
         if issubclass(exc_type, KeyboardInterrupt) and previous_hook is sys.__excepthook__:
             # A stop gpudiag passed on (or the user's Ctrl-C): where it stopped, in one line,
@@ -87,6 +94,7 @@ def _exit_on_sigterm(recorder: Recorder, signum: int, frame: FrameType | None) -
     a process it kills, a daemon it forked) dies at once, as it would without gpudiag."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
+    recorder.stop_seen = True
     parent = multiprocessing.parent_process()
     # A signal pending at a fork runs its handler in the new child too, before multiprocessing
     # has set parent_process(): a pid other than the one that installed the hook is a child.
@@ -116,6 +124,7 @@ def _interrupt(recorder: Recorder, signum: int, frame: FrameType | None) -> None
     fork it is only remembered (the new child leaves stopping to the script)."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
+    recorder.stop_seen = True
     if recorder.pid == os.getpid() and multiprocessing.parent_process() is None:
         recorder.interrupt_pending = True
     if _launching_a_process(frame):

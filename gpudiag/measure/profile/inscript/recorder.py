@@ -124,6 +124,9 @@ class Recorder:
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
         self.interrupt_pending = False  # a SIGINT came: a step boundary after it stops
+        # This process (the script's, or a DataLoader worker forked with a copy of this
+        # recorder) had a SIGINT or SIGTERM: a stop is under way.
+        self.stop_seen = False
         # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
         self.applied = Applied(config.remedies)
         self.losses = LossLog(config.losses)
