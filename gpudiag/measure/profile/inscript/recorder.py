@@ -282,7 +282,7 @@ class Recorder:
                 "the graph; `gpudiag profile --compile-lines` charges compiled kernels to "
                 "lines); counts and times per step are exact")
         if self.trace_dir is not None and self.evidence is not None:
-            save_trace(events, self.trace_dir / f"profile-{_stage_name()}.json.gz")
+            save_trace(self.window, self.trace_dir / f"profile-{_stage_name()}.json.gz")
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
