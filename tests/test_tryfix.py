@@ -4,12 +4,13 @@ effect there; the equivalence check; which findings call for which fix; the repo
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import profile_script
+from conftest import in_folder, line_of, profile_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.model.config import ProfileConfig
@@ -68,48 +69,87 @@ OBSERVING_SCRIPT = """
 """
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_every_remedy_is_injected_and_seen_in_effect(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
-    forced = [arg for name in REMEDIES for arg in ("--fix", name)]
-    profile_script(tmp_path, script, "--try-fixes", *forced, "--warmup", "2", "--timed", "6",
-                   "--steps", "1").ok()
-    seen = {}
-    # The diagnosis ran in the user's folder; each fix's run in a scratch copy of it.
-    for path in [*tmp_path.glob("seen-*.json"), *tmp_path.glob("run/fixes/*/cwd/seen-*.json")]:
+def _seen(*folders: Path) -> dict[str, dict[str, object]]:
+    """What OBSERVING_SCRIPT saw in each run under `folders`, by the fixes that run applied."""
+    seen: dict[str, dict[str, object]] = {}
+    for path in [p for folder in folders for p in folder.glob("seen-*.json")]:
         view = json.loads(path.read_text())
         seen.setdefault(view.pop("fixes"), view)
-    plain = seen[""]
-    assert plain == {"num_workers": 0, "pin_memory": False, "precision": "highest",
-                     "forward_dtype": "torch.float32", "output_dtype": "torch.float32"}
-    assert seen["loader"]["num_workers"] >= 1 and seen["pinned"]["pin_memory"]
-    assert seen["tf32"]["precision"] == "high"  # the script's own switch-off overruled
+    return seen
+
+
+PLAIN_VIEW = {"num_workers": 0, "pin_memory": False, "precision": "highest",
+              "forward_dtype": "torch.float32", "output_dtype": "torch.float32"}
+
+
+@pytest.mark.slow
+def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None:
+    """All remedies in one run of the unmodified script (as --try-fixes' combined run applies
+    those that paid), each seen in effect there and recording where the script's line is.
+    Each alone, between runs without fixes, is test_try_fixes_measures_each_fix_alone's."""
+    from gpudiag.measure.profile.launching.session import ProfileRequest
+    from gpudiag.measure.profile.launching.session import profile_command as profile_once
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
+    config = ProfileConfig(command=(sys.executable, str(script)), warmup=2, timed=6,
+                           evidence_steps=1, stop_after_window=True, remedies=tuple(REMEDIES),
+                           losses=4, seed=0)
+    with in_folder(tmp_path):
+        output = profile_once(ProfileRequest(config, tmp_path / "run", rerun=False,
+                                             isolate="together"))
+    copy = tmp_path / "run" / "cwd"  # the scratch copy the run was isolated in
+    (view,) = _seen(copy).values()
+    assert view["num_workers"] >= 1 and view["pin_memory"]  # type: ignore[operator]
+    assert view["precision"] == "high"  # the script's own switch-off overruled
     # bf16 inside the model; what leaves it comes back in the caller's dtype, so
     # `mse_loss(model(x), y)` with an fp32 `y` still runs.
+    assert view["forward_dtype"] == "torch.bfloat16" and view["output_dtype"] == "torch.float32"
+    facts = output.run.stages[0].facts.script
+    assert facts is not None and facts.remedies.applied == list(REMEDIES)
+    records = facts.remedies
+    assert records.no_empty_cache is not None and records.no_empty_cache.calls_skipped >= 6
+    saved = records.async_save
+    assert saved is not None and saved.saves >= 2 and not saved.errors
+    assert records.tf32 is not None and records.bf16_autocast is not None
+    assert records.bf16_autocast.forwards >= 1
+    # The lines to edit: where the script saves, where it switches TF32 off.
+    assert saved.site == f"train.py:{line_of(script, 'torch.save(')}"
+    assert records.tf32.site == f"train.py:{line_of(script, 'allow_tf32 = False')}"
+    # Written in the background, whole, in that run's copy of the folder.
+    state = torch.load(copy / "ckpt.pt")
+    assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert not list(tmp_path.glob("seen-*.json"))  # nothing of it in the user's folder
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_try_fixes_measures_each_fix_alone(tmp_path: Path) -> None:
+    """Three forced fixes, each alone between two runs without any: measured, priced, placed
+    at the script's line, their numerics compared (more loader workers and async saves keep
+    them, bf16 changes them a little and says by how much); the diagnosis in the user's
+    folder saw none of them."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
+    forced = ("loader", "bf16-autocast", "async-save")
+    profile_script(tmp_path, script, "--try-fixes", *[a for n in forced for a in ("--fix", n)],
+                   "--warmup", "2", "--timed", "6", "--steps", "1").ok()
+    # The diagnosis ran in the user's folder; each fix's run in a scratch copy of it.
+    assert _seen(tmp_path) == {"": PLAIN_VIEW}
+    seen = _seen(*(tmp_path / "run" / "fixes").glob("*/cwd"))
+    assert seen["loader"]["num_workers"] >= 1  # type: ignore[operator]
     assert seen["bf16-autocast"]["forward_dtype"] == "torch.bfloat16"
-    assert seen["bf16-autocast"]["output_dtype"] == "torch.float32"
-    assert seen["no-empty-cache"] == plain and seen["async-save"] == plain
+    assert seen["async-save"] == PLAIN_VIEW
 
     fixes = {f.remedy: f for f in load_run(tmp_path / "run").fixes}
-    assert set(REMEDIES) <= set(fixes)
-    assert all(fixes[name].status == "measured" and fixes[name].after_ms for name in REMEDIES)
-    skipped = fixes["no-empty-cache"].evidence.no_empty_cache
-    assert skipped is not None and skipped.calls_skipped >= 6
+    assert set(forced) <= set(fixes)
+    assert all(fixes[name].status == "measured" and fixes[name].after_ms for name in forced)
     saved = fixes["async-save"].evidence.async_save
     assert saved is not None and saved.saves >= 2 and not saved.errors
-    lines = script.read_text().splitlines()
-    save_line = next(n for n, line in enumerate(lines, 1) if "torch.save(" in line)
-    off_line = next(n for n, line in enumerate(lines, 1) if "allow_tf32 = False" in line)
-    assert fixes["async-save"].location == f"train.py:{save_line}"  # the lines to edit
-    assert fixes["tf32"].location == f"train.py:{off_line}"
-    # Written in the background, whole, in that run's copy of the folder.
-    state = torch.load(tmp_path / "run" / "fixes" / "async-save" / "cwd" / "ckpt.pt")
-    assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    # Same seed, same data order: remedies that keep numerics give the same losses; bf16
-    # changes them a little, and says by how much.
-    for name in ("loader", "pinned", "no-empty-cache", "async-save"):
+    assert fixes["async-save"].location == f"train.py:{line_of(script, 'torch.save(')}"
+    # Same seed, same data order (loader workers included): remedies that keep numerics give
+    # the same losses; bf16 changes them a little, and says by how much.
+    for name in ("loader", "async-save"):
         assert fixes[name].equivalence == "same", (name, fixes[name].loss_gap)
     bf16 = fixes["bf16-autocast"]
     assert bf16.equivalence == "mixed-precision" and bf16.loss_gap and bf16.loss_gap > 0

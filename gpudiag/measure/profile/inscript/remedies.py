@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
 import os
 import random
@@ -59,7 +60,10 @@ def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable
           ) -> None:
     # Not hooks.py's _wrap, which wraps once: remedies stack (loader and pinned both wrap
     # DataLoader.__init__ in a combined run), and the recorder then wraps what they made.
-    setattr(owner, name, around(getattr(owner, name)))
+    # The wrapper names what it wraps (__wrapped__): inspect.signature of the stack is then
+    # DataLoader's own, which the next wrapper binds its arguments to.
+    original = getattr(owner, name)
+    setattr(owner, name, functools.update_wrapper(around(original), original))
 
 
 # --- tf32 ---------------------------------------------------------------------------------
