@@ -187,6 +187,7 @@ def test_profile_stops_the_script_and_writes_what_it_measured(
     _assert_clean_stop(code, stderr, seconds, below, signum)
     run = load_run(out)
     assert run.interrupted and run.stages and len(run.stages[0].iter_ms) == 10
+    assert run.stages[0].ok and run.stages[0].evidence is not None  # the window's, kept
 
 
 def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:
