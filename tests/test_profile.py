@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 pytestmark = pytest.mark.slow
 WARMUP, TIMED = 3, 15  # profile()'s schedule
-# The steps that schedule needs (the window's too) and two more: a torchrun job runs to its own
-# end, and its later steps would add nothing to the diagnosis.
-STEPS_TO_WINDOW = str(ProfileConfig(warmup=WARMUP, timed=TIMED).steps_needed + 2)
+# torchrun jobs run to their own end: a short schedule (each rank is a torch process of its
+# own on two shared cores), and the steps it needs and two more, not the script's default.
+TORCHRUN_TIMED, TORCHRUN_WINDOW = 6, 1
+TORCHRUN_STEPS = str(ProfileConfig(warmup=WARMUP, timed=TORCHRUN_TIMED,
+                                   evidence_steps=TORCHRUN_WINDOW).steps_needed + 2)
 
 
 def profile(tmp_path: Path, *command: str, timed: int = TIMED,
@@ -96,7 +98,9 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
 def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_ddp.py"), STEPS_TO_WINDOW)
+                                str(EXAMPLES / "tiny_ddp.py"), TORCHRUN_STEPS,
+                                timed=TORCHRUN_TIMED,
+                                options=("--evidence-steps", str(TORCHRUN_WINDOW)))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
@@ -125,7 +129,9 @@ def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
         tmp_path: Path) -> None:
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_fsdp2.py"), STEPS_TO_WINDOW)
+                                str(EXAMPLES / "tiny_fsdp2.py"), TORCHRUN_STEPS,
+                                timed=TORCHRUN_TIMED,
+                                options=("--evidence-steps", str(TORCHRUN_WINDOW)))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_fsdp2.py[rank0]", "tiny_fsdp2.py[rank1]"]
     for stage in run.stages:
