@@ -235,13 +235,17 @@ def run(
     = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
                                         "run (the whole directory).")] = False,
+    plots: Annotated[bool, typer.Option(help="Draw the PNG plots report.md links (a second or "
+                                        "two; --trials' own processes skip theirs, the merged "
+                                        "run draws its own).")] = True,
 ) -> None:
     """Run the staged benchmark ladder with live GPU telemetry; write run.json and report.md."""
-    _run(options, out=out, as_json=as_json, trials=trials, quiet=quiet, force=force)
+    _run(options, out=out, as_json=as_json, trials=trials, quiet=quiet, force=force,
+         plots=plots)
 
 
 def _run(options: RunOptions, *, out: Path | None, as_json: bool, trials: int, quiet: bool,
-         force: bool) -> None:
+         force: bool, plots: bool = True) -> None:
     from gpudiag.measure.plan import build_config  # noqa: PLC0415  (torch)
     from gpudiag.present import (  # noqa: PLC0415  (pandas)
         default_run_dir,
@@ -265,7 +269,7 @@ def _run(options: RunOptions, *, out: Path | None, as_json: bool, trials: int, q
         # the last write draws them, so a Ctrl-C lands in a stage, not inside a partial save.
         if final:
             output.run.findings = evaluate(output.run)
-        write_run_dir(run_dir, output.run, output.samples, plots=final)
+        write_run_dir(run_dir, output.run, output.samples, plots=final and plots)
 
     with stop_on_signals() as stop:
         output = _measure(config, notes, run_dir, trials=trials, quiet=quiet, save=save)

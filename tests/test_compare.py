@@ -233,3 +233,5 @@ def test_run_trials_merges_fresh_processes(tmp_path: Path) -> None:
     first = load_run(tmp_path / "trial-1").stages[0].evidence
     assert first is not None and first.ops_per_step == stage.evidence.ops_per_step
     assert (tmp_path / "report.md").is_file()
+    # The merged run draws the plots; its trials do not (1-2 s each, seen by no one).
+    assert list(tmp_path.glob("*.png")) and not list((tmp_path / "trial-1").glob("*.png"))

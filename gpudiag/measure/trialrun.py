@@ -42,8 +42,9 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
         if on_trial is not None:
             on_trial(k, trials)
         trial_dir = out_dir / f"trial-{k}"
+        # No plots of its own: the merged run draws them (1-2 s a trial).
         command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
-                   "--out", str(trial_dir), "--quiet"]
+                   "--out", str(trial_dir), "--quiet", "--no-plots"]
         code, stopped_by = wait_child(subprocess.Popen(command))
         last_stop = stopped_by
         if (trial_dir / "run.json").is_file():
