@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import in_folder, invoke
 
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.inscript.writewatch import MAX_PATHS, WriteWatch
@@ -199,12 +200,11 @@ def test_try_fixes_reruns_leave_the_users_folder_as_one_run_left_it(tmp_path: Pa
     (user / "checkpoint-8.pt").write_bytes((user / "ckpt.pt").read_bytes())
     before = _hashes(user)
     outside = tmp_path / "outside.txt"
-    done = subprocess.run(
-        [sys.executable, "-m", "gpudiag", "profile", "--try-fixes", "--fix", "no-empty-cache",
-         "--warmup", "2", "--timed", "6", "--evidence-steps", "1", "--out",
-         str(tmp_path / "run"), "--", sys.executable, "train.py", str(outside)],
-        cwd=user, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr
+    with in_folder(user):
+        done = invoke(["profile", "--try-fixes", "--fix", "no-empty-cache", "--warmup", "2",
+                       "--timed", "6", "--evidence-steps", "1", "--out", tmp_path / "run", "--",
+                       sys.executable, "train.py", outside])
+    assert done.exit_code == 0, done.output
     said = done.stderr.replace("\n", " ")
     most = 1 + 1 + len(BASELINE_RUNS) + len(REMEDIES) + 1  # diagnosis, its re-run, fixes
     assert said.index(f"the script runs at most {most} times") < said.index("it is run once more")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import profile_script
 from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.model.results import load_run
@@ -278,7 +279,7 @@ def test_the_scripts_own_children_stop_when_it_stops_them(tmp_path: Path) -> Non
 
         if __name__ == "__main__":
             ctx = mp.get_context("spawn")
-            pool = ctx.Pool(2)
+            pool = ctx.Pool(1)
             assert pool.map(double, range(4)) == [0, 2, 4, 6]
             started = time.monotonic()
             pool.terminate()
@@ -296,13 +297,10 @@ def test_the_scripts_own_children_stop_when_it_stops_them(tmp_path: Path) -> Non
                 opt.step()
                 opt.zero_grad()
     """))
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-rerun", "--out",
-                           str(tmp_path / "run"), "--", sys.executable, str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr
-    found = re.search(r"stopped in ([\d.]+) s, alive (\w+)", done.stdout + done.stderr)
-    assert found is not None, done.stdout + done.stderr
+    profiled = profile_script(tmp_path, script, "--no-rerun")
+    profiled.ok()
+    found = re.search(r"stopped in ([\d.]+) s, alive (\w+)", profiled.output)
+    assert found is not None, profiled.output
     assert found[2] == "False" and float(found[1]) < 15, found[0]
 
 
