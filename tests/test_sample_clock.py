@@ -88,12 +88,13 @@ def test_a_long_call_that_runs_no_bytecode_is_charged_all_its_time() -> None:
     assert samples.clock == "signal"
     c_call, python = _ms_at(samples, "sum(range(n))  # one C call"), \
         _ms_at(samples, "while time.perf_counter() < end:")
-    # The Python part stands on ~24 samples: +-20%. The C call's share: within 15% on a quiet
-    # machine, 28% short seen with another test's processes on both cores (this process off
-    # the CPU when a period ends moves that sample to the Python part); what it guards against,
-    # weighting by the time since the previous handler, gave a fifth.
+    # The Python part stands on ~24 samples: +-20% on a quiet machine, 55% short seen with
+    # the suite and mypy on both cores (periods that end while this process is off the CPU
+    # are charged wherever it resumes). The C call's share: within 15% quiet, 28% short
+    # loaded. What this guards against, weighting by the time since the previous handler,
+    # gave the Python part a fifth of its time: the bounds keep that apart, with load's margin.
     assert c_call == pytest.approx(timers["c"] * 1e3, rel=0.4)
-    assert python == pytest.approx(timers["python"] * 1e3, rel=0.5)
+    assert 0.35 <= python / (timers["python"] * 1e3) <= 1.5
 
 
 def test_a_blocked_signal_hands_sampling_to_a_thread() -> None:
@@ -199,6 +200,21 @@ def test_a_timer_left_running_does_not_end_the_process_at_exit(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "done"
 
+
+
+def test_at_exit_the_timers_signal_is_ignored_not_left_to_its_default() -> None:
+    """_close_live (atexit) deletes the timers, then ignores their signal: CPython's
+    finalisation resets every signal with a Python handler to its default action (which
+    ends the process), and leaves an ignored one so, so an expiry the kernel queued before
+    the delete is discarded instead of killing the finished script."""
+    previous = signal.getsignal(SIGNUM)
+    timer = threadtimer.ThreadTimer(0.01, lambda signum, frame: None)
+    try:
+        threadtimer._close_live()
+        assert not timer.created and signal.getsignal(SIGNUM) is signal.SIG_IGN
+    finally:
+        timer.close()
+        signal.signal(SIGNUM, previous)
 
 
 def test_a_signal_inside_the_handling_of_the_last_is_no_sample() -> None:

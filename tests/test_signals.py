@@ -552,3 +552,14 @@ def test_a_ctrl_c_lost_in_a_fork_stops_the_script_at_its_next_step(tmp_path: Pat
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     stage = load_run(out).stages[0]
     assert stage.facts.script is not None and stage.facts.script.steps <= 23, stage.facts.script
+
+
+def test_a_command_killed_by_a_real_time_signal_is_described_not_a_crash() -> None:
+    """A real-time signal has no name in signal.Signals: `describe` once raised ValueError
+    there (gpudiag's internal error, exit 70, no report) for a script killed by signal 60."""
+    from gpudiag.measure.profile.launching.session import Ended
+
+    assert Ended(-signal.SIGKILL).describe() == "was killed by SIGKILL"
+    realtime = signal.SIGRTMAX - 4
+    assert Ended(-realtime).describe().startswith(f"was killed by signal {realtime}")
+    assert Ended(-realtime).code == 128 + realtime

@@ -31,6 +31,16 @@ REPEAT_WINDOW_S = 2.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def signal_name(signum: int) -> str:
+    """SIGTERM, SIGKILL, ...; a real-time signal (which has no name in signal.Signals) as
+    the C library describes it, e.g. "signal 60 (Real-time signal 26)"."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        described = signal.strsignal(signum) if hasattr(signal, "strsignal") else None
+        return f"signal {signum}" + (f" ({described})" if described else "")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so the same code keeps what was measured."""
 
@@ -40,7 +50,7 @@ class Stopped(KeyboardInterrupt):
     steps so far) up to the code that records the stage."""
 
     def __init__(self, signum: int, partial: Any) -> None:
-        super().__init__(signal.Signals(signum).name)
+        super().__init__(signal_name(signum))
         self.signum, self.partial = signum, partial
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
-import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence import collect_evidence
 from gpudiag.measure.flops import count_flops
-from gpudiag.measure.interrupts import Stopped, signal_of
+from gpudiag.measure.interrupts import Stopped, signal_name, signal_of
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
@@ -132,7 +131,7 @@ class _Session:
         except KeyboardInterrupt as exc:
             result, host_only = StageResult(
                 name=name, status="error", title=definition.title, interrupted=True,
-                error=f"interrupted ({signal.Signals(signal_of(exc)).name}) before the stage "
+                error=f"interrupted ({signal_name(signal_of(exc))}) before the stage "
                       "finished"), True
         result.role = definition.role
         self.run.interrupted = self.run.interrupted or result.interrupted
@@ -266,7 +265,7 @@ def _mark_interrupted(result: StageResult, exc: KeyboardInterrupt,
     result.status, result.interrupted = "error", True
     partial = exc.partial if isinstance(exc, Stopped) else None
     steps = len(partial.iter_ms) if isinstance(partial, Window) else 0
-    result.error = (f"interrupted ({signal.Signals(signal_of(exc)).name}) after {steps} timed "
+    result.error = (f"interrupted ({signal_name(signal_of(exc))}) after {steps} timed "
                     "step(s)")
     if isinstance(partial, Window) and partial.iter_ms and workload is not None:
         fill_timed(result, partial, samples_per_step=workload.samples_per_step,

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 
 from gpudiag._version import __version__
-from gpudiag.measure.interrupts import REPEAT_WINDOW_S
+from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.launching.jobprocesses import JobProcesses, describe, job_processes
 from gpudiag.measure.profile.launching.scratch import (
@@ -185,7 +185,7 @@ class Ended:
 
     def describe(self) -> str:
         if self.returncode < 0:
-            return f"was killed by {signal.Signals(-self.returncode).name}"
+            return f"was killed by {signal_name(-self.returncode)}"
         return f"exited with code {self.returncode}"
 
 
