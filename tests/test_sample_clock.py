@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpudiag.measure.profile.inscript import threadtimer
+from gpudiag.measure.profile.inscript import hostsampler, threadtimer
 from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostSamples
 
@@ -88,13 +88,40 @@ def test_a_long_call_that_runs_no_bytecode_is_charged_all_its_time() -> None:
     assert samples.clock == "signal"
     c_call, python = _ms_at(samples, "sum(range(n))  # one C call"), \
         _ms_at(samples, "while time.perf_counter() < end:")
-    # The Python part stands on ~24 samples: +-20% on a quiet machine, 55% short seen with
-    # the suite and mypy on both cores (periods that end while this process is off the CPU
-    # are charged wherever it resumes). The C call's share: within 15% quiet, 28% short
-    # loaded. What this guards against, weighting by the time since the previous handler,
-    # gave the Python part a fifth of its time: the bounds keep that apart, with load's margin.
-    assert c_call == pytest.approx(timers["c"] * 1e3, rel=0.4)
-    assert 0.35 <= python / (timers["python"] * 1e3) <= 1.5
+    # The C call's time, within 15% on a quiet machine; 44% short once with the suite and mypy
+    # on both cores. Charging each sample one period (not every period since the previous
+    # one) would give it a quarter. The 2 ms Python part reads 4-15% of its time on a
+    # machine with more busy processes than cores (samples that wait for the process to run
+    # again are charged to wherever it resumes, which is mostly the long call), 25-90% quiet:
+    # only that it is seen. The accounting itself is the next test's, on a clock of its own.
+    assert 0.4 <= c_call / (timers["c"] * 1e3) <= 1.3
+    assert python > 0
+
+
+def test_a_sample_stands_for_every_period_since_the_previous_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler's accounting on a clock of the test's: a signal handled 21 ms after the
+    timer's start (a 5 ms period; the thread was in one C call meanwhile) stands for the four
+    periods then ended; one at 26 ms for the fifth; one at 27 ms (no new period) for none."""
+    now = [0.0]
+    monkeypatch.setattr(hostsampler.time, "perf_counter", lambda: now[0])
+    sampler = HostSampler([0.0], thread_id=threading.get_ident(), loop_code=None, cuda=False,
+                          warmup=0, skip=(), max_steps=10, period_s=0.005, clock="signal")
+    taken: list[tuple[float, str]] = []
+    monkeypatch.setattr(sampler, "take", lambda ms, frame: taken.append(
+        (round(ms, 6), frame.f_code.co_name)) or True)
+    sampler.timer, sampler.timer_start = object(), 0.0  # armed (no real timer needed)
+
+    def c_call() -> None:
+        sampler._on_signal(SIGNUM, sys._getframe())
+
+    def python_part() -> None:
+        sampler._on_signal(SIGNUM, sys._getframe())
+
+    for at, where in ((0.021, c_call), (0.026, python_part), (0.027, python_part)):
+        now[0] = at
+        where()
+    assert taken == [(20.0, "c_call"), (5.0, "python_part")]
 
 
 def test_a_blocked_signal_hands_sampling_to_a_thread() -> None:
