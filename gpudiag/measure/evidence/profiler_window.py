@@ -134,12 +134,12 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
     return window, window.stop()
 
 
-def save_trace(window: ProfilerWindow, path: Path) -> None:
-    """The closed window's Chrome trace, gzipped (ui.perfetto.dev and chrome://tracing open
-    it): torch's export as it is, never parsed and encoded again, at gzip level 6 (zlib's
-    default; 9 is slower for a few percent)."""
+def save_trace(exported: bytes, path: Path) -> None:
+    """A closed window's Chrome trace (its `trace_json`), gzipped (ui.perfetto.dev and
+    chrome://tracing open it): torch's export as it is, never parsed and encoded again, at
+    gzip level 6 (zlib's default; 9 is slower for a few percent)."""
     with gzip.open(path, "wb", compresslevel=6) as f:
-        f.write(window.trace_json)
+        f.write(exported)
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
@@ -148,7 +148,7 @@ def collect_evidence(step: Callable[[], object], *, device: torch.device, steps:
     ui.perfetto.dev and chrome://tracing open as is)."""
     window, events = capture_trace(step, device=device, steps=steps)
     if save_to is not None:
-        save_trace(window, save_to)
+        save_trace(window.trace_json, save_to)
     evidence = window.evidence(events, timed_step_ms)
     assert evidence is not None  # steps >= 1 closed steps
     return evidence

@@ -264,6 +264,8 @@ class Recorder:
         if self.window is None or not self.window.open:
             return
         events = self.window.stop(closing_step=at_boundary)
+        # The export, tens of MB on a GPU, is not held in the script's memory past this.
+        exported, self.window.trace_json = self.window.trace_json, b""
         if not keep:
             return
         self.compile_counts = _compile_counts()
@@ -282,7 +284,7 @@ class Recorder:
                 "the graph; `gpudiag profile --compile-lines` charges compiled kernels to "
                 "lines); counts and times per step are exact")
         if self.trace_dir is not None and self.evidence is not None:
-            save_trace(self.window, self.trace_dir / f"profile-{_stage_name()}.json.gz")
+            save_trace(exported, self.trace_dir / f"profile-{_stage_name()}.json.gz")
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
