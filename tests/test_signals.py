@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import profile_script
 from tiny_mlp import MODEL as TINY_MLP
 
@@ -563,3 +564,37 @@ def test_a_command_killed_by_a_real_time_signal_is_described_not_a_crash() -> No
     realtime = signal.SIGRTMAX - 4
     assert Ended(-realtime).describe().startswith(f"was killed by signal {realtime}")
     assert Ended(-realtime).code == 128 + realtime
+
+
+_AT_INIT: list[bool] = []  # in a worker: whether SIGINT was blocked when its init began
+
+
+def _init_noting_the_mask(worker_id: int) -> None:
+    _AT_INIT.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    from gpudiag.measure.stages import base
+
+    base._leave_stopping_to_the_main_process(worker_id)
+
+
+class _MaskAndHandler(torch.utils.data.Dataset[tuple[bool, bool, bool]]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> tuple[bool, bool, bool]:
+        blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return _AT_INIT[0], blocked, signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_stage_loader_workers_start_with_stops_blocked_then_ignore_them() -> None:
+    """gpudiag's own loaders fork their workers with SIGINT and SIGTERM blocked (a stop
+    landing between fork and worker_init_fn raised KeyboardInterrupt in multiprocessing's
+    _after_fork); once started, a worker ignores them, unblocked, and the main thread's mask
+    is as it was."""
+    from gpudiag.measure.stages import base
+
+    loader = base._WorkersStartQuietly(_MaskAndHandler(), batch_size=None, num_workers=1,
+                                       worker_init_fn=_init_noting_the_mask)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    # Blocked when the worker began, unblocked and ignored once its init ran.
+    assert [tuple(map(bool, item)) for item in loader] == [(True, False, True)] * 2
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before

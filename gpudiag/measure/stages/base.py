@@ -89,7 +89,7 @@ class StageContext:
     def loader(self, bundle: ModelBundle) -> DataLoader[Example]:
         """A real DataLoader over the model's synthetic examples, configured as we advise."""
         workers = self.config.loader_workers
-        return DataLoader(
+        return _WorkersStartQuietly(
             _PreloadedDataset(bundle.rows(0, POOL_BATCHES * self.config.batch_size)),
             batch_size=self.config.batch_size,
             num_workers=workers,
@@ -125,14 +125,35 @@ class _PreloadedDataset(Dataset[Example]):
         return {k: v[row] for k, v in self.pool.items()}
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
+class _WorkersStartQuietly(DataLoader[Example]):
+    """Its workers are forked with SIGINT and SIGTERM blocked, until their worker_init_fn
+    ignores them: a stop to the process group that lands between a worker's fork and its
+    init (the moment a stage starts) raised KeyboardInterrupt in multiprocessing's
+    _after_fork, a traceback on the terminal (seen on a loaded CI machine). The main process
+    gets a stop held meanwhile as soon as its workers are started."""
+
+    def _get_iterator(self) -> Any:  # DataLoader's one place that starts workers
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _leave_stopping_to_the_main_process(_worker_id: int) -> None:
     # Ctrl-C (and a SIGTERM to the process group) reaches the workers too; the main process
     # shuts them down, so workers must neither raise KeyboardInterrupt (the traceback storm of
     # docs/field-cases.md#case-5) nor die first (the main process would then raise "DataLoader
     # worker killed by signal" in the middle of writing its partial results). A worker whose
-    # main process is gone exits by itself (torch's worker watchdog).
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # main process is gone exits by itself (torch's worker watchdog). Started with both
+    # blocked (_WorkersStartQuietly): ignored first, then unblocked, so one that came
+    # meanwhile is dropped.
+    for signum in _STOPS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
 
 StageFunction = Callable[[StageContext], Workload]
