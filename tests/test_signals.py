@@ -598,3 +598,14 @@ def test_stage_loader_workers_start_with_stops_blocked_then_ignore_them() -> Non
     # Blocked when the worker began, unblocked and ignored once its init ran.
     assert [tuple(map(bool, item)) for item in loader] == [(True, False, True)] * 2
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+def test_stage_loader_workers_start_where_there_are_no_signal_masks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows has no pthread_sigmask: the loader starts its workers as DataLoader does."""
+    from gpudiag.measure.stages import base
+
+    monkeypatch.delattr(signal, "pthread_sigmask")
+    loader = base._WorkersStartQuietly(range(4), batch_size=None, num_workers=1,
+                                       worker_init_fn=base._leave_stopping_to_the_main_process)
+    assert [int(x) for x in loader] == [0, 1, 2, 3]

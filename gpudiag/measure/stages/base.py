@@ -136,6 +136,8 @@ class _WorkersStartQuietly(DataLoader[Example]):
     gets a stop held meanwhile as soon as its workers are started."""
 
     def _get_iterator(self) -> Any:  # DataLoader's one place that starts workers
+        if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks (nor fork)
+            return super()._get_iterator()
         held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         try:
             return super()._get_iterator()
@@ -153,7 +155,8 @@ def _leave_stopping_to_the_main_process(_worker_id: int) -> None:
     # meanwhile is dropped.
     for signum in _STOPS:
         signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
 
 StageFunction = Callable[[StageContext], Workload]
