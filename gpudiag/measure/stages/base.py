@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from gpudiag.measure.interrupts import STOP_SIGNALS
 from gpudiag.measure.models import Example, ModelBundle, ModelOptions, ModelSpec
 from gpudiag.measure.timing import PhaseRecorder
 from gpudiag.model.config import RunConfig
@@ -125,9 +126,6 @@ class _PreloadedDataset(Dataset[Example]):
         return {k: v[row] for k, v in self.pool.items()}
 
 
-_STOPS = {signal.SIGINT, signal.SIGTERM}
-
-
 class _WorkersStartQuietly(DataLoader[Example]):
     """Its workers are forked with SIGINT and SIGTERM blocked, until their worker_init_fn
     ignores them: a stop to the process group that lands between a worker's fork and its
@@ -138,7 +136,7 @@ class _WorkersStartQuietly(DataLoader[Example]):
     def _get_iterator(self) -> Any:  # DataLoader's one place that starts workers
         if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks (nor fork)
             return super()._get_iterator()
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             return super()._get_iterator()
         finally:
@@ -153,10 +151,10 @@ def _leave_stopping_to_the_main_process(_worker_id: int) -> None:
     # main process is gone exits by itself (torch's worker watchdog). Started with both
     # blocked (_WorkersStartQuietly): ignored first, then unblocked, so one that came
     # meanwhile is dropped.
-    for signum in _STOPS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 StageFunction = Callable[[StageContext], Workload]
