@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -205,43 +204,35 @@ def test_compiled_code_sampled_compiles_nothing_more() -> None:
     assert counts() == before
 
 
-def test_a_timer_left_running_does_not_end_the_process_at_exit(tmp_path: Path) -> None:
-    # CPython puts the signal's default action (end the process) back at exit: a timer still
-    # firing then would kill it with "Real-time signal".
-    script = tmp_path / "left.py"
-    script.write_text(textwrap.dedent("""
-        import threading, time
-        from gpudiag.measure.profile.inscript.hostsampler import HostSampler
-        marks = [time.perf_counter()]
-        sampler = HostSampler(marks, thread_id=threading.get_ident(), loop_code=None,
-                              cuda=False, warmup=0, skip=(), max_steps=10**6,
-                              period_s=0.0005, clock="signal")
-        sampler.start()
-        end = time.perf_counter() + 0.3
-        while time.perf_counter() < end:
-            marks.append(time.perf_counter())
-        print("done")
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          check=False, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "done"
+def test_a_handler_put_back_to_its_default_costs_samples_not_the_process() -> None:
+    """Lightning's fit() ends by restoring every signal's handler it saw at its start (the
+    default one, for a timer gpudiag started later): the next expiry must not end the
+    process (a real-time signal's default action did, 1 Lightning profile in 5), and the
+    sampler hands sampling to a thread and says why."""
+    steps = [0]
+
+    def step() -> None:
+        steps[0] += 1
+        if steps[0] == 5:
+            signal.signal(SIGNUM, signal.SIG_DFL)  # as _SignalConnector.teardown does
+        end = time.perf_counter() + 0.01
+        while time.perf_counter() < end:  # 1 ms expiries land in this loop
+            pass
+
+    samples = _run_steps(step, 20, period_s=0.001)
+    assert samples.clock == "thread"
+    assert samples.clock_note == "the script replaced the timer signal's handler by step 5"
+    assert samples.samples > 20
 
 
-
-def test_at_exit_the_timers_signal_is_ignored_not_left_to_its_default() -> None:
-    """_close_live (atexit) deletes the timers, then ignores their signal: CPython's
-    finalisation resets every signal with a Python handler to its default action (which
-    ends the process), and leaves an ignored one so, so an expiry the kernel queued before
-    the delete is discarded instead of killing the finished script."""
-    previous = signal.getsignal(SIGNUM)
+def test_at_exit_every_live_timer_is_deleted() -> None:
     timer = threadtimer.ThreadTimer(0.01, lambda signum, frame: None)
+    timer.start()
     try:
         threadtimer._close_live()
-        assert not timer.created and signal.getsignal(SIGNUM) is signal.SIG_IGN
+        assert not timer.created and not threadtimer._LIVE
     finally:
         timer.close()
-        signal.signal(SIGNUM, previous)
 
 
 def test_a_signal_inside_the_handling_of_the_last_is_no_sample() -> None:

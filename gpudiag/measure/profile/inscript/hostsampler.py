@@ -477,14 +477,20 @@ class HostSampler:
 
     def watch(self, now: float) -> None:
         """At a step's end (in the thread sampled): once torch.compile is in use, keep it
-        out of the handler; a timer signal never answered (the thread blocks the signal)
-        hands sampling to a thread."""
+        out of the handler; a timer signal never answered (the thread blocks the signal), or
+        whose handler the script replaced, hands sampling to a thread."""
         self._keep_dynamo_out()
-        if self.timer is None or self.ticks or now - self.timer_start < \
-                UNANSWERED_PERIODS * self.period_s:
+        if self.timer is None:
             return
+        if not threadtimer.handled(self.timer.signum):
+            self._hand_to_thread(f"the script replaced the timer signal's handler by step "
+                                 f"{len(self.marks) - 1}")
+        elif not self.ticks and now - self.timer_start >= UNANSWERED_PERIODS * self.period_s:
+            self._hand_to_thread("the timer signal never came")
+
+    def _hand_to_thread(self, why: str) -> None:
         self._stop_timer()
-        self.result.clock, self.result.clock_note = "thread", "the timer signal never came"
+        self.result.clock, self.result.clock_note = "thread", why
         self._thread.start()
 
     def _stop_timer(self) -> None:

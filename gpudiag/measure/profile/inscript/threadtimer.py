@@ -3,10 +3,16 @@ SIGEV_THREAD_ID) on the monotonic clock, driven through ctypes; no library wraps
 standard library's `signal.setitimer` signals the whole process (any thread's blocking call
 could be interrupted) on SIGALRM, which the script's own `signal.alarm()` shares.
 
-The signal is a real-time one that nothing in the process has claimed (its handler is the
-default one when gpudiag starts), handled with SA_RESTART so that the training thread's
-system calls resume rather than fail with EINTR (signal(7) lists the few that never do:
-sleeps and polls, which CPython retries itself, PEP 475).
+The signal is SIGURG, unless the process has claimed it (its handler is the default one
+when gpudiag starts), handled with SA_RESTART so that the training thread's system calls resume
+rather than fail with EINTR (signal(7) lists the few that never do: sleeps and polls, which
+CPython retries itself, PEP 475). SIGURG because its default action is to ignore it
+(signal(7)): a handler put back to the default by someone else costs samples, never the
+process. Lightning's `_SignalConnector.teardown` does exactly that at the end of `fit()` (it
+restores every signal's handler as it was at fit's start), and with the real-time signal
+gpudiag first used, the next expiry killed the finished script (1 profile in 5). Go's runtime
+preempts goroutines with SIGURG for the same reason (golang/proposal, design
+24543-non-cooperative-preemption.md).
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ from types import CodeType, FrameType
 
 SIGEV_THREAD_ID = 4  # <asm-generic/siginfo.h>: deliver to the thread named in the event
 CLOCK_MONOTONIC = 1  # <linux/time.h>: time.perf_counter's clock on Linux
-# Real-time signals past the first few, which glibc, and libraries that borrow one, take first.
-TIMER_SIGNAL_FROM_TOP = 4
 
 
 class _Sigevent(ctypes.Structure):
@@ -83,7 +87,7 @@ def _posix_timers() -> ctypes.CDLL | None:
 
 
 def timer_signal() -> int | None:
-    return signal.SIGRTMAX - TIMER_SIGNAL_FROM_TOP if hasattr(signal, "SIGRTMAX") else None
+    return signal.SIGURG if hasattr(signal, "SIGURG") else None
 
 
 def unavailable() -> str | None:
@@ -95,10 +99,16 @@ def unavailable() -> str | None:
     signum = timer_signal()
     if signum is None or _posix_timers() is None:
         return "the C library has no timer_create"
-    current = signal.getsignal(signum)
-    if current is not signal.SIG_DFL and not any(current is ours for ours in _INSTALLED):
-        return f"signal {signum} is the script's own"
+    if signal.getsignal(signum) is not signal.SIG_DFL and not handled(signum):
+        return f"{signal.Signals(signum).name} is the script's own"
     return None
+
+
+def handled(signum: int) -> bool:
+    """Whether the signal's handler is still one gpudiag installed (a script, or a library
+    restoring the handlers it saw earlier, may have put another back)."""
+    current = signal.getsignal(signum)
+    return any(current is ours for ours in _INSTALLED)
 
 
 # Timers not closed by the end of the interpreter are closed then: CPython puts the signal's
@@ -108,21 +118,15 @@ _LIVE: dict[int, ThreadTimer] = {}
 
 @atexit.register
 def _close_live() -> None:
-    """At exit: every timer of this process deleted, then its signal ignored. An expiry the
-    kernel had queued before the delete would otherwise arrive after CPython's finalisation
-    put the default action back (it does so for every signal with a Python handler, not for
-    an ignored one), and end the finished script: 1 profile in 5 of a Lightning script was
-    killed so, by signal 60."""
+    """At exit: every timer of this process deleted (an expiry the kernel queued before the
+    delete still comes, after CPython's finalisation put the default action back: ignored)."""
     for timer in list(_LIVE.values()):
         if timer.pid == os.getpid():  # (a forked child has none of its parent's timers)
             timer.close()
-    signum = timer_signal()
-    if signum is not None and any(signal.getsignal(signum) is ours for ours in _INSTALLED):
-        signal.signal(signum, signal.SIG_IGN)  # a queued expiry is discarded (POSIX)
 
 
 # The handler stays installed once set: a signal already on its way when a timer is deleted
-# must find a handler (the default action of a real-time signal ends the process).
+# finds one that takes no sample.
 _HANDLERS: dict[int, Handler] = {}
 
 
