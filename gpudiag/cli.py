@@ -350,6 +350,8 @@ def profile(
                                              "time>-profile/).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it holds an earlier "
                                         "run (the whole directory).")] = False,
+    plots: Annotated[bool, typer.Option(help="Draw the PNG plots report.md links (a second or "
+                                        "two; --try-fixes' runs skip theirs).")] = True,
 ) -> None:
     """Diagnose an unmodified training script: gpudiag profile -- python train.py ..."""
     from gpudiag.present import (  # noqa: PLC0415  (pandas)
@@ -383,7 +385,7 @@ def profile(
         stderr.print("[yellow]try-fixes:[/] not tried: the diagnosis run did not end cleanly",
                      soft_wrap=True)
     with signals_ignored():  # no second signal may cut the last write short
-        _write_profile(run_dir, output)
+        _write_profile(run_dir, output, plots=plots)
     for message in output.messages:
         stderr.print(f"[yellow]gpudiag profile:[/] {escape(message)}", soft_wrap=True)
     if output.run.stages:

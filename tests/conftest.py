@@ -162,24 +162,27 @@ class Profiled:
 
 def profile_script(tmp_path: Path, script: Path, *options: str,
                    env: dict[str, str] | None = None) -> Profiled:
-    """`gpudiag profile --out tmp_path/run OPTIONS -- python SCRIPT`, run from `tmp_path`,
-    with `env` over this process's environment."""
+    """`gpudiag profile --out tmp_path/run --no-plots OPTIONS -- python SCRIPT`, run from
+    `tmp_path`, with `env` over this process's environment."""
     return profile_command(tmp_path, [sys.executable, str(script)], *options, env=env)
 
 
 def profile_command(tmp_path: Path, command: Sequence[str], *options: str,
                     env: dict[str, str] | None = None) -> Profiled:
-    """`gpudiag profile --out tmp_path/run OPTIONS -- COMMAND` (torchrun, a module), as
-    profile_script runs a script: gpudiag's side in this process (`invoke`: what a process
-    of its own would import, 1-2 s a profile, is loaded already), the command in processes of
-    its own, started from `tmp_path`, its output (written to the file descriptors it
-    inherits) read back into `output` after gpudiag's."""
+    """`gpudiag profile --out tmp_path/run --no-plots OPTIONS -- COMMAND` (torchrun, a
+    module), as profile_script runs a script: gpudiag's side in this process (`invoke`: what
+    a process of its own would import, 1-2 s a profile, is loaded already), the command in
+    processes of its own, started from `tmp_path`, its output (written to the file
+    descriptors it inherits) read back into `output` after gpudiag's. No plots (1-1.5 s of
+    matplotlib a profile, on a 2-core CI machine; test_report_files.py draws them from
+    recorded runs)."""
     out = tmp_path / "run"
     # What `gpudiag`'s console script sets before the app runs (cli.main): kineto's own lines
     # stay out of the script's output.
     env = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "9"), **(env or {})}
     with in_folder(tmp_path), _descriptors_to_file() as commands_output:
-        result = invoke(["profile", "--out", out, "--force", *options, "--", *command], env=env)
+        result = invoke(["profile", "--out", out, "--force", "--no-plots", *options, "--",
+                         *command], env=env)
     assert result.exception is None or isinstance(result.exception, SystemExit), (
         result.output, result.exception)
     run = load_run(out) if (out / "run.json").is_file() else None

@@ -76,7 +76,7 @@ def test_compute_dtype_and_datasheet() -> None:
 
 @pytest.mark.slow
 def test_peak_stage_and_mfu_on_a_cpu_run(tmp_path: Path) -> None:
-    result = invoke(["run", "--device", "cpu", "--preset", "tiny", "--stages",
+    result = invoke(["run", "--no-plots", "--device", "cpu", "--preset", "tiny", "--stages",
                                  "peak,train-fp16", "--iters", "4", "--evidence-steps", "1",
                                  "--quiet", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

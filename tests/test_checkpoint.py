@@ -171,7 +171,7 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
     asynchronous one a few percent at most, never a warning-level stall."""
     out = tmp_path / "run"
     result = invoke([
-        "run", "--device", "cpu", "--preset", "tiny", "--stages",
+        "run", "--no-plots", "--device", "cpu", "--preset", "tiny", "--stages",
         "checkpoint-sync,checkpoint-async", "--checkpoint-every", "3", "--iters",
         "60", "--evidence-steps", "0", "--quiet", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -194,7 +194,7 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
 def test_keep_checkpoints_and_bad_interval(tmp_path: Path) -> None:
     where = tmp_path / "ckpt"
     result = invoke([
-        "run", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
+        "run", "--no-plots", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
         "--checkpoint-every", "2", "--iters", "4", "--evidence-steps", "0", "--quiet",
         "--checkpoint-dir", str(where), "--keep-checkpoints", "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
@@ -216,7 +216,7 @@ def test_checkpoint_dir_keeps_what_the_user_had_there(tmp_path: Path) -> None:
     for name, data in own.items():
         (where / name).write_bytes(data)
     result = invoke([
-        "run", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
+        "run", "--no-plots", "--device", "cpu", "--preset", "tiny", "--stages", "checkpoint-sync",
         "--checkpoint-every", "2", "--iters", "4", "--evidence-steps", "0", "--quiet",
         "--checkpoint-dir", str(where), "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output

@@ -68,7 +68,7 @@ def test_tiny_run_writes_the_run_directory(tmp_path: Path) -> None:
 
 
 def test_tiny_run_prints_the_table(tmp_path: Path) -> None:
-    result = invoke(["run", *TINY, "--stages", "infer,full-loop",
+    result = invoke(["run", "--no-plots", *TINY, "--stages", "infer,full-loop",
                                  "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "full-loop" in result.stdout and "ms/iter" in result.stdout

@@ -183,7 +183,8 @@ def test_no_sync_misuse_from_microstep_evidence() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("no_sync", "misuse"), [("backward-only", True), ("correct", False)])
 def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -> None:
-    result = invoke(["run", "--model", TINY_MLP, "--preset", "tiny", "--device", "cpu",
+    result = invoke(["run", "--no-plots", "--model", TINY_MLP, "--preset", "tiny", "--device",
+                     "cpu",
                                  "--stages", "ddp", "--nproc", "2", "--iters", "4", "--quiet",
                                  "--ddp-accum", "3", "--ddp-no-sync", no_sync,
                                  "--out", str(tmp_path)])

@@ -201,7 +201,8 @@ def test_try_fixes_reruns_leave_the_users_folder_as_one_run_left_it(tmp_path: Pa
     before = _hashes(user)
     outside = tmp_path / "outside.txt"
     with in_folder(user):
-        done = invoke(["profile", "--try-fixes", "--fix", "no-empty-cache", "--warmup", "2",
+        done = invoke(["profile", "--no-plots", "--try-fixes", "--fix", "no-empty-cache",
+                       "--warmup", "2",
                        "--timed", "6", "--evidence-steps", "1", "--out", tmp_path / "run", "--",
                        sys.executable, "train.py", outside])
     assert done.exit_code == 0, done.output

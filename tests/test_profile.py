@@ -332,7 +332,7 @@ def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
 
 
 def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
-    result = invoke(["profile", "--out", str(tmp_path), "--",
+    result = invoke(["profile", "--no-plots", "--out", str(tmp_path), "--",
                                  "no-such-command-gpudiag"])
     assert result.exit_code == 2 and "command not found" in result.output
 
@@ -357,7 +357,8 @@ def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
         "    print('MODULES', [m for m in ('pandas', 'scipy', 'matplotlib') "
         "if m in sys.modules])\n"))
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--warmup", str(WARMUP),
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots", "--warmup",
+                           str(WARMUP),
                            "--timed", "10", "--out", str(tmp_path / "run"), "--",
                            sys.executable, script],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,

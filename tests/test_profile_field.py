@@ -108,7 +108,8 @@ def test_a_script_that_changes_directory_keeps_a_relative_out(tmp_path: Path) ->
             opt.step()
     """)
     with in_folder(tmp_path):
-        done = invoke(["profile", "--out", "rel-out", "--warmup", "2", "--timed", "10", "--",
+        done = invoke(["profile", "--no-plots", "--out", "rel-out", "--warmup", "2", "--timed",
+                       "10", "--",
                        sys.executable, str(script)])
     assert done.exit_code == 0, done.output
     run = load_run(tmp_path / "rel-out")
@@ -218,8 +219,9 @@ def test_torch_compile_is_not_recompiled_or_broken_by_gpudiag(tmp_path: Path) ->
                            capture_output=True, text=True, timeout=300, check=False)
     assert plain.returncode == 0, plain.stderr
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--",
-                           sys.executable, str(script), str(tmp_path / "profiled.json")],
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots", "--out",
+                           str(out), "--", sys.executable, str(script),
+                           str(tmp_path / "profiled.json")],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     plain_counters = json.loads((tmp_path / "plain.json").read_text())

@@ -179,8 +179,8 @@ def test_profile_stops_the_script_and_writes_what_it_measured(
     included), and writes the steps measured before it."""
     out = tmp_path / "run"
     script = _script(tmp_path / "train.py")
-    process = _start(["profile", "--out", str(out), "--warmup", "2", "--timed", "10", "--steps",
-                      "1", "--", sys.executable, str(script)], tmp_path)
+    process = _start(["profile", "--no-plots", "--out", str(out), "--warmup", "2", "--timed",
+                      "10", "--steps", "1", "--", sys.executable, str(script)], tmp_path)
 
     def past_window() -> bool:
         return any((out / "parts").glob("window-*.done")) if (out / "parts").is_dir() else False
@@ -379,8 +379,9 @@ def test_a_stop_reaches_a_trainer_in_its_own_process_group(tmp_path: Path, signu
     """))
     started = tmp_path / "trainer.pid"
     process, marker, stderr = _start_marked(
-        ["profile", "--no-rerun", "--out", str(tmp_path / "run"), "--", sys.executable,
-         str(tmp_path / "launcher.py"), str(tmp_path / "trainer.py"), str(started)], tmp_path)
+        ["profile", "--no-plots", "--no-rerun", "--out", str(tmp_path / "run"), "--",
+         sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "trainer.py"),
+         str(started)], tmp_path)
     try:
         _wait_for(started.is_file, process)
         assert int(started.read_text()) in _job_processes(marker)  # the table sees it
@@ -426,8 +427,8 @@ def test_a_daemon_the_script_leaves_running_is_reported_and_stopped(tmp_path: Pa
     profiled script, exits on SIGTERM as it would without gpudiag."""
     (tmp_path / "daemon.py").write_text(textwrap.dedent(DAEMON))
     process, marker, stderr = _start_marked(
-        ["profile", "--no-rerun", "--out", str(tmp_path / "run"), "--", sys.executable,
-         str(tmp_path / "daemon.py"), str(tmp_path / "daemon.pid")], tmp_path)
+        ["profile", "--no-plots", "--no-rerun", "--out", str(tmp_path / "run"), "--",
+         sys.executable, str(tmp_path / "daemon.py"), str(tmp_path / "daemon.pid")], tmp_path)
     try:
         code = process.wait(timeout=300)
         said = stderr.read_text()
@@ -546,8 +547,8 @@ def test_a_ctrl_c_lost_in_a_fork_stops_the_script_at_its_next_step(tmp_path: Pat
                 child.join()
     """))
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out),
-                           "--no-rerun", "--", sys.executable, str(script)], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots", "--out",
+                           str(out), "--no-rerun", "--", sys.executable, str(script)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 128 + signal.SIGINT, done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
