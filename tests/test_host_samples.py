@@ -396,8 +396,8 @@ EVAL_SCRIPT = """
 
 @pytest.mark.slow
 def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(tmp_path: Path) -> None:
-    # Every 10 steps; every 20 is test_profile_field's (an evaluation DataLoader) and the
-    # next test's.
+    # No DataLoader and no save (test_profile_field's evaluation, with a save, has both);
+    # every 20 steps is the next test's.
     every = 10
     script = write_script(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=every))
     run, output = _profile(tmp_path, script)

@@ -75,7 +75,10 @@ def _assert_counter_energy(spec: dict[str, Any], timed: Timed) -> None:
     assert s.window_s is not None
     assert timed.before_end - timed.after_begin <= s.window_s
     assert s.window_s <= timed.after_end - timed.before_begin
-    assert s.power_mean_w == pytest.approx(s.energy_j / s.window_s, rel=1e-12)
+    # Power: the energy over the time between the counter's two reads, inside those spans.
+    assert s.power_mean_w is not None
+    assert s.energy_j / (timed.after_end - timed.before_begin) - 1e-6 <= s.power_mean_w
+    assert s.power_mean_w <= s.energy_j / (timed.before_end - timed.after_begin) + 1e-6
 
 
 # --- the sampler on a fake GPU ----------------------------------------------------------------
@@ -130,6 +133,30 @@ def test_energy_integrates_a_power_step() -> None:
 
     _assert_counter_energy(spec, after)
     assert after.summary.power_mean_w == pytest.approx(300.0, rel=0.02)
+
+
+def test_power_is_the_energy_over_the_time_between_the_counters_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread held up between a window's edge and the counter's read (a loaded machine: a
+    stage of a constant 250 W once read 241.9 W) still reads the power: the energy is divided
+    by the time between the reads, not between the edges."""
+    from gpudiag.measure.telemetry import sampler as sampler_module
+
+    read = sampler_module._read_energy
+    reads: list[float] = []
+
+    def held_up_at_the_end(reader: Any) -> tuple[float | None, float]:
+        reads.append(time.monotonic())
+        if len(reads) == 2:
+            time.sleep(0.1)  # half the window, between its end and the read
+        return read(reader)
+
+    monkeypatch.setattr(sampler_module, "_read_energy", held_up_at_the_end)
+    with _open(fake_spec([(0.0, 250.0)])) as sampler:
+        timed = _window(sampler, "train", seconds=0.2)
+    assert len(reads) == 2
+    assert timed.summary.window_s is not None and timed.summary.window_s < 0.28
+    assert timed.summary.power_mean_w == pytest.approx(250.0, rel=0.01)
 
 
 def test_energy_falls_back_to_the_power_integral_without_a_counter() -> None:
@@ -293,6 +320,9 @@ def test_summary_energy_from_the_counter() -> None:
     assert s.energy_source == "counter"
     assert s.energy_j == pytest.approx(100.0)
     assert s.power_mean_w == pytest.approx(200.0)  # the counter wins over the samples
+    # Over the time between the counter's reads, where the caller timed them.
+    assert _summarize(frame, window_s=0.5, energy_begin_mj=1_000.0, energy_end_mj=101_000.0,
+                      energy_span_s=0.4).power_mean_w == pytest.approx(250.0)
     assert s.power_max_w == 999.0
     assert s.sample_count == 2
     assert s.window_s == 0.5 and s.period_s == 0.05 and s.power_limit_w == 700.0

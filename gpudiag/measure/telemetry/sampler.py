@@ -43,9 +43,19 @@ class _Window:
     label: str
     t_begin: float
     energy_begin_mj: float | None
+    energy_begin_at: float  # when the counter was read (the middle of the read)
     gpm_begin: Any | None
     power_limit_w: float | None
     t_end: float | None = None
+
+
+def _read_energy(reader: GpuReader) -> tuple[float | None, float]:
+    """The energy counter and when it was read: the middle of the call (NVML's read takes
+    milliseconds, and a preempted thread may read it later still), so that power is energy
+    over the time between the two reads, not over the window's edges beside them."""
+    before = time.monotonic()
+    energy = reader.energy_mj()
+    return energy, (before + time.monotonic()) / 2
 
 
 class Sampler:
@@ -159,9 +169,10 @@ class Sampler:
         if self._reader is None:
             return
         reader = self._reader
-        self._open = _Window(label=label, t_begin=time.monotonic(),
-                             energy_begin_mj=reader.energy_mj(),
-                             gpm_begin=reader.gpm_snapshot(),
+        t_begin = time.monotonic()
+        energy, energy_at = _read_energy(reader)
+        self._open = _Window(label=label, t_begin=t_begin, energy_begin_mj=energy,
+                             energy_begin_at=energy_at, gpm_begin=reader.gpm_snapshot(),
                              power_limit_w=reader.power_limit_w())
 
     def end(self) -> TelemetrySummary:
@@ -170,7 +181,7 @@ class Sampler:
             return TelemetrySummary.unavailable(self.unavailable_reason)
         reader, window = self._reader, self._open
         window.t_end = time.monotonic()
-        energy_end = reader.energy_mj()
+        energy_end, energy_end_at = _read_energy(reader)
         gpm_end = reader.gpm_snapshot() if window.gpm_begin is not None else None
         self._open = None
         self._windows.append(window)
@@ -190,7 +201,8 @@ class Sampler:
         frame = pd.DataFrame(rows).rename(columns={"t": "t_s"})
         return summarize_window(
             frame, window_s=window.t_end - window.t_begin,
-            energy_begin_mj=window.energy_begin_mj, energy_end_mj=energy_end, gpm=gpm,
+            energy_begin_mj=window.energy_begin_mj, energy_end_mj=energy_end,
+            energy_span_s=energy_end_at - window.energy_begin_at, gpm=gpm,
             power_limit_w=window.power_limit_w, period_s=self.period_s, metric_status=status,
         )
 
@@ -231,16 +243,22 @@ def summarize_window(
     window_s: float,
     energy_begin_mj: float | None,
     energy_end_mj: float | None,
+    energy_span_s: float | None = None,
     gpm: dict[str, float],
     power_limit_w: float | None,
     period_s: float,
     metric_status: dict[str, str],
 ) -> TelemetrySummary:
-    """Reduce one window's samples to a stage's telemetry. Pure: tested on synthetic frames."""
+    """Reduce one window's samples to a stage's telemetry (`energy_span_s`: the time between
+    the counter's two reads, the window's own if not given). Pure: tested on synthetic
+    frames."""
     energy_j: float | None = None
     source: str | None = None
+    power_mean_w: float | None = None
     if energy_begin_mj is not None and energy_end_mj is not None:
         energy_j, source = (energy_end_mj - energy_begin_mj) / 1e3, "counter"
+        span = energy_span_s if energy_span_s is not None else window_s
+        power_mean_w = energy_j / span if span > 0 else None
     elif "power_instant_w" in frame and frame["power_instant_w"].notna().sum() >= 2:
         # Without the counter, integrate the instantaneous power over the samples' time span
         # and scale to the window (sampling aliases short power swings: the weaker estimate;
@@ -249,7 +267,7 @@ def summarize_window(
         span = float(power["t_s"].iloc[-1] - power["t_s"].iloc[0])
         if span > 0:
             mean_w = float(np.trapezoid(power["power_instant_w"], power["t_s"])) / span
-            energy_j, source = mean_w * window_s, "power-integral"
+            energy_j, source, power_mean_w = mean_w * window_s, "power-integral", mean_w
     power_max = _extreme(frame, "power_instant_w", "max")
     if power_max is None:
         power_max = _extreme(frame, "power_avg1s_w", "max")
@@ -266,7 +284,7 @@ def summarize_window(
         window_s=window_s,
         energy_j=energy_j,
         energy_source=source,
-        power_mean_w=energy_j / window_s if energy_j is not None and window_s > 0 else None,
+        power_mean_w=power_mean_w,
         power_max_w=power_max,
         power_limit_w=power_limit_w,
         kernel_active_pct=_mean(frame, "kernel_active_pct"),
