@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import contextlib
 import fcntl
+import hashlib
 import pickle
 import sys
 import tempfile
@@ -145,6 +146,21 @@ def line_of(script: Path, statement: str) -> int:
 def script_line(script: Path, statement: str) -> str:
     """`name:N`, as findings name a line of the script."""
     return f"{script.name}:{line_of(script, statement)}"
+
+
+def tree_hashes(folder: Path, leave_out: str = "//") -> dict[str, str]:
+    """Every file and link under `folder` (but `leave_out`): a link by its target, a file by
+    its bytes."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        rel = str(path.relative_to(folder))
+        if rel.startswith(leave_out):
+            continue
+        if path.is_symlink():
+            found[rel] = f"-> {path.readlink()}"
+        elif path.is_file():
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
 
 
 @dataclass

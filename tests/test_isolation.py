@@ -6,7 +6,6 @@ checkpoint-60, a resuming script advanced its own checkpoint from step 0 to 141+
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -15,30 +14,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import in_folder, invoke
+from conftest import tree_hashes
 
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.inscript.writewatch import MAX_PATHS, WriteWatch
 from gpudiag.measure.profile.launching import scratch
 from gpudiag.measure.profile.launching.scratch import make_scratch, outside_writes
-from gpudiag.model.remedies import BASELINE_RUNS, REMEDIES
-from gpudiag.model.results import RUN_MARKER, load_run
-
-
-def _hashes(folder: Path, leave_out: str = "//") -> dict[str, str]:
-    """Every file and link under `folder` (but `leave_out`): a link by its target, a file by
-    its bytes."""
-    found = {}
-    for path in sorted(folder.rglob("*")):
-        rel = str(path.relative_to(folder))
-        if rel.startswith(leave_out):
-            continue
-        if path.is_symlink():
-            found[rel] = f"-> {path.readlink()}"
-        elif path.is_file():
-            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
+from gpudiag.model.results import RUN_MARKER
 
 
 def _project(root: Path, elsewhere: Path) -> Path:
@@ -62,11 +44,11 @@ def test_the_copy_is_the_users_folder_and_changes_none_of_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is over the budget
     source = _project(tmp_path / "proj", tmp_path / "elsewhere")
-    before = _hashes(source, leave_out="reports/now/")
+    before = tree_hashes(source, leave_out="reports/now/")
     run = source / "reports" / "now"
     made = make_scratch(source, run / "fixes" / "x" / "cwd", leave_out=run)
     copy = made.root
-    assert sorted(_hashes(copy)) == [".git", ".venv", "data/big.bin", "data/small.txt",
+    assert sorted(tree_hashes(copy)) == [".git", ".venv", "data/big.bin", "data/small.txt",
                                      "inside", "out/checkpoint-60/model.pt", "train.log",
                                      "train.py", "up"]  # no run folder of gpudiag's
     for name in ("train.py", "train.log", "out/checkpoint-60/model.pt", "data/small.txt"):
@@ -83,7 +65,7 @@ def test_the_copy_is_the_users_folder_and_changes_none_of_it(
     (copy / "out/checkpoint-60/model.pt").unlink()
     (copy / "out/checkpoint-25").mkdir()
     (copy / "out/checkpoint-25/model.pt").write_text("truncated")
-    assert _hashes(source, leave_out="reports/now/") == before
+    assert tree_hashes(source, leave_out="reports/now/") == before
 
     # A write through a link (native code, a file over the copy budget) is found afterwards.
     with (source / "data/big.bin").open("a") as big:
@@ -97,7 +79,7 @@ def test_the_copy_is_the_users_folder_and_changes_none_of_it(
     assert sorted(rerun.linked) == [".git/", ".venv/", "data/big.bin"]
     assert rerun.copied == 4 and rerun.source == str(source)
     # The copy keeps only what the run wrote.
-    assert sorted(_hashes(copy)) == ["out/checkpoint-25/model.pt", "train.log"]
+    assert sorted(tree_hashes(copy)) == ["out/checkpoint-25/model.pt", "train.log"]
 
 
 WATCHED_SCRIPT = """
@@ -164,74 +146,3 @@ def test_the_watch_lists_a_bounded_number_of_paths(tmp_path: Path) -> None:
 
 # The field's script: appends to its log, resumes from its own checkpoint, saves and rotates
 # checkpoints (keeping the last one), and writes one file to an absolute path it is given.
-RESUMING_SCRIPT = """
-    import os, sys, torch
-    with open(sys.argv[1], "a") as outside:
-        outside.write("x")
-    with open("train.log", "a") as log:
-        log.write("run start\\n")
-    start = torch.load("ckpt.pt")["step"] if os.path.exists("ckpt.pt") else 0
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(start, start + 8):
-        model(torch.randn(4, 8)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if step % 2 == 1:
-            torch.save({"step": step + 1}, "ckpt.pt")
-            torch.save({"step": step + 1}, f"checkpoint-{step + 1}.pt")
-            for old in os.listdir("."):
-                if old.startswith("checkpoint-") and old != f"checkpoint-{step + 1}.pt":
-                    os.remove(old)
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_try_fixes_reruns_leave_the_users_folder_as_one_run_left_it(tmp_path: Path) -> None:
-    """8 steps against a schedule of 9: the diagnosis runs twice, then three --try-fixes
-    runs. The user's folder sees one run: one more log line, the checkpoint one run further."""
-    user = tmp_path / "proj"
-    (user / "data").mkdir(parents=True)
-    (user / "train.py").write_text(textwrap.dedent(RESUMING_SCRIPT))
-    (user / "data" / "in.txt").write_text("input")
-    (user / "train.log").write_text("run start\n")
-    torch.save({"step": 8}, user / "ckpt.pt")
-    (user / "checkpoint-8.pt").write_bytes((user / "ckpt.pt").read_bytes())
-    before = _hashes(user)
-    outside = tmp_path / "outside.txt"
-    with in_folder(user):
-        done = invoke(["profile", "--no-plots", "--try-fixes", "--fix", "no-empty-cache",
-                       "--warmup", "2",
-                       "--timed", "6", "--evidence-steps", "1", "--out", tmp_path / "run", "--",
-                       sys.executable, "train.py", outside])
-    assert done.exit_code == 0, done.output
-    said = done.stderr.replace("\n", " ")
-    most = 1 + 1 + len(BASELINE_RUNS) + len(REMEDIES) + 1  # diagnosis, its re-run, fixes
-    assert said.index(f"the script runs at most {most} times") < said.index("it is run once more")
-    assert said.index("runs at most 3 more times") < said.index("running without-fixes-1")
-
-    after = _hashes(user)
-    assert {k: v for k, v in after.items() if k not in ("train.log", "ckpt.pt")} == {
-        **{k: v for k, v in before.items() if k not in ("train.log", "ckpt.pt",
-                                                       "checkpoint-8.pt")},
-        "checkpoint-16.pt": after["checkpoint-16.pt"]}  # the diagnosis run's rotation only
-    assert (user / "train.log").read_text() == "run start\n" * 2
-    assert outside.read_text() == "x" * 5  # each run wrote there: listed below
-
-    def step(folder: Path) -> int:
-        return int(torch.load(folder / "ckpt.pt")["step"])
-
-    assert step(user) == 16  # one run further, not five
-    run = load_run(tmp_path / "run")
-    assert [r.label for r in run.reruns] == ["rerun", "without-fixes-1", "no-empty-cache",
-                                             "without-fixes-2"]
-    for rerun in run.reruns:  # each started from the folder as the diagnosis left it
-        assert rerun.wrote_outside == [str(outside)] and rerun.source == str(user)
-        assert (Path(rerun.cwd) / "train.log").read_text() == "run start\n" * 3
-        assert step(Path(rerun.cwd)) > 16
-    report = (tmp_path / "run" / "report.md").read_text()
-    assert "## Where the re-runs ran" in report
-    assert f"| without-fixes-1 | `{tmp_path / 'run'}/fixes/without-fixes-1/cwd` |" in report
-    assert report.count(f"| {outside} |") == 4
-    assert f"without-fixes-2: wrote outside its scratch copy: {outside}" in said

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_folder, line_of, profile_script
+from conftest import in_folder, invoke, line_of, tree_hashes
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.model.config import ProfileConfig
@@ -34,8 +34,14 @@ from gpudiag.present.fixes import fixes_markdown
 # A plain training loop that reports what it sees of its own objects: the DataLoader's worker
 # count and pinning, the matmul precision, its forward's dtype. It knows nothing of gpudiag.
 OBSERVING_SCRIPT = """
-    import json, os, torch
+    import json, os, sys, torch
     from torch.utils.data import DataLoader, TensorDataset
+
+    if len(sys.argv) > 1:  # a file outside the folder, which every run writes to
+        with open(sys.argv[1], "a") as outside:
+            outside.write("x")
+    with open("train.log", "a") as log:
+        log.write("run start\\n")
 
     torch.backends.cuda.matmul.allow_tf32 = False  # what GD301 usually finds
     torch.manual_seed(0)
@@ -63,8 +69,12 @@ OBSERVING_SCRIPT = """
             opt.step()
             opt.zero_grad()
             torch.cuda.empty_cache()
-            if step % 4 == 0:
-                torch.save(model.state_dict(), "ckpt.pt")
+            if step % 4 == 0:  # a checkpoint, and a rotation that keeps the last one
+                torch.save({"step": step, "model": model.state_dict()}, "ckpt.pt")
+                torch.save({"step": step}, f"checkpoint-{step}.pt")
+                for old in os.listdir("."):
+                    if old.startswith("checkpoint-") and old != f"checkpoint-{step}.pt":
+                        os.remove(old)
             step += 1
 """
 
@@ -86,7 +96,8 @@ PLAIN_VIEW = {"num_workers": 0, "pin_memory": False, "precision": "highest",
 def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None:
     """All remedies in one run of the unmodified script (as --try-fixes' combined run applies
     those that paid), each seen in effect there and recording where the script's line is.
-    Each alone, between runs without fixes, is test_try_fixes_measures_each_fix_alone's."""
+    Each alone, between runs without fixes, is
+    test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_one_run_left_it's."""
     from gpudiag.measure.profile.launching.session import ProfileRequest
     from gpudiag.measure.profile.launching.session import profile_command as profile_once
 
@@ -117,30 +128,68 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     assert saved.site == f"train.py:{line_of(script, 'torch.save(')}"
     assert records.tf32.site == f"train.py:{line_of(script, 'allow_tf32 = False')}"
     # Written in the background, whole, in that run's copy of the folder.
-    state = torch.load(copy / "ckpt.pt")
+    state = torch.load(copy / "ckpt.pt")["model"]
     assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert not list(tmp_path.glob("seen-*.json"))  # nothing of it in the user's folder
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_try_fixes_measures_each_fix_alone(tmp_path: Path) -> None:
+def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_one_run_left_it(
+        tmp_path: Path) -> None:
     """Two forced fixes, each alone between two runs without any: measured, priced, placed at
     the script's line, their numerics compared (more loader workers keep them, bf16 changes
-    them a little and says by how much); the diagnosis in the user's folder saw none of
-    them. What each remedy does in the script is test_every_remedy_applied_together's."""
-    script = tmp_path / "train.py"
+    them a little and says by how much). The diagnosis ran in the user's folder, each later
+    run in a scratch copy of the folder as the diagnosis left it: the folder sees one run
+    (one more log line, one rotation of its checkpoints), and what each run wrote outside its
+    copy is listed. What each remedy does in the script is
+    test_every_remedy_applied_together's; a short script's re-run is isolated the same way
+    (session._isolated), test_profile_field's 12-step test."""
+    user = tmp_path / "proj"
+    script = user / "train.py"
+    (user / "data").mkdir(parents=True)
     script.write_text(textwrap.dedent(OBSERVING_SCRIPT))
+    (user / "data" / "in.txt").write_text("input")
+    (user / "train.log").write_text("run start\n")
+    (user / "checkpoint-100.pt").write_text("the user's last run")
+    before = tree_hashes(user)
+    outside = tmp_path / "outside.txt"
     forced = ("loader", "bf16-autocast")
-    profile_script(tmp_path, script, "--try-fixes", *[a for n in forced for a in ("--fix", n)],
-                   "--warmup", "2", "--timed", "6", "--steps", "1").ok()
-    # The diagnosis ran in the user's folder; each fix's run in a scratch copy of it.
-    assert _seen(tmp_path) == {"": PLAIN_VIEW}
+    with in_folder(user):
+        done = invoke(["profile", "--no-plots", "--try-fixes",
+                       *[a for n in forced for a in ("--fix", n)], "--warmup", "2", "--timed",
+                       "6", "--steps", "1", "--out", tmp_path / "run", "--", sys.executable,
+                       "train.py", outside])
+    assert done.exit_code == 0, done.output
+    said = done.stderr.replace("\n", " ")
+    assert said.index("your files stay as they are") < said.index("running without-fixes-1")
+    run = load_run(tmp_path / "run")
+
+    # The user's folder: the diagnosis's own run, and nothing of the four or five after it.
+    assert _seen(user) == {"": PLAIN_VIEW}
+    after = tree_hashes(user)
+    assert {k: after.get(k) for k in ("train.py", "data/in.txt")} == {
+        k: before[k] for k in ("train.py", "data/in.txt")}
+    assert (user / "train.log").read_text() == "run start\n" * 2
+    (checkpoint,) = user.glob("checkpoint-*.pt")  # the diagnosis's rotation removed the user's
+    assert torch.load(user / "ckpt.pt")["step"] == int(checkpoint.stem.split("-")[1]) < 100
+    assert outside.read_text() == "x" * (1 + len(run.reruns))  # each run wrote there: listed
+    assert [r.label for r in run.reruns][:2] == ["without-fixes-1", forced[0]]
+    for rerun in run.reruns:  # each started from the folder as the diagnosis left it
+        assert rerun.wrote_outside == [str(outside)] and rerun.source == str(user)
+        assert (Path(rerun.cwd) / "train.log").read_text() == "run start\n" * 3
+        assert len(list(Path(rerun.cwd).glob("checkpoint-*.pt"))) == 1
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## Where the re-runs ran" in report
+    assert f"| without-fixes-1 | `{tmp_path / 'run'}/fixes/without-fixes-1/cwd` |" in report
+    assert report.count(f"| {outside} |") == len(run.reruns)
+    assert f"without-fixes-2: wrote outside its scratch copy: {outside}" in said
+
+    # The fixes, each in its own copy, measured and compared.
     seen = _seen(*(tmp_path / "run" / "fixes").glob("*/cwd"))
     assert seen["loader"]["num_workers"] >= 1  # type: ignore[operator]
     assert seen["bf16-autocast"]["forward_dtype"] == "torch.bfloat16"
-
-    fixes = {f.remedy: f for f in load_run(tmp_path / "run").fixes}
+    fixes = {f.remedy: f for f in run.fixes}
     assert set(forced) <= set(fixes)
     assert all(fixes[name].status == "measured" and fixes[name].after_ms for name in forced)
     loaders = fixes["loader"].evidence.loader
@@ -151,7 +200,6 @@ def test_try_fixes_measures_each_fix_alone(tmp_path: Path) -> None:
     assert fixes["loader"].equivalence == "same", fixes["loader"].loss_gap
     bf16 = fixes["bf16-autocast"]
     assert bf16.equivalence == "mixed-precision" and bf16.loss_gap and bf16.loss_gap > 0
-    report = (tmp_path / "run" / "report.md").read_text()
     assert "## Measured fixes" in report and "differs as mixed precision does" in report
 
 
