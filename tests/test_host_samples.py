@@ -146,6 +146,33 @@ def _line_of(text: str) -> int:
     return next(n for n, line in enumerate(source, 1) if line.strip().startswith(text))
 
 
+def test_a_datasets_code_on_the_training_thread_is_the_wait_for_data() -> None:
+    """num_workers=0: the Dataset's __getitem__ runs inside the DataLoader's __next__ on the
+    training thread. A sample there is the wait for data (GD201 prices it), charged to the
+    dataset's line; as host-only work beside it, the same ms were priced twice (GD105 81%
+    and GD201 76% of one step of examples/slow_dataset.py)."""
+    from gpudiag.measure.profile.inscript.hostsampler import classify
+
+    seen = []
+
+    class Items(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            seen.append(classify(sys._getframe(), loop, cuda=False))
+            return torch.zeros(2)
+
+    def train() -> None:
+        for _ in torch.utils.data.DataLoader(Items(), batch_size=2):
+            pass
+
+    loop = train.__code__
+    train()
+    assert len(seen) == 4
+    assert {(s.key.kind, s.key.function) for s in seen} == {("data", "__getitem__")}
+
+
 @pytest.mark.parametrize(("extra", "expected"), [
     # An evaluation every 20 steps, and the step after each a little slow: one work.
     ({**{s: 150.0 for s in range(20, 200, 20)}, **{s + 1: 2.0 for s in range(20, 200, 20)}},

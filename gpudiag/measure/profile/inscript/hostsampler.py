@@ -236,14 +236,18 @@ def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
     f: FrameType | None = frame
     while f is not None:
         code = f.f_code
+        role = frame_role(code.co_filename)
+        # The DataLoader anywhere below the loop: its own code, or the Dataset's and
+        # collate_fn's it calls on this thread (num_workers=0), is the wait for data that
+        # GD201 prices; as host-only work too, the same ms were priced twice (81% + 76% of
+        # one step).
+        data = data or (role == "torch" and _DATA_DIR in code.co_filename)
         if user is None:
-            role = frame_role(code.co_filename)
             if role == "user":
                 user = f
             elif role == "library":
                 library = library or f
             elif role == "torch":
-                data = data or _DATA_DIR in code.co_filename
                 sync = sync or code.co_filename.endswith(_SYNC_FILES) or \
                     code.co_name == "synchronize"
         if code is loop_code:

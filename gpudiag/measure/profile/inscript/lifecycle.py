@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from types import FrameType
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 
 MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
 STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
+# How long a DataLoader worker's lost file-descriptor handshake waits for the stop that cut it:
+# the stop reaches the script's main process first (it drops the handshake) and this worker's
+# main thread a moment later (CI saw the traceback printed before it did).
+STOP_GRACE_S = 0.5
 
 
 def install(recorder: Recorder) -> None:
@@ -47,7 +52,7 @@ def _record_crashes(recorder: Recorder) -> None:
     previous_hook = sys.excepthook
 
     def record_crash(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if recorder.stop_seen and sharer_lost_a_peer(exc_type, tb):
+        if sharer_lost_a_peer(exc_type, tb) and _stop_comes(recorder):
             # A DataLoader worker's file-descriptor handshake cut by the stop (the script's
             # main process left mid-batch): the stop itself, as in gpudiag's own stages
             # (gpudiag/measure/interrupts.py), not a failure to print.
@@ -63,6 +68,17 @@ def _record_crashes(recorder: Recorder) -> None:
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record_crash
+
+
+def _stop_comes(recorder: Recorder) -> bool:
+    """Whether a stop signal reached this process, or reaches it within STOP_GRACE_S (waited
+    for only outside the main thread, which is the one that handles it: multiprocessing's
+    resource sharer reports its errors from a thread of its own)."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while not recorder.stop_seen and threading.current_thread() is not threading.main_thread() \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return recorder.stop_seen
 
 
 def _write_before_os_exit(recorder: Recorder) -> None:
