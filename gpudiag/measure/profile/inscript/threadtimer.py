@@ -111,8 +111,8 @@ def handled(signum: int) -> bool:
     return any(current is ours for ours in _INSTALLED)
 
 
-# Timers not closed by the end of the interpreter are closed then: CPython puts the signal's
-# default action (ending the process) back at exit.
+# Timers not closed by the end of the interpreter are closed then, before CPython's
+# finalisation puts the signal's default action back.
 _LIVE: dict[int, ThreadTimer] = {}
 
 
