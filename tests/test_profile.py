@@ -86,7 +86,13 @@ def test_per_step_item_reads_are_named(tmp_path: Path) -> None:
 
 
 def test_clean_script_has_no_warning(tmp_path: Path) -> None:
-    run = example(tmp_path, "clean")
+    # With its plots (the tests' helper leaves them out): a profile's run, drawn and linked.
+    code, run, output = profile(tmp_path, sys.executable, str(EXAMPLES / "clean.py"),
+                                options=("--stop-after-window", "--plots"))
+    assert code == 0 and run.stages and run.stages[0].ok, output
+    drawn = sorted(p.name for p in (tmp_path / "run").glob("*.png"))
+    assert "step-times.png" in drawn, drawn
+    assert all(name in (tmp_path / "run" / "report.md").read_text() for name in drawn)
     assert not [f for f in run.findings if f.severity in ("warning", "critical")], run.findings
     stage = run.stages[0]
     assert stage.samples_per_step == 32 and stage.evidence is not None
