@@ -184,10 +184,8 @@ def test_no_sync_misuse_from_microstep_evidence() -> None:
 @pytest.mark.parametrize(("no_sync", "misuse"), [("backward-only", True), ("correct", False)])
 def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -> None:
     result = invoke(["run", "--no-plots", "--model", TINY_MLP, "--preset", "tiny", "--device",
-                     "cpu",
-                                 "--stages", "ddp", "--nproc", "2", "--iters", "4", "--quiet",
-                                 "--ddp-accum", "3", "--ddp-no-sync", no_sync,
-                                 "--out", str(tmp_path)])
+                     "cpu", "--stages", "ddp", "--nproc", "2", "--iters", "4", "--quiet",
+                     "--ddp-accum", "3", "--ddp-no-sync", no_sync, "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     run = load_run(tmp_path)
     assert run.stages[0].ok, (run.stages[0].error, run.stages[0].traceback)

@@ -454,9 +454,9 @@ def test_without_host_samples_periodic_work_says_it_has_no_line(tmp_path: Path) 
 
 def test_a_sample_rate_the_script_would_pay_for_is_refused(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots",
-                           "--host-sample-hz",
-                           "5000", "--out", str(tmp_path / "run"), "--", sys.executable, "-c",
-                           "pass"], capture_output=True, text=True, check=False, timeout=120)
+                           "--host-sample-hz", "5000", "--out", str(tmp_path / "run"), "--",
+                           sys.executable, "-c", "pass"],
+                          capture_output=True, text=True, check=False, timeout=120)
     assert done.returncode == 2
     assert "--host-sample-hz must be at most 1000" in done.stderr
     assert "Traceback" not in done.stderr

@@ -365,8 +365,7 @@ def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
         "if m in sys.modules])\n"))
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots", "--warmup",
-                           str(WARMUP),
-                           "--timed", "10", "--out", str(tmp_path / "run"), "--",
+                           str(WARMUP), "--timed", "10", "--out", str(tmp_path / "run"), "--",
                            sys.executable, script],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
                           check=False)

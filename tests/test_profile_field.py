@@ -109,8 +109,7 @@ def test_a_script_that_changes_directory_keeps_a_relative_out(tmp_path: Path) ->
     """)
     with in_folder(tmp_path):
         done = invoke(["profile", "--no-plots", "--out", "rel-out", "--warmup", "2", "--timed",
-                       "10", "--",
-                       sys.executable, str(script)])
+                       "10", "--", sys.executable, str(script)])
     assert done.exit_code == 0, done.output
     run = load_run(tmp_path / "rel-out")
     assert run.stages and run.stages[0].ok and run.stages[0].evidence is not None
