@@ -325,12 +325,18 @@ def test_no_steps_says_how_to_mark_them(tmp_path: Path) -> None:
 
 
 def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
+    """Steps marked by the script; its profiler window (closed by step 16) loads no Inductor
+    or Dynamo into a script that never compiled (torch.profiler would: 2.7 s of CPU), and
+    leaves torch able to load them later."""
     code, run, output = profile(tmp_path, sys.executable, _script(tmp_path, """
+        import sys
         import torch
         import gpudiag
         for _ in range(25):
             with gpudiag.watch():
                 torch.randn(64, 64) @ torch.randn(64, 64)
+        assert "torch._dynamo" not in sys.modules, "the profiler window loaded Dynamo"
+        assert "_inductor" in torch._lazy_modules
     """), timed=10)
     assert code == 0, output
     assert run.stages[0].facts.script is not None

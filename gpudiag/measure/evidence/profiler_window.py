@@ -7,13 +7,15 @@ median is the window's overhead.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,8 @@ class ProfilerWindow:
             # cycle" (printed by every trial of a gate, torch 2.11) says nothing about it.
             warnings.filterwarnings("ignore", message="Warning: Profiler clears events",
                                     category=UserWarning)
-            self._profiler.__enter__()
+            with _inductor_left_unloaded():
+                self._profiler.__enter__()
         if self.annotate:
             self._annotator = SourceAnnotator()
             self._annotator.__enter__()
@@ -117,6 +120,24 @@ class ProfilerWindow:
         return analyze(events, steps=len(self.step_ms), step_ms=statistics.fmean(self.step_ms),
                        backend="cuda" if self.device.type == "cuda" else "cpu",
                        timed_step_ms=timed_step_ms, kernel_lines=kernel_lines)
+
+
+@contextlib.contextmanager
+def _inductor_left_unloaded() -> Iterator[None]:
+    """torch.profiler's start asks `hasattr(torch, "_inductor")` to read Inductor's CUDA-graphs
+    setting (torch/profiler/profiler.py, prepare_trace, torch 2.11-2.13), and torch answers by
+    importing Inductor, Dynamo with it: 2.7 s of CPU on a 2-core VM, in a script that never
+    compiled, inside its run. A script that has not loaded Inductor has captured no graph with
+    it, so meanwhile torch does not offer it for lazy import (its `_lazy_modules`)."""
+    lazy = getattr(torch, "_lazy_modules", None)
+    if "torch._inductor" in sys.modules or not isinstance(lazy, set) or "_inductor" not in lazy:
+        yield
+        return
+    lazy.discard("_inductor")
+    try:
+        yield
+    finally:
+        lazy.add("_inductor")
 
 
 def capture_trace(step: Callable[[], object], *, device: torch.device,
