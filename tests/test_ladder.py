@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -158,8 +159,12 @@ def test_step_times_use_cuda_events_on_gpu() -> None:
 
 
 def test_unavailable_telemetry_does_not_stop_the_run() -> None:
+    """(And the caller's objects leave the cyclic collector's view only while stages run.)"""
+    frozen: list[int] = []
     output = run_stages(tiny_config(stages=["infer"]),
-                        telemetry_spec=fake_spec(unavailable="no NVIDIA driver"))
+                        telemetry_spec=fake_spec(unavailable="no NVIDIA driver"),
+                        on_stage_done=lambda _: frozen.append(gc.get_freeze_count()))
+    assert frozen and all(count > 10_000 for count in frozen) and gc.get_freeze_count() == 0
     stage = output.run.stages[0]
     assert stage.ok and not stage.telemetry.available
     assert stage.telemetry.reason == "no NVIDIA driver"
