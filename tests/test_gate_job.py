@@ -93,6 +93,7 @@ def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
                      r"\d+ in forward\(\)", text), text
     assert (tmp_path / "job" / "gate.md").read_text() == text.rstrip("\n") + "\n"
     assert "trial-2" not in {p.name for p in (tmp_path / "job" / "base").iterdir()}
+    assert not list((tmp_path / "job").rglob("*.png"))  # trials are evidence, not reports
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
                                text=True, check=True).stdout
     assert len(worktrees.strip().splitlines()) == 1  # the base checkout was removed

@@ -84,8 +84,10 @@ def side_env(root: Path) -> dict[str, str]:
 def run_one(options: RunOptions, checkout: Path, out_dir: Path) -> RunResult | None:
     """One fresh `gpudiag run` of `checkout`'s code into `out_dir`; None if it wrote nothing.
     Raises KeyboardInterrupt after the child (which got the Ctrl-C too) has written its part."""
+    # No plots: a trial is evidence for gate.md, which links none (1-2 s a trial, as in
+    # trialrun.py).
     command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
-               "--out", str(out_dir.resolve()), "--quiet"]
+               "--out", str(out_dir.resolve()), "--quiet", "--no-plots"]
     code, stopped_by = wait_child(subprocess.Popen(command, cwd=checkout,
                                                    env=side_env(checkout)))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
