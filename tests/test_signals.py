@@ -122,12 +122,15 @@ def _assert_clean_stop(code: int, stderr: str, seconds: float, below: set[int],
                          ids=["SIGTERM-pid", "SIGINT-group"])
 def test_run_with_loader_workers_stops_and_keeps_what_it_measured(
         tmp_path: Path, signum: int, group: bool) -> None:
-    """`run` in the data-train stage (two DataLoader workers alive): the running stage is
-    marked interrupted in the run.json written on the way out, the workers are gone."""
+    """`run` in its data-train stage (two DataLoader workers alive), after a finished stage
+    and before one to come; SIGINT to the group is a terminal's Ctrl-C: the stage done is
+    kept, the running one marked interrupted in the run.json written on the way out, the one
+    to come skipped, the report says so once, and the workers are gone."""
     out = tmp_path / "run"
-    process = _start(["run", *TINY, "--stages", "data-train", "--workers", "2",
-                      "--evidence-steps", "0", "--iters", "100000", "--min-seconds", "0",
-                      "--out", str(out)], tmp_path)
+    # infer is short; data-train runs long enough to be stopped with its workers alive.
+    process = _start(["run", *TINY, "--stages", "infer,data-train,train", "--workers", "2",
+                      "--evidence-steps", "0", "--iters", "150", "--warmup", "1",
+                      "--min-seconds", "0", "--out", str(out)], tmp_path)
     # Two workers below gpudiag: the data-train stage is running.
     code, stderr, seconds, below = _stop(process, signum, group=group,
                                          ready=lambda: len(_descendants(process.pid)) >= 2)
@@ -138,6 +141,9 @@ def test_run_with_loader_workers_stops_and_keeps_what_it_measured(
     assert stage is not None and stage.interrupted and stage.status == "error"
     assert signal.Signals(signum).name in (stage.error or "")
     assert f"after {len(stage.iter_ms)} timed step(s)" in (stage.error or "")  # kept, if any
+    assert {s.name: s.status for s in run.stages if s.name != "data-train"} == {
+        "infer": "ok", "train": "skipped"}
+    assert (out / "report.md").read_text().count("Interrupted") == 1
 
 
 def test_run_trials_stops_its_child_which_writes_its_part(tmp_path: Path) -> None:
