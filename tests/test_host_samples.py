@@ -14,7 +14,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -171,6 +171,26 @@ def test_a_datasets_code_on_the_training_thread_is_the_wait_for_data() -> None:
     train()
     assert len(seen) == 4
     assert {(s.key.kind, s.key.function) for s in seen} == {("data", "__getitem__")}
+
+
+def test_a_sample_in_dynamos_guard_is_the_compiled_calls_not_a_string_line() -> None:
+    """Dynamo runs a guard before each call of a compiled frame, built by exec from a string
+    (torch/_dynamo/guards.py): a sample there was charged as the user's host work at
+    `<string>:3 in guard()`. It is torch's work at the user's line that made the call; code
+    the user runs from a string (`python -c`) stays the user's."""
+    from gpudiag.measure.profile.inscript.hostsampler import classify
+
+    made: dict[str, Any] = {}
+    exec(compile("def ___make_guard_fn(look):\n    def guard(L):\n        return look()\n"
+                 "    return guard\n", "<string>", "exec"), made)
+    in_guard = made["___make_guard_fn"](lambda: classify(sys._getframe(1), None, cuda=True))
+    sample = in_guard(None)  # the compiled call
+    assert sample.key.location.endswith(f"test_host_samples.py:{_line_of('sample = in_guard')}")
+    assert sample.key.kind == "torch"
+    users: dict[str, Any] = {}
+    exec(compile("def step(look):\n    return look()\n", "<string>", "exec"), users)
+    own = users["step"](lambda: classify(sys._getframe(1), None, cuda=True))
+    assert own.key.location == "<string>:2" and own.key.kind in ("python", "call")
 
 
 @pytest.mark.parametrize(("extra", "expected"), [

@@ -545,7 +545,8 @@ CASES: dict[str, Case] = {
                   {"fp32_memory_bound_share": 0.18, "low_precision_matmul_share": 0.9,
                    "within": "GD304"},
                   (P(gd305, share=0.16),
-                   P(gd305, share=0.2, low=limit("GD305", "min_low_precision_matmul") - 0.01))),
+                   P(gd305, share=0.2, low=limit("GD305", "min_low_precision_matmul") - 0.01),
+                   P(gd305, share=0.4, backend="cpu"))),
     # Two recompiles of one function (one is routine: a last, smaller batch).
     "GD901": Case(P(gd9, recompiles=2), "train.py", "critical",
                   {"recompiles": 2, "compilations": 3, "called_at": "train.py:30",

@@ -6,9 +6,11 @@ can be worked out on paper; the last ones profile a real CPU workload.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,13 @@ import torch
 import gpudiag
 from gpudiag.measure.evidence import analyze, capture_trace
 from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
-from gpudiag.measure.evidence.source import annotation, display_path, frame_role, is_library
+from gpudiag.measure.evidence.source import (
+    annotation,
+    code_role,
+    display_path,
+    frame_role,
+    is_library,
+)
 from gpudiag.measure.evidence.trace import memcpy_kind
 from gpudiag.model.results import Evidence, SourceLine
 
@@ -585,6 +593,28 @@ def test_code_torch_generates_is_torchs_not_the_users(filename: str) -> None:
     # there is charged to the user's line that called the compiled function.
     assert frame_role(filename) == "torch"
     assert frame_role("/home/ada/project/train.py") == "user"
+
+
+def test_code_from_a_string_is_the_users_unless_python_or_dynamo_generated_it() -> None:
+    """"<string>" is the file of every exec'd code: Dynamo's guards (torch's), dataclasses'
+    methods (the standard library's), and the user's own (`python -c`)."""
+    made: dict[str, Any] = {}
+    exec(compile("def ___make_guard_fn():\n    def guard(L):\n        return True\n"
+                 "    return guard\n", "<string>", "exec"), made)
+    assert code_role(made["___make_guard_fn"].__code__) == "torch"
+    assert code_role(made["___make_guard_fn"]().__code__) == "torch"
+
+    @dataclasses.dataclass
+    class Point:
+        x: int
+
+    generated = Point.__init__.__code__
+    if generated.co_filename == "<string>" and sys.version_info >= (3, 11):
+        assert code_role(generated) == "library"
+    users: dict[str, Any] = {}
+    exec(compile("def step():\n    return 1\n", "<string>", "exec"), users)
+    assert code_role(users["step"].__code__) == "user"
+    assert code_role(test_kernel_kinds.__code__) == "user"
 
 
 @pytest.mark.parametrize(("name", "kind"), [

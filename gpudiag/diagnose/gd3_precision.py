@@ -368,11 +368,16 @@ def _island_fix(ms_by_kind: dict[str, float]) -> str:
 def fp32_islands(run: RunResult) -> Iterator[Draft]:
     """Half or more of the matmul time runs in fp16/bf16, and memory-bound operators whose
     widest input is fp32 (casts aside; gpudiag/measure/evidence/shapes.py) take 15% or
-    more of the kernel time (on a CPU, operator time). Priced as half their share of the step:
-    a part of GD304's memory-bound time where both fire, not added to it."""
+    more of the kernel time. Priced as half their share of the step: a part of GD304's
+    memory-bound time where both fire, not added to it. GPUs only, as GD304: on a CPU
+    without native bf16 arithmetic, bf16 elementwise kernels widen to fp32 inside, so the
+    bytes saved are no time saved (a clean bf16-autocast Transformer on a CPU got this
+    warning first)."""
     for stage in run.stages_with_evidence():
         ev = stage.evidence
         assert ev is not None
+        if ev.backend != "cuda":
+            continue
         total = sum(ev.device_ms_by_kind.values())
         matmul = sum(ev.matmul_ms_by_dtype.values())
         low = sum(v for k, v in ev.matmul_ms_by_dtype.items() if k in ("fp16", "bf16"))

@@ -15,7 +15,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -143,15 +143,15 @@ def call_site(frame: FrameType | None) -> Site | None:
     skipped; library and standard-library frames are passed through, remembered as `via`. With
     no user frame at all (a library's own thread), the library frame itself, `direct` False."""
     direct = True
-    while frame is not None and _is_internal(frame.f_code.co_filename):
+    while frame is not None and (_is_internal(frame.f_code.co_filename)
+                                 or code_role(frame.f_code) == "torch"):
         if not frame.f_code.co_filename.endswith(_DISPATCH_FILES):
             direct = False
         frame = frame.f_back
     if frame is None:
         return None
     first = frame
-    while frame is not None and (is_library(frame.f_code.co_filename)
-                                 or _is_internal(frame.f_code.co_filename)):
+    while frame is not None and code_role(frame.f_code) != "user":
         frame = frame.f_back
     if frame is None:
         code = first.f_code
@@ -187,6 +187,28 @@ def frame_role(filename: str) -> FrameRole:
     if filename.startswith(_INSTRUMENTATION):
         return "gpudiag"
     if filename.startswith("<frozen") or is_library(filename):
+        return "library"
+    return "user"
+
+
+# Code compiled from a string has the file name "<string>": the user's own (`python -c`, an
+# exec of the user's text), or code Python and torch generate and run: Dynamo's guard for each
+# compiled frame (torch/_dynamo/guards.py, `build_guard_function`: exec of `def
+# ___make_guard_fn(...)`, returning `def guard(L)`), dataclasses' methods (their qualified
+# name under `__create_fn__`, Lib/dataclasses.py).
+_STRING_CODE = "<string>"
+_DYNAMO_GUARDS = frozenset({"guard", "___make_guard_fn"})
+
+
+def code_role(code: CodeType) -> FrameRole:
+    """frame_role() of a code object, which also tells generated code in a "<string>" file
+    from the user's: Dynamo's guards are torch's, dataclasses' methods the standard
+    library's, the rest the user's."""
+    if code.co_filename != _STRING_CODE:
+        return frame_role(code.co_filename)
+    if code.co_name in _DYNAMO_GUARDS:
+        return "torch"
+    if getattr(code, "co_qualname", "").startswith("__create_fn__"):  # 3.11+
         return "library"
     return "user"
 

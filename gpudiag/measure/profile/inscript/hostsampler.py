@@ -59,7 +59,7 @@ from typing import Literal, NamedTuple, cast
 
 import torch
 
-from gpudiag.measure.evidence.source import display_path, frame_role
+from gpudiag.measure.evidence.source import code_role, display_path, frame_role
 from gpudiag.measure.profile.inscript import threadtimer
 from gpudiag.model.config import HOST_SAMPLE_HZ
 from gpudiag.model.facts import HostKind, HostLine, HostSamples, HostStep
@@ -236,7 +236,7 @@ def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
     f: FrameType | None = frame
     while f is not None:
         code = f.f_code
-        role = frame_role(code.co_filename)
+        role = code_role(code)
         # The DataLoader anywhere below the loop: its own code, or the Dataset's and
         # collate_fn's it calls on this thread (num_workers=0), is the wait for data that
         # GD201 prices; as host-only work too, the same ms were priced twice (81% + 76% of
@@ -266,7 +266,7 @@ def _classify(frame: FrameType, loop_code: CodeType | None, cuda: bool
     """classify(), and the callee whose kind the innermost frame's globals decided (None:
     the frames' code and instructions alone decided the sample)."""
     walk = _walk(frame, loop_code)
-    innermost = frame_role(frame.f_code.co_filename)
+    innermost = code_role(frame.f_code)
     kind: HostKind
     callee = None
     if walk.data:
@@ -375,7 +375,7 @@ def loop_frame(before: Sequence[FrameType], now: FrameType | None) -> FrameType 
     held = {id(f) for f in before}
     f = now
     while f is not None:
-        if id(f) in held and frame_role(f.f_code.co_filename) in ("user", "library"):
+        if id(f) in held and code_role(f.f_code) in ("user", "library"):
             return f
         f = f.f_back
     return None
