@@ -36,11 +36,12 @@ def profile(tmp_path: Path, *command: str, timed: int = TIMED,
     return profiled.exit_code, profiled.run, profiled.output
 
 
-def example(tmp_path: Path, name: str, timed: int = TIMED) -> RunResult:
+def example(tmp_path: Path, name: str, timed: int = TIMED,
+            options: tuple[str, ...] = ()) -> RunResult:
     """An example script, stopped once its window closed (the rest of its steps add nothing
     to the diagnosis, and the tests run in a CI with a time budget)."""
     code, run, output = profile(tmp_path, sys.executable, str(EXAMPLES / f"{name}.py"),
-                                timed=timed, options=("--stop-after-window",))
+                                timed=timed, options=("--stop-after-window", *options))
     assert code == 0, output
     assert run.stages and all(s.ok for s in run.stages), output
     return run
@@ -57,8 +58,15 @@ def test_python_loop_names_the_script_line(tmp_path: Path) -> None:
 
 
 def test_slow_dataset_is_data_starved(tmp_path: Path) -> None:
-    top = example(tmp_path, "slow_dataset").findings[0]
+    # 200 Hz: the default 50 Hz takes ~10 samples in 15 steps of 14 ms, too few to name a
+    # line (diagnose/host.py, MIN_SAMPLES).
+    top = example(tmp_path, "slow_dataset", options=("--host-sample-hz", "200")).findings[0]
     assert top.id == "GD201" and top.severity in ("warning", "critical")
+    # At the dataset's own code (num_workers=0: on the training thread), where its host
+    # samples land.
+    lines = (EXAMPLES / "slow_dataset.py").read_text().splitlines()
+    getitem = next(n for n, text in enumerate(lines, 1) if "def __getitem__" in text)
+    assert top.location in {f"slow_dataset.py:{getitem + k}" for k in (1, 2)}, top.location
     # 30-60% on a quiet 2-core machine; 15% seen while other work shared the cores (the
     # training step slows as much as the dataset does), never below the rule's own threshold.
     assert top.evidence["share"] > 0.1

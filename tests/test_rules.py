@@ -260,6 +260,26 @@ def gd201(*, share: float) -> RunResult:
                                                                    pin_memory=True))))
 
 
+def test_the_data_wait_is_named_at_the_line_its_host_samples_land_on() -> None:
+    """num_workers=0: the Dataset's own line holds the wait (host samples of kind "data"):
+    GD201 is placed there and says it runs on the training thread."""
+    steps = 50
+    host = HostSamples(period_ms=10.0, samples=500, steady_steps=steps,
+                       steady_wall_ms=STEP_MS * steps, sampled_ms=STEP_MS * steps,
+                       kind_ms={"data": 0.4 * STEP_MS * steps, "torch": 0.6 * STEP_MS * steps},
+                       lines=[HostLine("data.py:25", "__getitem__", "data", 0.4 * STEP_MS * steps),
+                              HostLine("train.py:30", "<module>", "torch", 0.6 * STEP_MS * steps)],
+                       text={"data.py:25": "tokens = tokenize(text)"})
+    script = ScriptFacts(steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
+                         host=host)
+    run = make_run(make_stage("train.py", data_wait_ms=0.4 * STEP_MS, facts=StageFacts(
+        loader=LoaderFacts(num_workers=0, pin_memory=False), script=script)))
+    (found,) = findings_of("GD201", run)
+    assert found.location == "data.py:25" and found.evidence["line_ms_per_step"] == 40.0
+    assert found.fix.startswith("data.py:25 (`tokens = tokenize(text)`) holds 40.0 ms of each "
+                                "step's wait, on the training thread (num_workers=0).")
+
+
 def gd202(*, share: float, count: float = 2.0) -> RunResult:
     ev = make_evidence(memcpy_per_step={"HtoD-pageable": count},
                        memcpy_ms_per_step={"HtoD-pageable": share * STEP_MS})

@@ -6,10 +6,12 @@ import statistics
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import data_wait_share, on_gpu, pct
+from gpudiag.diagnose.host import HostLineTime, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
-from gpudiag.model.results import RunResult
+from gpudiag.model.results import RunResult, StageResult
 
 WAIT_WARNING, WAIT_CRITICAL = 0.10, 0.30
+DATA_LINE_SHARE = 0.05  # of the step, in the data wait's host samples: the line is named
 PAGEABLE_WARNING = 0.02
 COPY_MIN_SHARE, COPY_MIN_OVERLAP = 0.05, 0.5
 
@@ -19,20 +21,32 @@ def _workers_now(workers: int | None) -> str:
             else "num_workers > 0; gpudiag does not see the script's loader settings")
 
 
+def _data_line(stage: StageResult) -> HostLineTime | None:
+    """Where the data wait's host samples land most: the Dataset's own line when it runs on
+    the training thread (num_workers=0), else the loop's `for ... in loader` line."""
+    account = step_account(stage)
+    lines = account.lines_of("data", min_share=DATA_LINE_SHARE) if account else []
+    return lines[0] if lines else None
+
+
 @rule(
     "GD201", "input-bound", concern="input",
     summary="The step waits for the DataLoader.",
     why=("Time the training loop spends blocked in next(loader) is time the GPU has nothing to "
          "do; no model change helps until the pipeline keeps up."),
     fix=("More DataLoader workers, pin_memory=True, prefetch_factor, persistent_workers=True; "
-         "preload or cache tokenised data; move per-sample CPU work (masking, augmentation) to "
-         "the GPU as batched tensor ops."),
+         "precompute or cache per-sample work the dataset repeats every epoch; move "
+         "per-sample CPU work to the GPU as batched tensor ops."),
     thresholds=(Threshold("warning_share", WAIT_WARNING, "a tenth of the step waiting for data"),
-                Threshold("critical_share", WAIT_CRITICAL, "the loader sets the pace")),
+                Threshold("critical_share", WAIT_CRITICAL, "the loader sets the pace"),
+                Threshold("line_share", DATA_LINE_SHARE,
+                          "a line holding this share of the step in the data wait's host "
+                          "samples is named")),
     references=("https://pytorch.org/docs/stable/data.html#multi-process-data-loading",),
 )
 def input_bound(run: RunResult) -> Iterator[Draft]:
-    """Median data wait at least 10% of the median step."""
+    """Median data wait at least 10% of the median step; at the line the wait's host samples
+    land on most, where a profiled script has them."""
     for stage in run.ok_stages():
         share = data_wait_share(stage)
         if share < WAIT_WARNING:
@@ -40,19 +54,28 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
         wait = statistics.median(stage.phases_ms["data_wait"])
         loader = stage.facts.loader
         workers = None if loader is None else loader.num_workers
+        line = _data_line(stage)
+        where = ""
+        if line is not None:
+            code = f" (`{line.text}`)" if line.text else ""
+            thread = ", on the training thread (num_workers=0)" if workers == 0 else ""
+            where = (f"{line.location}{code} holds {line.ms('data'):.1f} ms of each step's "
+                     f"wait{thread}. ")
         yield Draft(
             severity=severity_for(share, warning=WAIT_WARNING, critical=WAIT_CRITICAL),
             stage=stage.name,
             title=f"Waiting {wait:.1f} ms per step for data ({pct(share)} of the step)",
+            location=None if line is None else line.location,
             impact=share,
             evidence={"data_wait_ms": round(wait, 2), "step_ms": stage.ms_per_iter,
                       "share": round(share, 3), "num_workers": workers,
                       "pin_memory": None if loader is None else loader.pin_memory,
-                      "prefetch_factor": None if loader is None else loader.prefetch_factor},
-            fix=(f"Give the DataLoader more workers ({_workers_now(workers)}), "
+                      "prefetch_factor": None if loader is None else loader.prefetch_factor,
+                      "line_ms_per_step": None if line is None else round(line.ms("data"), 2)},
+            fix=(f"{where}Give the DataLoader more workers ({_workers_now(workers)}), "
                  + ("pin_memory=True, " if on_gpu(run, stage) else "")
-                 + "persistent_workers=True and prefetch_factor>=2; preload tokenised data; "
-                 "do per-sample masking and padding as batched tensor ops."),
+                 + "persistent_workers=True and prefetch_factor>=2; precompute or cache "
+                 "per-sample work the dataset repeats every epoch."),
         )
 
 
