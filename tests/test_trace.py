@@ -680,3 +680,20 @@ def test_collective_calls_are_counted_by_kind_fsdp_and_ddp_alike() -> None:
     assert ev.collective_calls_per_step == 5
     assert ev.collective_calls_by_kind == {"all_gather": 3, "reduce_scatter": 1,
                                            "all_reduce": 1}
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["torch-offers-lazy-modules", "it-does-not"])
+def test_the_window_withholds_inductor_only_while_it_starts(
+        monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
+    """Inductor not loaded: torch's lazy import of it is withheld while the profiler starts,
+    and offered again after; a torch without `_lazy_modules` is left as it is."""
+    from gpudiag.measure.evidence.profiler_window import _inductor_left_unloaded
+
+    monkeypatch.delitem(sys.modules, "torch._inductor", raising=False)
+    if lazy:
+        monkeypatch.setattr(torch, "_lazy_modules", {"_dynamo", "_inductor"}, raising=False)
+    else:
+        monkeypatch.delattr(torch, "_lazy_modules", raising=False)
+    with _inductor_left_unloaded():  # (vars: torch's own __getattr__ reads _lazy_modules)
+        assert "_inductor" not in vars(torch).get("_lazy_modules", set())
+    assert vars(torch).get("_lazy_modules") == ({"_dynamo", "_inductor"} if lazy else None)

@@ -129,7 +129,7 @@ def _inductor_left_unloaded() -> Iterator[None]:
     importing Inductor, Dynamo with it: 2.7 s of CPU on a 2-core VM, in a script that never
     compiled, inside its run. A script that has not loaded Inductor has captured no graph with
     it, so meanwhile torch does not offer it for lazy import (its `_lazy_modules`)."""
-    lazy = getattr(torch, "_lazy_modules", None)
+    lazy = vars(torch).get("_lazy_modules")  # not getattr: torch's __getattr__ imports
     if "torch._inductor" in sys.modules or not isinstance(lazy, set) or "_inductor" not in lazy:
         yield
         return
