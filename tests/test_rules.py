@@ -24,6 +24,7 @@ from gpudiag.model.facts import (
     HostSamples,
     LinkProbe,
     LoaderFacts,
+    OptimizerFacts,
     SaveRecord,
     ScriptFacts,
     SingleDevice,
@@ -252,6 +253,25 @@ def gd104(*, kernels: float, idle: float = limit("GD104", "min_idle_fraction"),
                        idle_fraction=idle,
                        top_ops_by_count=[{"name": "aten::add", "per_step": kernels}])
     return make_run(make_stage("train", evidence=ev))
+
+
+def gd106(*, ops: float = 200.0, share: float = 0.4, implementation: str = "single-tensor",
+          fused: bool = True, backend: str = "cpu", idle: float | None = None,
+          framework: str | None = None, launches: float = 250.0) -> RunResult:
+    """A profiled script whose AdamW (built at train.py:12, stepped at train.py:30) issues
+    `ops` operators (launches on a GPU) per step in optimizer.step(), `share` of the step."""
+    optimizer = OptimizerFacts(
+        name="AdamW", module="torch.optim.adamw", implementation=implementation,  # type: ignore[arg-type]
+        chosen="foreach=False", parameters=300, numel=10_800, site="train.py:12",
+        step_site="train.py:30", fused_supported=fused, steps=60, framework=framework,
+        edit_at="train.py:8" if framework else None)
+    ev = make_evidence(backend=backend, optimizer_ops_per_step=ops, ops_per_step=launches,
+                       launches_per_step=launches, kernels_per_step=launches,
+                       short_kernels_per_step=launches, optimizer_host_ms_per_step=share * STEP_MS,
+                       idle_fraction=idle)
+    facts = StageFacts(script=ScriptFacts(steps=60, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", optimizers=[optimizer]))
+    return make_run(make_stage("train.py", evidence=ev, facts=facts))
 
 
 def gd201(*, share: float) -> RunResult:
@@ -493,6 +513,15 @@ CASES: dict[str, Case] = {
                   (P(gd105, share=limit("GD105", "min_line_share") - 1e-3),
                    P(gd105, share=0.4, idle=limit("GD105", "warning_share") - 1e-3),
                    P(gd105, share=0.4, idle=None))),
+    # A single-tensor AdamW at the launch count and critical share; fewer launches, a small
+    # share, a fused one, or one with no faster implementation for its tensors: nothing.
+    "GD106": Case(P(gd106), "train.py", "critical",
+                  {"parameter_tensors": 300, "optimizer_ops_per_step": 200,
+                   "built_at": "train.py:12", "better": "fused", "implementation":
+                   "single-tensor", "measured_by": "the profiler window"},
+                  (P(gd106, ops=limit("GD106", "min_optimizer_ops_per_step") - 1),
+                   P(gd106, share=limit("GD106", "info_share") - 1e-3),
+                   P(gd106, implementation="fused"), P(gd106, fused=False))),
     "GD201": Case(P(gd201, share=0.3), "data-train", "critical",
                   {"data_wait_ms": 30.0, "share": 0.3, "num_workers": 1},
                   (P(gd201, share=0.099),)),
@@ -836,3 +865,31 @@ def test_fp32_islands_split_evenly_gets_both_fixes() -> None:
 
     fix = _island_fix({"elementwise": 2.0, "softmax": 2.0})
     assert "mask.to(scores.dtype)" in fix and "scaled_dot_product_attention" in fix
+
+
+def test_a_per_tensor_optimizer_is_named_with_its_knob_at_its_constructor() -> None:
+    (found,) = [f for f in evaluate(gd106()) if f.id == "GD106"]
+    assert found.location == "train.py:12" and "AdamW(..., fused=True) at train.py:12" in found.fix
+    assert "drop foreach=False" in found.fix and "up to 40%" in found.title
+    # Built by transformers' Trainer: its argument, at the line that builds the arguments.
+    (trainer,) = [f for f in evaluate(gd106(framework="transformers")) if f.id == "GD106"]
+    assert trainer.location == "train.py:8"
+    assert 'TrainingArguments(..., optim="adamw_torch_fused") at train.py:8' in trainer.fix
+
+
+def test_the_idle_gpu_and_short_kernels_point_to_the_per_tensor_optimizer() -> None:
+    """On a GPU the optimizer's launches are the cause of the idle time and the short kernels
+    (GD102, GD104 defer to GD106); its host time is priced only while the GPU idles."""
+    ref = make_stage("train-fp16", ms=50.0, facts=autocast(),
+                     evidence=make_evidence(idle_fraction=0.1))
+    run = gd106(backend="cuda", ops=900.0, launches=1000.0, share=0.6, idle=0.7)
+    run.stages.insert(0, ref)
+    found = {f.id: f for f in evaluate(run)}
+    assert found["GD106"].impact == pytest.approx(0.6)  # min(host share, idle) + its kernels
+    assert "AdamW at train.py:12 launches most" in found["GD102"].title
+    assert found["GD102"].impact < found["GD106"].impact
+    assert "GD104" not in found
+    # Half the host's optimizer time hidden behind a busy GPU: only the idle share is priced.
+    busy = gd106(backend="cuda", ops=900.0, launches=1000.0, share=0.6, idle=0.2)
+    (priced,) = [f for f in evaluate(busy) if f.id == "GD106"]
+    assert priced.impact == pytest.approx(0.2)

@@ -124,6 +124,12 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     assert saved is not None and saved.saves >= 2 and not saved.errors
     assert records.tf32 is not None and records.bf16_autocast is not None
     assert records.bf16_autocast.forwards >= 1
+    # The optimizer built fused where the script left it to torch's default, and stepped so.
+    assert records.fused_optimizer is not None
+    (optimizer,) = records.fused_optimizer.optimizers
+    assert (optimizer.name, optimizer.before, optimizer.after) == ("SGD", "default", "fused=True")
+    assert optimizer.site == f"train.py:{line_of(script, 'opt = torch.optim.SGD(')}"
+    assert [o.implementation for o in facts.optimizers] == ["fused"]
     # The lines to edit: where the script saves, where it switches TF32 off.
     assert saved.site == f"train.py:{line_of(script, 'torch.save(')}"
     assert records.tf32.site == f"train.py:{line_of(script, 'allow_tf32 = False')}"

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from gpudiag.diagnose.common import data_wait_share, device_ops, pct, reference_stage
 from gpudiag.diagnose.gd1_host import host_only_work, host_severity
+from gpudiag.diagnose.gd1_optimizer import optimizer_bound, optimizer_severity, slow_optimizer
 from gpudiag.diagnose.host import SHORT_KIND, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
@@ -19,6 +20,7 @@ SMALL_MIN_KERNELS, SMALL_SHORT_SHARE, SMALL_IDLE, SMALL_MAX_SM = 500, 0.5, 0.20,
 MAX_PRICED_SHARE = 0.95  # a loop's share is capped here when it is turned into a speedup
 SYMPTOM_RANK = 0.99  # GD102's impact, of its cause's, when it points to a later rule
 MAX_LINES_NAMED = 3  # lines a fix names, busiest first
+OPTIMIZER_LAUNCH_SHARE = 0.5  # of the step's launches, from a per-tensor optimizer: its cause
 
 
 def _loop_thresholds(prefix: str = "", *, severity: bool = True) -> tuple[Threshold, ...]:
@@ -177,6 +179,8 @@ STARVED_THRESHOLDS = (
               "without a loop finding, the fix names this many lines, by host time"),
     Threshold("symptom_rank", SYMPTOM_RANK,
               "pointing to host-only work (GD105), the idle GPU ranks just below it"),
+    Threshold("optimizer_launch_share", OPTIMIZER_LAUNCH_SHARE,
+              "a per-tensor optimizer (GD106) issuing this share of the launches is the cause"),
     *_loop_thresholds("loop_"),
 )
 
@@ -246,11 +250,32 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             impact = min(excess, host[3]) * SYMPTOM_RANK
             severity = min(severity, host_severity(run, stage, host[3]),
                            key=SEVERITY_RANK.__getitem__)
+        elif (optimizer := _optimizer_cause(stage)) is not None:
+            # And a per-tensor optimizer step (GD106), where it is most of the launches.
+            title += (f"; {optimizer} launches most of the step's kernels one parameter at a "
+                      "time (see GD106)")
+            impact = min(excess, optimizer_bound(stage)) * SYMPTOM_RANK
+            severity = min(severity, optimizer_severity(optimizer_bound(stage)),
+                           key=SEVERITY_RANK.__getitem__)
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=_starved_fix(stage, loop) + " Then batch small ops, remove per-step host syncs, "
                 "and capture the step with CUDA graphs or torch.compile where shapes are "
                 "static.")
+
+
+def _optimizer_cause(stage: StageResult) -> str | None:
+    """"AdamW at train.py:30" when a per-tensor optimizer step (GD106) issues at least half of
+    the step's launches: the cause GD102 and GD104 then point to."""
+    found = slow_optimizer(stage)
+    ev = stage.evidence
+    if found is None or ev is None:
+        return None
+    launches = ev.launches_per_step if ev.backend == "cuda" else ev.ops_per_step
+    if ev.optimizer_ops_per_step < OPTIMIZER_LAUNCH_SHARE * launches:
+        return None
+    optimizer = found[0]
+    return optimizer.name + (f" at {optimizer.site}" if optimizer.site else "")
 
 
 def _starved_fix(stage: StageResult, loop: SourceLine | None) -> str:
@@ -384,6 +409,8 @@ SMALL_WORK_THRESHOLDS = (
     Threshold("critical_idle_fraction", IDLE_CRITICAL, "short kernels with the GPU this idle"),
     Threshold("recoverable_share", SMALL_RECOVERABLE,
               "of the idle SMs' share, what larger kernels win back at most (a rough bound)"),
+    Threshold("optimizer_launch_share", OPTIMIZER_LAUNCH_SHARE,
+              "short kernels launched mostly by a per-tensor optimizer are GD106's"),
     *_loop_thresholds("loop_", severity=False),
 )
 
@@ -407,9 +434,11 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
         if ev.backend != "cuda" or loop_line(stage) is not None:
             continue
         idle = ev.idle_fraction or 0.0
+        optimizer = _optimizer_cause(stage)
         short = ev.short_kernels_per_step / ev.kernels_per_step if ev.kernels_per_step else 0.0
+        # Short kernels launched mostly by a per-tensor optimizer are GD106's (its knob).
         if (ev.kernels_per_step >= SMALL_MIN_KERNELS and short >= SMALL_SHORT_SHARE
-                and idle >= SMALL_IDLE):
+                and idle >= SMALL_IDLE and optimizer is None):
             yield Draft(
                 severity=severity_for(idle, warning=SMALL_IDLE, critical=IDLE_CRITICAL),
                 stage=stage.name,

@@ -27,6 +27,7 @@ STEP_PARTS: dict[str, HostKind] = {
     "GD101": "torch",  # a Python loop's launches
     "GD103": "sync",  # device syncs
     "GD105": "python",  # host-only work by line
+    "GD106": "torch",  # the optimizer's per-tensor step (its own line: not a loop's)
     "GD201": "data",  # waiting for the DataLoader
 }
 RUN_PARTS: dict[str, tuple[str, ...]] = {

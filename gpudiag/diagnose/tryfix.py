@@ -25,6 +25,7 @@ from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
     AsyncSaveRecord,
+    FusedOptimizerRecord,
     LoaderRecord,
     Numerics,
     PinnedRecord,
@@ -316,6 +317,10 @@ def _no_effect(evidence: RemedyEvidence) -> str:
         return "the script called torch.save on no path while it ran: nothing was changed"
     if evidence.no_empty_cache is not None and evidence.no_empty_cache.calls_skipped == 0:
         return "the script never called torch.cuda.empty_cache(): nothing was changed"
+    optimizers = evidence.fused_optimizer.optimizers if evidence.fused_optimizer else None
+    if optimizers is not None and not any(o.after for o in optimizers):
+        return ("the script built no torch.optim optimizer that could step fused or foreach: "
+                "nothing was changed")
     return ""
 
 
@@ -342,7 +347,8 @@ def _site_seen(evidence: RemedyEvidence, names: Sequence[str]) -> str | None:
         loaders = record.loaders if isinstance(record, (LoaderRecord, PinnedRecord)) else []
         if loaders:
             return loaders[0].site
-        site = record.site if isinstance(record, (Tf32Record, AsyncSaveRecord)) else None
+        site = (record.site if isinstance(record, (Tf32Record, AsyncSaveRecord,
+                                                   FusedOptimizerRecord)) else None)
         if site is not None:
             return site
     return None

@@ -281,6 +281,35 @@ class CompileFacts:
     events_lost: int = 0  # compilations past the ones Dynamo keeps metrics for
 
 
+# How an optimizer updates its parameters (torch.optim's `foreach`/`fused` flags, resolved the
+# way its step() resolves them): one small kernel set per parameter tensor, one per group of
+# tensors, or one fused kernel per group; "unknown" for an optimizer outside torch.optim's.
+OptimizerImpl = Literal["single-tensor", "foreach", "fused", "unknown"]
+
+
+@dataclass
+class OptimizerFacts:
+    """One optimizer the script built and stepped, as it was built: read from the live object
+    at its first step (gpudiag/measure/profile/inscript/components.py), never changed."""
+
+    name: str  # its class, e.g. "AdamW"
+    module: str  # where the class is defined, e.g. "torch.optim.adamw"
+    implementation: OptimizerImpl
+    chosen: str  # what decided it: "foreach=False" as the script passed it, or "default"
+    parameters: int  # parameter tensors it steps
+    numel: int  # their elements
+    site: str | None = None  # "path:line": the script's line that built it
+    step_site: str | None = None  # "path:line": the script's line that calls its step()
+    fused_supported: bool = False  # its class takes fused=, for these tensors' devices/dtypes
+    foreach_supported: bool = False  # its class takes foreach=, for these devices
+    devices: list[str] = field(default_factory=list)
+    steps: int = 0  # steps seen
+    # Built by a framework from its own arguments: transformers' Trainer from
+    # TrainingArguments(optim=...), and the script's line that constructs them.
+    framework: str | None = None
+    edit_at: str | None = None
+
+
 @dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
@@ -301,6 +330,7 @@ class ScriptFacts:
     timeline: StepTimeline | None = None
     host: HostSamples | None = None
     compiles: CompileFacts | None = None
+    optimizers: list[OptimizerFacts] = field(default_factory=list)
 
 
 @dataclass

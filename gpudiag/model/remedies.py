@@ -69,6 +69,11 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "delete the torch.cuda.empty_cache() call in the loop (the caching allocator "
            "reuses its blocks; call it once after training if another process needs the "
            "memory)"),
+    Remedy("fused-optimizer", "fused optimizer step (foreach where fused is not offered)",
+           ("GD106",), "exact",
+           "each torch.optim optimizer built with fused=True where its class and tensors allow "
+           "it, else foreach=True where they allow that (the same update, fewer kernels)",
+           "in the optimizer's constructor: fused=True (and drop foreach=False)"),
     Remedy("async-save", "checkpoints written by a background thread", ("GD701",), "exact",
            "torch.save to a path snapshots the tensors (device to host copy, or a clone) and "
            "returns; a background thread writes the file, one save at a time, all written "
@@ -206,8 +211,31 @@ class AsyncSaveRecord:
     site: str | None = None  # the first save's line
 
 
+@dataclass
+class OptimizerSeen:
+    """One optimizer the fused-optimizer remedy saw built: where, its class, and how it
+    steps as the script built it and as the remedy did ("fused=True", "foreach=False",
+    "default"), or why it was left as it was."""
+
+    site: str | None
+    name: str
+    before: str
+    after: str | None = None
+    kept: str | None = None
+
+
+@dataclass
+class FusedOptimizerRecord:
+    optimizers: list[OptimizerSeen] = field(default_factory=list)
+
+    @property
+    def site(self) -> str | None:
+        """The first optimizer the remedy changed: the constructor to edit."""
+        return next((o.site for o in self.optimizers if o.after), None)
+
+
 RemedyRecord = (Tf32Record | Bf16AutocastRecord | LoaderRecord | PinnedRecord
-                | NoEmptyCacheRecord | AsyncSaveRecord)
+                | NoEmptyCacheRecord | FusedOptimizerRecord | AsyncSaveRecord)
 
 
 @dataclass
@@ -221,6 +249,7 @@ class RemedyEvidence:
     loader: LoaderRecord | None = None
     pinned: PinnedRecord | None = None
     no_empty_cache: NoEmptyCacheRecord | None = None
+    fused_optimizer: FusedOptimizerRecord | None = None
     async_save: AsyncSaveRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:

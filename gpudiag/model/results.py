@@ -266,6 +266,10 @@ class Evidence:
     window_overhead: NonNegative | None = None  # profiled step time / timed median step time
     # Why device work is not charged to source lines, when it is not (torch.compile).
     attribution_note: str | None = None
+    # Inside torch.optim's step() (its "Optimizer.step#" ranges): host time, and what it issued
+    # (kernel launches on a GPU, top-level operators on a CPU).
+    optimizer_host_ms_per_step: NonNegative = 0.0
+    optimizer_ops_per_step: NonNegative = 0.0
 
     def hottest_source_line(self) -> SourceLine | None:
         return self.source_lines[0] if self.source_lines else None

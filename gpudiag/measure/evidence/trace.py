@@ -628,7 +628,23 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         device_ms_by_step=([us / 1e3 for us in device.step_kernel_us] if backend == "cuda"
                            else []),
         window_overhead=step_ms / timed_step_ms if timed_step_ms else None,
+        optimizer_host_ms_per_step=_optimizer_us(w) * per / 1e3,
+        optimizer_ops_per_step=_optimizer_ops(w, top_ops, backend) * per,
     )
+
+
+def _optimizer_us(w: _Window) -> float:
+    """Host time inside optimizer.step() within the profiled steps: the step clock's post-hook
+    runs inside the step's range, and closing the window there is gpudiag's, not the step's."""
+    spans = _merge((float(a["ts"]), _end(a)) for a in w.optimizer_steps)
+    return sum(_length(_clip(spans, step)) for step in w.steps) if w.steps else _length(spans)
+
+
+def _optimizer_ops(w: _Window, top_ops: list[dict[str, Any]], backend: str) -> int:
+    """What the optimizer's steps issued: kernel launches on a GPU, operators on a CPU."""
+    if backend == "cuda":
+        return sum(1 for r in w.runtime if r["name"] in LAUNCH_CALLS and "_optimizer" in r)
+    return sum(1 for o in top_ops if "_optimizer" in o)
 
 
 def _dtype(annotation_event: dict[str, Any] | None) -> str:

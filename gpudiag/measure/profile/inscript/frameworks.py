@@ -1,4 +1,5 @@
-"""Which training framework built a DataLoader, and where its user sets what it was built with.
+"""Which training framework built a DataLoader or an optimizer, and where its user sets what it
+was built with.
 
 The DataLoader remedy sees each `DataLoader(...)` as it is built; the permanent change goes where
 the script decides the loader's settings, which a framework moves:
@@ -10,6 +11,9 @@ the script decides the loader's settings, which a framework moves:
   hook, `train_dataloader()`, which builds it: the change goes in that hook.
 - Accelerate's `prepare` (and Lightning, to add a distributed sampler) rebuilds a loader the
   script built already, with its settings: the change goes where the script built that one.
+
+The Trainer also builds its optimizer (`create_optimizer`) from `TrainingArguments(optim=...)`;
+Lightning's comes from the script's own `configure_optimizers`, a line of the script's.
 """
 
 from __future__ import annotations
@@ -68,6 +72,23 @@ def loader_origin(frame: FrameType | None, loader: DataLoader[Any]) -> dict[str,
         hook = getattr(code, "co_qualname", code.co_name).rpartition("<locals>.")[2]
         return {"framework": called_by, "hook": hook}
     return {}
+
+
+def optimizer_origin(frame: FrameType | None) -> dict[str, str]:
+    """What built the optimizer whose constructor `frame` is in: {} when the script did;
+    transformers' Trainer (`framework`, `arguments`, `edit_at`) when it did, from its
+    arguments."""
+    users: list[FrameType] = []
+    trainer: FrameType | None = None
+    while frame is not None:
+        role = frame_role(frame.f_code.co_filename)
+        if role == "user":
+            users.append(frame)
+        elif role == "library" and not users and trainer is None \
+                and _package(frame.f_code.co_filename)[-2:] == TRANSFORMERS_TRAINER:
+            trainer = frame
+        frame = frame.f_back
+    return {} if trainer is None else _transformers(trainer, users)
 
 
 def _transformers(trainer: FrameType, users: list[FrameType]) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """What the recorder patches in the script's interpreter to see its steps and work: a global
-optimizer step post-hook (the step clock), DataLoader iteration (the data wait and where each
+optimizer step post-hook (the step clock), the optimizer's constructor (the script's line that
+builds each one), DataLoader iteration (the data wait and where each
 loop is), torch.save and safetensors' savers (blocking saves; the write watch hears of them),
 and DistributedDataParallel's constructor (the bytes it all-reduces). Each patch calls one of
 the Recorder's methods (recorder.py); each is made once, however often installed."""
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 def install(recorder: Recorder) -> None:
     """Every patch, calling into `recorder`."""
     register_optimizer_step_post_hook(recorder.optimizer_stepped)
+    _hook_optimizers(recorder)
     _hook_loader(recorder)
     _hook_saves(recorder)
     _hook_ddp(recorder)
@@ -39,6 +41,18 @@ def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable
     wrapped = around(original)
     wrapped.__gpudiag__ = True  # type: ignore[attr-defined]
     setattr(owner, name, wrapped)
+
+
+def _hook_optimizers(recorder: Recorder) -> None:
+    # Every torch.optim optimizer's constructor calls Optimizer.__init__ (a subclass's own
+    # through super()): the frame above is the class's constructor, called from the script.
+    def noted_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            recorder.optimizer_built(self, sys._getframe(1))
+        return __init__
+
+    _wrap(torch.optim.Optimizer, "__init__", noted_init)
 
 
 def _hook_loader(recorder: Recorder) -> None:

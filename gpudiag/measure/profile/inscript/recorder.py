@@ -31,6 +31,7 @@ from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow, save_trace
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
+from gpudiag.measure.profile.inscript.components import OptimizerWatch
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
@@ -120,6 +121,7 @@ class Recorder:
         self.finished = False
         self.error: str | None = None
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
+        self.optimizers = OptimizerWatch()
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
@@ -137,7 +139,11 @@ class Recorder:
 
     # --- step boundaries ---------------------------------------------------------------
 
+    def optimizer_built(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
+        self.optimizers.built(optimizer, frame)
+
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self.optimizers.stepped(optimizer, sys._getframe(1))
         if self.manual:
             return
         if self.clock is None:
@@ -423,7 +429,8 @@ class Recorder:
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
             losses=list(self.losses.values), remedies=self.applied.observe(),
-            timeline=self._timeline(), host=self.host, compiles=self.compiles))
+            timeline=self._timeline(), host=self.host, compiles=self.compiles,
+            optimizers=self.optimizers.facts()))
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts

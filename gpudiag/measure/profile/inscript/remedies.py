@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -36,10 +37,12 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    FusedOptimizerRecord,
     LoaderRecord,
     LoaderSeen,
     LoaderSettings,
     NoEmptyCacheRecord,
+    OptimizerSeen,
     PinnedRecord,
     RemedyEvidence,
     Tf32Overruled,
@@ -222,6 +225,85 @@ def _no_empty_cache(seen: RemedyEvidence) -> Callable[[], None]:
     return lambda: None
 
 
+# --- fused optimizer -----------------------------------------------------------------------
+
+def _torch_optimizers() -> list[type[torch.optim.Optimizer]]:
+    """torch.optim's optimizer classes that take foreach= (fused= too, some of them)."""
+    return [cls for cls in vars(torch.optim).values()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and "foreach" in inspect.signature(cls).parameters]
+
+
+def _tensors(params: list[Any]) -> list[torch.Tensor]:
+    """The parameter tensors of an optimizer's `params`: tensors, (name, tensor) pairs, or
+    parameter groups (dicts) of either."""
+    found: list[torch.Tensor] = []
+    for item in params:
+        inner = item["params"] if isinstance(item, dict) else [item]
+        found += [p[1] if isinstance(p, tuple) else p for p in inner]
+    return found
+
+
+def _faster(cls: type[Any], given: dict[str, Any], note: OptimizerSeen) -> None:
+    """`given` (the constructor's bound arguments) with fused=True where `cls` and the tensors
+    take it, else foreach=True where they take that; `note` says which, or why neither."""
+    if isinstance(given["params"], torch.Tensor):  # torch.optim refuses it: left to say so
+        note.kept = "params is one tensor, not an iterable of them"
+        return
+    # Iterables (generators of parameters, groups of them) are read once: kept as lists.
+    params = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g
+              for g in given["params"]]
+    given["params"] = params
+    tensors = _tensors(params)
+    differentiable = bool(given.get("differentiable"))
+    fused, _ = _default_to_fused_or_foreach(tensors, differentiable, use_fused=True)
+    _, foreach = _default_to_fused_or_foreach(tensors, differentiable, use_fused=False)
+    if given.get("fused"):
+        note.kept = "built fused already"
+    elif fused and "fused" in inspect.signature(cls).parameters:
+        given.update(fused=True, foreach=None)
+        note.after = "fused=True"
+    elif given.get("foreach"):
+        note.kept = "built with foreach=True, and no fused step for these tensors"
+    elif foreach:
+        given.update(foreach=True)
+        note.after = "foreach=True"
+    else:
+        note.kept = "no fused or foreach step for these tensors' devices"
+
+
+def _fused_optimizer(seen: RemedyEvidence) -> Callable[[], None]:
+    record = seen.fused_optimizer = FusedOptimizerRecord()
+    building = threading.local()  # AdamW's constructor calls Adam's: the outermost decides
+
+    def around(cls: type[Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+        signature = inspect.signature(cls)
+
+        def wrap(original: Callable[..., None]) -> Callable[..., None]:
+            def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                if getattr(building, "active", False):
+                    return original(self, *args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
+                given = dict(bound.arguments)
+                chosen = ("fused=True" if given.get("fused") else
+                          f"foreach={given['foreach']}" if given.get("foreach") is not None
+                          else "default")
+                note = OptimizerSeen(site=_site(), name=type(self).__name__, before=chosen)
+                _faster(cls, given, note)
+                record.optimizers.append(note)
+                building.active = True
+                try:
+                    original(self, **given)
+                finally:
+                    building.active = False
+            return __init__
+        return wrap
+
+    for cls in _torch_optimizers():
+        _wrap(cls, "__init__", around(cls))
+    return lambda: None
+
+
 # --- asynchronous torch.save ---------------------------------------------------------------
 
 class _BackgroundSaver:
@@ -284,7 +366,8 @@ def _async_save(seen: RemedyEvidence) -> Callable[[], None]:
 
 APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader, "pinned": _pinned,
-    "no-empty-cache": _no_empty_cache, "async-save": _async_save,
+    "no-empty-cache": _no_empty_cache, "fused-optimizer": _fused_optimizer,
+    "async-save": _async_save,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 

@@ -1,0 +1,176 @@
+"""The optimizer's implementation: torch.optim's per-tensor step where a fused or foreach one
+exists, named at the script's line that builds the optimizer (the knob: `fused=True`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.host import step_account
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.facts import OptimizerFacts
+from gpudiag.model.results import RunResult, Severity, StageResult
+
+MIN_OPS, INFO_SHARE, WARNING_SHARE, CRITICAL_SHARE = 200, 0.05, 0.10, 0.40
+BETTER = {"single-tensor": ("fused", "foreach"), "foreach": ("fused",)}
+# The argument that selects an implementation, and what transformers' Trainer calls it
+# (TrainingArguments.optim, transformers/training_args.py's OptimizerNames).
+ARGUMENT = {"fused": "fused=True", "foreach": "foreach=True"}
+TRAINER_OPTIM = {"AdamW": "adamw_torch_fused", "Adam": "adamw_torch_fused"}
+
+THRESHOLDS = (
+    Threshold("min_optimizer_ops_per_step", MIN_OPS,
+              "launches (operators on a CPU) per step inside optimizer.step(): below this a "
+              "per-tensor step costs a few hundred microseconds at most"),
+    Threshold("info_share", INFO_SHARE, "the optimizer's step reported at all"),
+    Threshold("warning_share", WARNING_SHARE, "a tenth of the step is worth a one-word change"),
+    Threshold("critical_share", CRITICAL_SHARE, "the optimizer is the step's largest part"),
+)
+
+
+@rule(
+    "GD106", "optimizer-implementation", concern="launch",
+    summary="The optimizer steps its parameters one tensor at a time where a fused step exists.",
+    why=("torch.optim's single-tensor implementation (foreach=False, and the default on a CPU) "
+         "runs several small ops per parameter tensor every step: a model of hundreds of "
+         "small tensors launches thousands of kernels in optimizer.step(), and the GPU waits "
+         "for the host to launch them. The foreach implementation groups tensors; the fused one "
+         "(Adam, AdamW, SGD, Adagrad) does a group's whole update in one kernel. PyTorch's "
+         "profiler pattern matcher flags the same case (OptimizerSingleTensorPattern)."),
+    fix=("Build the optimizer with fused=True (foreach=True where fused is not offered), at the "
+         "line that constructs it; transformers' Trainer: TrainingArguments(optim="
+         "\"adamw_torch_fused\")."),
+    thresholds=THRESHOLDS,
+    references=("https://pytorch.org/docs/stable/optim.html#algorithms "
+                "(foreach and fused implementations)",
+                "torch/profiler/_pattern_matcher.py (OptimizerSingleTensorPattern)"),
+)
+def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
+    """A profiled script's optimizer built single-tensor (or foreach where fused exists) whose
+    step issues at least 200 launches per step; priced at most the step's share the optimizer
+    held (the host's part of it only while the GPU idles), a bound: a fused step keeps its
+    arithmetic."""
+    for stage in run.stages_with_evidence():
+        found = slow_optimizer(stage)
+        if found is None:
+            continue
+        optimizer, better = found
+        ev = stage.evidence
+        time = optimizer_time(stage, optimizer)
+        if ev is None or time is None or time.bound < INFO_SHARE:
+            continue
+        bound = time.bound
+        unit = "kernel launches" if ev.backend == "cuda" else "operator calls"
+        per_tensor = ev.optimizer_ops_per_step / max(optimizer.parameters, 1)
+        where = f" at {optimizer.site}" if optimizer.site else ""
+        yield Draft(
+            severity=optimizer_severity(bound),
+            stage=stage.name, location=optimizer.edit_at or optimizer.site,
+            title=(f"{optimizer.name}{where} steps its {optimizer.parameters:,} parameter "
+                   f"tensors {_how(optimizer)}: {ev.optimizer_ops_per_step:,.0f} {unit} per "
+                   f"step; optimizer.step() holds the host {time.host_ms:.1f} ms of each "
+                   f"{time.step_ms:.1f} ms step ({time.measured_by}): a faster step saves up "
+                   f"to {pct(bound)}"),
+            impact=bound,
+            evidence={"optimizer": optimizer.name, "implementation": optimizer.implementation,
+                      "chosen_by": optimizer.chosen, "parameter_tensors": optimizer.parameters,
+                      "parameter_elements": optimizer.numel, "built_at": optimizer.site,
+                      "stepped_at": optimizer.step_site,
+                      "optimizer_ops_per_step": round(ev.optimizer_ops_per_step, 1),
+                      "ops_per_tensor": round(per_tensor, 1),
+                      "optimizer_host_ms_per_step": round(time.host_ms, 2),
+                      "step_ms": round(time.step_ms, 2), "measured_by": time.measured_by,
+                      "profiled_optimizer_host_ms_per_step":
+                          round(ev.optimizer_host_ms_per_step, 2),
+                      "optimizer_device_ms_per_step":
+                          round(ev.device_ms_by_kind.get("optimizer", 0.0), 2),
+                      "price": "bound: the optimizer's share of the step (a fused step keeps "
+                               "its arithmetic); --try-fixes measures it",
+                      "better": better},
+            fix=_fix(optimizer, better))
+
+
+def slow_optimizer(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
+    """The stage's optimizer whose step issues the window's optimizer work one tensor at a time
+    (or grouped, where fused exists), and the implementation to use instead."""
+    ev, script = stage.evidence, stage.facts.script
+    if ev is None or script is None or ev.optimizer_ops_per_step < MIN_OPS:
+        return None
+    candidates = []
+    for optimizer in script.optimizers:
+        offered = [b for b in BETTER.get(optimizer.implementation, ())
+                   if getattr(optimizer, f"{b}_supported")]
+        if offered and optimizer.steps:
+            candidates.append((optimizer, offered[0]))
+    return max(candidates, key=lambda c: c[0].parameters, default=None)
+
+
+@dataclass
+class OptimizerTime:
+    """The optimizer's step in one step: its host time, where it was measured, and what a
+    faster implementation saves at most (a share of the step)."""
+
+    host_ms: float
+    step_ms: float
+    measured_by: str  # "host samples" or "the profiler window"
+    bound: float
+
+
+def optimizer_time(stage: StageResult, optimizer: OptimizerFacts | None = None,
+                   ) -> OptimizerTime | None:
+    """What `stage`'s optimizer step costs. The host samples of the un-instrumented steps give
+    the line that calls step() (when it is no more than the step: not `trainer.train()`); the
+    profiler window gives the optimizer's own ranges, slowed by the profiler like the rest of
+    its step. The lesser share is taken. On a GPU, host time counts only while the GPU idles,
+    and the optimizer's kernels add their time."""
+    ev = stage.evidence
+    if ev is None or ev.step_ms <= 0:
+        return None
+    host = min(1.0, ev.optimizer_host_ms_per_step / ev.step_ms)
+    measured = OptimizerTime(ev.optimizer_host_ms_per_step, ev.step_ms, "the profiler window",
+                             host)
+    account = step_account(stage)
+    line = next((x for x in account.lines if x.location == optimizer.step_site), None) \
+        if account is not None and optimizer is not None else None
+    if account is not None and line is not None and line.share < host:
+        measured = OptimizerTime(line.ms_per_step, account.step_ms, "host samples", line.share)
+    if ev.backend == "cuda":
+        pace = ev.window_step_ms or ev.step_ms
+        device = ev.device_ms_by_kind.get("optimizer", 0.0) / pace
+        measured.bound = min(1.0, min(measured.bound, ev.idle_fraction or 0.0) + device)
+    return measured
+
+
+def optimizer_bound(stage: StageResult) -> float:
+    found = slow_optimizer(stage)
+    time = optimizer_time(stage, found[0] if found else None)
+    return time.bound if time is not None else 0.0
+
+
+def optimizer_severity(bound: float) -> Severity:
+    return severity_for(bound, warning=WARNING_SHARE, critical=CRITICAL_SHARE)
+
+
+def _how(optimizer: OptimizerFacts) -> str:
+    chosen = "" if optimizer.chosen == "default" else f", {optimizer.chosen}"
+    if optimizer.implementation == "single-tensor":
+        return (f"one at a time (the single-tensor step{chosen}"
+                + (", torch's default for tensors on a CPU)" if not chosen else ")"))
+    return f"in foreach groups{chosen}"
+
+
+def _fix(optimizer: OptimizerFacts, better: str) -> str:
+    argument = ARGUMENT[better]
+    if optimizer.framework == "transformers" and optimizer.name in TRAINER_OPTIM \
+            and better == "fused":
+        at = f" at {optimizer.edit_at}" if optimizer.edit_at else ""
+        return (f"The Trainer builds {optimizer.name} from its arguments: "
+                f"TrainingArguments(..., optim=\"{TRAINER_OPTIM[optimizer.name]}\"){at}.")
+    at = f" at {optimizer.site}" if optimizer.site else ""
+    drop = (f" and drop {optimizer.chosen}" if optimizer.chosen not in ("default", argument)
+            else "")
+    what = ("one kernel per parameter group does the whole update" if better == "fused" else
+            "one launch per group of tensors replaces one per tensor")
+    return (f"Build it with {optimizer.name}(..., {argument}){at}{drop}: {what}. "
+            "`gpudiag profile --try-fixes` measures it on this script.")
