@@ -59,7 +59,8 @@ def test_a_save_and_an_evaluation_are_priced_on_one_wall_and_named_in_the_waterf
     truth = {"GD701": 60.0 * (199 // 7), "GD703": 218.0 * (199 // 10)}
     for code, planted in truth.items():
         account = by_code[code].account
-        assert account is not None and account.whole == "run"
+        assert account is not None and account.whole == "loop"
+        assert account.share == pytest.approx(planted / whole.loop_ms, rel=0.05)
         assert account.share_of_wall == pytest.approx(planted / whole.wall_ms, rel=0.05)
     assert sum(wall_shares(run, stage).values()) <= 1.0
     report = "\n".join(markdown_sections(run))

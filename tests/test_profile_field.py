@@ -367,7 +367,8 @@ def _periodic(tmp_path: Path, **plant: object) -> tuple[RunResult, dict[str, lis
 
 def test_a_save_every_7_and_an_evaluation_every_10_each_named_and_priced_shares_add_up(
         tmp_path: Path) -> None:
-    """Each at its call, each priced against the script's own timer, on one wall: the run's.
+    """Each at its call, each priced against the script's own timer, on one whole: the
+    training loop.
     (A script with evaluations and no save, where no stall may be blamed on one, is
     test_host_samples.py's.)"""
     run, truth, output = _periodic(tmp_path, eval_every=10, save_every=7, slow_after=True)
@@ -392,8 +393,12 @@ def test_a_save_every_7_and_an_evaluation_every_10_each_named_and_priced_shares_
     assert save.evidence["run_wall_ms"] == wall
     assert evaluation.evidence["wall_share"] == pytest.approx(sum(truth["eval_ms"]) / wall,
                                                              rel=0.2)
+    # Priced on the training loop (the run's wall less start-up, window and exit), the one
+    # whole both share.
+    loop = evaluation.evidence["loop_ms"]
+    assert save.evidence["loop_ms"] == loop and 0 < loop < wall
     assert save.impact + evaluation.impact < 1.0
-    truth_share = (sum(truth["save_ms"]) + sum(truth["eval_ms"])) / wall
+    truth_share = (sum(truth["save_ms"]) + sum(truth["eval_ms"])) / loop
     assert save.impact + evaluation.impact == pytest.approx(truth_share, rel=0.2)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "Where the run's time went" in report and "evaluate()" in report

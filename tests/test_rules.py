@@ -23,12 +23,15 @@ from gpudiag.model.facts import (
     HostLine,
     HostSamples,
     LinkProbe,
+    LoaderEpoch,
     LoaderFacts,
+    LoaderUse,
     OptimizerFacts,
     SaveRecord,
     ScriptFacts,
     SingleDevice,
     StageFacts,
+    StepTimeline,
 )
 from gpudiag.model.results import (
     SEVERITY_RANK,
@@ -272,6 +275,29 @@ def gd106(*, ops: float = 200.0, share: float = 0.4, implementation: str = "sing
     facts = StageFacts(script=ScriptFacts(steps=60, warmup=5, timed=30,
                                           step_clock="optimizer.step()", optimizers=[optimizer]))
     return make_run(make_stage("train.py", evidence=ev, facts=facts))
+
+
+def gd204(*, restart_ms: float = 30.0, passes: int = 15, persistent: bool = False,
+          workers: int = 2, first_ms: float = 6.0, end_ms: float = 5.0) -> RunResult:
+    """A profiled script whose training loader (built at train.py:7) makes 4-batch passes,
+    each starting its workers in `restart_ms`, its first batch in `first_ms` (the usual wait
+    is 1 ms) and ending the one before in `end_ms`; steps of 10 ms, a 2 s start-up."""
+    steps = passes * 4
+    starts = set(range(0, steps, 4))
+    extra = restart_ms + first_ms - 1.0 + end_ms
+    times = [2000.0] + [10.0 + (extra if i in starts else 0.0) for i in range(1, steps)]
+    waits = [1.0 + (extra if i in starts else 0.0) for i in range(steps)]
+    epochs = [LoaderEpoch(step=i * 4, start_ms=restart_ms, first_batch_ms=first_ms, batches=4,
+                          end_ms=end_ms) for i in range(passes)]
+    use = LoaderUse(site="train.py:7", settings=LoaderFacts(
+        num_workers=workers, pin_memory=False, persistent_workers=persistent),
+        iterated_at="train.py:11", training=True, passes=passes, epochs=epochs)
+    timeline = StepTimeline(step_ms=times, steps=steps, total_ms=sum(times),
+                            data_wait_ms=waits)
+    facts = StageFacts(script=ScriptFacts(steps=steps, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", timeline=timeline,
+                                          loaders=[use]))
+    return make_run(make_stage("train.py", facts=facts))
 
 
 def gd201(*, share: float) -> RunResult:
@@ -522,6 +548,14 @@ CASES: dict[str, Case] = {
                   (P(gd106, ops=limit("GD106", "min_optimizer_ops_per_step") - 1),
                    P(gd106, share=limit("GD106", "info_share") - 1e-3),
                    P(gd106, implementation="fused"), P(gd106, fused=False))),
+    # 15 passes of 4 steps, each restart 40 ms over a 10 ms step: most of the loop; one pass,
+    # persistent workers, or none: nothing.
+    "GD204": Case(P(gd204), "train.py", "critical",
+                  {"num_workers": 2, "passes": 15, "batches_per_pass": 4,
+                   "ms_per_restart": 40.0, "usual_wait_ms": 1.0, "built_at": "train.py:7"},
+                  (P(gd204, passes=1), P(gd204, persistent=True), P(gd204, workers=0),
+                   # Restarts of 0.2 ms in all 14: under the share worth a word.
+                   P(gd204, restart_ms=0.1, first_ms=1.0, end_ms=0.1))),
     "GD201": Case(P(gd201, share=0.3), "data-train", "critical",
                   {"data_wait_ms": 30.0, "share": 0.3, "num_workers": 1},
                   (P(gd201, share=0.099),)),

@@ -130,6 +130,12 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     assert (optimizer.name, optimizer.before, optimizer.after) == ("SGD", "default", "fused=True")
     assert optimizer.site == f"train.py:{line_of(script, 'opt = torch.optim.SGD(')}"
     assert [o.implementation for o in facts.optimizers] == ["fused"]
+    # Persistent workers: seen at the loader's line (applied before the loader remedy gives it
+    # workers, so it had none to keep).
+    assert records.persistent_workers is not None
+    (kept,) = records.persistent_workers.loaders
+    assert kept.site == f"train.py:{line_of(script, 'loader = DataLoader(')}"
+    assert kept.before is not None and kept.before.num_workers == 0
     # The lines to edit: where the script saves, where it switches TF32 off.
     assert saved.site == f"train.py:{line_of(script, 'torch.save(')}"
     assert records.tf32.site == f"train.py:{line_of(script, 'allow_tf32 = False')}"

@@ -2,18 +2,149 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from gpudiag.diagnose.common import data_wait_share, on_gpu, pct
 from gpudiag.diagnose.host import HostLineTime, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
-from gpudiag.model.results import RunResult, StageResult
+from gpudiag.diagnose.timeline import stage_account
+from gpudiag.model.facts import LoaderUse
+from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, StageResult
 
 WAIT_WARNING, WAIT_CRITICAL = 0.10, 0.30
 DATA_LINE_SHARE = 0.05  # of the step, in the data wait's host samples: the line is named
 PAGEABLE_WARNING = 0.02
 COPY_MIN_SHARE, COPY_MIN_OVERLAP = 0.05, 0.5
+
+
+RESTART_INFO, MIN_PASSES = 0.03, 2
+SYMPTOM_RANK = 0.99  # GD201's impact, of GD204's, when restarting workers explain the wait
+
+
+@dataclass
+class Restarts:
+    """A training DataLoader whose workers start and stop with every pass over it."""
+
+    loader: LoaderUse
+    restarts: int  # passes after the first
+    ms_per_restart: float  # a pass's start, its first batch beyond the usual wait, the end
+    usual_wait_ms: float  # a batch's wait on steps no pass starts
+    loop_ms: float | None  # the training loop's wall time (start-up, window, exit apart)
+    wall_ms: float | None  # the run's
+
+    @property
+    def total_ms(self) -> float:
+        return self.ms_per_restart * self.restarts
+
+    @property
+    def loop_share(self) -> float:
+        return min(1.0, self.total_ms / self.loop_ms) if self.loop_ms else 0.0
+
+
+def worker_restarts(stage: StageResult) -> Restarts | None:
+    """The training loader of a profiled script that starts its workers anew every pass
+    (num_workers > 0 without persistent_workers), passed over at least twice."""
+    script = stage.facts.script
+    if script is None:
+        return None
+    for use in script.loaders:
+        kept = use.epochs
+        if (not use.training or use.settings.num_workers <= 0
+                or use.settings.persistent_workers or use.passes < MIN_PASSES or len(kept) < 2):
+            continue
+        starts = {e.step for e in kept}
+        waits = script.timeline.data_wait_ms if script.timeline is not None else []
+        usual = statistics.median([w for i, w in enumerate(waits) if i not in starts] or [0.0])
+        # A restart: the previous pass's end (its workers shut down), this one's start (new
+        # workers spawned) and its first batch beyond a batch's usual wait.
+        per = [prev.end_ms + e.start_ms + max(0.0, e.first_batch_ms - usual)
+               for prev, e in itertools.pairwise(kept)]
+        whole = stage_account(stage)
+        loop = (whole.wall_ms - whole.startup_ms - whole.first_compile_ms - whole.window_ms
+                - whole.tail_ms) if whole is not None else None
+        return Restarts(use, use.passes - 1, statistics.fmean(per), usual, loop,
+                        whole.wall_ms if whole is not None else None)
+    return None
+
+
+def restarts_impact(found: Restarts) -> float:
+    """GD204's price: the restarts' share of the training loop (the ledger's whole)."""
+    return found.loop_share
+
+
+def restarts_severity(found: Restarts) -> Severity:
+    """Graded on the training loop, whatever the start-up's share of a short run."""
+    return severity_for(found.loop_share, warning=WAIT_WARNING, critical=WAIT_CRITICAL)
+
+
+def _loader_line(use: LoaderUse) -> str:
+    """Where its settings are made: the script's DataLoader(...) line, or a framework's."""
+    if use.framework == "transformers":
+        return f"TrainingArguments(..., dataloader_persistent_workers=True) at {use.edit_at}"
+    if use.hook is not None:
+        return f"DataLoader(..., persistent_workers=True) in {use.hook}()"
+    return "DataLoader(..., persistent_workers=True)" + (f" at {use.site}" if use.site else "")
+
+
+@rule(
+    "GD204", "loader-worker-restarts", concern="input",
+    summary="The training DataLoader starts and stops its worker processes every epoch.",
+    why=("Without persistent_workers, each `for batch in loader` starts num_workers new "
+         "processes (each gets a copy of the dataset and imports what it needs), waits for "
+         "their first batch, and shuts them down when the pass ends. With short epochs that is "
+         "most of the loop; more workers make it worse."),
+    fix=("DataLoader(..., persistent_workers=True) where the loader is built (transformers: "
+         "TrainingArguments(dataloader_persistent_workers=True)); the workers then live for the "
+         "whole run and only reset between passes."),
+    thresholds=(Threshold("min_passes", MIN_PASSES, "a loader passed over once restarts never"),
+                Threshold("info_share", RESTART_INFO, "of the training loop, reported at all"),
+                Threshold("warning_share", WAIT_WARNING, "a tenth of the loop"),
+                Threshold("critical_share", WAIT_CRITICAL, "the restarts set the loop's pace")),
+    references=("https://pytorch.org/docs/stable/data.html#torch.utils.data.DataLoader "
+                "(persistent_workers)",),
+)
+def loader_worker_restarts(run: RunResult) -> Iterator[Draft]:
+    """A profiled script's training loader with workers and no persistent_workers, passed over
+    at least twice: each later pass's start, first batch beyond the usual wait, and the
+    previous pass's end, measured in the script; priced as a share of the training loop (the
+    run's wall less start-up, gpudiag's window and the exit), a bound: persistent workers
+    still produce each pass's first batch."""
+    for stage in run.ok_stages():
+        found = worker_restarts(stage)
+        if found is None or found.loop_share < RESTART_INFO:
+            continue
+        use = found.loader
+        wall_share = min(1.0, found.total_ms / found.wall_ms) if found.wall_ms else 0.0
+        yield Draft(
+            severity=restarts_severity(found),
+            stage=stage.name, location=use.edit_at or use.site,
+            title=(f"The training DataLoader{f' at {use.site}' if use.site else ''} restarts its "
+                   f"{use.settings.num_workers} workers on each of {use.passes} passes: "
+                   f"{found.ms_per_restart:.0f} ms each time, {found.total_ms:,.0f} ms in all, "
+                   f"up to {pct(found.loop_share)} of the training loop "
+                   f"({pct(wall_share)} of the run)"),
+            impact=restarts_impact(found),
+            evidence={"num_workers": use.settings.num_workers, "persistent_workers": False,
+                      "passes": use.passes, "batches_per_pass": use.epochs[0].batches,
+                      "ms_per_restart": round(found.ms_per_restart, 1),
+                      "start_ms_median": round(statistics.median(
+                          e.start_ms for e in use.epochs[1:]), 1),
+                      "end_ms_median": round(statistics.median(
+                          e.end_ms for e in use.epochs[:-1]), 1),
+                      "first_batch_ms_median": round(statistics.median(
+                          e.first_batch_ms for e in use.epochs[1:]), 1),
+                      "usual_wait_ms": round(found.usual_wait_ms, 2),
+                      "restarts_ms": round(found.total_ms, 1),
+                      "loop_ms": None if found.loop_ms is None else round(found.loop_ms, 1),
+                      "loop_share": round(found.loop_share, 4),
+                      "built_at": use.site, "iterated_at": use.iterated_at,
+                      "price": "bound: persistent workers still make each pass's first batch"},
+            fix=(f"{_loader_line(use)}: the workers are started once and reset between passes "
+                 f"instead of {found.restarts} restarts. `gpudiag profile --try-fixes` "
+                 "measures it on this script."))
 
 
 def _workers_now(workers: int | None) -> str:
@@ -41,7 +172,11 @@ def _data_line(stage: StageResult) -> HostLineTime | None:
                 Threshold("critical_share", WAIT_CRITICAL, "the loader sets the pace"),
                 Threshold("line_share", DATA_LINE_SHARE,
                           "a line holding this share of the step in the data wait's host "
-                          "samples is named")),
+                          "samples is named"),
+                Threshold("symptom_rank", SYMPTOM_RANK,
+                          "workers restarting every pass (GD204) explain the wait: it ranks "
+                          "just below that finding"),
+                Threshold("restart_min_passes", MIN_PASSES, "GD204's, passes that restart")),
     references=("https://pytorch.org/docs/stable/data.html#multi-process-data-loading",),
 )
 def input_bound(run: RunResult) -> Iterator[Draft]:
@@ -61,21 +196,32 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
             thread = ", on the training thread (num_workers=0)" if workers == 0 else ""
             where = (f"{line.location}{code} holds {line.ms('data'):.1f} ms of each step's "
                      f"wait{thread}. ")
+        restarts = worker_restarts(stage)
+        severity = severity_for(share, warning=WAIT_WARNING, critical=WAIT_CRITICAL)
+        impact = share
+        if restarts is not None:  # the cause: this wait never ranks above its finding
+            restart_share = restarts_impact(restarts)
+            impact = min(share, restart_share) * SYMPTOM_RANK
+            severity = min(severity, restarts_severity(restarts), key=SEVERITY_RANK.__getitem__)
+        knob = ("" if restarts is None else
+                f"Its workers restart every pass (GD204): first {_loader_line(restarts.loader)}; "
+                "then ")
         yield Draft(
-            severity=severity_for(share, warning=WAIT_WARNING, critical=WAIT_CRITICAL),
-            stage=stage.name,
-            title=f"Waiting {wait:.1f} ms per step for data ({pct(share)} of the step)",
+            severity=severity, stage=stage.name,
+            title=(f"Waiting {wait:.1f} ms per step for data ({pct(share)} of the step)"
+                   + ("; its workers restart every pass (see GD204)" if restarts else "")),
             location=None if line is None else line.location,
-            impact=share,
+            impact=impact,
             evidence={"data_wait_ms": round(wait, 2), "step_ms": stage.ms_per_iter,
                       "share": round(share, 3), "num_workers": workers,
                       "pin_memory": None if loader is None else loader.pin_memory,
                       "prefetch_factor": None if loader is None else loader.prefetch_factor,
                       "line_ms_per_step": None if line is None else round(line.ms("data"), 2)},
-            fix=(f"{where}Give the DataLoader more workers ({_workers_now(workers)}), "
-                 + ("pin_memory=True, " if on_gpu(run, stage) else "")
-                 + "persistent_workers=True and prefetch_factor>=2; precompute or cache "
-                 "per-sample work the dataset repeats every epoch."),
+            fix=where + (knob or "G") + (
+                f"{'g' if knob else ''}ive the DataLoader more workers "
+                f"({_workers_now(workers)}), " + ("pin_memory=True, " if on_gpu(run, stage) else "")
+                + "persistent_workers=True and prefetch_factor>=2; precompute or cache "
+                "per-sample work the dataset repeats every epoch."),
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.diagnose.common import pct, reference_stage
+from gpudiag.diagnose.gd2_input import worker_restarts
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.diagnose.spikes import (
     MIN_SPIKE_EXCESS,
@@ -94,7 +95,8 @@ def _timeline_evidence(run_wall: RunAccount, work: PeriodicWork) -> dict[str, An
             "extra_ms_per_occurrence": round(work.per_occurrence_ms, 1),
             "baseline_step_ms": round(run_wall.step_ms, 2),
             "wall_share": round(run_wall.share(work.extra_ms), 4),
-            "run_wall_ms": round(run_wall.wall_ms, 1)}
+            "loop_share": round(run_wall.loop_share(work.extra_ms), 4),
+            "run_wall_ms": round(run_wall.wall_ms, 1), "loop_ms": round(run_wall.loop_ms, 1)}
 
 
 def saves_are_seen(stage: StageResult) -> bool:
@@ -229,11 +231,11 @@ def checkpoint_stall(run: RunResult) -> Iterator[Draft]:
 
 def _timeline_save_stalls(stage: StageResult, whole: RunAccount) -> Iterator[Draft]:
     """GD701 on a profiled script's whole run: what its saves held the training thread beyond
-    the steady step, as a share of the run's wall time."""
+    the steady step, as a share of the training loop."""
     work = next((w for w in whole.works if w.kind == "save"), None)
-    if work is None or whole.share(work.extra_ms) < INFO_LOST:
+    if work is None or whole.loop_share(work.extra_ms) < INFO_LOST:
         return
-    share = whole.share(work.extra_ms)
+    share = whole.loop_share(work.extra_ms)
     interval = max(1, math.ceil(work.per_occurrence_ms / (TARGET_OVERHEAD * whole.step_ms)))
     every = f"every {work.period} steps" if work.period else f"{work.occurrences} times"
     script = stage.facts.script
@@ -247,7 +249,7 @@ def _timeline_save_stalls(stage: StageResult, whole: RunAccount) -> Iterator[Dra
         severity=severity_for(share, warning=WARNING_LOST, critical=CRITICAL_LOST),
         stage=stage.name,
         title=(f"Checkpoint stalls: {work.per_occurrence_ms:.0f} ms lost per save {every} "
-               f"({pct(share)} of the run's wall time, step {whole.step_ms:.1f} ms without a "
+               f"({pct(share)} of the training loop, step {whole.step_ms:.1f} ms without a "
                "save)"),
         evidence=evidence, impact=min(1.0, share),
         fix=(f"Save asynchronously (pinned-host staging, a background writer, one save in "
@@ -435,11 +437,15 @@ def periodic_step_work(run: RunResult) -> Iterator[Draft]:
 def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[Draft]:
     """GD703 on a profiled script's whole run: each other DataLoader loop (an evaluation) and
     each periodic spike that no save, loop or data wait explains, priced as a share of the
-    run's wall time (the same wall as every other part of the account)."""
+    training loop (its part of the run's wall is the ledger's)."""
+    restarts = worker_restarts(stage)
+    restarting = restarts.loader.iterated_at if restarts is not None else None
     for work in whole.works:
-        share = whole.share(work.extra_ms)
+        share = whole.loop_share(work.extra_ms)
         if work.kind not in ("loop", "other") or share < INFO_LOST:
             continue
+        if work.kind == "other" and work.line is not None and work.line == restarting:
+            continue  # the training loader's own line: its workers restarting (GD204)
         what = describe(work, period=False)
         often = f"every {work.period} steps" if work.period else f"{work.occurrences} times"
         loop = work.loop
@@ -457,7 +463,7 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
             severity=severity_for(share, warning=WARNING_LOST, critical=CRITICAL_LOST),
             stage=stage.name,
             title=(f"{what[0].upper()}{what[1:]}: {work.per_occurrence_ms:.0f} ms {often} "
-                   f"({pct(share)} of the run's wall time)"),
+                   f"({pct(share)} of the training loop)"),
             evidence={**_timeline_evidence(whole, work), "kind": work.kind},
             impact=min(1.0, share),
             location=(loop.caller or loop.location) if loop is not None else work.line,

@@ -64,14 +64,14 @@ def _compilations(events: list[CompileEvent]) -> int:
 
 
 def _run_time(stage: StageResult) -> tuple[float, float | None, float | None]:
-    """(the run's wall time, the compile part's share of it after step 0, the training steps'
-    own time) from the run's account; without a timeline, (the timed steps' time, None,
-    None)."""
+    """(the run's wall time, the compile part's share of the training loop (after step 0),
+    the training steps' own time) from the run's account; without a timeline, (the timed
+    steps' time, None, None)."""
     whole = stage_account(stage)
     if whole is None:
         return sum(stage.iter_ms), None, None
     part = sum(w.extra_ms for w in whole.works if w.kind == "compile")
-    return whole.wall_ms, whole.share(part), whole.steady_ms
+    return whole.wall_ms, whole.loop_share(part), whole.steady_ms
 
 
 def _dynamic_fix(reasons: list[str], site: str) -> str:
@@ -131,7 +131,9 @@ def compile_recompiles(run: RunResult) -> Iterator[Draft]:
                 stage=stage.name,
                 title=(f"torch.compile recompiled {_name(function, location, called)} "
                        f"{len(recompiles)} times, {_duration(seconds * 1e3)} of compiling"
-                       f"{versus} ({pct(share)} of the run's wall time): {reasons[0]}"),
+                       f"{versus} ({pct(share)} of the "
+                       f"{'training loop' if part_share is not None else 'time seen'}): "
+                       f"{reasons[0]}"),
                 location=site, impact=min(1.0, share),
                 evidence={"function": function, "defined_at": location, "called_at": site,
                           "compilations": _compilations(events),

@@ -1,9 +1,11 @@
 """One accounting of a profiled stage: every finding that prices time prices a part of one
-whole. The run's wall time (gpudiag/diagnose/timeline.py) holds its steady steps, its saves,
-its periodic work; a steady step (gpudiag/diagnose/host.py) holds its syncs, torch calls,
-DataLoader waits and host-only work. A finding priced as a share of the step is also a share
-of the run (times the steady steps' share of the wall), so every finding of a stage carries
-its share of the same wall, and those of different parts add up to at most all of it.
+whole. The run's wall time (gpudiag/diagnose/timeline.py) holds its start-up, its training
+loop (steady steps, saves, periodic work, stalls), gpudiag's window and its exit; a steady
+step (gpudiag/diagnose/host.py) holds its syncs, torch calls, DataLoader waits and host-only
+work. A finding prices a share of the step or of the training loop (what a fix in the loop
+can save, start-up apart), and each is also a share of the run's wall (times the steady
+steps', or the loop's, share of it), so every finding of a stage carries its share of the
+same wall, and those of different parts add up to at most all of it.
 
 A finding that names a symptom of another's cause (GD102's idle GPU, explained by a Python
 loop or host-only work) prices the same part as its cause: it is not counted twice.
@@ -20,7 +22,7 @@ from gpudiag.diagnose.timeline import RunAccount, describe, stage_account
 from gpudiag.model.facts import HostKind
 from gpudiag.model.results import Finding, FindingAccount, RunResult, StageResult
 
-Whole = Literal["step", "run"]
+Whole = Literal["step", "loop"]
 
 # The part of its stage's account each time-pricing rule's impact is a share of.
 STEP_PARTS: dict[str, HostKind] = {
@@ -31,6 +33,7 @@ STEP_PARTS: dict[str, HostKind] = {
     "GD201": "data",  # waiting for the DataLoader
 }
 RUN_PARTS: dict[str, tuple[str, ...]] = {
+    "GD204": ("data",),  # the training DataLoader's stalls: its workers restarting
     "GD701": ("save",),  # checkpoint saves
     "GD703": ("loop", "other"),  # periodic work that is not a save
     "GD901": ("compile",),  # torch.compile's recompilations
@@ -52,8 +55,10 @@ class Ledger:
         return None if self.whole is None else self.whole.share(self.whole.steady_ms)
 
     def wall_share(self, whole: Whole, share: float) -> float | None:
-        if whole == "run":
-            return share if self.whole is not None else None
+        if whole == "loop":
+            return (None if self.whole is None
+                    else share * self.whole.loop_ms / self.whole.wall_ms if self.whole.wall_ms
+                    else 0.0)
         steps = self.steps_share
         return None if steps is None else share * steps
 
@@ -69,7 +74,7 @@ def account_findings(run: RunResult, findings: list[Finding]) -> None:
     ledgers: dict[str, Ledger | None] = {}
     for finding in findings:
         whole: Whole | None = ("step" if finding.id in STEP_PARTS else
-                               "run" if finding.id in RUN_PARTS else None)
+                               "loop" if finding.id in RUN_PARTS else None)
         stage = run.stage(finding.stage) if finding.stage is not None else None
         if whole is None or stage is None or finding.impact <= 0:
             continue

@@ -83,6 +83,17 @@ class RunAccount:
     def share(self, ms: float) -> float:
         return ms / self.wall_ms if self.wall_ms > 0 else 0.0
 
+    @property
+    def loop_ms(self) -> float:
+        """The training loop's wall time: the run's less its start-up (and the compilations
+        in it), gpudiag's profiler window and what follows the last step. What a loop
+        problem costs is a share of this: a short test run's start-up would hide it."""
+        return max(0.0, self.wall_ms - self.startup_ms - self.first_compile_ms - self.window_ms
+                   - self.tail_ms)
+
+    def loop_share(self, ms: float) -> float:
+        return min(1.0, ms / self.loop_ms) if self.loop_ms > 0 else 0.0
+
     def parts(self) -> list[tuple[str, float]]:
         """(part, ms) adding up to the wall time."""
         named = [("start-up (step 0: imports, set-up, first step)", self.startup_ms),

@@ -122,9 +122,23 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     _measured_loader_change(fix)
     numerics: Numerics = ("precision" if any(REMEDIES[n].numerics == "precision" for n in names)
                           else "exact")
+    compared = _first_pass(run) if any(REMEDIES[n].reorders for n in names) else None
+    if compared is not None:
+        fix.note = "; ".join(filter(None, (fix.note, (
+            f"losses compared over the training DataLoader's first pass ({compared} steps): "
+            "workers kept across passes draw its shuffle's seeds in another order after it"))))
     fix.equivalence, fix.loss_gap, fix.loss_floor = equivalence(
-        baseline_losses, _losses(a), _losses(b), numerics)
+        baseline_losses[:compared], _losses(a)[:compared], _losses(b)[:compared], numerics)
     return fix
+
+
+def _first_pass(run: RunResult) -> int | None:
+    """Steps in the first pass over the diagnosed run's training DataLoader; None where its
+    passes were not recorded (runs of earlier versions): every loss is compared then."""
+    stage = _main_stage(run)
+    loaders = stage.facts.script.loaders if stage is not None and stage.facts.script else []
+    return next((use.epochs[0].batches for use in loaders if use.training and use.epochs),
+                None)
 
 
 def _fix_of(remedy: Remedy | None, names: Sequence[str], run: RunResult) -> MeasuredFix:
@@ -297,22 +311,25 @@ def _switched_off(evidence: RemedyEvidence) -> str | None:
 
 
 def _measured_loader_change(fix: MeasuredFix) -> None:
-    """The loader remedy's change: the settings its run measured (not the catalog's), in the
+    """A loader remedy's change: the settings its run measured (not the catalog's), in the
     terms of the framework that built the loader, at the line where the script sets them."""
-    if fix.remedy != "loader":
+    record = fix.evidence.record(fix.remedy) if fix.remedy in ("loader",
+                                                                "persistent-workers") else None
+    if not isinstance(record, LoaderRecord):
         return
-    recorded = loader_change(fix.evidence.loader.loaders if fix.evidence.loader else [])
+    recorded = loader_change(record.loaders)
     if recorded is not None:
         fix.change, fix.location = recorded.change, recorded.location or fix.location
 
 
 def _no_effect(evidence: RemedyEvidence) -> str:
     """A remedy that found nothing to change in this script: its row measures noise."""
-    loaders = evidence.loader.loaders if evidence.loader is not None else None
-    if loaders is not None and not loaders:
-        return "the script built no DataLoader while it ran: nothing was changed"
-    if loaders is not None and all(n.before == n.after for n in loaders):
-        return "the script's DataLoaders had these settings already: nothing was changed"
+    for record in (evidence.loader, evidence.persistent_workers):
+        loaders = record.loaders if record is not None else None
+        if loaders is not None and not loaders:
+            return "the script built no DataLoader while it ran: nothing was changed"
+        if loaders is not None and all(n.before == n.after for n in loaders):
+            return "the script's DataLoaders had these settings already: nothing was changed"
     if evidence.async_save is not None and evidence.async_save.saves == 0:
         return "the script called torch.save on no path while it ran: nothing was changed"
     if evidence.no_empty_cache is not None and evidence.no_empty_cache.calls_skipped == 0:

@@ -311,6 +311,36 @@ class OptimizerFacts:
 
 
 @dataclass
+class LoaderEpoch:
+    """One pass over a DataLoader (`for batch in loader`: an epoch, or an evaluation): what
+    starting it, its first batch and ending it held the training thread."""
+
+    step: int  # the step it started on (the timeline's clock)
+    start_ms: float  # iter(loader): worker processes started, or persistent ones reset
+    first_batch_ms: float = 0.0  # the wait for its first batch
+    batches: int = 0
+    end_ms: float = 0.0  # the call that found it exhausted (workers shut down, if not kept)
+
+
+@dataclass
+class LoaderUse:
+    """One DataLoader the script built and iterated, with its settings as built (read from
+    the live object, never changed) and its passes."""
+
+    site: str | None  # "path:line": the script's line that built it
+    settings: LoaderFacts
+    batch_size: int | None = None
+    iterated_at: str | None = None  # "path:line": where the script iterates it
+    training: bool = False  # its batches fed the training steps
+    passes: int = 0  # iter() calls, all of them
+    epochs: list[LoaderEpoch] = field(default_factory=list)  # the first MAX_EPOCHS_KEPT
+    # Built by a framework from its arguments (frameworks.py's origin keys).
+    framework: str | None = None
+    edit_at: str | None = None
+    hook: str | None = None
+
+
+@dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
 
@@ -331,6 +361,7 @@ class ScriptFacts:
     host: HostSamples | None = None
     compiles: CompileFacts | None = None
     optimizers: list[OptimizerFacts] = field(default_factory=list)
+    loaders: list[LoaderUse] = field(default_factory=list)
 
 
 @dataclass

@@ -38,6 +38,9 @@ class Remedy:
     applied: str  # how gpudiag applies it for one run
     change: str  # the permanent edit, with where it goes
     cuda_only: bool = False  # does nothing a CPU run could measure
+    # A DataLoader iterator kept across passes draws no new seed at each pass: after the
+    # first pass the shuffle differs, so losses are compared over the first pass only.
+    reorders: bool = False
 
 
 REMEDIES: dict[str, Remedy] = {r.name: r for r in (
@@ -57,7 +60,13 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "each map-style DataLoader built with num_workers=min(8, CPUs) (never fewer than "
            "it had), pin_memory on CUDA, persistent_workers=True, prefetch_factor=4",
            "in the DataLoader(...) call: num_workers=8, pin_memory=True, "
-           "persistent_workers=True, prefetch_factor=4 (workers: up to your CPU count)"),
+           "persistent_workers=True, prefetch_factor=4 (workers: up to your CPU count)",
+           reorders=True),
+    Remedy("persistent-workers", "DataLoader workers kept for the whole run", ("GD204",),
+           "exact",
+           "each DataLoader with workers built with persistent_workers=True (nothing else "
+           "changed)",
+           "in the DataLoader(...) call: persistent_workers=True", reorders=True),
     Remedy("pinned", "pinned batches copied with non_blocking=True", ("GD202", "GD203"),
            "exact",
            "DataLoader(pin_memory=True), and .to(device)/.cuda() of a pinned CPU tensor made "
@@ -247,6 +256,7 @@ class RemedyEvidence:
     tf32: Tf32Record | None = None
     bf16_autocast: Bf16AutocastRecord | None = None
     loader: LoaderRecord | None = None
+    persistent_workers: LoaderRecord | None = None
     pinned: PinnedRecord | None = None
     no_empty_cache: NoEmptyCacheRecord | None = None
     fused_optimizer: FusedOptimizerRecord | None = None

@@ -415,11 +415,12 @@ class StageResult:
 @dataclass
 class FindingAccount:
     """The part of its stage's account a finding that prices time prices
-    (gpudiag/diagnose/ledger.py): its share of that whole (the steady step, or the run's wall
-    time), and of the run's wall time, the one whole every finding of the stage shares."""
+    (gpudiag/diagnose/ledger.py): its share of that whole (the steady step, or the training
+    loop), and of the run's wall time, the one whole every finding of the stage shares."""
 
     part: str  # a step's host kind ("sync", "data", ...), or a run part's description
-    whole: Literal["step", "run"]  # what `share` is a share of
+    # What `share` is a share of; "run" (the run's wall time): accounts of earlier versions.
+    whole: Literal["step", "loop", "run"]
     share: Share  # the finding's impact, as a share of `whole`
     share_of_wall: Share | None = None  # None: a step part, without the run's timeline
     ms_per_step: NonNegative | None = None  # a step part's time per steady step

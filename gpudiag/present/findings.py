@@ -19,13 +19,19 @@ _STYLE = {"critical": "bold red", "warning": "yellow", "info": "dim"}
 def _at_stake(finding: Finding) -> str:
     if finding.impact <= 0:
         return "risk, not time"
-    # Priced on the whole run (gpudiag/diagnose/timeline.py), not on the timed steps.
-    whole = "run_wall_ms" in finding.evidence
-    stake = f"{finding.impact:.0%} of {'the run' if whole else 'the step'}"
-    # A step's share is also one of the run's wall, the same whole for every finding
+    # Priced on the training loop or the whole run (gpudiag/diagnose/timeline.py), or on the
+    # steady step.
+    whole = finding.account.whole if finding.account is not None else (
+        "run" if "run_wall_ms" in finding.evidence else "step")
+    stake = f"{finding.impact:.0%} of {_WHOLES[whole]}"
+    # Each share is also one of the run's wall, the same whole for every finding
     # (gpudiag/diagnose/ledger.py).
-    wall = finding.account.share_of_wall if finding.account is not None and not whole else None
+    wall = finding.account.share_of_wall if finding.account is not None \
+        and whole != "run" else None
     return f"{stake} ({wall:.1%} of the run's wall time)" if wall is not None else stake
+
+
+_WHOLES = {"step": "the step", "loop": "the training loop", "run": "the run"}
 
 
 def _account(account: FindingAccount) -> dict[str, float | str]:

@@ -1,8 +1,9 @@
 """Framework components the recorder reads in the script's process, as the script built them:
 each optimizer's implementation (torch.optim's `foreach`/`fused`, resolved the way its step()
-resolves them), its parameter tensors, and the script's lines that build and step it. Read
-from the live objects, never changed (the fused-optimizer remedy, remedies.py, is what
-changes them, for one run)."""
+resolves them), its parameter tensors, and the script's lines that build and step it; each
+DataLoader's settings and its passes (what starting one, its first batch and its end held the
+training thread: the worker lifecycle). Read from the live objects, never changed (the
+remedies, remedies.py, are what change them, for one run)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import torch
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from gpudiag.measure.evidence.source import call_site
-from gpudiag.measure.profile.inscript.frameworks import optimizer_origin
-from gpudiag.model.facts import OptimizerFacts, OptimizerImpl
+from gpudiag.measure.profile.inscript.frameworks import loader_origin, optimizer_origin
+from gpudiag.model.facts import LoaderEpoch, LoaderFacts, LoaderUse, OptimizerFacts, OptimizerImpl
 
 MAX_OPTIMIZERS = 8  # optimizers described; a script building more (per task, per epoch) repeats
+MAX_LOADERS = 16  # DataLoaders described, likewise
+MAX_EPOCHS_KEPT = 256  # passes kept one by one per loader; later ones only counted
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> tuple[OptimizerImpl, str]:
@@ -105,3 +108,71 @@ class OptimizerWatch:
 
     def facts(self) -> list[OptimizerFacts]:
         return list(self._facts)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class LoaderWatch:
+    """The DataLoaders a script builds (hooks.py wraps DataLoader.__init__) and iterates
+    (__iter__ and its iterators' __next__): each one's settings, read when it is first
+    iterated, and each pass over it."""
+
+    def __init__(self) -> None:
+        self._built: weakref.WeakKeyDictionary[Any, tuple[str | None, dict[str, str]]] = \
+            weakref.WeakKeyDictionary()
+        self._uses: weakref.WeakKeyDictionary[Any, LoaderUse] = weakref.WeakKeyDictionary()
+        self._all: list[LoaderUse] = []
+        self._keys: dict[int, list[int]] = {}  # id(use) -> id() of its iterators
+        self._current: dict[int, LoaderEpoch] = {}  # id(iterator) -> its pass now
+
+    def built(self, loader: Any, frame: FrameType | None) -> None:
+        if len(self._built) < MAX_LOADERS * 4:
+            site = call_site(frame)
+            self._built[loader] = (site.location if site is not None else None,
+                                   loader_origin(frame, loader))
+
+    def iterated(self, loader: Any, iterator: object, step: int, ms: float,
+                 frame: FrameType | None) -> None:
+        use = self._uses.get(loader)
+        if use is None:
+            if len(self._all) >= MAX_LOADERS:
+                return
+            site, origin = self._built.get(loader, (None, {}))
+            at = call_site(frame)
+            use = self._uses[loader] = LoaderUse(
+                site=site, batch_size=_int(getattr(loader, "batch_size", None)),
+                iterated_at=at.location if at is not None else None,
+                settings=LoaderFacts(
+                    num_workers=_int(getattr(loader, "num_workers", 0)) or 0,
+                    pin_memory=bool(getattr(loader, "pin_memory", False)),
+                    prefetch_factor=_int(getattr(loader, "prefetch_factor", None)),
+                    persistent_workers=bool(getattr(loader, "persistent_workers", False))),
+                framework=origin.get("framework"), edit_at=origin.get("edit_at"),
+                hook=origin.get("hook"))
+            self._all.append(use)
+        use.passes += 1
+        epoch = LoaderEpoch(step=step, start_ms=ms)
+        if len(use.epochs) < MAX_EPOCHS_KEPT:
+            use.epochs.append(epoch)
+        self._keys.setdefault(id(use), []).append(id(iterator))
+        self._current[id(iterator)] = epoch
+
+    def waited(self, iterator: object, ms: float) -> None:
+        epoch = self._current.get(id(iterator))
+        if epoch is not None:
+            if epoch.batches == 0:
+                epoch.first_batch_ms = ms
+            epoch.batches += 1
+
+    def exhausted(self, iterator: object, ms: float) -> None:
+        epoch = self._current.get(id(iterator))
+        if epoch is not None:
+            epoch.end_ms += ms
+
+    def facts(self, training: set[int]) -> list[LoaderUse]:
+        """Every loader seen; `training`: the iterators (by id) that fed the steps."""
+        for use in self._all:
+            use.training = any(key in training for key in self._keys.get(id(use), []))
+        return list(self._all)

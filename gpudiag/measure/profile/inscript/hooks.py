@@ -1,8 +1,9 @@
 """What the recorder patches in the script's interpreter to see its steps and work: a global
 optimizer step post-hook (the step clock), the optimizer's constructor (the script's line that
-builds each one), DataLoader iteration (the data wait and where each
-loop is), torch.save and safetensors' savers (blocking saves; the write watch hears of them),
-and DistributedDataParallel's constructor (the bytes it all-reduces). Each patch calls one of
+builds each one), DataLoader construction and iteration (its settings, the data wait, where
+each loop is, each pass's start and end), torch.save and safetensors' savers (blocking saves;
+the write watch hears of them), and DistributedDataParallel's constructor (the bytes it
+all-reduces). Each patch calls one of
 the Recorder's methods (recorder.py); each is made once, however often installed."""
 
 from __future__ import annotations
@@ -56,23 +57,38 @@ def _hook_optimizers(recorder: Recorder) -> None:
 
 
 def _hook_loader(recorder: Recorder) -> None:
+    # A pass's start (worker processes spawned, or persistent ones reset), each batch's wait,
+    # and the call that finds the pass over (workers shut down) all hold the training thread.
     def timed_next(original: Callable[..., Any]) -> Callable[..., Any]:
         def __next__(self: Any) -> Any:
             start = time.perf_counter()
-            batch = original(self)
+            try:
+                batch = original(self)
+            except StopIteration:
+                recorder.loader_exhausted(self, (time.perf_counter() - start) * 1e3)
+                raise
             recorder.data_waited((time.perf_counter() - start) * 1e3, batch, self)
             return batch
         return __next__
 
     def sited_iter(original: Callable[..., Any]) -> Callable[..., Any]:
         def __iter__(self: Any) -> Any:
+            start = time.perf_counter()
             iterator = original(self)
-            recorder.loader_iterated(iterator, sys._getframe(1))
+            recorder.loader_iterated(iterator, sys._getframe(1), loader=self,
+                                     ms=(time.perf_counter() - start) * 1e3)
             return iterator
         return __iter__
 
+    def noted_init(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            recorder.loader_built(self, sys._getframe(1))
+        return __init__
+
     _wrap(_BaseDataLoaderIter, "__next__", timed_next)
     _wrap(DataLoader, "__iter__", sited_iter)
+    _wrap(DataLoader, "__init__", noted_init)
 
 
 def _hook_saves(recorder: Recorder) -> None:

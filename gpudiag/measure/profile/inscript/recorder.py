@@ -31,7 +31,7 @@ from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow, save_trace
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
-from gpudiag.measure.profile.inscript.components import OptimizerWatch
+from gpudiag.measure.profile.inscript.components import LoaderWatch, OptimizerWatch
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
@@ -122,6 +122,7 @@ class Recorder:
         self.error: str | None = None
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
         self.optimizers = OptimizerWatch()
+        self.loaders = LoaderWatch()
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
         self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
@@ -322,13 +323,27 @@ class Recorder:
         key = id(iterator)
         self.data_wait[(self.steps, key)] += ms
         self.data_calls[key].append(self.steps)
+        self.loaders.waited(iterator, ms)
         if self.batch_size is None:
             self.batch_size = _batch_size(batch)
 
-    def loader_iterated(self, iterator: object, frame: Any) -> None:
-        """A DataLoader was iterated (`for batch in loader`, once per epoch or evaluation):
-        where, in the script, for the loops that are not training's."""
+    def loader_exhausted(self, iterator: object, ms: float) -> None:
+        """A pass ended (its workers shut down, unless persistent): the loader's time too."""
+        self.data_wait[(self.steps, id(iterator))] += ms
+        self.loaders.exhausted(iterator, ms)
+
+    def loader_built(self, loader: Any, frame: FrameType) -> None:
+        self.loaders.built(loader, frame)
+
+    def loader_iterated(self, iterator: object, frame: Any, *, loader: Any = None,
+                        ms: float = 0.0) -> None:
+        """A DataLoader was iterated (`for batch in loader`, once per epoch or evaluation),
+        taking `ms` to start (its workers): where, in the script, for the loops that are not
+        training's; the start is the loader's time, as its batches' waits are."""
         key = id(iterator)
+        self.data_wait[(self.steps, key)] += ms
+        if loader is not None:
+            self.loaders.iterated(loader, iterator, self.steps, ms, frame)
         if key not in self.loop_sites and len(self.loop_sites) < MAX_LOOP_SITES:
             site = call_site(frame)
             if site is not None:
@@ -430,7 +445,12 @@ class Recorder:
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
             losses=list(self.losses.values), remedies=self.applied.observe(),
             timeline=self._timeline(), host=self.host, compiles=self.compiles,
-            optimizers=self.optimizers.facts()))
+            optimizers=self.optimizers.facts(),
+            loaders=self.loaders.facts(training_loaders(self.data_calls))))
+        assert facts.script is not None
+        training = [use for use in facts.script.loaders if use.training]
+        if training:  # the settings the input rules read, as the ladder's data stages give
+            facts.loader = training[0].settings
         if self.evidence is None:
             facts.evidence_missing = self._why_no_evidence()
         return facts

@@ -193,6 +193,13 @@ def _loader(seen: RemedyEvidence) -> Callable[[], None]:
     return lambda: None
 
 
+def _persistent_workers(seen: RemedyEvidence) -> Callable[[], None]:
+    seen.persistent_workers = LoaderRecord()
+    _loader_options(seen.persistent_workers.loaders, lambda given: {
+        **given, "persistent_workers": given["persistent_workers"] or given["num_workers"] > 0})
+    return lambda: None
+
+
 def _pinned(seen: RemedyEvidence) -> Callable[[], None]:
     record = seen.pinned = PinnedRecord()
     _loader_options(record.loaders, lambda given: {**given, "pin_memory": True})
@@ -365,7 +372,8 @@ def _async_save(seen: RemedyEvidence) -> Callable[[], None]:
 
 
 APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
-    "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader, "pinned": _pinned,
+    "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader,
+    "persistent-workers": _persistent_workers, "pinned": _pinned,
     "no-empty-cache": _no_empty_cache, "fused-optimizer": _fused_optimizer,
     "async-save": _async_save,
 }

@@ -1,0 +1,69 @@
+"""Plain A/B of the framework knobs GD106 and GD204 name, with each example script's own timer
+(no gpudiag in the process): examples/per_tensor_optimizer.py as written (AdamW foreach=False)
+against FUSED=1 (fused=True), and examples/loader_restarts.py as written (8 workers, not
+persistent) against PERSISTENT=1, each in fresh processes alternated A B B A over `--pairs`
+pairs. Prints and writes each side's figures and the ratio unfixed / fixed, with the spread
+over pairs: what `gpudiag profile --try-fixes` reports for the same change is held against
+this (reports/examples/h100-knobs).
+
+    python benchmarks/knobs_ab.py --pairs 3 --out knobs_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {
+    # script, the timer's figure (lower is better), the environment that applies the fix
+    "optimizer": ("examples/per_tensor_optimizer.py", "median_ms", {"FUSED": "1"}),
+    "loader": ("examples/loader_restarts.py", "later_epochs_s", {"PERSISTENT": "1"}),
+}
+
+
+def _timed(script: str, env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, str(ROOT / script)], capture_output=True, text=True,
+                          env={**os.environ, **env}, check=True, cwd=ROOT)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("SCRIPT_TIMER "))
+    return json.loads(line.removeprefix("SCRIPT_TIMER "))
+
+
+def measure(case: str, pairs: int) -> dict[str, Any]:
+    script, figure, fix = CASES[case]
+    unfixed: list[float] = []
+    fixed: list[float] = []
+    for i in range(pairs):
+        order = [(unfixed, {}), (fixed, fix)] if i % 2 == 0 else [(fixed, fix), (unfixed, {})]
+        for side, env in order:
+            side.append(_timed(script, env)[figure])
+    ratios = [a / b for a, b in zip(unfixed, fixed, strict=True)]
+    return {"script": script, "figure": figure, "fix": fix, "unfixed": unfixed,
+            "fixed": fixed, "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "saved_share": 1 - statistics.median(fixed) / statistics.median(unfixed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results = {case: measure(case, args.pairs) for case in args.cases.split(",")}
+    for case, r in results.items():
+        print(f"{case}: {r['figure']} {statistics.median(r['unfixed']):.3f} -> "
+              f"{statistics.median(r['fixed']):.3f}, {r['ratio_median']:.2f}x "
+              f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}), saved {r['saved_share']:.0%}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
