@@ -904,7 +904,7 @@ def test_fp32_islands_split_evenly_gets_both_fixes() -> None:
 def test_a_per_tensor_optimizer_is_named_with_its_knob_at_its_constructor() -> None:
     (found,) = [f for f in evaluate(gd106()) if f.id == "GD106"]
     assert found.location == "train.py:12" and "AdamW(..., fused=True) at train.py:12" in found.fix
-    assert "drop foreach=False" in found.fix and "up to 40%" in found.title
+    assert "drop foreach=False" in found.fix and "about 40%" in found.title
     # Built by transformers' Trainer: its argument, at the line that builds the arguments.
     (trainer,) = [f for f in evaluate(gd106(framework="transformers")) if f.id == "GD106"]
     assert trainer.location == "train.py:8"

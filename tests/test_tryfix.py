@@ -365,6 +365,35 @@ def test_committed_h100_fixes_follow_from_their_kept_runs(name: str) -> None:
     assert best.equivalence in ("same", "mixed-precision")
 
 
+KNOBS = EXAMPLES.parent / "h200-knobs"
+
+
+@pytest.mark.parametrize(("name", "code", "remedy", "line"), [
+    ("per_tensor_optimizer", "GD106", "fused-optimizer", "foreach=False)"),
+    ("loader_restarts", "GD204", "persistent-workers", "loader = DataLoader("),
+])
+def test_committed_knob_fixes_name_the_knob_and_were_measured_faster(
+        name: str, code: str, remedy: str, line: str) -> None:
+    """The H200 runs of the two framework knobs: the finding at the line that sets the knob,
+    its remedy measured faster with the same losses, the table what the kept runs give, and
+    the finding's price within 25% of the saving measured (reports/examples/h200-knobs)."""
+    from gpudiag.diagnose import evaluate
+    from gpudiag.diagnose.tryfix import reassess
+
+    run = load_run(KNOBS / name)
+    runs = {p.name: load_run(p) for p in sorted((KNOBS / name / "fixes").iterdir())}
+    assert reassess(run, runs) == run.fixes and run.env.gpu_name == "NVIDIA H200"
+    script = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    (finding,) = [f for f in evaluate(run) if f.id == code]
+    assert finding.location == f"examples/{name}.py:{line_of(script, line)}"
+    best = run.fixes[0]
+    assert (best.remedy, best.status, best.equivalence) == (remedy, "measured", "same")
+    assert best.speedup_low is None or best.speedup_low > 1.0
+    assert best.speedup is not None and best.speedup > 1.5
+    saved = 1 - 1 / best.speedup
+    assert finding.impact == pytest.approx(saved, rel=0.25)
+
+
 def test_the_terminal_fixes_table_is_readable_at_100_columns() -> None:
     """At 100 columns report.md's seven columns broke words ("examples/slo|w_dataset.py",
     "pin_memory=Tr|ue"): every word of every cell comes out whole, and nothing else does."""

@@ -7,7 +7,12 @@ from collections.abc import Iterator
 
 from gpudiag.diagnose.common import data_wait_share, device_ops, pct, reference_stage
 from gpudiag.diagnose.gd1_host import host_only_work, host_severity
-from gpudiag.diagnose.gd1_optimizer import optimizer_bound, optimizer_severity, slow_optimizer
+from gpudiag.diagnose.gd1_optimizer import (
+    ARGUMENT,
+    optimizer_price,
+    optimizer_severity,
+    slow_optimizer,
+)
 from gpudiag.diagnose.host import SHORT_KIND, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
@@ -238,6 +243,7 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
         impact = excess
         loop = loop_line(stage)
         host = host_only_work(run, stage) if loop is None else None
+        optimizer = None
         if loop is not None:
             # The loop is the cause: this symptom never ranks above its finding.
             loop_impact, _ = loop_price(run, stage, loop)
@@ -254,12 +260,14 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             # And a per-tensor optimizer step (GD106), where it is most of the launches.
             title += (f"; {optimizer} launches most of the step's kernels one parameter at a "
                       "time (see GD106)")
-            impact = min(excess, optimizer_bound(stage)) * SYMPTOM_RANK
-            severity = min(severity, optimizer_severity(optimizer_bound(stage)),
+            impact = min(excess, optimizer_price(stage)) * SYMPTOM_RANK
+            severity = min(severity, optimizer_severity(optimizer_price(stage)),
                            key=SEVERITY_RANK.__getitem__)
+        cause = (f"Build {optimizer} with {_optimizer_argument(stage)} (GD106)." if optimizer
+                 else _starved_fix(stage, loop))
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
-            fix=_starved_fix(stage, loop) + " Then batch small ops, remove per-step host syncs, "
+            fix=cause + " Then batch small ops, remove per-step host syncs, "
                 "and capture the step with CUDA graphs or torch.compile where shapes are "
                 "static.")
 
@@ -276,6 +284,11 @@ def _optimizer_cause(stage: StageResult) -> str | None:
         return None
     optimizer = found[0]
     return optimizer.name + (f" at {optimizer.site}" if optimizer.site else "")
+
+
+def _optimizer_argument(stage: StageResult) -> str:
+    found = slow_optimizer(stage)
+    return ARGUMENT[found[1]] if found is not None else "fused=True"
 
 
 def _starved_fix(stage: StageResult, loop: SourceLine | None) -> str:

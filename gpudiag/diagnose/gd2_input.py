@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ class Restarts:
 
     loader: LoaderUse
     restarts: int  # passes after the first
-    ms_per_restart: float  # a pass's start, its first batch beyond the usual wait, the end
-    usual_wait_ms: float  # a batch's wait on steps no pass starts
+    # A pass's start, the previous one's end, and the waits of its first batches (one from
+    # each new worker) beyond the usual wait.
+    ms_per_restart: float
+    usual_wait_ms: float  # a batch's wait from workers already running
     loop_ms: float | None  # the training loop's wall time (start-up, window, exit apart)
     wall_ms: float | None  # the run's
 
@@ -48,20 +49,27 @@ def worker_restarts(stage: StageResult) -> Restarts | None:
     """The training loader of a profiled script that starts its workers anew every pass
     (num_workers > 0 without persistent_workers), passed over at least twice."""
     script = stage.facts.script
-    if script is None:
+    timeline = script.timeline if script is not None else None
+    if script is None or timeline is None:
         return None
+    waits = timeline.data_wait_ms
     for use in script.loaders:
-        kept = use.epochs
-        if (not use.training or use.settings.num_workers <= 0
-                or use.settings.persistent_workers or use.passes < MIN_PASSES or len(kept) < 2):
+        workers = use.settings.num_workers
+        if (not use.training or workers <= 0 or use.settings.persistent_workers
+                or use.passes < MIN_PASSES):
             continue
-        starts = {e.step for e in kept}
-        waits = script.timeline.data_wait_ms if script.timeline is not None else []
-        usual = statistics.median([w for i, w in enumerate(waits) if i not in starts] or [0.0])
-        # A restart: the previous pass's end (its workers shut down), this one's start (new
-        # workers spawned) and its first batch beyond a batch's usual wait.
-        per = [prev.end_ms + e.start_ms + max(0.0, e.first_batch_ms - usual)
-               for prev, e in itertools.pairwise(kept)]
+        # A pass's first `workers` batches come from workers just started (each makes its
+        # first batch); its first step's wait also holds the pass's start and the previous
+        # pass's end (the recorder counts both as the loader's time). Later batches wait as
+        # a kept worker would: the usual wait.
+        first = [range(e.step, min(e.step + min(e.batches, workers), len(waits)))
+                 for e in use.epochs]
+        warming = {i for steps in first for i in steps}
+        usual = statistics.median([w for i, w in enumerate(waits) if i not in warming
+                                   and i > 0] or [0.0])
+        per = [sum(max(0.0, waits[i] - usual) for i in steps) for steps in first[1:] if steps]
+        if not per:
+            continue
         whole = stage_account(stage)
         loop = (whole.wall_ms - whole.startup_ms - whole.first_compile_ms - whole.window_ms
                 - whole.tail_ms) if whole is not None else None
@@ -108,10 +116,11 @@ def _loader_line(use: LoaderUse) -> str:
 )
 def loader_worker_restarts(run: RunResult) -> Iterator[Draft]:
     """A profiled script's training loader with workers and no persistent_workers, passed over
-    at least twice: each later pass's start, first batch beyond the usual wait, and the
-    previous pass's end, measured in the script; priced as a share of the training loop (the
-    run's wall less start-up, gpudiag's window and the exit), a bound: persistent workers
-    still produce each pass's first batch."""
+    at least twice: each later pass's start, the previous pass's end, and the waits of its
+    first batch from each new worker beyond the usual wait, measured in the script; priced as
+    a share of the training loop (the run's wall less start-up, gpudiag's window and the
+    exit): what persistent workers save, which still make each pass's first batches at the
+    usual wait."""
     for stage in run.ok_stages():
         found = worker_restarts(stage)
         if found is None or found.loop_share < RESTART_INFO:
@@ -124,7 +133,7 @@ def loader_worker_restarts(run: RunResult) -> Iterator[Draft]:
             title=(f"The training DataLoader{f' at {use.site}' if use.site else ''} restarts its "
                    f"{use.settings.num_workers} workers on each of {use.passes} passes: "
                    f"{found.ms_per_restart:.0f} ms each time, {found.total_ms:,.0f} ms in all, "
-                   f"up to {pct(found.loop_share)} of the training loop "
+                   f"{pct(found.loop_share)} of the training loop "
                    f"({pct(wall_share)} of the run)"),
             impact=restarts_impact(found),
             evidence={"num_workers": use.settings.num_workers, "persistent_workers": False,
@@ -141,7 +150,8 @@ def loader_worker_restarts(run: RunResult) -> Iterator[Draft]:
                       "loop_ms": None if found.loop_ms is None else round(found.loop_ms, 1),
                       "loop_share": round(found.loop_share, 4),
                       "built_at": use.site, "iterated_at": use.iterated_at,
-                      "price": "bound: persistent workers still make each pass's first batch"},
+                      "price": "measured: each pass's start, the previous pass's end, and its "
+                               "first batches' waits beyond the usual wait"},
             fix=(f"{_loader_line(use)}: the workers are started once and reset between passes "
                  f"instead of {found.restarts} restarts. `gpudiag profile --try-fixes` "
                  "measures it on this script."))
