@@ -27,9 +27,9 @@ KNOBS_SCRIPT = """
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(60)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
+    data = TensorDataset(torch.randn(128, 8), torch.randn(128, 8))
     loader = DataLoader(data, batch_size=16, shuffle=True, num_workers=2)
-    for epoch in range(8):
+    for epoch in range(6):
         for x, y in loader:
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -52,22 +52,23 @@ def test_each_framework_knob_is_named_at_the_line_that_sets_it(tmp_path: Path) -
     assert (seen.name, seen.implementation, seen.chosen) == ("AdamW", "single-tensor",
                                                              "foreach=False")
     assert seen.parameters == 120 and seen.fused_supported and seen.site == built
-    assert seen.step_site == script_line(script, "opt.step()") and seen.steps == 32
+    assert seen.step_site == script_line(script, "opt.step()") and seen.steps == 48
     assert stage.evidence is not None and stage.evidence.optimizer_ops_per_step >= 120 * 5
     optimizer = found["GD106"]
     assert optimizer.location == built and optimizer.severity != "info"
     assert f"AdamW(..., fused=True) at {built}" in optimizer.fix
     assert "foreach=False" in optimizer.fix
-    # Priced as the step's host share in optimizer.step(), as sampled or profiled.
-    assert optimizer.account is not None and 0.2 < optimizer.account.share <= 1.0
+    # Priced as the step's host share in optimizer.step(), as sampled or profiled (~40% here;
+    # a loaded machine's other work dilutes it).
+    assert optimizer.account is not None and 0.15 < optimizer.account.share <= 1.0
 
-    # The DataLoader, as built, passed over 8 times, each pass starting its workers anew.
+    # The DataLoader, as built, passed over 6 times, each pass starting its workers anew.
     (use,) = stage.facts.script.loaders
     made = script_line(script, "loader = DataLoader(")
-    assert use.training and use.site == made and use.passes == 8
+    assert use.training and use.site == made and use.passes == 6
     assert use.iterated_at == script_line(script, "for x, y in loader:")
     assert (use.settings.num_workers, use.settings.persistent_workers) == (2, False)
-    assert [e.batches for e in use.epochs] == [4] * 8
+    assert [e.batches for e in use.epochs] == [8] * 6
     assert all(e.start_ms > 0 and e.end_ms > 0 for e in use.epochs[1:])
     restarts = found["GD204"]
     assert restarts.location == made and restarts.severity != "info"

@@ -342,3 +342,27 @@ def test_no_share_above_one_in_any_recorded_two_gpu_run() -> None:
         for line in (path.parent / "report.md").read_text().splitlines():
             for number in re.findall(r"(\d+(?:\.\d+)?)% of (?:each|the) step", line):
                 assert float(number) <= 100, line
+
+
+NO_SYNC_RUNS = Path(__file__).resolve().parent.parent / "reports" / "examples" / \
+    "h200x2-ddp-no-sync"
+
+
+@pytest.mark.parametrize("transport", ["nvlink", "sockets"])
+def test_recorded_accumulation_without_no_sync_is_priced_as_the_plain_ab_measured(
+        transport: str) -> None:
+    """Two H200s, 8 micro-steps each all-reducing: GD802 at the script's backward() line,
+    its price within 25% of what no_sync() saved by the script's own timer (interleaved
+    runs, reports/examples/h200x2-ddp-no-sync), ahead of the communication it causes."""
+    run = load_run(NO_SYNC_RUNS / transport)
+    found = evaluate(run)
+    (misuse,) = [f for f in found if f.id == "GD802"]
+    assert misuse.location == "examples/tiny_ddp.py:46" and "model.no_sync()" in misuse.fix
+    timed: dict[str, list[float]] = {"0": [], "1": []}
+    for line in (NO_SYNC_RUNS / f"ab-{transport}.txt").read_text().splitlines():
+        side, _, figures = line.partition(" SCRIPT_TIMER ")
+        timed[side.removeprefix("no_sync=")].append(json.loads(figures)["median_ms"])
+    saved = 1 - sum(timed["1"]) / sum(timed["0"])
+    assert misuse.impact == pytest.approx(saved, rel=0.25)
+    for comm in (f for f in found if f.id == "GD803"):
+        assert found.index(misuse) < found.index(comm) and "no_sync()" in comm.fix

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import invoke, profile_command
+from conftest import invoke, line_of, profile_command
 
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.results import RunResult, StageResult, load_run
@@ -109,23 +109,33 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
     assert stage.facts.script is not None and stage.facts.script.compiles is None
 
 
-def test_tiny_ddp_under_torchrun_is_communication_bound(tmp_path: Path) -> None:
+def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) -> None:
+    """Three micro-steps per optimizer step, each all-reducing (no model.no_sync()): named at
+    the script's backward() line with the knob, ahead of the communication it causes."""
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_ddp.py"), TORCHRUN_STEPS,
+                                str(EXAMPLES / "tiny_ddp.py"), TORCHRUN_STEPS, "3",
                                 timed=TORCHRUN_TIMED,
                                 options=("--evidence-steps", str(TORCHRUN_WINDOW)))
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
     # On two shared CPU cores the all-reduce holds 35-50% of the step (gloo's time on the rank
-    # that waits least), near GD803's 30%: the measurement is asserted, and the ranking when
-    # the rule fires.
+    # that waits least): the measurement is asserted, and the ranking when a rule fires.
     held = min(s.evidence.collective_wall_ms_per_step for s in run.stages if s.evidence)
     assert held / max(s.ms_per_iter or 0 for s in run.stages) >= 0.2
+    for stage in run.stages:
+        assert stage.evidence is not None
+        assert stage.evidence.microsteps_per_step == 3
+        assert stage.evidence.microsteps_with_collectives_per_step == 3
+    backward = f"tiny_ddp.py:{line_of(EXAMPLES / 'tiny_ddp.py', 'loss.backward()')}"
+    (misuse,) = [f for f in run.findings if f.id == "GD802"]
+    assert misuse.location == backward
+    assert "model.no_sync()" in misuse.fix and misuse.severity != "info"
     comm = [f for f in run.findings if f.id in ("GD803", "GD804")]
-    if comm:
-        assert run.findings[0] is comm[0], run.findings
+    assert run.findings.index(misuse) < min((run.findings.index(f) for f in comm), default=99)
+    for f in (f for f in comm if f.id == "GD803"):
+        assert "First put every micro-step but the last under model.no_sync()" in f.fix
     # The DDP wrap was seen: 8 Linear(1024, 1024) layers of fp32 gradients, and every rank
     # joined the link probe at the window's end.
     job = run.stages[0].facts.ddp_job

@@ -14,7 +14,13 @@ from typing import Any
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import DdpFacts
-from gpudiag.model.results import Evidence, RunResult, StageResult, bus_bandwidth_factor
+from gpudiag.model.results import (
+    SEVERITY_RANK,
+    Evidence,
+    RunResult,
+    StageResult,
+    bus_bandwidth_factor,
+)
 
 POOR_EFFICIENCY = 0.80
 CRITICAL_EFFICIENCY = 0.50  # below this, N devices barely beat one (two: slower than one)
@@ -24,7 +30,11 @@ SMALL_STEP_MS = 25.0  # a single-device step this short is dominated by fixed pe
 STRAGGLER_RATIO = 1.10  # a rank whose own work takes this much longer than the fastest's
 TARGET_EFFICIENCY = 0.9
 UNPRICED_ROUND_SHARE = 0.1
+COMM_BOUND_SHARE = 0.30
+COMM_CRITICAL_SHARE = 0.50
+WARNING_EXTRA_ROUNDS = 0.05  # a profiled job's extra rounds holding this share of the step
 STRAGGLER_WARNING_LOST = 0.05
+SYMPTOM_RANK = 0.99  # GD803's impact, of GD802's, when extra all-reduce rounds explain it
 
 
 def _ddp(stage: StageResult) -> DdpFacts | None:
@@ -137,7 +147,11 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
                           "all-reduce share beside compute below which the fix says it is not "
                           "hidden"),
                 Threshold("target_efficiency", TARGET_EFFICIENCY,
-                          "the efficiency the advised accumulation count aims for")),
+                          "the efficiency the advised accumulation count aims for"),
+                Threshold("no_sync_warning_share", WARNING_EXTRA_ROUNDS,
+                          "GD802's: extra all-reduce rounds this share of the step explain it"),
+                Threshold("symptom_rank", SYMPTOM_RANK,
+                          "then it ranks just below GD802, which names the knob")),
     references=("https://pytorch.org/docs/stable/notes/ddp.html",
                 "reports/examples/h200x2-ddp: two H200s, 90% over NVLink, 28% over sockets"),
 )
@@ -181,48 +195,98 @@ def ddp_poor_scaling(run: RunResult) -> Iterator[Draft]:
     thresholds=(Threshold("max_rounds_per_update", 1, "all-reduce rounds per optimizer step"),
                 Threshold("unpriced_share", UNPRICED_ROUND_SHARE,
                           "impact per extra round when the link was not probed (no transfer "
-                          "time to price it)")),
+                          "time to price it)"),
+                Threshold("warning_share", WARNING_EXTRA_ROUNDS,
+                          "a profiled job's extra rounds holding this share of the step"),
+                Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical")),
     references=("https://pytorch.org/docs/stable/generated/"
                 "torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel."
                 "DistributedDataParallel.no_sync",),
 )
 def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
     """From the profiler window: accumulation micro-steps per optimizer step (ranges marked
-    gpudiag.microstep) and how many of them issued a collective. More than one reducing
-    micro-step per update is the misuse; its price is the extra rounds' transfer time."""
+    gpudiag.microstep: the ddp stage's forward and backward, a profiled script's backward()
+    calls) and how many of them issued an all-reduce. More than one reducing micro-step per
+    update is the misuse. Its price is the extra rounds' share of the collectives' time: the
+    ddp stage's probed transfer time, a profiled job's exposed collective time (the rank that
+    holds it least; gloo's work time on a CPU)."""
     for stage in run.ok_stages():
-        ev = stage.evidence
-        if ev is None or ev.microsteps_per_step <= 1:
-            continue
+        if _ddp(stage) is not None:
+            yield from _ladder_no_sync(stage)
+    for job in _profiled_jobs(run).values():
+        lead = job.transfer
+        ev = lead.evidence
         rounds = ev.microsteps_with_collectives_per_step
-        if rounds <= 1:
+        if ev.microsteps_per_step <= 1 or rounds <= 1:
             continue
-        info = _ddp(stage)
-        transfer = None if info is None else info.transfer_ms_per_step
-        step = stage.ms_per_iter or ev.step_ms
-        wasted = transfer * (rounds - 1) / rounds if transfer else None
-        share = (min(1.0, wasted / step) if wasted and step
-                 else (rounds - 1) / rounds * UNPRICED_ROUND_SHARE)
+        share = no_sync_share(job)
+        facts = lead.stage.facts.ddp_job
+        at = facts.backward_at if facts is not None else None
         yield Draft(
-            severity=severity_for(share, warning=0.0), stage=stage.name,
+            severity=severity_for(share, warning=WARNING_EXTRA_ROUNDS,
+                                  critical=COMM_CRITICAL_SHARE),
+            stage=lead.stage.name, location=at,
             title=(f"Gradient accumulation all-reduces on {rounds:.0f} of "
-                   f"{ev.microsteps_per_step:.0f} micro-steps per optimizer step: no_sync is "
-                   "missing or wraps only the backward"),
+                   f"{ev.microsteps_per_step:.0f} micro-steps per optimizer step"
+                   + (f" (backward() at {at})" if at else "") + ": no_sync() is missing or "
+                   f"wraps only the backward; the extra rounds hold {pct(share)} of the step"),
             evidence={"microsteps_per_step": ev.microsteps_per_step,
                       "reducing_microsteps_per_step": rounds,
                       "collective_calls_per_step": ev.collective_calls_per_step,
                       "collective_calls_by_kind": ev.collective_calls_by_kind,
-                      "wasted_transfer_ms_per_step": None if wasted is None
-                      else round(wasted, 2),
-                      "no_sync": None if info is None else info.no_sync},
+                      "exposed_ms_per_step": round(job.comm_ms, 2),
+                      "wasted_ms_per_step": round(job.comm_ms * (rounds - 1) / rounds, 2),
+                      "backward_at": at,
+                      "ddp_built_at": facts.built_at if facts is not None else None},
             impact=share,
-            fix=("Wrap forward and backward of all micro-steps but the last in "
-                 "model.no_sync(); one all-reduce per optimizer step then carries the "
+            fix=(f"Wrap forward and backward of every micro-step but the last in "
+                 f"model.no_sync(){f' (at {at})' if at else ''}: `ctx = model.no_sync() if "
+                 "not last else contextlib.nullcontext(); with ctx: loss = model(x); "
+                 "loss.backward()`. One all-reduce per optimizer step then carries the "
                  f"accumulated gradients ({pct(1 - 1 / rounds)} fewer rounds)."))
 
 
-COMM_BOUND_SHARE = 0.30
-COMM_CRITICAL_SHARE = 0.50
+def no_sync_share(job: _Job) -> float:
+    """The share of the step a profiled job's extra all-reduce rounds hold (0: none)."""
+    ev = job.transfer.evidence
+    rounds = ev.microsteps_with_collectives_per_step
+    if ev.microsteps_per_step <= 1 or rounds <= 1:
+        return 0.0
+    return job.share * (rounds - 1) / rounds
+
+
+def _ladder_no_sync(stage: StageResult) -> Iterator[Draft]:
+    """The ddp stage's misuse, priced by its probed transfer time."""
+    ev = stage.evidence
+    if ev is None or ev.microsteps_per_step <= 1:
+        return
+    rounds = ev.microsteps_with_collectives_per_step
+    if rounds <= 1:
+        return
+    info = _ddp(stage)
+    transfer = None if info is None else info.transfer_ms_per_step
+    step = stage.ms_per_iter or ev.step_ms
+    wasted = transfer * (rounds - 1) / rounds if transfer else None
+    share = (min(1.0, wasted / step) if wasted and step
+             else (rounds - 1) / rounds * UNPRICED_ROUND_SHARE)
+    yield Draft(
+        severity=severity_for(share, warning=0.0), stage=stage.name,
+        title=(f"Gradient accumulation all-reduces on {rounds:.0f} of "
+               f"{ev.microsteps_per_step:.0f} micro-steps per optimizer step: no_sync is "
+               "missing or wraps only the backward"),
+        evidence={"microsteps_per_step": ev.microsteps_per_step,
+                  "reducing_microsteps_per_step": rounds,
+                  "collective_calls_per_step": ev.collective_calls_per_step,
+                  "collective_calls_by_kind": ev.collective_calls_by_kind,
+                  "wasted_transfer_ms_per_step": None if wasted is None
+                  else round(wasted, 2),
+                  "no_sync": None if info is None else info.no_sync},
+        impact=share,
+        fix=("Wrap forward and backward of all micro-steps but the last in "
+             "model.no_sync(); one all-reduce per optimizer step then carries the "
+             f"accumulated gradients ({pct(1 - 1 / rounds)} fewer rounds)."))
+
+
 LINK_BOUND = 0.5  # effective bus bandwidth at least this share of the probe's: the link limits
 _RANK_NAME = re.compile(r"^(?P<job>.*)\[rank(?P<rank>\d+)\]$")
 
@@ -412,7 +476,11 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
                           "a job with a straggler (GD804) is left to that rule"),
                 Threshold("explains", COMM_EXPLAINS, "... see GD804"),
                 Threshold("target_efficiency", TARGET_EFFICIENCY,
-                          "the efficiency the advised accumulation count aims for")),
+                          "the efficiency the advised accumulation count aims for"),
+                Threshold("no_sync_warning_share", WARNING_EXTRA_ROUNDS,
+                          "GD802's: extra all-reduce rounds this share of the step explain it"),
+                Threshold("symptom_rank", SYMPTOM_RANK,
+                          "then it ranks just below GD802, which names the knob")),
     references=("https://pytorch.org/docs/stable/ddp_comm_hooks.html",
                 "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md"),
 )
@@ -442,6 +510,19 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                 "(many small buckets) or waits: raise bucket_cap_mb (now "
                 f"{facts.get('bucket_mb') or 'unknown'} MB), and give each all-reduce more "
                 f"work (a larger per-device batch, or >= {k} micro-steps under no_sync()).")
+        extra = no_sync_share(job)
+        impact, severity = job.share, severity_for(job.share, warning=COMM_BOUND_SHARE,
+                                                   critical=COMM_CRITICAL_SHARE)
+        if extra > 0:  # every micro-step all-reduces: GD802's knob first, and its rank
+            facts_job = lead.stage.facts.ddp_job
+            at = facts_job.backward_at if facts_job is not None else None
+            cure = ("First put every micro-step but the last under model.no_sync() (GD802"
+                    + (f", backward() at {at}" if at else "") + f"): {pct(extra)} of the step "
+                    "is their extra all-reduces. Then: " + cure)
+            impact = min(impact, extra) * SYMPTOM_RANK
+            severity = min(severity, severity_for(extra, warning=WARNING_EXTRA_ROUNDS,
+                                                  critical=COMM_CRITICAL_SHARE),
+                           key=SEVERITY_RANK.__getitem__)
         measured = ("with nothing else on the GPU" if lead.evidence.backend == "cuda" else
                     "by gloo's work time")
         ev = lead.evidence
@@ -463,9 +544,7 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                        "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
                        "torch.bfloat16, reduce_dtype=torch.bfloat16)))." if link_bound else ""))
         yield Draft(
-            severity=severity_for(job.share, warning=COMM_BOUND_SHARE,
-                                  critical=COMM_CRITICAL_SHARE),
-            stage=lead.stage.name,
+            severity=severity, stage=lead.stage.name,
             title=(f"Communication-bound: {what} {job.share:.0%} of each step "
                    f"({job.comm_ms:.1f} of {step:.1f} ms) {measured}; perfect overlap would "
                    f"bring the step to no less than {without:.1f} ms"),
@@ -481,5 +560,5 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                       "collective_calls_by_kind": ev.collective_calls_by_kind,
                       "rank_waits_ms_per_step": job.waits(),
                       "samples_per_step": lead.stage.samples_per_step, **facts},
-            impact=job.share,
+            impact=impact,
             fix=f"{link} {cure}".strip())

@@ -20,7 +20,7 @@ from typing import Literal
 from gpudiag.diagnose.host import StepAccount, step_account
 from gpudiag.diagnose.timeline import RunAccount, describe, stage_account
 from gpudiag.model.facts import HostKind
-from gpudiag.model.results import Finding, FindingAccount, RunResult, StageResult
+from gpudiag.model.results import SEVERITY_RANK, Finding, FindingAccount, RunResult, StageResult
 
 Whole = Literal["step", "loop"]
 
@@ -90,6 +90,27 @@ def account_findings(run: RunResult, findings: list[Finding]) -> None:
             share_of_wall=None if wall is None else round(wall, 4),
             ms_per_step=round(finding.impact * books.step.step_ms, 2)
             if whole == "step" and books.step is not None else None)
+
+
+def rank(run: RunResult, findings: list[Finding]) -> None:
+    """Most severe first, then by what each costs of one whole, the run's wall: a share of the
+    step and one of the training loop are not comparable as they stand (a steady step's idle
+    GPU is a small part of a loop that mostly restarts DataLoader workers)."""
+    ledgers: dict[str, Ledger | None] = {}
+
+    def of_wall(finding: Finding) -> float:
+        if finding.account is not None and finding.account.share_of_wall is not None:
+            return finding.account.share_of_wall
+        stage = run.stage(finding.stage) if finding.stage is not None else None
+        if stage is None:
+            return finding.impact
+        if stage.name not in ledgers:
+            ledgers[stage.name] = ledger(stage)
+        books = ledgers[stage.name]
+        steps = books.steps_share if books is not None else None
+        return finding.impact if steps is None else finding.impact * steps
+
+    findings.sort(key=lambda f: (SEVERITY_RANK[f.severity], of_wall(f)), reverse=True)
 
 
 def _run_part(books: Ledger, finding: Finding) -> str:

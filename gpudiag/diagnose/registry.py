@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.diagnose.ledger import account_findings
+from gpudiag.diagnose.ledger import account_findings, rank
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult, Severity
 
 Check = Callable[[RunResult], Iterator["Draft"]]
@@ -84,6 +84,7 @@ def evaluate(run: RunResult) -> list[Finding]:
             findings.append(Finding(id=r.code, rule=r.name, **dataclasses.asdict(draft)))
     findings.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.impact), reverse=True)
     account_findings(run, findings)
+    rank(run, findings)
     return findings
 
 

@@ -164,6 +164,8 @@ class DdpJobFacts:
     backend: str = ""
     bucket_mb: float | None = None
     allreduce_probe: LinkProbe | None = None
+    built_at: str | None = None  # "path:line": the script's DistributedDataParallel(...) line
+    backward_at: str | None = None  # "path:line": where the script calls backward()
 
 
 @dataclass

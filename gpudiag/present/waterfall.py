@@ -148,6 +148,23 @@ def terminal_tables(run: RunResult) -> list[Table]:
 MAX_LINE_WIDTH = 48  # a longer `path:line ms` entry is folded, not the table squeezed
 
 
+TERMINAL_WIDTH, MIN_BAR_WIDTH, RICH_SLACK = 100, 3, 3
+
+
+def _lines_bar_width(rows: list[Row], unit: str, priced: bool) -> int:
+    """The bar beside the busiest lines, narrowed so that a `path:line ms` entry up to
+    MAX_LINE_WIDTH long and the "priced by" column still fit TERMINAL_WIDTH whole."""
+    longest = min(MAX_LINE_WIDTH, max((len(e) for row in rows for e in row.lines.split(", ")),
+                                      default=0))
+    ms = max([len(unit)] + [len(f"{row.ms:,.2f}") for row in rows])
+    columns = 6 if priced else 5
+    # A space of padding each side of each cell, the table's edges' included.
+    fixed = PART_WIDTH + ms + len("100.0%") + 2 * columns \
+        + (len("priced by") if priced else 0) + longest
+    # Rich shares out a few columns more than the cells ask for: kept as slack.
+    return max(MIN_BAR_WIDTH, min(LINES_BAR_WIDTH, TERMINAL_WIDTH - fixed - RICH_SLACK))
+
+
 def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
     kept = shown(rows)
     priced = any(row.findings for row in kept)
@@ -166,7 +183,7 @@ def _table(title: str, rows: list[Row], unit: str, *, lines: bool) -> Table:
                          overflow="fold")
     if priced:
         table.add_column("priced by", no_wrap=True, min_width=len("priced by"))
-    bar_width = LINES_BAR_WIDTH if lines else BAR_WIDTH
+    bar_width = _lines_bar_width(kept, unit, priced) if lines else BAR_WIDTH
     start = 0.0
     for row in kept:
         # A waterfall: each bar starts where the previous part ended.

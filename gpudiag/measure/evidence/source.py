@@ -24,7 +24,6 @@ from torch.profiler import record_function
 
 ANNOTATION_PREFIX = "gpudiag.src|"
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_EVIDENCE_DIR = str(Path(__file__).resolve().parent)
 # torch frames that only dispatch the call the user made (not library code calling torch).
 _DISPATCH_FILES = ("overrides.py", "functional.py", "_tensor.py")
 
@@ -77,17 +76,24 @@ def matmul_dtype(func: Any, args: tuple[Any, ...]) -> str:
     return DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
 
 
-# gpudiag's own instrumentation (this window, the profile recorder): never a call site. Its
-# models and stages are: they are the code `gpudiag run` measures.
-_INSTRUMENTATION = (_EVIDENCE_DIR, str(Path(__file__).resolve().parent.parent / "profile"))
-_GPUDIAG_WORKLOADS = tuple(str(Path(__file__).resolve().parent.parent / d)
+# gpudiag's own code (this window, the profile recorder, its telemetry and timing, the
+# gpudiag.step() a script calls): never a call site, never the user's work. Its models and
+# stages are: they are the code `gpudiag run` measures.
+_GPUDIAG_DIR = str(Path(__file__).resolve().parents[2]) + os.sep
+_GPUDIAG_WORKLOADS = tuple(str(Path(__file__).resolve().parent.parent / d) + os.sep
                            for d in ("models", "stages"))
 _STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 
 
 @functools.cache
+def _is_gpudiag(filename: str) -> bool:
+    return filename.startswith(_GPUDIAG_DIR) and not filename.startswith(_GPUDIAG_WORKLOADS)
+
+
+@functools.cache
 def _is_internal(filename: str) -> bool:
-    return filename.startswith((_TORCH_DIR, *_INSTRUMENTATION)) or filename.startswith("<frozen")
+    return (filename.startswith(_TORCH_DIR) or _is_gpudiag(filename)
+            or filename.startswith("<frozen"))
 
 
 @functools.cache
@@ -184,7 +190,7 @@ def frame_role(filename: str) -> FrameRole:
     torch's, or gpudiag's own instrumentation."""
     if filename.startswith(_TORCH_DIR) or _generated_by_torch(filename):
         return "torch"
-    if filename.startswith(_INSTRUMENTATION):
+    if _is_gpudiag(filename):
         return "gpudiag"
     if filename.startswith("<frozen") or is_library(filename):
         return "library"

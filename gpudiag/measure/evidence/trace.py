@@ -719,7 +719,9 @@ def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
     if backend == "cuda":
         exposed = _blocking(wall, compute, other, launched_at)
         compute_us = _length(_clip(compute, window))
-    micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE]
+    # The host's ranges: kineto copies each onto the GPU's timeline too (gpu_user_annotation).
+    micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE
+             and e.get("cat") == "user_annotation"]
     reduced = 0
     for m in micro:
         i = bisect.bisect_left(reductions, float(m["ts"]))

@@ -1,10 +1,10 @@
 """What the recorder patches in the script's interpreter to see its steps and work: a global
 optimizer step post-hook (the step clock), the optimizer's constructor (the script's line that
-builds each one), DataLoader construction and iteration (its settings, the data wait, where
-each loop is, each pass's start and end), torch.save and safetensors' savers (blocking saves;
-the write watch hears of them), and DistributedDataParallel's constructor (the bytes it
-all-reduces). Each patch calls one of
-the Recorder's methods (recorder.py); each is made once, however often installed."""
+builds each one), backward() (a micro-step each), DataLoader construction and iteration (its
+settings, the data wait, where each loop is, each pass's start and end), torch.save and
+safetensors' savers (blocking saves; the write watch hears of them), and
+DistributedDataParallel's constructor (the bytes it all-reduces, and where). Each patch calls
+one of the Recorder's methods (recorder.py); each is made once, however often installed."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import record_function
 from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
+from gpudiag.measure.evidence.trace import MICROSTEP_RANGE
 from gpudiag.measure.profile.inscript import writewatch
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ def install(recorder: Recorder) -> None:
     """Every patch, calling into `recorder`."""
     register_optimizer_step_post_hook(recorder.optimizer_stepped)
     _hook_optimizers(recorder)
+    _hook_backward(recorder)
     _hook_loader(recorder)
     _hook_saves(recorder)
     _hook_ddp(recorder)
@@ -54,6 +57,20 @@ def _hook_optimizers(recorder: Recorder) -> None:
         return __init__
 
     _wrap(torch.optim.Optimizer, "__init__", noted_init)
+
+
+def _hook_backward(recorder: Recorder) -> None:
+    # Each backward() is a micro-step: under gradient accumulation several make one optimizer
+    # step, and whether DDP all-reduced in each (no_sync) is read from the window's ranges
+    # (gpudiag/measure/evidence/trace.py). Tensor.backward calls torch.autograd.backward.
+    def marked(original: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            recorder.backward_called(sys._getframe(1))
+            with record_function(MICROSTEP_RANGE):
+                return original(*args, **kwargs)
+        return backward
+
+    _wrap(torch.autograd, "backward", marked)
 
 
 def _hook_loader(recorder: Recorder) -> None:
@@ -117,7 +134,7 @@ def _hook_ddp(recorder: Recorder) -> None:
     def noted_ddp(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
-            recorder.ddp_wrapped(self)
+            recorder.ddp_wrapped(self, sys._getframe(1))
         return __init__
 
     _wrap(DistributedDataParallel, "__init__", noted_ddp)

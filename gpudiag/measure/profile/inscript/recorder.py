@@ -122,6 +122,7 @@ class Recorder:
         self.error: str | None = None
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
         self.optimizers = OptimizerWatch()
+        self.backward_site: str | None = None
         self.loaders = LoaderWatch()
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
@@ -295,15 +296,27 @@ class Recorder:
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
-    def ddp_wrapped(self, model: Any) -> None:
-        """A DistributedDataParallel was built: note the bytes it all-reduces per step."""
+    def ddp_wrapped(self, model: Any, frame: FrameType | None = None) -> None:
+        """A DistributedDataParallel was built: note the bytes it all-reduces per step, and
+        where."""
 
         params = [p for p in model.module.parameters() if p.requires_grad]
         cap = getattr(model, "bucket_bytes_cap", None)
+        site = call_site(frame)
         self.ddp = DdpJobFacts(grad_bytes=sum(p.numel() * p.element_size() for p in params),
                                bucket_mb=cap / 2**20 if cap else None,
                                world_size=dist.get_world_size(),
-                               backend=str(dist.get_backend()))
+                               backend=str(dist.get_backend()),
+                               built_at=site.location if site is not None else None,
+                               backward_at=self.backward_site)
+
+    def backward_called(self, frame: FrameType) -> None:
+        """The script's first backward() call: where gradient accumulation's knob goes."""
+        if self.backward_site is None:
+            site = call_site(frame)
+            self.backward_site = site.location if site is not None else None
+            if self.ddp is not None:
+                self.ddp.backward_at = self.backward_site
 
     def _probe_link(self) -> None:
         """Every rank closes its window at the same optimizer step (DDP keeps them in step),
