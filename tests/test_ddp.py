@@ -259,7 +259,14 @@ def test_all_reduce_far_below_the_link_is_called_latency_bound() -> None:
     run = _job(_rank(0, step=40.0, exposed=16.0, compute=20.0, grad=4_000_000),
                _rank(1, step=40.0, exposed=16.0, compute=20.0, grad=4_000_000))
     (f,) = _one(run, "GD803")
-    assert f.evidence["effective_busbw_gbps"] < 0.5 * 297 and "bucket_cap_mb" in f.fix
+    assert f.evidence["effective_busbw_gbps"] < 0.5 * 297
+    # 4 MB of gradients fit DDP's one 25 MB bucket: a bigger bucket cannot help, and the
+    # advice says so rather than "raise bucket_cap_mb".
+    assert "fit one bucket already (bucket_cap_mb 25)" in f.fix and "raise" not in f.fix
+    many = _job(_rank(0, step=400.0, exposed=160.0, compute=200.0, grad=400_000_000, probe=2970),
+                _rank(1, step=400.0, exposed=160.0, compute=200.0, grad=400_000_000, probe=2970))
+    (g,) = _one(many, "GD803")
+    assert "raise bucket_cap_mb, now 25 MB" in g.fix
 
 
 def test_a_rank_waiting_for_a_slower_rank_is_a_straggler_not_the_network() -> None:

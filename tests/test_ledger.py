@@ -146,3 +146,32 @@ def test_a_schema_3_account_that_is_no_account_is_refused_naming_it(tmp_path: Pa
     with pytest.raises(RunFileError, match=rf"findings\[{finding}\]\.account\.share") as info:
         load_run(tmp_path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("framework", "hook", "knob"), [
+    ("transformers", None, 'TrainingArguments(..., eval_steps=<more steps>, or '
+                           'eval_strategy="epoch"'),
+    ("lightning", "Model.val_dataloader", "Trainer(val_check_interval=<more steps>"),
+    (None, None, None),
+])
+def test_a_frameworks_evaluation_is_named_with_its_knob(
+        framework: str | None, hook: str | None, knob: str | None) -> None:
+    """An evaluation loop the Trainer runs (its loader built by transformers' Trainer, or by
+    the script's Lightning hook) names the setting that runs it this often; a script's own
+    evaluation loop has no such knob."""
+    from gpudiag.model.facts import LoaderEpoch, LoaderFacts, LoaderUse
+
+    stage = _script_stage(eval_every=10, eval_ms=218.0)
+    assert stage.facts.script is not None and stage.facts.script.timeline is not None
+    loop = stage.facts.script.timeline.loops[0]
+    stage.facts.script.loaders = [LoaderUse(
+        site=None, settings=LoaderFacts(num_workers=0, pin_memory=False),
+        iterated_at=loop.location, passes=19, epochs=[LoaderEpoch(step=10, start_ms=1.0)],
+        framework=framework, hook=hook, edit_at="train.py:12" if framework else None)]
+    (evaluation,) = [f for f in _run(stage).findings if f.id == "GD703"]
+    if knob is None:
+        assert "It is the Trainer's" not in evaluation.fix and "Lightning" not in evaluation.fix
+    else:
+        assert knob in evaluation.fix
+    if framework == "transformers":
+        assert "at train.py:12" in evaluation.fix

@@ -110,11 +110,11 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
 
 
 def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) -> None:
-    """Three micro-steps per optimizer step, each all-reducing (no model.no_sync()): named at
+    """Two micro-steps per optimizer step, each all-reducing (no model.no_sync()): named at
     the script's backward() line with the knob, ahead of the communication it causes."""
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_ddp.py"), TORCHRUN_STEPS, "3",
+                                str(EXAMPLES / "tiny_ddp.py"), TORCHRUN_STEPS, "2",
                                 timed=TORCHRUN_TIMED,
                                 options=("--evidence-steps", str(TORCHRUN_WINDOW)))
     assert code == 0, output
@@ -126,8 +126,8 @@ def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) ->
     assert held / max(s.ms_per_iter or 0 for s in run.stages) >= 0.2
     for stage in run.stages:
         assert stage.evidence is not None
-        assert stage.evidence.microsteps_per_step == 3
-        assert stage.evidence.microsteps_with_collectives_per_step == 3
+        assert stage.evidence.microsteps_per_step == 2
+        assert stage.evidence.microsteps_with_collectives_per_step == 2
     backward = f"tiny_ddp.py:{line_of(EXAMPLES / 'tiny_ddp.py', 'loss.backward()')}"
     (misuse,) = [f for f in run.findings if f.id == "GD802"]
     assert misuse.location == backward

@@ -105,3 +105,37 @@ def test_the_profiler_window_is_gpudiags_own_part() -> None:
     assert whole is not None and not whole.works
     assert whole.window_ms == pytest.approx(900.0, rel=0.02)
     _parts_add_up(timeline)
+
+
+def test_an_evaluation_too_rare_for_a_period_beside_saves_is_named_at_its_line() -> None:
+    """nanoGPT's case: an evaluation every 20 steps of a 60-step run (no DataLoader), on the
+    steps that also save. Two occurrences show no period; the host samples of those slow
+    steps put the extra beyond the save at the evaluation's call: a work of its own, priced
+    apart from the saves, nothing left irregular. Jitter's lone spikes stay irregular."""
+    from gpudiag.model.facts import HostLine, HostSamples, HostStep
+
+    timeline = _timeline(n=60, other_every=20, other_ms=300.0, save_every=20, save_ms=40.0,
+                         jitter=0.02)
+    timeline.step_ms[33] += 60.0  # a lone spike the samples put elsewhere
+    steady = {"train.py:30": 15.0, "train.py:31": 8.0}
+    slow = [HostStep(step=s, ms=timeline.step_ms[s], loop_ms={**steady, "train.py:44": 300.0,
+                                                              "train.py:46": 40.0})
+            for s in (20, 40)]
+    slow.append(HostStep(step=33, ms=timeline.step_ms[33],
+                         loop_ms={"train.py:30": 75.0, "train.py:31": 8.0}))
+    host = HostSamples(period_ms=5.0, samples=400, steady_steps=50,
+                       steady_wall_ms=50 * STEP_MS, sampled_ms=50 * STEP_MS,
+                       lines=[HostLine("train.py:30", "<module>", "torch", 50 * 15.0)],
+                       loop="train.py:28", loop_ms={k: 50 * v for k, v in steady.items()},
+                       slow_steps=slow, text={"train.py:44": "losses = estimate_loss()"})
+    whole = account(timeline, host)
+    assert whole is not None
+    kinds = {w.kind: w for w in whole.works}
+    assert kinds["save"].steps == [20, 40]
+    assert kinds["save"].per_occurrence_ms == pytest.approx(40.0, rel=0.1)
+    evaluation = kinds["other"]
+    assert (evaluation.line, evaluation.steps) == ("train.py:44", [20, 40])
+    assert evaluation.per_occurrence_ms == pytest.approx(300.0, rel=0.1)
+    assert evaluation.line_text == "losses = estimate_loss()"
+    assert whole.irregular_ms == pytest.approx(60.0, rel=0.2)  # the lone spike
+    _parts_add_up(timeline)

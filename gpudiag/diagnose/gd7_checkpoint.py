@@ -22,7 +22,7 @@ from gpudiag.diagnose.spikes import (
     lost_share,
 )
 from gpudiag.diagnose.timeline import PeriodicWork, RunAccount, describe, stage_account
-from gpudiag.model.facts import SaveRecord
+from gpudiag.model.facts import OtherLoop, SaveRecord
 from gpudiag.model.results import RunResult, StageResult
 
 MIN_STEPS = 20
@@ -33,6 +33,7 @@ TARGET_OVERHEAD = 0.03  # the checkpoint overhead the advised interval aims for
 CONTENTION_SLOWDOWN = 0.10  # steps during a write this much slower than steps without one
 MIN_STEPS_PER_SIDE = 3
 WAIT_NOISE_MS = 1.0  # waits shorter than this are bookkeeping, not a queue
+VALIDATION_HOOKS = ("val_dataloader", "test_dataloader")  # Lightning's evaluation loaders
 OTHER_WORK_SHARE = 0.1  # other work on saving steps worth naming, against the save's stall
 
 
@@ -459,6 +460,9 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
         else:
             where = (" What runs there is neither a save nor a DataLoader loop, and no host "
                      "samples of those steps name its line (--host-sample-hz 0, or too few).")
+        knob = _evaluation_knob(stage, loop) if loop is not None else None
+        if knob is not None:
+            where += f" {knob}"
         yield Draft(
             severity=severity_for(share, warning=WARNING_LOST, critical=CRITICAL_LOST),
             stage=stage.name,
@@ -472,3 +476,25 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
                  "process (a separate evaluation job on saved checkpoints)"
                  + ("; keep the evaluation DataLoader's workers persistent so they do not "
                     "restart each time." if loop is not None else ".")))
+
+
+def _evaluation_knob(stage: StageResult, loop: OtherLoop) -> str | None:
+    """The framework setting that runs an evaluation loop this often, where a framework's
+    Trainer runs it: the loader it iterates was built by transformers' Trainer
+    (get_eval_dataloader, from TrainingArguments) or by the script's Lightning hook."""
+    script = stage.facts.script
+    use = next((u for u in (script.loaders if script is not None else [])
+                if not u.training and u.iterated_at == loop.location), None)
+    if use is None:
+        return None
+    if use.framework == "transformers":
+        at = f" at {use.edit_at}" if use.edit_at else ""
+        return ("It is the Trainer's evaluation: TrainingArguments(..., eval_steps=<more "
+                "steps>, or eval_strategy=\"epoch\"; a smaller eval_dataset, a larger "
+                f"per_device_eval_batch_size){at} sets how often and how much.")
+    hook = (use.hook or "").rpartition(".")[2]  # "Model.val_dataloader"
+    if use.framework in ("lightning", "pytorch_lightning") or hook in VALIDATION_HOOKS:
+        return ("It is Lightning's validation loop: Trainer(val_check_interval=<more "
+                "steps>, check_val_every_n_epoch=..., limit_val_batches=<fewer>) sets how "
+                "often and how much.")
+    return None

@@ -336,6 +336,16 @@ class _Job:
         return {r.rank: round(r.held_ms - self.comm_ms, 2) for r in self.ranks}
 
 
+def _buckets(facts: dict[str, Any]) -> str:
+    """bucket_cap_mb's advice, where it can help: gradients that fill several buckets."""
+    cap, grad = facts.get("bucket_mb"), facts.get("grad_bytes_per_step")
+    if cap and grad is not None and grad <= cap * 2**20:
+        return (f"its {_mb(grad)} of gradients fit one bucket already (bucket_cap_mb "
+                f"{cap:g}), so bucket size cannot help; ")
+    now = f"{cap:g} MB" if cap else "unknown"
+    return f"fewer, larger buckets (raise bucket_cap_mb, now {now}); "
+
+
 def _sharded_calls(ev: Evidence) -> tuple[float, float] | None:
     """(all-gathers, reduce-scatters) per step when they outnumber all-reduces: a sharded
     job (FSDP, ZeRO), whose remedies are not DDP's."""
@@ -507,8 +517,7 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                 f"{_faster_link('nccl' if lead.evidence.backend == 'cuda' else 'gloo')}"
                 if link_bound else
                 "The all-reduce runs well below the link's bandwidth: it is latency-bound "
-                "(many small buckets) or waits: raise bucket_cap_mb (now "
-                f"{facts.get('bucket_mb') or 'unknown'} MB), and give each all-reduce more "
+                f"or waits: {_buckets(facts)}give each all-reduce more "
                 f"work (a larger per-device batch, or >= {k} micro-steps under no_sync()).")
         extra = no_sync_share(job)
         impact, severity = job.share, severity_for(job.share, warning=COMM_BOUND_SHARE,

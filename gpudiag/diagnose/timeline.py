@@ -40,6 +40,7 @@ STANDOUT = 5.0
 ALIKE = 0.25  # an occurrence is at least this share of the typical one
 MIN_PERIOD_HITS = 4  # occurrences a period needs: three fall on one phase by chance too often
 FALSE_PERIOD = 0.01  # chance of a period found in jitter alone, at most
+LINE_HOLDS = 0.5  # of a slow step's sampled extra, at one line: that line's work
 
 
 @dataclass
@@ -303,9 +304,37 @@ def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
         result.works.append(PeriodicWork("other", group.steps,
                                          sum(other.pop(s) for s in group.steps + group.after),
                                          group.period))
+    if host is not None:
+        result.works += _works_by_line(other, host, result.step_ms)
     result.irregular_ms = sum(other.values())
     result.works.sort(key=lambda w: -w.extra_ms)
     if host is not None:
         for work in result.works:
-            if work.kind == "other":  # saves and DataLoader loops are named by their hooks
+            if work.kind == "other" and work.line is None:  # saves, loops: named by hooks
                 _attribute(work, host)
+
+
+def _works_by_line(other: dict[int, float], host: HostSamples,
+                   step_ms: float) -> list[PeriodicWork]:
+    """Slow steps too few for a period (an evaluation every 20 steps of a 60-step run) that
+    the host samples put at one line of the training loop: one work per line, run at least
+    MIN_OCCURRENCES times, each at least doubling the step, the line holding most of each
+    one's extra. Taken out of `other` (what stays there is irregular)."""
+    by_line: dict[str, list[int]] = defaultdict(list)
+    for step, extra in other.items():
+        if extra < step_ms:
+            continue
+        probe = PeriodicWork("other", [step], extra)
+        _attribute(probe, host)
+        if probe.line is not None and (probe.line_share or 0.0) >= LINE_HOLDS:
+            by_line[probe.line].append(step)
+    works = []
+    for steps in by_line.values():
+        if len(steps) < MIN_OCCURRENCES:
+            continue
+        period = _period(sorted(steps))
+        work = PeriodicWork("other", sorted(steps), sum(other.pop(s) for s in steps),
+                            period if period is not None and period > 1 else None)
+        _attribute(work, host)
+        works.append(work)
+    return works
