@@ -19,7 +19,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -512,6 +512,19 @@ def test_what_the_command_leaves_running(tmp_path: Path, monkeypatch: pytest.Mon
             os.kill(sleeper, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _as_a_shell_starts_it() -> Iterator[None]:
+    """A child started meanwhile gets SIGINT handled (a handler, reset to the default at exec)
+    and unblocked: what an xdist worker's own disposition and mask are does not pass on."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)
+
+
 def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_path: Path) -> None:
     """SIGINT to a Python that is still installing gpudiag's recorder (a --try-fixes re-run
     starting up): it ends as Python does on Ctrl-C, killed by SIGINT (130 in a shell), with
@@ -531,8 +544,13 @@ def test_ctrl_c_while_the_recorder_installs_ends_the_interpreter_quietly(tmp_pat
         "for _ in range(600):\n    time.sleep(0.1)\n")
     env = {**os.environ, protocol.ENV_OUT: str(tmp_path / "parts"),
            "PYTHONPATH": os.pathsep.join(map(str, (BOOTSTRAP, PACKAGE_ROOT, stand_in)))}
-    process = subprocess.Popen([sys.executable, "-c", "print('the script ran')"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Started as a shell starts it: SIGINT neither ignored nor blocked, whatever an earlier
+    # test left in this worker (a child inherits both; once, in a clean-clone CI run, it
+    # never saw the signal).
+    with _as_a_shell_starts_it():
+        process = subprocess.Popen([sys.executable, "-c", "print('the script ran')"],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
     try:
         _wait_for(importing.is_file, process)
         process.send_signal(signal.SIGINT)
