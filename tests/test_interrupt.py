@@ -25,3 +25,35 @@ def test_a_stop_silences_the_fd_sharers_lost_peer_in_both_hooks() -> None:
     finally:
         sys.excepthook = previous
     assert seen == [BrokenPipeError]
+
+
+def test_a_stop_raised_where_python_drops_exceptions_is_raised_at_the_next_step() -> None:
+    """A SIGTERM that lands in importlib's module-lock callback (Python prints "Exception
+    ignored" and drops what it raises: a loaded CI run finished instead of stopping) is held
+    and raised by raise_if_stopped(), which the timing loop calls after each step."""
+    import signal
+    import sys
+
+    import pytest
+
+    from gpudiag.measure.interrupts import Terminated, raise_if_stopped, stop_on_signals
+
+    namespace: dict[str, object] = {}
+    exec(compile("import sys\ndef cb():\n    return sys._getframe()\n",
+                 "<frozen importlib._bootstrap>", "exec"), namespace)
+    callback_frame = namespace["cb"]()  # type: ignore[operator]
+    raise_if_stopped()  # no stop open: nothing
+    with stop_on_signals() as stop:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        raise_if_stopped()  # no signal yet
+        handler(signal.SIGTERM, callback_frame)  # held, not raised into the callback
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(Terminated):
+            raise_if_stopped()
+    with stop_on_signals():
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        with pytest.raises(Terminated):
+            handler(signal.SIGTERM, sys._getframe())  # anywhere else: raised at once
+    raise_if_stopped()  # closed: nothing

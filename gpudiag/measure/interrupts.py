@@ -66,15 +66,39 @@ class Stop:
         return None if self.signum is None else 128 + self.signum
 
 
+_ACTIVE: list[Stop] = []  # the open stop_on_signals' Stop, for raise_if_stopped()
+
+
+def _stop_error(signum: int) -> KeyboardInterrupt:
+    return (KeyboardInterrupt if signum == signal.SIGINT else Terminated)()
+
+
+def _swallows(frame: FrameType | None) -> bool:
+    """A frame whose exceptions Python prints as "Exception ignored" and drops: importlib's
+    module-lock weakref callback (seen: a SIGTERM during an import in a loaded CI run)."""
+    return frame is not None and frame.f_code.co_name == "cb" \
+        and frame.f_code.co_filename.startswith("<frozen importlib")
+
+
 def _raise_for(stop: Stop) -> Callable[[int, FrameType | None], None]:
-    def handler(signum: int, _frame: FrameType | None) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
         if stop.signum is not None and now - stop.first_at < REPEAT_WINDOW_S:
             return  # the same stop arriving twice (the terminal's group and a parent's relay)
         if stop.signum is None:
             stop.signum, stop.first_at = signum, now
-        raise (KeyboardInterrupt if signum == signal.SIGINT else Terminated)()
+        if _swallows(frame):
+            return  # raise_if_stopped() at the next step or stage raises it
+        raise _stop_error(signum)
     return handler
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop a signal asked for, where its own raise was lost (a callback whose
+    exceptions Python drops): called between steps and stages, it never fires twice for one
+    stop, since the runner stops at the first."""
+    if _ACTIVE and _ACTIVE[-1].signum is not None:
+        raise _stop_error(_ACTIVE[-1].signum)
 
 
 # A peer that went away mid-handshake, as multiprocessing's resource_sharer thread (how
@@ -120,12 +144,14 @@ def stop_on_signals() -> Iterator[Stop]:
     stop = Stop()
     handler = _raise_for(stop)
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    _ACTIVE.append(stop)
     previous_hook, previous_sys_hook = threading.excepthook, sys.excepthook
     threading.excepthook = _quiet_resource_sharer(previous_hook)
     sys.excepthook = _quiet_sharer_sys_hook(previous_sys_hook)
     try:
         yield stop
     finally:
+        _ACTIVE.remove(stop)
         for s, old in previous.items():
             signal.signal(s, old)
         if stop.signum is None:  # a stopped run is ending: its workers' threads may still speak

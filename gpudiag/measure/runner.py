@@ -30,7 +30,7 @@ from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence import collect_evidence
 from gpudiag.measure.flops import count_flops
-from gpudiag.measure.interrupts import Stopped, signal_name, signal_of
+from gpudiag.measure.interrupts import Stopped, raise_if_stopped, signal_name, signal_of
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
@@ -125,6 +125,7 @@ class _Session:
                                                title=definition.title, error="run interrupted"))
             return None
         try:
+            raise_if_stopped()
             if definition.launch is not None:
                 result, host_only = _launch_stage(definition, self.ctx, self.listener), True
             else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import nvtx
 import torch
 
-from gpudiag.measure.interrupts import Stopped, signal_of
+from gpudiag.measure.interrupts import Stopped, raise_if_stopped, signal_of
 
 # Bound on iterations when a stage runs "until min_seconds": keeps event lists and memory small
 # for very fast steps (a DataLoader batch can take well under a millisecond).
@@ -65,6 +65,7 @@ def time_steps(
             else:
                 host_marks.append(time.perf_counter())
             done += 1
+            raise_if_stopped()
             if on_step is not None:
                 on_step(done)
     except KeyboardInterrupt as exc:  # the steps that finished are measurements: keep them
