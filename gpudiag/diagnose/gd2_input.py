@@ -71,9 +71,8 @@ def worker_restarts(stage: StageResult) -> Restarts | None:
         if not per:
             continue
         whole = stage_account(stage)
-        loop = (whole.wall_ms - whole.startup_ms - whole.first_compile_ms - whole.window_ms
-                - whole.tail_ms) if whole is not None else None
-        return Restarts(use, use.passes - 1, statistics.fmean(per), usual, loop,
+        return Restarts(use, use.passes - 1, statistics.fmean(per), usual,
+                        whole.loop_ms if whole is not None else None,
                         whole.wall_ms if whole is not None else None)
     return None
 

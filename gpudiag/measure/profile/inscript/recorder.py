@@ -123,6 +123,7 @@ class Recorder:
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
         self.optimizers = OptimizerWatch()
         self.backward_site: str | None = None
+        self.backward_seen = False
         self.loaders = LoaderWatch()
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
@@ -311,8 +312,10 @@ class Recorder:
                                backward_at=self.backward_site)
 
     def backward_called(self, frame: FrameType) -> None:
-        """The script's first backward() call: where gradient accumulation's knob goes."""
-        if self.backward_site is None:
+        """The script's first backward() call: where gradient accumulation's knob goes (looked
+        for once: every backward() comes here)."""
+        if not self.backward_seen:
+            self.backward_seen = True
             site = call_site(frame)
             self.backward_site = site.location if site is not None else None
             if self.ddp is not None:
