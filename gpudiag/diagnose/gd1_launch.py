@@ -15,6 +15,7 @@ from gpudiag.diagnose.gd1_optimizer import (
 )
 from gpudiag.diagnose.host import SHORT_KIND, step_account
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.facts import OptimizerFacts
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
 
 LOOP_MIN_CALLS, LOOP_MIN_OPS, LOOP_WARNING, LOOP_CRITICAL = 64, 100, 0.10, 0.40
@@ -258,13 +259,13 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
                            key=SEVERITY_RANK.__getitem__)
         elif (optimizer := _optimizer_cause(stage)) is not None:
             # And a per-tensor optimizer step (GD106), where it is most of the launches.
-            title += (f"; {optimizer} launches most of the step's kernels one parameter at a "
-                      "time (see GD106)")
-            impact = min(excess, optimizer_price(stage)) * SYMPTOM_RANK
-            severity = min(severity, optimizer_severity(optimizer_price(stage)),
-                           key=SEVERITY_RANK.__getitem__)
-        cause = (f"Build {optimizer} with {_optimizer_argument(stage)} (GD106)." if optimizer
-                 else _starved_fix(stage, loop))
+            title += (f"; {_named(optimizer[0])} launches most of the step's kernels one "
+                      "parameter at a time (see GD106)")
+            price = optimizer_price(stage)
+            impact = min(excess, price) * SYMPTOM_RANK
+            severity = min(severity, optimizer_severity(price), key=SEVERITY_RANK.__getitem__)
+        cause = (f"Build {_named(optimizer[0])} with {ARGUMENT[optimizer[1]]} (GD106)."
+                 if optimizer else _starved_fix(stage, loop))
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=cause + " Then batch small ops, remove per-step host syncs, "
@@ -272,23 +273,20 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
                 "static.")
 
 
-def _optimizer_cause(stage: StageResult) -> str | None:
-    """"AdamW at train.py:30" when a per-tensor optimizer step (GD106) issues at least half of
-    the step's launches: the cause GD102 and GD104 then point to."""
+def _optimizer_cause(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
+    """GD106's optimizer and the implementation it names, when its per-tensor step issues at
+    least half of the step's launches: the cause GD102 and GD104 then point to."""
     found = slow_optimizer(stage)
     ev = stage.evidence
     if found is None or ev is None:
         return None
     launches = ev.launches_per_step if ev.backend == "cuda" else ev.ops_per_step
-    if ev.optimizer_ops_per_step < OPTIMIZER_LAUNCH_SHARE * launches:
-        return None
-    optimizer = found[0]
+    return found if ev.optimizer_ops_per_step >= OPTIMIZER_LAUNCH_SHARE * launches else None
+
+
+def _named(optimizer: OptimizerFacts) -> str:
+    """"AdamW at train.py:30"."""
     return optimizer.name + (f" at {optimizer.site}" if optimizer.site else "")
-
-
-def _optimizer_argument(stage: StageResult) -> str:
-    found = slow_optimizer(stage)
-    return ARGUMENT[found[1]] if found is not None else "fused=True"
 
 
 def _starved_fix(stage: StageResult, loop: SourceLine | None) -> str:

@@ -77,11 +77,6 @@ def worker_restarts(stage: StageResult) -> Restarts | None:
     return None
 
 
-def restarts_impact(found: Restarts) -> float:
-    """GD204's price: the restarts' share of the training loop (the ledger's whole)."""
-    return found.loop_share
-
-
 def restarts_severity(found: Restarts) -> Severity:
     """Graded on the training loop, whatever the start-up's share of a short run."""
     return severity_for(found.loop_share, warning=WAIT_WARNING, critical=WAIT_CRITICAL)
@@ -90,7 +85,8 @@ def restarts_severity(found: Restarts) -> Severity:
 def _loader_line(use: LoaderUse) -> str:
     """Where its settings are made: the script's DataLoader(...) line, or a framework's."""
     if use.framework == "transformers":
-        return f"TrainingArguments(..., dataloader_persistent_workers=True) at {use.edit_at}"
+        return ("TrainingArguments(..., dataloader_persistent_workers=True)"
+                + (f" at {use.edit_at}" if use.edit_at else ""))
     if use.hook is not None:
         return f"DataLoader(..., persistent_workers=True) in {use.hook}()"
     return "DataLoader(..., persistent_workers=True)" + (f" at {use.site}" if use.site else "")
@@ -134,7 +130,7 @@ def loader_worker_restarts(run: RunResult) -> Iterator[Draft]:
                    f"{found.ms_per_restart:.0f} ms each time, {found.total_ms:,.0f} ms in all, "
                    f"{pct(found.loop_share)} of the training loop "
                    f"({pct(wall_share)} of the run)"),
-            impact=restarts_impact(found),
+            impact=found.loop_share,
             evidence={"num_workers": use.settings.num_workers, "persistent_workers": False,
                       "passes": use.passes, "batches_per_pass": use.epochs[0].batches,
                       "ms_per_restart": round(found.ms_per_restart, 1),
@@ -209,7 +205,7 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
         severity = severity_for(share, warning=WAIT_WARNING, critical=WAIT_CRITICAL)
         impact = share
         if restarts is not None:  # the cause: this wait never ranks above its finding
-            restart_share = restarts_impact(restarts)
+            restart_share = restarts.loop_share
             impact = min(share, restart_share) * SYMPTOM_RANK
             severity = min(severity, restarts_severity(restarts), key=SEVERITY_RANK.__getitem__)
         knob = ("" if restarts is None else

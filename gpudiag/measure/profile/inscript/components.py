@@ -124,7 +124,7 @@ class LoaderWatch:
             weakref.WeakKeyDictionary()
         self._uses: weakref.WeakKeyDictionary[Any, LoaderUse] = weakref.WeakKeyDictionary()
         self._all: list[LoaderUse] = []
-        self._keys: dict[int, list[int]] = {}  # id(use) -> id() of its iterators
+        self._keys: dict[int, set[int]] = {}  # id(use) -> id() of its iterators
         self._current: dict[int, LoaderEpoch] = {}  # id(iterator) -> its pass now
 
     def built(self, loader: Any, frame: FrameType | None) -> None:
@@ -156,7 +156,7 @@ class LoaderWatch:
         epoch = LoaderEpoch(step=step, start_ms=ms)
         if len(use.epochs) < MAX_EPOCHS_KEPT:
             use.epochs.append(epoch)
-        self._keys.setdefault(id(use), []).append(id(iterator))
+        self._keys.setdefault(id(use), set()).add(id(iterator))
         self._current[id(iterator)] = epoch
 
     def waited(self, iterator: object, ms: float) -> None:
@@ -167,12 +167,13 @@ class LoaderWatch:
             epoch.batches += 1
 
     def exhausted(self, iterator: object, ms: float) -> None:
-        epoch = self._current.get(id(iterator))
+        # The pass is over: a long run's thousands of epochs keep no iterator here.
+        epoch = self._current.pop(id(iterator), None)
         if epoch is not None:
             epoch.end_ms += ms
 
     def facts(self, training: set[int]) -> list[LoaderUse]:
         """Every loader seen; `training`: the iterators (by id) that fed the steps."""
         for use in self._all:
-            use.training = any(key in training for key in self._keys.get(id(use), []))
+            use.training = bool(self._keys.get(id(use), set()) & training)
         return list(self._all)
