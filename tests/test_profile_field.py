@@ -150,8 +150,13 @@ def test_evaluation_every_n_steps_is_named_not_a_checkpoint_stall(tmp_path: Path
     assert ids["GD703"].evidence["period_steps"] == 10
     stall = ids.get("GD701")
     if stall is not None:  # the save's own blocking time, not the evaluation's
-        blocking = stall.evidence["blocking_ms_median"]
-        assert stall.evidence["stall_ms_per_save"] <= blocking + 1.0
+        # Each saving step is charged at most what its save blocked (the evaluation beside
+        # it, ~70 ms, is not the save's). Not the median the evidence shows: one save held up
+        # by a loaded host raises the mean per save alone.
+        script_facts = stage.facts.script
+        assert script_facts is not None and script_facts.timeline is not None
+        longest = max(s.blocking_ms for s in script_facts.timeline.saves)
+        assert stall.evidence["stall_ms_per_save"] <= longest + 0.1
 
 
 def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
