@@ -168,9 +168,23 @@ def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
     # measurement, and the finding's wording and remedies when it fires.
     held = min(s.evidence.collective_wall_ms_per_step for s in run.stages if s.evidence)
     assert held / max(s.ms_per_iter or 0 for s in run.stages) >= 0.2
+    # The fully_shard(layer) line made 8 units that reshard after forward (the root holds no
+    # parameters of its own: no unit); each re-gathers in backward, named there with its knob.
+    shard_line = f"tiny_fsdp2.py:{line_of(EXAMPLES / 'tiny_fsdp2.py', 'fully_shard(layer)')}"
+    for stage in run.stages:
+        script = stage.facts.script
+        assert script is not None and script.fsdp is not None
+        (units,) = script.fsdp.sites
+        assert (units.site, units.units, units.resharding) == (shard_line, 8, 8)
+        assert units.param_bytes == 8 * (1024 * 1024 + 1024) * 4 and script.fsdp.shard_size == 2
+    (regather,) = [f for f in run.findings if f.id == "GD805"]
+    assert regather.location == shard_line and regather.evidence["regathers_per_step"] == 8
+    assert "reshard_after_forward=False" in regather.fix and "DDP" in regather.fix
     for finding in (f for f in run.findings if f.id == "GD803"):
         assert "FSDP's all-gathers and reduce-scatters" in finding.title
-        assert "reshard_after_forward=False" in finding.fix and "no_sync" not in finding.fix
+        assert finding.fix.startswith("First keep parameters gathered") and "GD805" in finding.fix
+        assert "no_sync" not in finding.fix
+        assert run.findings.index(regather) < run.findings.index(finding)
 
 
 def test_a_script_killed_after_its_warm_up_keeps_the_steps_it_reported(tmp_path: Path) -> None:

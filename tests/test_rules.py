@@ -20,6 +20,8 @@ from gpudiag.model.facts import (
     CompileEvent,
     CompileFacts,
     DdpFacts,
+    FsdpFacts,
+    FsdpUnits,
     HostLine,
     HostSamples,
     LinkProbe,
@@ -434,6 +436,21 @@ def gd803(*, share: float) -> RunResult:
     return make_run(make_stage("train.py[rank0]", ms=50.0, evidence=evidence))
 
 
+def gd805(*, resharding: int, share: float = 0.6) -> RunResult:
+    """8 FSDP2 units made at train.py:20, `resharding` of them freeing their parameters after
+    forward (gathered again in backward); the collectives hold `share` of the 50 ms step."""
+    kinds = {"all_gather": 8.0 + resharding, "reduce_scatter": 8.0}
+    evidence = make_evidence(collective_calls_per_step=16.0 + resharding,
+                             collective_calls_by_kind=kinds, window_step_ms=200.0,
+                             collective_exposed_ms_per_step=share * 50.0)
+    unit_bytes = 4 * 2**20
+    fsdp = FsdpFacts(shard_size=2, sites=[FsdpUnits("train.py:20", 8, resharding, 8 * unit_bytes,
+                                                    resharding * unit_bytes)])
+    facts = StageFacts(script=ScriptFacts(steps=60, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", fsdp=fsdp))
+    return make_run(make_stage("train.py[rank0]", ms=50.0, evidence=evidence, facts=facts))
+
+
 def gd804(*, ratio: float) -> RunResult:
     """Rank 1's own device work takes `ratio` x rank 0's; rank 0 waits in the all-reduce."""
     def rank(index: int, compute: float, exposed: float) -> StageResult:
@@ -609,6 +626,11 @@ CASES: dict[str, Case] = {
     "GD803": Case(P(gd803, share=0.3), "train.py[rank0]", "warning",
                   {"exposed_share": 0.3, "exposed_ms_per_step": 15.0},
                   (P(gd803, share=0.299),)),
+    # 8 re-gathers of 24 collective calls, the collectives 60% of the step: 20%.
+    "GD805": Case(P(gd805, resharding=8), "train.py[rank0]", "warning",
+                  {"regathers_per_step": 8.0, "resharding_units": 8, "units": 8,
+                   "fully_shard_at": "train.py:20"},
+                  (P(gd805, resharding=0), P(gd805, resharding=8, share=0.08))),
     "GD804": Case(P(gd804, ratio=1.2), "train.py[rank1]", "warning",
                   {"slow_rank": 1, "fast_rank": 0, "compute_ratio": 1.2,
                    "share_of_step_lost": 0.12},

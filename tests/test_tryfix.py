@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_folder, invoke, line_of, tree_hashes
+from conftest import in_folder, invoke, line_of, tree_hashes, write_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.model.config import ProfileConfig
@@ -143,6 +143,46 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     state = torch.load(copy / "ckpt.pt")["model"]
     assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert not list(tmp_path.glob("seen-*.json"))  # nothing of it in the user's folder
+
+
+def test_fsdp_units_keep_their_parameters_gathered_under_the_remedy(tmp_path: Path) -> None:
+    """fsdp-keep-gathered in a one-rank FSDP2 job: each unit fully_shard made (2 layers; the
+    root has no parameters of its own) keeps its parameters gathered after forward, the record
+    names the script's fully_shard line, and the recorder's own reading of the units sees no
+    unit resharding: the change took effect."""
+    from gpudiag.measure.profile.launching.session import ProfileRequest
+    from gpudiag.measure.profile.launching.session import profile_command as profile_once
+
+    script = write_script(tmp_path / "shard.py", f"""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'pg'}", rank=0,
+                                world_size=1)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(8):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        dist.destroy_process_group()
+    """)
+    config = ProfileConfig(command=(sys.executable, str(script)), warmup=2, timed=4,
+                           evidence_steps=1, stop_after_window=True,
+                           remedies=("fsdp-keep-gathered",), losses=4, seed=0)
+    with in_folder(tmp_path):
+        output = profile_once(ProfileRequest(config, tmp_path / "run", rerun=False,
+                                             isolate="fsdp"))
+    facts = output.run.stages[0].facts.script
+    assert facts is not None and facts.fsdp is not None
+    record = facts.remedies.fsdp_keep_gathered
+    assert record is not None and (record.units, record.kept) == (2, 0)
+    assert record.site == f"shard.py:{line_of(script, 'fully_shard(layer)')}"
+    (units,) = facts.fsdp.sites
+    assert (units.units, units.resharding) == (2, 0)
 
 
 @pytest.mark.slow

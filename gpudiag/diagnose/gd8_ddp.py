@@ -213,7 +213,7 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
     for stage in run.ok_stages():
         if _ddp(stage) is not None:
             yield from _ladder_no_sync(stage)
-    for job in _profiled_jobs(run).values():
+    for job in profiled_jobs(run).values():
         lead = job.transfer
         ev = lead.evidence
         rounds = ev.microsteps_with_collectives_per_step
@@ -253,6 +253,48 @@ def no_sync_share(job: _Job) -> float:
     if ev.microsteps_per_step <= 1 or rounds <= 1:
         return 0.0
     return job.share * (rounds - 1) / rounds
+
+
+def _knob_first(job: _Job) -> tuple[str, float] | None:
+    """The framework setting that explains part of a job's collective time, as GD803 names it
+    first (its rule names it at the script's line), and the share of the step it holds."""
+    extra = no_sync_share(job)
+    if extra > 0:  # every micro-step all-reduces
+        facts = job.transfer.stage.facts.ddp_job
+        at = facts.backward_at if facts is not None else None
+        return ("put every micro-step but the last under model.no_sync() (GD802"
+                + (f", backward() at {at}" if at else "") + "): their extra all-reduces hold",
+                extra)
+    again, share = regathers(job)
+    if share > 0:  # FSDP2 units gathered twice a step
+        return (f"keep parameters gathered from forward to backward (GD805, fully_shard(..., "
+                f"reshard_after_forward=False)): the {again:.0f} re-gathers in backward hold",
+                share)
+    return None
+
+
+def regathers(job: _Job) -> tuple[float, float]:
+    """FSDP2's all-gathers per step that re-gather parameters in backward (units that resharded
+    after forward), and the share of the step they hold: the exposed collective time in
+    proportion to their share of the collective calls (an estimate; the units are alike in a
+    per-layer sharding). (0, 0): none, or not a sharded job."""
+    lead = job.transfer
+    ev = lead.evidence
+    sharded = _sharded_calls(ev)
+    if sharded is None:
+        return 0.0, 0.0
+    gathers, scatters = sharded
+    script = lead.stage.facts.script
+    fsdp = script.fsdp if script is not None else None
+    if fsdp is not None:  # each micro-step's backward re-gathers the resharded units
+        again = min(gathers, fsdp.resharding * max(1.0, ev.microsteps_per_step))
+    elif ev.microsteps_per_step <= 1:  # a gather per unit in forward, a scatter in backward
+        again = max(0.0, gathers - scatters)
+    else:
+        again = 0.0
+    if again < 1 or gathers + scatters <= 0:
+        return 0.0, 0.0
+    return again, job.share * again / (gathers + scatters)
 
 
 def _ladder_no_sync(stage: StageResult) -> Iterator[Draft]:
@@ -354,7 +396,7 @@ def _sharded_calls(ev: Evidence) -> tuple[float, float] | None:
     return (gathers, scatters) if gathers + scatters > by_kind.get("all_reduce", 0.0) else None
 
 
-def _profiled_jobs(run: RunResult) -> dict[str, _Job]:
+def profiled_jobs(run: RunResult) -> dict[str, _Job]:
     """Profiled processes that issued collectives, grouped by job (`train.py[rank1]` is rank 1
     of `train.py`); ddp-stage results are GD801's."""
     jobs: dict[str, list[_Rank]] = defaultdict(list)
@@ -411,7 +453,7 @@ def ddp_straggler(run: RunResult) -> Iterator[Draft]:
     """Profiled ranks of one job (GPU): per rank, the union of its non-collective device work
     in the window. The slowest against the fastest: a ratio >= 1.10 whose difference covers at
     least half of the fastest rank's exposed collective time names the slow rank."""
-    for job in _profiled_jobs(run).values():
+    for job in profiled_jobs(run).values():
         found = _straggler_of(job.ranks)
         if found is None:
             continue
@@ -499,7 +541,7 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
     of NCCL kernels minus other device work; CPU: gloo's work time), device time, over the
     timed step (so the share never exceeds 1); warning from 30%, critical from 50%. Jobs with
     a straggler finding are left to GD804."""
-    for job in _profiled_jobs(run).values():
+    for job in profiled_jobs(run).values():
         if _straggler_of(job.ranks) is not None or job.share < COMM_BOUND_SHARE:
             continue
         lead, step = job.transfer, job.step_ms
@@ -519,19 +561,6 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                 "The all-reduce runs well below the link's bandwidth: it is latency-bound "
                 f"or waits: {_buckets(facts)}give each all-reduce more "
                 f"work (a larger per-device batch, or >= {k} micro-steps under no_sync()).")
-        extra = no_sync_share(job)
-        impact, severity = job.share, severity_for(job.share, warning=COMM_BOUND_SHARE,
-                                                   critical=COMM_CRITICAL_SHARE)
-        if extra > 0:  # every micro-step all-reduces: GD802's knob first, and its rank
-            facts_job = lead.stage.facts.ddp_job
-            at = facts_job.backward_at if facts_job is not None else None
-            cure = ("First put every micro-step but the last under model.no_sync() (GD802"
-                    + (f", backward() at {at}" if at else "") + f"): {pct(extra)} of the step "
-                    "is their extra all-reduces. Then: " + cure)
-            impact = min(impact, extra) * SYMPTOM_RANK
-            severity = min(severity, severity_for(extra, warning=WARNING_EXTRA_ROUNDS,
-                                                  critical=COMM_CRITICAL_SHARE),
-                           key=SEVERITY_RANK.__getitem__)
         measured = ("with nothing else on the GPU" if lead.evidence.backend == "cuda" else
                     "by gloo's work time")
         ev = lead.evidence
@@ -543,15 +572,23 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                     "per step) hold")
             cure = (f"Raise the per-device batch{now}; overlap each unit's all-gather with the "
                     "previous unit's compute (model.layers[i].set_modules_to_forward_prefetch(["
-                    "model.layers[i + 1]]), and set_modules_to_backward_prefetch); keep "
-                    "parameters gathered from forward to backward (fully_shard(..., "
-                    "reshard_after_forward=False): one all-gather fewer per unit, for its "
-                    "memory); shard fewer, larger units (fully_shard each transformer block, "
-                    f"not each layer: {gathers:.0f} all-gathers per step now)."
+                    "model.layers[i + 1]]), and set_modules_to_backward_prefetch); shard fewer, "
+                    "larger units (fully_shard each transformer block, not each layer: "
+                    f"{gathers:.0f} all-gathers per step now)."
                     + (" The link runs near its measured bandwidth: a faster interconnect "
                        "(NVLink, InfiniBand) or fewer bytes (bf16 parameters and gradients: "
                        "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
                        "torch.bfloat16, reduce_dtype=torch.bfloat16)))." if link_bound else ""))
+        impact, severity = job.share, severity_for(job.share, warning=COMM_BOUND_SHARE,
+                                                   critical=COMM_CRITICAL_SHARE)
+        knob = _knob_first(job)
+        if knob is not None:  # a framework setting explains part of it: its rule first
+            first, share = knob
+            cure = f"First {first} {pct(share)} of the step. Then: {cure}"
+            impact = min(impact, share) * SYMPTOM_RANK
+            severity = min(severity, severity_for(share, warning=WARNING_EXTRA_ROUNDS,
+                                                  critical=COMM_CRITICAL_SHARE),
+                           key=SEVERITY_RANK.__getitem__)
         yield Draft(
             severity=severity, stage=lead.stage.name,
             title=(f"Communication-bound: {what} {job.share:.0%} of each step "

@@ -25,6 +25,7 @@ from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
     AsyncSaveRecord,
+    FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
     LoaderRecord,
     Numerics,
@@ -330,15 +331,17 @@ def _no_effect(evidence: RemedyEvidence) -> str:
             return "the script built no DataLoader while it ran: nothing was changed"
         if loaders is not None and all(n.before == n.after for n in loaders):
             return "the script's DataLoaders had these settings already: nothing was changed"
-    if evidence.async_save is not None and evidence.async_save.saves == 0:
-        return "the script called torch.save on no path while it ran: nothing was changed"
-    if evidence.no_empty_cache is not None and evidence.no_empty_cache.calls_skipped == 0:
-        return "the script never called torch.cuda.empty_cache(): nothing was changed"
     optimizers = evidence.fused_optimizer.optimizers if evidence.fused_optimizer else None
-    if optimizers is not None and not any(o.after for o in optimizers):
-        return ("the script built no torch.optim optimizer that could step fused or foreach: "
-                "nothing was changed")
-    return ""
+    untouched = (
+        (evidence.async_save is not None and evidence.async_save.saves == 0,
+         "the script called torch.save on no path while it ran"),
+        (evidence.no_empty_cache is not None and evidence.no_empty_cache.calls_skipped == 0,
+         "the script never called torch.cuda.empty_cache()"),
+        (evidence.fsdp_keep_gathered is not None and evidence.fsdp_keep_gathered.units == 0,
+         "the script built no FSDP2 unit that reshards after forward"),
+        (optimizers is not None and not any(o.after for o in optimizers),
+         "the script built no torch.optim optimizer that could step fused or foreach"))
+    return next((f"{why}: nothing was changed" for found, why in untouched if found), "")
 
 
 QUEUED_SAVE_MS = 10.0  # a background save that waits this long for the previous one queues
@@ -365,7 +368,8 @@ def _site_seen(evidence: RemedyEvidence, names: Sequence[str]) -> str | None:
         if loaders:
             return loaders[0].site
         site = (record.site if isinstance(record, (Tf32Record, AsyncSaveRecord,
-                                                   FusedOptimizerRecord)) else None)
+                                                   FusedOptimizerRecord,
+                                                   FsdpKeepGatheredRecord)) else None)
         if site is not None:
             return site
     return None

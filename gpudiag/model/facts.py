@@ -156,6 +156,37 @@ class DdpFacts:
 
 
 @dataclass
+class FsdpUnits:
+    """The script's fully_shard(...) calls made at one line (a loop over layers is one line),
+    each one FSDP2 unit: a group of parameters gathered before its forward and backward and
+    their gradients reduce-scattered after. Read from FSDP2's parameter groups at the first
+    optimizer step, once its lazy init has decided which units reshard after forward
+    (gpudiag/measure/profile/inscript/components.py), never changed."""
+
+    site: str | None  # "path:line": the script's fully_shard(...) call
+    units: int
+    resharding: int  # units that free their gathered parameters after forward
+    param_bytes: int  # the units' parameters, unsharded
+    resharding_bytes: int  # of them, the resharding units': gathered a second time in backward
+
+
+@dataclass
+class FsdpFacts:
+    """How a profiled script sharded its model with FSDP2, by the line that did it."""
+
+    shard_size: int  # ranks each unit's parameters are sharded over
+    sites: list[FsdpUnits] = field(default_factory=list)
+
+    @property
+    def resharding(self) -> int:
+        return sum(s.resharding for s in self.sites)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(s.param_bytes for s in self.sites)
+
+
+@dataclass
 class DdpJobFacts:
     """What a profiled script's DistributedDataParallel told the recorder, and its link."""
 
@@ -364,6 +395,7 @@ class ScriptFacts:
     compiles: CompileFacts | None = None
     optimizers: list[OptimizerFacts] = field(default_factory=list)
     loaders: list[LoaderUse] = field(default_factory=list)
+    fsdp: FsdpFacts | None = None  # FSDP2's units (fully_shard), where the script shards
 
 
 @dataclass

@@ -90,6 +90,12 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "save a CPU snapshot from a thread: `snap = {k: v.detach().cpu().clone() ...}; "
            "executor.submit(torch.save, snap, path)` (or "
            "torch.distributed.checkpoint.async_save), and wait for it before the next save"),
+    Remedy("fsdp-keep-gathered", "FSDP2 units keep their parameters gathered until backward",
+           ("GD805",), "exact",
+           "each FSDP2 unit built by fully_shard(...) made to keep its gathered parameters from "
+           "forward to backward, as reshard_after_forward=False does (the same collectives' "
+           "results, one all-gather fewer per unit and step, more memory)",
+           "in the fully_shard(...) call that shards each unit: reshard_after_forward=False"),
 )}
 
 # Findings whose cause is in the script's own logic: no change gpudiag could make for one run is
@@ -243,8 +249,16 @@ class FusedOptimizerRecord:
         return next((o.site for o in self.optimizers if o.after), None)
 
 
+@dataclass
+class FsdpKeepGatheredRecord:
+    units: Count = 0  # FSDP2 units made to keep their parameters gathered
+    kept: Count = 0  # units that kept them already (reshard_after_forward=False)
+    site: str | None = None  # the script's first fully_shard(...) line the remedy changed
+
+
 RemedyRecord = (Tf32Record | Bf16AutocastRecord | LoaderRecord | PinnedRecord
-                | NoEmptyCacheRecord | FusedOptimizerRecord | AsyncSaveRecord)
+                | NoEmptyCacheRecord | FusedOptimizerRecord | AsyncSaveRecord
+                | FsdpKeepGatheredRecord)
 
 
 @dataclass
@@ -261,6 +275,7 @@ class RemedyEvidence:
     no_empty_cache: NoEmptyCacheRecord | None = None
     fused_optimizer: FusedOptimizerRecord | None = None
     async_save: AsyncSaveRecord | None = None
+    fsdp_keep_gathered: FsdpKeepGatheredRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

@@ -2,8 +2,9 @@
 each optimizer's implementation (torch.optim's `foreach`/`fused`, resolved the way its step()
 resolves them), its parameter tensors, and the script's lines that build and step it; each
 DataLoader's settings and its passes (what starting one, its first batch and its end held the
-training thread: the worker lifecycle). Read from the live objects, never changed (the
-remedies, remedies.py, are what change them, for one run)."""
+training thread: the worker lifecycle); FSDP2's units, by the line that made them. Read from
+the live objects, never changed (the remedies, remedies.py, are what change them, for one
+run)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from gpudiag.measure.evidence.source import call_site
 from gpudiag.measure.profile.inscript.frameworks import loader_origin, optimizer_origin
-from gpudiag.model.facts import LoaderEpoch, LoaderFacts, LoaderUse, OptimizerFacts, OptimizerImpl
+from gpudiag.model.facts import (
+    FsdpFacts,
+    FsdpUnits,
+    LoaderEpoch,
+    LoaderFacts,
+    LoaderUse,
+    OptimizerFacts,
+    OptimizerImpl,
+)
 
 MAX_OPTIMIZERS = 8  # optimizers described; a script building more (per task, per epoch) repeats
 MAX_LOADERS = 16  # DataLoaders described, likewise
@@ -177,3 +186,48 @@ class LoaderWatch:
         for use in self._all:
             use.training = bool(self._keys.get(id(use), set()) & training)
         return list(self._all)
+
+
+MAX_FSDP_UNITS = 4096  # FSDP2 units followed; a model sharded finer is described by these
+
+
+class FsdpWatch:
+    """FSDP2's units (hooks.py wraps its parameter group's constructor, which each
+    fully_shard(...) call makes one of): where the script sharded, and each unit's parameter
+    bytes, noted as built; whether each reshards after forward is read at the next optimizer
+    step, after FSDP's lazy init at the first forward has kept the root unit gathered."""
+
+    def __init__(self) -> None:
+        self._units: list[tuple[weakref.ref[Any], str | None, int]] = []
+        self._facts: FsdpFacts | None = None
+        self._settled = 0  # units described in _facts
+
+    def built(self, group: Any, frame: FrameType | None, param_bytes: int) -> None:
+        if len(self._units) < MAX_FSDP_UNITS:
+            site = call_site(frame)
+            self._units.append((weakref.ref(group), site.location if site is not None else None,
+                                param_bytes))
+
+    def stepped(self) -> None:
+        if self._settled == len(self._units):
+            return
+        self._settled = len(self._units)
+        sites: dict[str | None, FsdpUnits] = {}
+        shard_size = 1
+        for ref, site, param_bytes in self._units:
+            group = ref()
+            if group is None:
+                continue
+            resharding = getattr(group, "post_forward_mesh_info", None) is not None
+            shard_size = max(shard_size, int(getattr(getattr(group, "mesh_info", None),
+                                                     "shard_mesh_size", 1) or 1))
+            units = sites.setdefault(site, FsdpUnits(site, 0, 0, 0, 0))
+            units.units += 1
+            units.param_bytes += param_bytes
+            if resharding:
+                units.resharding += 1
+                units.resharding_bytes += param_bytes
+        self._facts = FsdpFacts(shard_size=shard_size, sites=list(sites.values()))
+
+    def facts(self) -> FsdpFacts | None:
+        return self._facts

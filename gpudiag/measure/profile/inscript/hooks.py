@@ -3,8 +3,9 @@ optimizer step post-hook (the step clock), the optimizer's constructor (the scri
 builds each one), backward() (a micro-step each), DataLoader construction and iteration (its
 settings, the data wait, where each loop is, each pass's start and end), torch.save and
 safetensors' savers (blocking saves; the write watch hears of them), and
-DistributedDataParallel's constructor (the bytes it all-reduces, and where). Each patch calls
-one of the Recorder's methods (recorder.py); each is made once, however often installed."""
+DistributedDataParallel's constructor (the bytes it all-reduces, and where), and FSDP2's
+parameter groups (each fully_shard(...) unit, where, how large). Each patch calls one of the
+Recorder's methods (recorder.py); each is made once, however often installed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import importlib.util
 import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +24,7 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
 from gpudiag.measure.evidence.trace import MICROSTEP_RANGE
 from gpudiag.measure.profile.inscript import writewatch
+from gpudiag.measure.profile.inscript.afterimport import FSDP_PARAM_GROUP_MODULES, when_imported
 
 if TYPE_CHECKING:
     from gpudiag.measure.profile.inscript.recorder import Recorder
@@ -35,6 +38,7 @@ def install(recorder: Recorder) -> None:
     _hook_loader(recorder)
     _hook_saves(recorder)
     _hook_ddp(recorder)
+    _hook_fsdp(recorder)
 
 
 def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
@@ -138,3 +142,21 @@ def _hook_ddp(recorder: Recorder) -> None:
         return __init__
 
     _wrap(DistributedDataParallel, "__init__", noted_ddp)
+
+
+def _hook_fsdp(recorder: Recorder) -> None:
+    def noted_group(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            # Counted before the constructor shards them: full tensors still.
+            params = args[0] if args else kwargs.get("params", ())
+            param_bytes = sum(p.numel() * p.element_size() for p in params)
+            original(self, *args, **kwargs)
+            recorder.fsdp_grouped(self, sys._getframe(1), param_bytes)
+        return __init__
+
+    def patch(module: ModuleType) -> None:
+        group = getattr(module, "FSDPParamGroup", None)
+        if group is not None:
+            _wrap(group, "__init__", noted_group)
+
+    when_imported(FSDP_PARAM_GROUP_MODULES, patch)

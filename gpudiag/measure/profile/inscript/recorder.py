@@ -31,7 +31,7 @@ from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow, save_trace
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
-from gpudiag.measure.profile.inscript.components import LoaderWatch, OptimizerWatch
+from gpudiag.measure.profile.inscript.components import FsdpWatch, LoaderWatch, OptimizerWatch
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
@@ -122,6 +122,7 @@ class Recorder:
         self.error: str | None = None
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
         self.optimizers = OptimizerWatch()
+        self.fsdp = FsdpWatch()
         self.backward_site: str | None = None
         self.backward_seen = False
         self.loaders = LoaderWatch()
@@ -147,6 +148,7 @@ class Recorder:
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.optimizers.stepped(optimizer, sys._getframe(1))
+        self.fsdp.stepped()
         if self.manual:
             return
         if self.clock is None:
@@ -311,6 +313,10 @@ class Recorder:
                                built_at=site.location if site is not None else None,
                                backward_at=self.backward_site)
 
+    def fsdp_grouped(self, group: Any, frame: FrameType, param_bytes: int) -> None:
+        """fully_shard(...) made an FSDP2 unit of `param_bytes` of parameters."""
+        self.fsdp.built(group, frame, param_bytes)
+
     def backward_called(self, frame: FrameType) -> None:
         """The script's first backward() call: where gradient accumulation's knob goes (looked
         for once: every backward() comes here)."""
@@ -454,6 +460,7 @@ class Recorder:
         return result
 
     def _facts(self, timed: int) -> StageFacts:
+        self.fsdp.stepped()  # units built after the last optimizer step (gpudiag.step() clocks)
         facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
             steps=self.steps, warmup=self.schedule.warmup, timed=timed,
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
@@ -461,7 +468,7 @@ class Recorder:
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
             losses=list(self.losses.values), remedies=self.applied.observe(),
             timeline=self._timeline(), host=self.host, compiles=self.compiles,
-            optimizers=self.optimizers.facts(),
+            optimizers=self.optimizers.facts(), fsdp=self.fsdp.facts(),
             loaders=self.loaders.facts(training_loaders(self.data_calls))))
         assert facts.script is not None
         training = [use for use in facts.script.loaders if use.training]

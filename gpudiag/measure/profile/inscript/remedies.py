@@ -32,11 +32,13 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
+from gpudiag.measure.profile.inscript.afterimport import FSDP_PARAM_GROUP_MODULES, when_imported
 from gpudiag.measure.profile.inscript.frameworks import loader_origin
 from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
     LoaderRecord,
     LoaderSeen,
@@ -371,11 +373,40 @@ def _async_save(seen: RemedyEvidence) -> Callable[[], None]:
     return saver.flush
 
 
+# --- FSDP2 without resharding after forward ---------------------------------------------------
+
+def _fsdp_keep_gathered(seen: RemedyEvidence) -> Callable[[], None]:
+    """Each FSDP2 parameter group built without a post-forward mesh: what
+    FSDPModule.set_reshard_after_forward(False) sets, from the start (its lazy init then keeps
+    it: the root's default is the same)."""
+    record = seen.fsdp_keep_gathered = FsdpKeepGatheredRecord()
+
+    def around(original: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if getattr(self, "post_forward_mesh_info", None) is None:
+                record.kept += 1
+                return
+            self.post_forward_mesh_info = None
+            record.units += 1
+            record.site = record.site or _site()
+        return __init__
+
+    def patch(module: Any) -> None:
+        group = getattr(module, "FSDPParamGroup", None)
+        if group is not None and not getattr(group.__init__, "__gpudiag_remedy__", False):
+            _wrap(group, "__init__", around)
+            group.__init__.__gpudiag_remedy__ = True
+
+    when_imported(FSDP_PARAM_GROUP_MODULES, patch)
+    return lambda: None
+
+
 APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader,
     "persistent-workers": _persistent_workers, "pinned": _pinned,
     "no-empty-cache": _no_empty_cache, "fused-optimizer": _fused_optimizer,
-    "async-save": _async_save,
+    "async-save": _async_save, "fsdp-keep-gathered": _fsdp_keep_gathered,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
