@@ -4,6 +4,7 @@ effect there; the equivalence check; which findings call for which fix; the repo
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -183,6 +184,60 @@ def test_fsdp_units_keep_their_parameters_gathered_under_the_remedy(tmp_path: Pa
     assert record.site == f"shard.py:{line_of(script, 'fully_shard(layer)')}"
     (units,) = facts.fsdp.sites
     assert (units.units, units.resharding) == (2, 0)
+
+
+DDP_NO_SYNC_CHECK = """
+    import json
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from gpudiag.measure.profile.inscript.remedies import Applied
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    def grads(read_by):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)),
+                    bucket_cap_mb=0.01)  # several buckets
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        data = torch.Generator().manual_seed(rank)  # each rank its own batches
+        for _ in range(3):  # three micro-steps, none under no_sync()
+            model(torch.randn(4, 64, generator=data)).square().mean().backward()
+        if read_by == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        else:
+            opt.step()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = grads("step")  # DDP's own: all-reduced in each micro-step's backward
+    applied = Applied(["ddp-no-sync"])
+    fixed = grads("step") + grads("clip")
+    gap = max(float((a - b).abs().max()) for a, b in zip(reference * 2, fixed))
+    record = applied.evidence.ddp_no_sync
+    if rank == 0:
+        print("RESULT " + json.dumps({"gap": gap, "models": record.models,
+                                      "deferred": record.deferred_forwards,
+                                      "reductions": record.reductions, "site": record.site}))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.heavy
+def test_ddp_no_sync_remedy_gives_each_rank_the_gradients_ddp_would(tmp_path: Path) -> None:
+    """Two gloo ranks with different batches, three micro-steps none under no_sync(): with
+    the remedy, no micro-step all-reduces, and what the optimizer step (or gradient clipping)
+    reads is the average DDP's reducer makes, to float rounding."""
+    script = write_script(tmp_path / "no_sync_check.py", DDP_NO_SYNC_CHECK)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script)], capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["gap"] <= 1e-6, result
+    # Two models of three deferred forwards each, averaged once before each reads them.
+    assert (result["models"], result["deferred"], result["reductions"]) == (2, 6, 2)
+    assert result["site"] == f"no_sync_check.py:{line_of(script, 'model(torch.randn(')}"
 
 
 @pytest.mark.slow

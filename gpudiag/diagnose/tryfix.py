@@ -25,6 +25,7 @@ from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
     AsyncSaveRecord,
+    DdpNoSyncRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
     LoaderRecord,
@@ -339,6 +340,8 @@ def _no_effect(evidence: RemedyEvidence) -> str:
          "the script never called torch.cuda.empty_cache()"),
         (evidence.fsdp_keep_gathered is not None and evidence.fsdp_keep_gathered.units == 0,
          "the script built no FSDP2 unit that reshards after forward"),
+        (evidence.ddp_no_sync is not None and evidence.ddp_no_sync.deferred_forwards == 0,
+         "the script ran no DistributedDataParallel forward outside no_sync()"),
         (optimizers is not None and not any(o.after for o in optimizers),
          "the script built no torch.optim optimizer that could step fused or foreach"))
     return next((f"{why}: nothing was changed" for found, why in untouched if found), "")
@@ -368,8 +371,8 @@ def _site_seen(evidence: RemedyEvidence, names: Sequence[str]) -> str | None:
         if loaders:
             return loaders[0].site
         site = (record.site if isinstance(record, (Tf32Record, AsyncSaveRecord,
-                                                   FusedOptimizerRecord,
-                                                   FsdpKeepGatheredRecord)) else None)
+                                                   FusedOptimizerRecord, FsdpKeepGatheredRecord,
+                                                   DdpNoSyncRecord)) else None)
         if site is not None:
             return site
     return None

@@ -96,6 +96,15 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "forward to backward, as reshard_after_forward=False does (the same collectives' "
            "results, one all-gather fewer per unit and step, more memory)",
            "in the fully_shard(...) call that shards each unit: reshard_after_forward=False"),
+    Remedy("ddp-no-sync", "DDP all-reduces once per optimizer step, not per micro-step",
+           ("GD802",), "exact",
+           "every DistributedDataParallel forward run as under model.no_sync(), and the "
+           "accumulated gradients averaged over the ranks in buckets of its bucket_cap_mb "
+           "before the optimizer steps (or before clip_grad_norm_/clip_grad_value_ or a "
+           "GradScaler's unscale_ read them)",
+           "around the forward and backward of every micro-step but the last: `ctx = "
+           "model.no_sync() if not last else contextlib.nullcontext(); with ctx: loss = "
+           "model(x); loss.backward()`"),
 )}
 
 # Findings whose cause is in the script's own logic: no change gpudiag could make for one run is
@@ -256,9 +265,17 @@ class FsdpKeepGatheredRecord:
     site: str | None = None  # the script's first fully_shard(...) line the remedy changed
 
 
+@dataclass
+class DdpNoSyncRecord:
+    models: Count = 0  # DistributedDataParallel models whose forwards were deferred
+    deferred_forwards: Count = 0  # forwards that would have all-reduced in their backward
+    reductions: Count = 0  # the remedy's own all-reduce rounds (one per optimizer step)
+    site: str | None = None  # the script's first DDP forward line: the micro-step to wrap
+
+
 RemedyRecord = (Tf32Record | Bf16AutocastRecord | LoaderRecord | PinnedRecord
                 | NoEmptyCacheRecord | FusedOptimizerRecord | AsyncSaveRecord
-                | FsdpKeepGatheredRecord)
+                | FsdpKeepGatheredRecord | DdpNoSyncRecord)
 
 
 @dataclass
@@ -276,6 +293,7 @@ class RemedyEvidence:
     fused_optimizer: FusedOptimizerRecord | None = None
     async_save: AsyncSaveRecord | None = None
     fsdp_keep_gathered: FsdpKeepGatheredRecord | None = None
+    ddp_no_sync: DdpNoSyncRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

@@ -38,6 +38,7 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    DdpNoSyncRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
     LoaderRecord,
@@ -402,11 +403,110 @@ def _fsdp_keep_gathered(seen: RemedyEvidence) -> Callable[[], None]:
     return lambda: None
 
 
+# --- DDP gradient accumulation under no_sync ---------------------------------------------------
+
+def _bucketed(grads: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """`grads` in buckets of one device and dtype, each up to `cap` bytes (DDP's own sizes)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    for grad in grads:
+        bucket, size = open_.get((grad.device, grad.dtype), ([], [0]))
+        if bucket and size[0] + grad.numel() * grad.element_size() > cap:
+            bucket, size = [], [0]
+        if not bucket:
+            buckets.append(bucket)
+            open_[(grad.device, grad.dtype)] = (bucket, size)
+        bucket.append(grad)
+        size[0] += grad.numel() * grad.element_size()
+    return buckets
+
+
+def _average(model: Any) -> None:
+    """What DDP's reducer does at the last micro-step, once: each gradient divided by the
+    world size and all-reduced (summed), bucket by bucket."""
+    import torch.distributed as dist  # noqa: PLC0415 (only where a DDP model ran)
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: PLC0415
+
+    group = getattr(model, "process_group", None)
+    world = dist.get_world_size(group)
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    for bucket in _bucketed(grads, int(getattr(model, "bucket_bytes_cap", 25 * 2**20))):
+        flat = _flatten_dense_tensors(bucket)
+        flat.div_(world)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(reduced)
+
+
+class _DeferredReduction:
+    """DDP models that ran a forward as under no_sync() since the last averaging."""
+
+    def __init__(self, record: DdpNoSyncRecord) -> None:
+        self.record = record
+        self.pending: dict[int, Any] = {}  # id -> model whose gradients are not averaged yet
+        self.known: set[int] = set()
+
+    def deferred(self, model: Any) -> None:
+        if model.require_backward_grad_sync:  # not inside the script's own no_sync()
+            self.record.deferred_forwards += 1
+            self.record.site = self.record.site or _site(depth=4)
+        self.pending[id(model)] = model
+        if id(model) not in self.known:
+            self.known.add(id(model))
+            self.record.models += 1
+
+    def flush(self, *_: Any) -> None:
+        if self.pending:
+            for model in self.pending.values():
+                _average(model)
+            self.pending.clear()
+            self.record.reductions += 1
+
+
+def _ddp_no_sync(seen: RemedyEvidence) -> Callable[[], None]:
+    """Every DDP forward as under no_sync(); the gradients averaged once, before the first
+    thing that reads them: the optimizer's step, gradient clipping, a GradScaler's unscale_
+    (each rank must clip and check for infs on the averaged gradients, as DDP gives them)."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+    from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
+
+    seen.ddp_no_sync = DdpNoSyncRecord()
+    reduction = _DeferredReduction(seen.ddp_no_sync)
+
+    def around_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return original(self, *args, **kwargs)
+            # DDP reads the flag in forward only (its _pre_forward), as no_sync() sets it.
+            reduction.deferred(self)
+            syncs, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.require_backward_grad_sync = syncs
+        return forward
+
+    def flushed_first(original: Callable[..., Any]) -> Callable[..., Any]:
+        def read_grads(*args: Any, **kwargs: Any) -> Any:
+            reduction.flush()
+            return original(*args, **kwargs)
+        return read_grads
+
+    _wrap(DistributedDataParallel, "forward", around_forward)
+    register_optimizer_step_pre_hook(reduction.flush)
+    for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+        _wrap(owner, "clip_grad_norm_", flushed_first)
+        _wrap(owner, "clip_grad_value_", flushed_first)
+    _wrap(torch.amp.GradScaler, "unscale_", flushed_first)
+    return lambda: None
+
+
 APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader,
     "persistent-workers": _persistent_workers, "pinned": _pinned,
     "no-empty-cache": _no_empty_cache, "fused-optimizer": _fused_optimizer,
     "async-save": _async_save, "fsdp-keep-gathered": _fsdp_keep_gathered,
+    "ddp-no-sync": _ddp_no_sync,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
