@@ -27,7 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.optim.optimizer import _default_to_fused_or_foreach
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import _default_to_fused_or_foreach, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -424,9 +427,6 @@ def _bucketed(grads: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
 def _average(model: Any) -> None:
     """What DDP's reducer does at the last micro-step, once: each gradient divided by the
     world size and all-reduced (summed), bucket by bucket."""
-    import torch.distributed as dist  # noqa: PLC0415 (only where a DDP model ran)
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: PLC0415
-
     group = getattr(model, "process_group", None)
     world = dist.get_world_size(group)
     grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
@@ -467,9 +467,6 @@ def _ddp_no_sync(seen: RemedyEvidence) -> Callable[[], None]:
     """Every DDP forward as under no_sync(); the gradients averaged once, before the first
     thing that reads them: the optimizer's step, gradient clipping, a GradScaler's unscale_
     (each rank must clip and check for infs on the averaged gradients, as DDP gives them)."""
-    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
-    from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
-
     seen.ddp_no_sync = DdpNoSyncRecord()
     reduction = _DeferredReduction(seen.ddp_no_sync)
 
