@@ -1,10 +1,13 @@
-"""Plain A/B of the framework knobs GD106 and GD204 name, with each example script's own timer
-(no gpudiag in the process): examples/per_tensor_optimizer.py as written (AdamW foreach=False)
-against FUSED=1 (fused=True), and examples/loader_restarts.py as written (8 workers, not
-persistent) against PERSISTENT=1, each in fresh processes alternated A B B A over `--pairs`
-pairs. Prints and writes each side's figures and the ratio unfixed / fixed, with the spread
-over pairs: what `gpudiag profile --try-fixes` reports for the same change is held against
-this (reports/examples/h100-knobs).
+"""Plain A/B of the framework knobs gpudiag's findings name, with each example script's own
+timer (no gpudiag in the process): examples/per_tensor_optimizer.py as written (AdamW
+foreach=False) against FUSED=1 (fused=True, GD106), examples/loader_restarts.py as written (8
+workers, not persistent) against PERSISTENT=1 (GD204), and on two GPUs (torchrun, 2 ranks)
+examples/tiny_fsdp2.py against RESHARD=0 (reshard_after_forward=False, GD805) and
+examples/tiny_ddp.py accumulating 4 micro-steps against NO_SYNC=1 (GD802), each in fresh
+processes alternated A B B A over `--pairs` pairs. Prints and writes each side's figures
+and the ratio unfixed / fixed, with the spread over pairs: what `gpudiag profile
+--try-fixes` reports for the same change is held against this (reports/examples/h200-knobs,
+h200x2-knobs).
 
     python benchmarks/knobs_ab.py --pairs 3 --out knobs_ab.json
 """
@@ -21,30 +24,38 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = {
-    # script, the timer's figure (lower is better), the environment that applies the fix
-    "optimizer": ("examples/per_tensor_optimizer.py", "median_ms", {"FUSED": "1"}),
-    "loader": ("examples/loader_restarts.py", "later_epochs_s", {"PERSISTENT": "1"}),
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
+    # command, the timer's figure (lower is better), the environment that applies the fix
+    "optimizer": ((sys.executable, "examples/per_tensor_optimizer.py"), "median_ms",
+                  {"FUSED": "1"}),
+    "loader": ((sys.executable, "examples/loader_restarts.py"), "later_epochs_s",
+               {"PERSISTENT": "1"}),
+    "fsdp-reshard": ((*TORCHRUN, "examples/tiny_fsdp2.py", "60"), "median_ms",
+                     {"RESHARD": "0"}),
+    "ddp-no-sync": ((*TORCHRUN, "examples/tiny_ddp.py", "40", "4"), "median_ms",
+                    {"NO_SYNC": "1"}),
 }
+SINGLE_PROCESS = ("optimizer", "loader")
 
 
-def _timed(script: str, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, str(ROOT / script)], capture_output=True, text=True,
+def _timed(command: tuple[str, ...], env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run(command, capture_output=True, text=True,
                           env={**os.environ, **env}, check=True, cwd=ROOT)
     line = next(x for x in done.stdout.splitlines() if x.startswith("SCRIPT_TIMER "))
     return json.loads(line.removeprefix("SCRIPT_TIMER "))
 
 
 def measure(case: str, pairs: int) -> dict[str, Any]:
-    script, figure, fix = CASES[case]
+    command, figure, fix = CASES[case]
     unfixed: list[float] = []
     fixed: list[float] = []
     for i in range(pairs):
         order = [(unfixed, {}), (fixed, fix)] if i % 2 == 0 else [(fixed, fix), (unfixed, {})]
         for side, env in order:
-            side.append(_timed(script, env)[figure])
+            side.append(_timed(command, env)[figure])
     ratios = [a / b for a, b in zip(unfixed, fixed, strict=True)]
-    return {"script": script, "figure": figure, "fix": fix, "unfixed": unfixed,
+    return {"command": " ".join(command[1:]), "figure": figure, "fix": fix, "unfixed": unfixed,
             "fixed": fixed, "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios),
             "saved_share": 1 - statistics.median(fixed) / statistics.median(unfixed)}
@@ -53,7 +64,8 @@ def measure(case: str, pairs: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(SINGLE_PROCESS),
+                        help=f"of {', '.join(CASES)} (the last two need two GPUs)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = {case: measure(case, args.pairs) for case in args.cases.split(",")}

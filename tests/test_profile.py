@@ -170,13 +170,17 @@ def test_tiny_fsdp2_under_torchrun_names_its_all_gathers_and_reduce_scatters(
     assert held / max(s.ms_per_iter or 0 for s in run.stages) >= 0.2
     # The fully_shard(layer) line made 8 units that reshard after forward (the root holds no
     # parameters of its own: no unit); each re-gathers in backward, named there with its knob.
-    shard_line = f"tiny_fsdp2.py:{line_of(EXAMPLES / 'tiny_fsdp2.py', 'fully_shard(layer)')}"
+    shard_line = f"tiny_fsdp2.py:{line_of(EXAMPLES / 'tiny_fsdp2.py', 'fully_shard(layer,')}"
     for stage in run.stages:
         script = stage.facts.script
         assert script is not None and script.fsdp is not None
         (units,) = script.fsdp.sites
         assert (units.site, units.units, units.resharding) == (shard_line, 8, 8)
         assert units.param_bytes == 8 * (1024 * 1024 + 1024) * 4 and script.fsdp.shard_size == 2
+        # FSDP's own phases, timed from its ranges (backward's on autograd's thread too).
+        assert stage.evidence is not None
+        phases = stage.evidence.fsdp_host_ms_per_step
+        assert phases.get("FSDP::pre_forward", 0) > 0 and phases.get("FSDP::pre_backward", 0) > 0
     (regather,) = [f for f in run.findings if f.id == "GD805"]
     assert regather.location == shard_line and regather.evidence["regathers_per_step"] == 8
     assert "reshard_after_forward=False" in regather.fix and "DDP" in regather.fix

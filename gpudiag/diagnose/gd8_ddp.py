@@ -265,24 +265,38 @@ def _knob_first(job: _Job) -> tuple[str, float] | None:
         return ("put every micro-step but the last under model.no_sync() (GD802"
                 + (f", backward() at {at}" if at else "") + "): their extra all-reduces hold",
                 extra)
-    again, share = regathers(job)
-    if share > 0:  # FSDP2 units gathered twice a step
+    again = regathers(job)
+    if again is not None and again.share > 0:  # FSDP2 units gathered twice a step
         return (f"keep parameters gathered from forward to backward (GD805, fully_shard(..., "
-                f"reshard_after_forward=False)): the {again:.0f} re-gathers in backward hold",
-                share)
+                f"reshard_after_forward=False)): the {again.count:.0f} re-gathers in backward "
+                "hold", again.share)
     return None
 
 
-def regathers(job: _Job) -> tuple[float, float]:
-    """FSDP2's all-gathers per step that re-gather parameters in backward (units that resharded
-    after forward), and the share of the step they hold: the exposed collective time in
-    proportion to their share of the collective calls (an estimate; the units are alike in a
-    per-layer sharding). (0, 0): none, or not a sharded job."""
+@dataclass
+class Regathers:
+    """FSDP2's all-gathers per step that gather again in backward what units freed after
+    forward, and what they hold of the step: by the collectives' exposed time in proportion
+    to their share of the calls, and by the host time of FSDP's pre-backward phase (where
+    the re-gather is issued and waited for; on a GPU, only while the GPU idles). The price is
+    the larger: the one that sets the step's pace."""
+
+    count: float
+    comm_share: float
+    host_share: float
+
+    @property
+    def share(self) -> float:
+        return max(self.comm_share, self.host_share)
+
+
+def regathers(job: _Job) -> Regathers | None:
+    """A sharded job's re-gathers (None: none, or not a sharded job)."""
     lead = job.transfer
     ev = lead.evidence
     sharded = _sharded_calls(ev)
     if sharded is None:
-        return 0.0, 0.0
+        return None
     gathers, scatters = sharded
     script = lead.stage.facts.script
     fsdp = script.fsdp if script is not None else None
@@ -293,8 +307,12 @@ def regathers(job: _Job) -> tuple[float, float]:
     else:
         again = 0.0
     if again < 1 or gathers + scatters <= 0:
-        return 0.0, 0.0
-    return again, job.share * again / (gathers + scatters)
+        return None
+    host = ev.fsdp_host_ms_per_step.get("FSDP::pre_backward", 0.0) / ev.step_ms \
+        if ev.step_ms else 0.0
+    if ev.backend == "cuda":
+        host = min(host, ev.idle_fraction or 0.0)
+    return Regathers(again, job.share * again / (gathers + scatters), min(1.0, host))
 
 
 def _ladder_no_sync(stage: StageResult) -> Iterator[Draft]:

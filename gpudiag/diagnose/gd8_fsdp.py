@@ -53,13 +53,16 @@ def fsdp_reshard_after_forward(run: RunResult) -> Iterator[Draft]:
     """Per profiled job of sharded collectives (all-gathers and reduce-scatters outnumber
     all-reduces): the all-gathers per step beyond one per unit (FSDP2's units that reshard
     after forward, read at the script's fully_shard(...) calls; without them, all-gathers
-    minus reduce-scatters), priced as their share of the collective calls times the share of
-    the step the collectives hold exposed (GD803's, on the rank that holds them least): an
+    minus reduce-scatters), priced as the larger of their share of the collective calls times
+    the share of the step the collectives hold exposed (GD803's, on the rank that holds them
+    least) and the host time of FSDP's pre-backward phase over the step (on a GPU at most its
+    idle share: a host-bound step of small units pays the re-gathers in FSDP's Python): an
     estimate, which --try-fixes measures."""
     for job in profiled_jobs(run).values():
-        again, share = regathers(job)
-        if share < INFO_SHARE:
+        again = regathers(job)
+        if again is None or again.share < INFO_SHARE:
             continue
+        share = again.share
         lead = job.transfer
         script = lead.stage.facts.script
         fsdp = script.fsdp if script is not None else None
@@ -74,12 +77,14 @@ def fsdp_reshard_after_forward(run: RunResult) -> Iterator[Draft]:
         yield Draft(
             severity=severity_for(share, warning=WARNING_SHARE, critical=COMM_CRITICAL_SHARE),
             stage=lead.stage.name, location=at,
-            title=(f"FSDP gathers parameters again in backward: {again:.0f} all-gathers per "
+            title=(f"FSDP gathers parameters again in backward: {again.count:.0f} all-gathers per "
                    "step re-gather units that reshard after forward"
                    + (f" (fully_shard at {at})" if at else "")
                    + f"; they hold about {pct(share)} of the step"),
             impact=share,
-            evidence={"regathers_per_step": again,
+            evidence={"regathers_per_step": again.count,
+                      "regathers_comm_share": round(again.comm_share, 4),
+                      "pre_backward_host_share": round(again.host_share, 4),
                       "collective_calls_by_kind": lead.evidence.collective_calls_by_kind,
                       "exposed_share": round(job.share, 3),
                       "exposed_ms_per_step": round(job.comm_ms, 2),
@@ -89,13 +94,14 @@ def fsdp_reshard_after_forward(run: RunResult) -> Iterator[Draft]:
                       "param_bytes": None if fsdp is None else fsdp.param_bytes,
                       "shard_size": None if fsdp is None else fsdp.shard_size,
                       "fully_shard_at": at,
-                      "price": "estimate: the re-gathers' share of the collective calls times "
-                               "the collectives' exposed share of the step; --try-fixes "
+                      "price": "estimate: the larger of the re-gathers' share of the "
+                               "collectives' exposed time (by calls) and the host time of "
+                               "FSDP's pre-backward phase (GPU: while it idles); --try-fixes "
                                "measures it"},
             fix=("fully_shard(..., reshard_after_forward=False)"
                  + (f" at {at}" if at else " where each unit is sharded")
                  + f": each unit's parameters stay gathered from forward to backward, "
-                 f"{again:.0f} all-gathers fewer per step{memory}."
+                 f"{again.count:.0f} all-gathers fewer per step{memory}."
                  + (f" The model has only {_mb(fsdp.param_bytes)} of parameters: unless "
                     "memory requires sharding, DDP (DistributedDataParallel) keeps a full copy "
                     "per device and reduces gradients with one all-reduce per step, with no "

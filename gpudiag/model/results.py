@@ -270,6 +270,10 @@ class Evidence:
     # (kernel launches on a GPU, top-level operators on a CPU).
     optimizer_host_ms_per_step: NonNegative = 0.0
     optimizer_ops_per_step: NonNegative = 0.0
+    # Host time per step inside FSDP2's own ranges, by phase ("FSDP::pre_backward": the
+    # re-gather of parameters freed after forward, ...), on whichever thread ran them (backward
+    # hooks run on autograd's device thread, which the host sampler does not see).
+    fsdp_host_ms_per_step: dict[str, NonNegative] = field(default_factory=dict)
 
     def hottest_source_line(self) -> SourceLine | None:
         return self.source_lines[0] if self.source_lines else None

@@ -53,6 +53,9 @@ ALLREDUCE_OP = re.compile(r"^c10d::all_?reduce")
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _GRAPH_PREFIX = re.compile(r"^graph_\d+_")  # Inductor's C++ kernels' profiled names
 OPTIMIZER_RANGE = "Optimizer.step#"  # torch.optim's record_function around each step()
+# FSDP2's record_function around each phase of each unit, "FSDP::pre_backward (layers.0)":
+# torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py.
+FSDP_RANGE = "FSDP::"
 # Operators that do no work of their own (views, allocations, conjugation flags): their
 # enclosing operator is the one that computes.
 NO_WORK_OPS = frozenset({
@@ -630,6 +633,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         window_overhead=step_ms / timed_step_ms if timed_step_ms else None,
         optimizer_host_ms_per_step=_optimizer_us(w) * per / 1e3,
         optimizer_ops_per_step=_optimizer_ops(w, top_ops, backend) * per,
+        fsdp_host_ms_per_step={phase: us * per / 1e3 for phase, us in _fsdp_us(w).items()},
     )
 
 
@@ -638,6 +642,17 @@ def _optimizer_us(w: _Window) -> float:
     runs inside the step's range, and closing the window there is gpudiag's, not the step's."""
     spans = _merge((float(a["ts"]), _end(a)) for a in w.optimizer_steps)
     return sum(_length(_clip(spans, step)) for step in w.steps) if w.steps else _length(spans)
+
+
+def _fsdp_us(w: _Window) -> dict[str, float]:
+    """Host time inside FSDP2's ranges within the profiled steps, by phase (one unit's range
+    inside another's of the same phase counted once)."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for a in w.by_cat["user_annotation"]:
+        if a["name"].startswith(FSDP_RANGE):
+            spans[a["name"].split(" ", 1)[0]].append((float(a["ts"]), _end(a)))
+    return {phase: (sum(_length(_clip(_merge(s), step)) for step in w.steps) if w.steps
+                    else _length(_merge(s))) for phase, s in sorted(spans.items())}
 
 
 def _optimizer_ops(w: _Window, top_ops: list[dict[str, Any]], backend: str) -> int:
