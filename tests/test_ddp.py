@@ -373,3 +373,23 @@ def test_recorded_accumulation_without_no_sync_is_priced_as_the_plain_ab_measure
     assert misuse.impact == pytest.approx(saved, rel=0.25)
     for comm in (f for f in found if f.id == "GD803"):
         assert found.index(misuse) < found.index(comm) and "no_sync()" in comm.fix
+
+
+@pytest.mark.parametrize("idle", [0.2, 0.8])
+def test_accumulation_on_a_host_bound_gpu_is_priced_as_a_lower_bound(idle: float) -> None:
+    """Four micro-steps each all-reducing, 0.4 ms of collectives exposed in a 10 ms step:
+    a GPU that mostly waits for the host pays each round's reducer work on the host too, so
+    the exposed time (3% of the step) is a lower bound, said so, and at least a warning."""
+    def rank(index: int) -> StageResult:
+        stage = _rank(index, step=10.0, exposed=0.4, compute=2.0, window=30.0)
+        assert stage.evidence is not None
+        stage.evidence.microsteps_per_step = 4.0
+        stage.evidence.microsteps_with_collectives_per_step = 4.0
+        stage.evidence.idle_fraction = idle
+        return stage
+    (f,) = _one(_job(rank(0), rank(1)), "GD802")
+    bound = idle >= 0.5
+    assert f.impact == pytest.approx(0.03)
+    assert ("at least 3%" in f.title) == bound
+    assert f.severity == ("warning" if bound else "info")
+    assert f.evidence["price"].startswith("lower bound") == bound
