@@ -390,6 +390,6 @@ def test_accumulation_on_a_host_bound_gpu_is_priced_as_a_lower_bound(idle: float
     (f,) = _one(_job(rank(0), rank(1)), "GD802")
     bound = idle >= 0.5
     assert f.impact == pytest.approx(0.03)
-    assert ("at least 3%" in f.title) == bound
+    assert ("exposed 3% of the step" in f.title and "not priced" in f.title) == bound
     assert f.severity == ("warning" if bound else "info")
     assert f.evidence["price"].startswith("lower bound") == bound

@@ -437,3 +437,25 @@ def test_ranks_are_named_without_torchruns_rank_variable(monkeypatch: pytest.Mon
     assert recorder._stage_name() == "train.py[rank1]"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert recorder._stage_name() == "train.py"
+
+
+def test_a_jobs_environment_is_a_training_ranks_not_its_launchers(tmp_path: Path) -> None:
+    """torchrun's agent writes a part too, first by pid, from a process that never used the
+    GPU: the run's environment is rank 0's (two H200 runs read "cpu", no GPU name)."""
+    from gpudiag.measure.profile import protocol
+    from gpudiag.measure.profile.launching.session import collect
+    from gpudiag.model.profilepart import ProfilePart
+    from gpudiag.model.results import Env
+
+    def part(pid: int, rank: int | None, device: str, trained: bool) -> None:
+        stage = StageResult(name=f"train.py[rank{rank}]", status="ok") if trained else None
+        record = ProfilePart(pid=pid, argv=["train.py"], steps=10 if trained else 0, rank=rank,
+                             stage=stage, env=Env(device=device))
+        (tmp_path / protocol.part_name(pid)).write_text(protocol.part_text(record))
+
+    part(100, None, "cpu", trained=False)  # the agent
+    part(102, 1, "cuda:1", trained=True)
+    part(101, 0, "cuda:0", trained=True)
+    found = collect(tmp_path)
+    assert found.env is not None and found.env.device == "cuda:0"
+    assert [s.name for s in found.stages] == ["train.py[rank0]", "train.py[rank1]"]

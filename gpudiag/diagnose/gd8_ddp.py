@@ -239,8 +239,12 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
             title=(f"Gradient accumulation all-reduces on {rounds:.0f} of "
                    f"{ev.microsteps_per_step:.0f} micro-steps per optimizer step"
                    + (f" (backward() at {at})" if at else "") + ": no_sync() is missing or "
-                   f"wraps only the backward; the extra rounds hold {'at least ' if bound else ''}"
-                   f"{pct(share)} of the step"),
+                   "wraps only the backward; "
+                   + ("the extra rounds' collectives are exposed "
+                      f"{pct(share) if share >= 0.005 else 'under 1%'} of the step, and "
+                      "on this host-bound step each round's reducer work costs the host more "
+                      "(not priced: --try-fixes measures it)" if bound else
+                      f"the extra rounds hold {pct(share)} of the step")),
             evidence={"microsteps_per_step": ev.microsteps_per_step,
                       "reducing_microsteps_per_step": rounds,
                       "collective_calls_per_step": ev.collective_calls_per_step,

@@ -20,7 +20,7 @@ SMALL_MODEL_BYTES = 2**30
 
 
 def _mb(nbytes: float) -> str:
-    return f"{nbytes / 2**20:,.1f} MB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.0f} KB"
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
 
 
 def _knob_site(fsdp: FsdpFacts | None) -> FsdpUnits | None:

@@ -285,7 +285,9 @@ def collect(parts_dir: Path) -> Collected:
         elif part.crash:
             found.crash = part.crash
         if part.env is not None:
-            envs.append((part.rank or 0, part.env))
+            # A process that trained (rank 0 first) over a helper: torchrun's agent writes a
+            # part too, before any rank's pid, from a process that never touched the GPU.
+            envs.append(((part.stage is None, part.rank is None, part.rank or 0), part.env))
     found.stages.sort(key=lambda s: s.name)
     found.env = min(envs, key=lambda e: e[0])[1] if envs else None
     return found
