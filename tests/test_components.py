@@ -54,6 +54,9 @@ def test_each_framework_knob_is_named_at_the_line_that_sets_it(tmp_path: Path) -
     assert seen.parameters == 120 and seen.fused_supported and seen.site == built
     assert seen.step_site == script_line(script, "opt.step()") and seen.steps == 48
     assert stage.evidence is not None and stage.evidence.optimizer_ops_per_step >= 120 * 5
+    # Its 120 step counters (.item() every step) and the DataLoader's seeds (.item() at each
+    # pass) are CPU tensors: no device sync.
+    assert stage.evidence.syncs_per_step == 0 and "GD103" not in found
     optimizer = found["GD106"]
     assert optimizer.location == built and optimizer.severity != "info"
     assert f"AdamW(..., fused=True) at {built}" in optimizer.fix

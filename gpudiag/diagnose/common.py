@@ -41,3 +41,8 @@ def device_ops(line: SourceLine, backend: str) -> float:
 
 def pct(value: float) -> str:
     return f"{value:.0%}"
+
+
+def pct_above_zero(value: float) -> str:
+    """pct(), but a share that rounds to 0% yet is not nothing reads "under 1%"."""
+    return "under 1%" if 0 < value < 0.005 else pct(value)

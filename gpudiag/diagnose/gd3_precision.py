@@ -297,6 +297,11 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
             evidence={"memory_bound_share": round(share, 3), "matmul_share": round(matmul, 3),
                       "device_ms_by_kind": {k: round(v, 3) for k, v in by_kind.items()},
                       "idle_fraction": round(idle, 3),
+                      "price": "upper bound: the memory-bound kernels' share of the step, as "
+                               "if they all vanished; a fused kernel still reads its inputs "
+                               "and writes its outputs (a compiled transformer step saved 20% "
+                               "where this read 55%); --try-fixes compiles the model to "
+                               "measure it",
                       "lines": {loc: {"memory_bound_ms": round(ms, 3),
                                       "ms_by_kind": {k: round(v, 3) for k, v in kinds_.items()}}
                                 for loc, ms, kinds_ in lines[:5]}},

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.common import pct, pct_above_zero
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import (
@@ -241,7 +241,7 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
                    + (f" (backward() at {at})" if at else "") + ": no_sync() is missing or "
                    "wraps only the backward; "
                    + ("the extra rounds' collectives are exposed "
-                      f"{pct(share) if share >= 0.005 else 'under 1%'} of the step, and "
+                      f"{pct_above_zero(share)} of the step, and "
                       "on this host-bound step each round's reducer work costs the host more "
                       "(not priced: --try-fixes measures it)" if bound else
                       f"the extra rounds hold {pct(share)} of the step")),

@@ -26,6 +26,7 @@ KIND_LABELS: dict[HostKind, str] = {
     "sync": "blocked in device syncs (waiting for the GPU)",
     "torch": "in torch calls (launches, CPU-side op work)",
     "data": "waiting for the training DataLoader",
+    "compile": "in torch.compile's own work (Dynamo's guards and frame checks)",
     "python": "Python and numpy (host-only work)",
     "call": "C calls and operators, torch or not (no profiler window to tell)",
     "gpudiag": "gpudiag's own step bookkeeping",
@@ -33,6 +34,7 @@ KIND_LABELS: dict[HostKind, str] = {
 
 SHORT_KIND: dict[HostKind, str] = {
     "sync": "blocked in syncs", "torch": "torch calls", "data": "DataLoader",
+    "compile": "torch.compile",
     "python": "Python/numpy", "call": "C calls", "gpudiag": "gpudiag",
 }
 

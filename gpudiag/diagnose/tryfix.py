@@ -25,6 +25,7 @@ from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
     AsyncSaveRecord,
+    CompileModelRecord,
     DdpNoSyncRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
@@ -340,6 +341,8 @@ def _no_effect(evidence: RemedyEvidence) -> str:
          "the script never called torch.cuda.empty_cache()"),
         (evidence.fsdp_keep_gathered is not None and evidence.fsdp_keep_gathered.units == 0,
          "the script built no FSDP2 unit that reshards after forward"),
+        (evidence.compile_model is not None and not evidence.compile_model.modules,
+         "the script called no module with parameters that was not compiled already"),
         (evidence.ddp_no_sync is not None and evidence.ddp_no_sync.deferred_forwards == 0,
          "the script ran no DistributedDataParallel forward outside no_sync()"),
         (optimizers is not None and not any(o.after for o in optimizers),
@@ -372,7 +375,7 @@ def _site_seen(evidence: RemedyEvidence, names: Sequence[str]) -> str | None:
             return loaders[0].site
         site = (record.site if isinstance(record, (Tf32Record, AsyncSaveRecord,
                                                    FusedOptimizerRecord, FsdpKeepGatheredRecord,
-                                                   DdpNoSyncRecord)) else None)
+                                                   DdpNoSyncRecord, CompileModelRecord)) else None)
         if site is not None:
             return site
     return None

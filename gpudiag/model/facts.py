@@ -238,7 +238,7 @@ class StepTimeline:
 # running Python or numpy, in a C call or operator at the user's line whose target the sample
 # cannot tell (torch or not: the profiler window tells, by the line's torch calls), or in
 # gpudiag's own code.
-HostKind = Literal["sync", "torch", "data", "python", "call", "gpudiag"]
+HostKind = Literal["sync", "torch", "data", "compile", "python", "call", "gpudiag"]
 HOST_KINDS: tuple[HostKind, ...] = get_args(HostKind)
 
 

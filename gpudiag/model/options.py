@@ -123,7 +123,9 @@ class ProfileOptions:
                              "and GPM), basic (NVML only) or off.", choices=PROFILE_TELEMETRY)
     host_sample_hz: float = _option(HOST_SAMPLE_HZ, "--host-sample-hz", "How often the "
                                     "training thread's Python stack is sampled, for host time "
-                                    "by line (0: not sampled).", check="non-negative")
+                                    "by line, at least (short steps raise it so the timed "
+                                    "steps get ~200 samples, up to 400 Hz; 0: not sampled).",
+                                    check="non-negative")
     compile_lines: bool = _option(False, "--compile-lines", "Under torch.compile, charge "
                                   "Inductor's fused kernels to the source lines of the ops they "
                                   "fused (Inductor's provenance tracking: ~5% more compile "

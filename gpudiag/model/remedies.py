@@ -96,6 +96,12 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "forward to backward, as reshard_after_forward=False does (the same collectives' "
            "results, one all-gather fewer per unit and step, more memory)",
            "in the fully_shard(...) call that shards each unit: reshard_after_forward=False"),
+    Remedy("compile-model", "the model compiled (torch.compile's fusions)", ("GD304",),
+           "precision",
+           "each outermost module with parameters compiled in place at its first call "
+           "(nn.Module.compile(), Inductor's default mode): chains of memory-bound kernels fused",
+           "after building the model: `model.compile()` (or `model = torch.compile(model)`)",
+           cuda_only=True),
     Remedy("ddp-no-sync", "DDP all-reduces once per optimizer step, not per micro-step",
            ("GD802",), "exact",
            "every DistributedDataParallel forward run as under model.no_sync(), and the "
@@ -266,6 +272,12 @@ class FsdpKeepGatheredRecord:
 
 
 @dataclass
+class CompileModelRecord:
+    modules: list[str] = field(default_factory=list)  # the classes compiled, in order
+    site: str | None = None  # the script's line that first called one: the model's forward
+
+
+@dataclass
 class DdpNoSyncRecord:
     models: Count = 0  # DistributedDataParallel models whose forwards were deferred
     deferred_forwards: Count = 0  # forwards that would have all-reduced in their backward
@@ -275,7 +287,7 @@ class DdpNoSyncRecord:
 
 RemedyRecord = (Tf32Record | Bf16AutocastRecord | LoaderRecord | PinnedRecord
                 | NoEmptyCacheRecord | FusedOptimizerRecord | AsyncSaveRecord
-                | FsdpKeepGatheredRecord | DdpNoSyncRecord)
+                | FsdpKeepGatheredRecord | DdpNoSyncRecord | CompileModelRecord)
 
 
 @dataclass
@@ -294,6 +306,7 @@ class RemedyEvidence:
     async_save: AsyncSaveRecord | None = None
     fsdp_keep_gathered: FsdpKeepGatheredRecord | None = None
     ddp_no_sync: DdpNoSyncRecord | None = None
+    compile_model: CompileModelRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

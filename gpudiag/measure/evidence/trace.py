@@ -41,6 +41,9 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ad
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 STEP_RANGE = "gpudiag.step"  # the capture names each profiled step so
 MICROSTEP_RANGE = "gpudiag.microstep"  # a gradient-accumulation micro-step, where marked
+# A DataLoader's own work on the training thread: each batch (torch's range around __next__)
+# and starting a pass (gpudiag's, around __iter__): its seeds are CPU tensors read with .item().
+LOADER_RANGES = ("enumerate(DataLoader)#", "gpudiag.loader_iter")
 # Collectives: c10d ops on the calling thread (one per DDP bucket), and the process group's
 # own work ranges on its thread (gloo/ucc/mpi on CPUs; NCCL's work is its kernels).
 # FSDP2 issues the base variants (c10d::_allgather_base_, _reduce_scatter_base_) and, compiled,
@@ -275,6 +278,8 @@ def _select(events: list[dict[str, Any]]) -> _Window:
                          if a["name"].startswith(OPTIMIZER_RANGE)])
     _enclosing(host, window.annotations, "_line")
     _enclosing(host, window.optimizer_steps, "_optimizer")
+    _enclosing(ops, [a for a in by_cat["user_annotation"] if a["name"].startswith(LOADER_RANGES)],
+               "_loader")
     _enclosing(host, window.backward_nodes, "_backward")
     _enclosing(runtime, window.matmuls, "_matmul")
     _enclosing(runtime, ops, "_op")  # the operator that launched a kernel: its shapes
@@ -308,7 +313,9 @@ def _count_host(w: _Window, backend: str) -> tuple[list[dict[str, Any]], int]:
     syncs = 0
     if backend != "cuda":
         for o in w.ops:
-            if o["name"] in SYNCING_OPS:
+            # torch.optim's step counters are CPU tensors on any device (unless capturable),
+            # and so are a DataLoader's seeds: read with .item(), never a device sync.
+            if o["name"] in SYNCING_OPS and "_optimizer" not in o and "_loader" not in o:
                 syncs += 1
                 owner = w.line_of(o)
                 if owner is not None:

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import record_function
 from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
-from gpudiag.measure.evidence.trace import MICROSTEP_RANGE
+from gpudiag.measure.evidence.trace import LOADER_RANGES, MICROSTEP_RANGE
 from gpudiag.measure.profile.inscript import writewatch
 from gpudiag.measure.profile.inscript.afterimport import FSDP_PARAM_GROUP_MODULES, when_imported
 
@@ -95,7 +95,8 @@ def _hook_loader(recorder: Recorder) -> None:
     def sited_iter(original: Callable[..., Any]) -> Callable[..., Any]:
         def __iter__(self: Any) -> Any:
             start = time.perf_counter()
-            iterator = original(self)
+            with record_function(LOADER_RANGES[1]):  # (its seeds' .item() are no syncs)
+                iterator = original(self)
             recorder.loader_iterated(iterator, sys._getframe(1), loader=self,
                                      ms=(time.perf_counter() - start) * 1e3)
             return iterator

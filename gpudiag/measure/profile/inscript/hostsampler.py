@@ -20,7 +20,8 @@ kept as `via`, as device work is charged in gpudiag/measure/evidence/source.py),
 further out than the training loop (a library's loop is charged to its own lines), and to
 what the thread was doing there (gpudiag.model.facts.HOST_KINDS), read from the innermost frame:
 - in torch's own Python code (a module's forward, backward(), an optimizer) -> torch; under
-  torch.utils.data -> data; in torch's tensor printing or a synchronize() -> sync;
+  torch.utils.data -> data; in torch's tensor printing or a synchronize() -> sync; in
+  torch.compile's own code (Dynamo's guards, its frame callback, a recompilation) -> compile;
 - at a call whose target the source names (`loss.item()`, `np.rot90(x)`, `torch.cat(...)`,
   found from the call instruction's source position): a read-back (.item(), .cpu(), .tolist(),
   .numpy(), .nonzero()...) -> sync on a GPU; a name that resolves through the frame's globals
@@ -78,6 +79,12 @@ LOOKAHEAD = 16  # ... and steps after it: a step is filed once these have ended
 MIN_RECENT = 5  # with fewer steps around it than this, no step is slow
 USUAL_EVERY = 8  # steps between two readings of that median
 MAX_SLOW_STEPS = 2_000  # slow steps kept one by one
+# The rate fitted at the end of warm-up: at least this many samples over the timed steps'
+# length (a 60-step script of 3.5 ms steps got ~10 samples in its whole run at 50 Hz), never
+# faster than MIN_PERIOD_S: the timed steps are sampled too, and a sample costs ~25 us in the
+# handler on a 2-core VM (benchmarks/host_sampler.py), 1% of the host at 400 Hz.
+TARGET_SAMPLES = 200
+MIN_PERIOD_S = 2.5e-3
 MAX_KEYS = 5_000  # distinct (line, via, kind) kept; later ones are summed as "other lines"
 MAX_LINES = 40  # lines written to run.json, busiest first
 MAX_STEP_LINES = 5  # training-loop lines kept per slow step
@@ -89,6 +96,8 @@ SYNC_CALLS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "nonzer
 _TORCH = "torch"
 _DATA_DIR = "/torch/utils/data/"
 _SYNC_FILES = ("/torch/_tensor_str.py",)
+_COMPILE_DIRS = ("/torch/_dynamo/", "/torch/_inductor/")
+_DYNAMO_GUARDS = frozenset({"guard", "___make_guard_fn"})  # generated, file "<string>"
 _OPERATORS = frozenset({"BINARY_OP", "BINARY_SUBSCR", "STORE_SUBSCR", "COMPARE_OP",
                         "UNARY_NEGATIVE", "UNARY_INVERT", "CONTAINS_OP", "BINARY_MATRIX_MULTIPLY"})
 OTHER_LINES = "(other lines)"
@@ -223,6 +232,7 @@ class _Walk(NamedTuple):
     library: FrameType | None  # innermost library frame below it
     data: bool  # torch.utils.data below it: the DataLoader
     sync: bool  # torch's printing or a synchronize() below it
+    compile: bool  # torch.compile's own code below it: a guard, Dynamo, Inductor
     loop_line: str | None  # the training loop's current line
 
 
@@ -232,7 +242,7 @@ def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
     inner loop, Lightning's) charges its samples to that library's lines rather than all to
     the script's one `trainer.train()`."""
     user = library = None
-    data = sync = False
+    data = sync = compiling = False
     f: FrameType | None = frame
     while f is not None:
         code = f.f_code
@@ -250,10 +260,13 @@ def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
             elif role == "torch":
                 sync = sync or code.co_filename.endswith(_SYNC_FILES) or \
                     code.co_name == "synchronize"
+                compiling = compiling or code.co_name in _DYNAMO_GUARDS or any(
+                    d in code.co_filename for d in _COMPILE_DIRS)
         if code is loop_code:
-            return _Walk(user, library, data, sync, _location(code.co_filename, f.f_lineno))
+            return _Walk(user, library, data, sync, compiling,
+                         _location(code.co_filename, f.f_lineno))
         f = f.f_back
-    return _Walk(user, library, data, sync, None)
+    return _Walk(user, library, data, sync, compiling, None)
 
 
 def classify(frame: FrameType, loop_code: CodeType | None, cuda: bool) -> Sample:
@@ -273,6 +286,8 @@ def _classify(frame: FrameType, loop_code: CodeType | None, cuda: bool
         kind = "data"
     elif walk.sync:
         kind = "sync" if cuda else "torch"
+    elif walk.compile:
+        kind = "compile"
     elif innermost in ("gpudiag", "torch"):
         kind = innermost
     else:
@@ -492,6 +507,20 @@ class HostSampler:
         elif not self.ticks and now - self.timer_start >= UNANSWERED_PERIODS * self.period_s:
             self._hand_to_thread("the timer signal never came")
 
+    def fit(self, step_ms: float, steps: int) -> None:
+        """Sample faster where `steps` steps of `step_ms` would get fewer than TARGET_SAMPLES
+        (never slower than asked, never faster than MIN_PERIOD_S). Called at the end of
+        warm-up, whose samples are not kept: the change falls between two counted steps."""
+        wanted = max(MIN_PERIOD_S, step_ms / 1e3 * steps / TARGET_SAMPLES)
+        if wanted >= self.period_s:
+            return
+        self.period_s = wanted
+        self.result.period_ms = wanted * 1e3
+        if self.timer is not None:
+            self.timer.period_s = wanted
+            self.ticks = 0
+            self.timer_start = self.timer.start()
+
     def _hand_to_thread(self, why: str) -> None:
         self._stop_timer()
         self.result.clock, self.result.clock_note = "thread", why
@@ -503,9 +532,9 @@ class HostSampler:
             self.timer = None
 
     def _run(self) -> None:
-        period = self.period_s
         previous = next_at = time.perf_counter()
         while True:
+            period = self.period_s  # (fit() may shorten it)
             next_at += period
             if self._stop.wait(max(0.0, next_at - time.perf_counter())):
                 return

@@ -195,6 +195,8 @@ class Recorder:
         self.compile_watch.watch()
         if done <= 2 and self.config.host_sample_hz > 0:
             self._start_host_sampler(done)
+        elif done == self.schedule.timed_steps.start and self.host_sampler is not None:
+            self._fit_host_rate()
         if self.nvtx_range is not None:
             nvtx.end_range(self.nvtx_range)
         self.nvtx_range = nvtx.start_range(f"step {done}", domain="gpudiag")
@@ -232,6 +234,15 @@ class Recorder:
             max_steps=TIMELINE_STEPS,
             period_s=1 / self.config.host_sample_hz)
         self.host_sampler.start()
+
+    def _fit_host_rate(self) -> None:
+        """The warm-up's steps (but the first two: compilation, caches) set the sampling rate
+        for the steps that count (hostsampler.py's fit)."""
+        marks = self.host_marks[2:] if len(self.host_marks) > 4 else self.host_marks[1:]
+        steps = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+        if steps:
+            assert self.host_sampler is not None
+            self.host_sampler.fit(statistics.median(steps), len(self.schedule.timed_steps))
 
     def _windows(self, done: int) -> None:
         """At the boundary before step `done`: the timed steps' telemetry begins with them and

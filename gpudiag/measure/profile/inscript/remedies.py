@@ -41,6 +41,7 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    CompileModelRecord,
     DdpNoSyncRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
@@ -148,6 +149,42 @@ def _bf16_autocast(seen: RemedyEvidence) -> Callable[[], None]:
             return None
         return tree_map_only(torch.Tensor, lambda t: t.to(caller) if t.dtype == torch.bfloat16
                              else t, output)
+
+    torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    return lambda: None
+
+
+# --- the model compiled --------------------------------------------------------------------
+
+MAX_COMPILED = 4  # outermost modules compiled: a model, perhaps an EMA copy or a critic
+
+
+def _compile_model(seen: RemedyEvidence) -> Callable[[], None]:
+    """Each outermost module with parameters compiled in place at its first call
+    (nn.Module.compile: its later calls run the compiled forward; the first runs eager). The
+    hooks step aside while Dynamo traces (it inlines global hooks into the compiled code)."""
+    record = seen.compile_model = CompileModelRecord()
+    state = threading.local()
+    done: set[int] = set()
+
+    def enter(module: torch.nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        depth = getattr(state, "depth", 0)
+        state.depth = depth + 1
+        if depth or id(module) in done or len(record.modules) >= MAX_COMPILED:
+            return
+        done.add(id(module))
+        if getattr(module, "_compiled_call_impl", None) is None and \
+                next(module.parameters(), None) is not None:
+            module.compile()
+            record.modules.append(type(module).__name__)
+            record.site = record.site or _site(depth=3)
+
+    def leave(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            state.depth = max(0, getattr(state, "depth", 1) - 1)
 
     torch.nn.modules.module.register_module_forward_pre_hook(enter)
     torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
@@ -503,7 +540,7 @@ APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "persistent-workers": _persistent_workers, "pinned": _pinned,
     "no-empty-cache": _no_empty_cache, "fused-optimizer": _fused_optimizer,
     "async-save": _async_save, "fsdp-keep-gathered": _fsdp_keep_gathered,
-    "ddp-no-sync": _ddp_no_sync,
+    "ddp-no-sync": _ddp_no_sync, "compile-model": _compile_model,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
