@@ -133,3 +133,31 @@ def test_an_optimizer_outside_torch_optim_is_unknown_not_single_tensor() -> None
     assert implementation(torch.optim.AdamW(_params(), foreach=True)) == ("foreach",
                                                                           "foreach=True")
     assert implementation(torch.optim.LBFGS(_params()))[0] == "unknown"
+
+
+def test_the_steps_a_loop_means_to_make_are_read_from_its_source() -> None:
+    """planned.py reads the loop around the step: nested `range` and DataLoader loops
+    multiply; a `while` loop, a step under an `if`, or a bound that calls code says nothing."""
+    import sys
+    import types
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gpudiag.measure.profile.inscript.planned import planned_steps
+
+    args = types.SimpleNamespace(epochs=3)
+    loader = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=2)  # 5 batches
+    seen: list[tuple[int, str] | None] = []
+    for _epoch in range(args.epochs):
+        for _batch in loader:
+            seen.append(planned_steps(sys._getframe()))
+    assert seen[0] is not None and seen[0][0] == 15 and "the loops at" in seen[0][1]
+    unknown: dict[str, tuple[int, str] | None] = {}
+    while "while" not in unknown:
+        unknown["while"] = planned_steps(sys._getframe())
+    for step in range(10):
+        if step % 2:
+            unknown["if"] = planned_steps(sys._getframe())
+    for _ in range(int("4")):
+        unknown["call"] = planned_steps(sys._getframe())
+    assert unknown == {"while": None, "if": None, "call": None}

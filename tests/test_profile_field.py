@@ -192,6 +192,11 @@ def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
     # safetensors): several files, one checkpoint, every 10 steps.
     assert stage.facts.checkpoint.every == 10 and len(saves) == 5
     assert all(s.files >= 2 for s in saves)
+    # The steps it means to make, as the Trainer computed them (the projection's).
+    script_facts = stage.facts.script
+    assert script_facts is not None and script_facts.timeline is not None
+    assert script_facts.timeline.planned_steps == 70
+    assert "Trainer" in (script_facts.timeline.planned_from or "")
     assert stage.evidence is not None and stage.evidence.source_lines
     # Kernels are charged to the user's line (trainer.train()), through the library.
     top = stage.evidence.source_lines[0]
@@ -303,6 +308,9 @@ def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> Non
     host = run.stages[0].facts.script.host  # type: ignore[union-attr]
     assert host is not None and host.loop is not None
     assert host.loop.startswith("lightning/pytorch/loops/"), host.loop
+    timeline = run.stages[0].facts.script.timeline  # type: ignore[union-attr]
+    assert timeline is not None and timeline.planned_steps == 60
+    assert "Lightning" in (timeline.planned_from or "")
 
 
 # A plain loop that times itself: each step's body, each evaluation, each save (the ground

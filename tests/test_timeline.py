@@ -139,3 +139,23 @@ def test_an_evaluation_too_rare_for_a_period_beside_saves_is_named_at_its_line()
     assert evaluation.line_text == "losses = estimate_loss()"
     assert whole.irregular_ms == pytest.approx(60.0, rel=0.2)  # the lone spike
     _parts_add_up(timeline)
+
+
+def test_a_run_cut_short_is_projected_to_the_steps_it_means_to_make() -> None:
+    """Stopped after gpudiag's window at step 40 of the 2,000 its loop makes: the whole run
+    at this run's cost per step, start-up and exit as measured; a run that ended by itself
+    (a `break` before its loop's end) is not projected."""
+    from gpudiag.present.waterfall import projection
+
+    times = [2000.0] + [10.0] * 39
+    timeline = StepTimeline(step_ms=times, steps=40, total_ms=sum(times) + 50.0, tail_ms=50.0,
+                            planned_steps=2000, planned_from="the loop at train.py:12",
+                            cut_short=True)
+    whole = account(timeline)
+    assert whole is not None and whole.projected_ms == pytest.approx(2000 + 10 * 2000 + 50)
+    text = projection(whole)
+    assert text is not None and "2,000 steps (the loop at train.py:12)" in text
+    assert "the training loop 90.7% of it" in text  # 20,000 of 22,050 ms
+    ended = account(StepTimeline(step_ms=times, steps=40, total_ms=sum(times) + 50.0,
+                                 tail_ms=50.0, planned_steps=2000, planned_from="x"))
+    assert ended is not None and ended.projected_ms is None and projection(ended) is None

@@ -80,6 +80,10 @@ class RunAccount:
     tail_ms: float = 0.0  # after the last step, to the exit
     first_compile_ms: float = 0.0  # torch.compile's compilations in step 0
     works: list[PeriodicWork] = field(default_factory=list)
+    steps: int = 0  # steps the run made, step 0 (the start-up) included
+    # A run gpudiag cut short after its window, where the script says how many steps it
+    # means to make: (those steps, where that is said).
+    planned: tuple[int, str] | None = None
 
     def share(self, ms: float) -> float:
         return ms / self.wall_ms if self.wall_ms > 0 else 0.0
@@ -94,6 +98,17 @@ class RunAccount:
 
     def loop_share(self, ms: float) -> float:
         return min(1.0, ms / self.loop_ms) if self.loop_ms > 0 else 0.0
+
+    @property
+    def projected_ms(self) -> float | None:
+        """The whole run's wall time at the planned steps: start-up and exit as measured, the
+        loop at what each of its steps cost here (periodic work included, gpudiag's window
+        not). None without a plan beyond the steps made."""
+        if self.planned is None or self.planned[0] <= self.steps or self.steps < 2:
+            return None
+        per_step = self.loop_ms / (self.steps - 1)
+        return self.startup_ms + self.first_compile_ms + per_step * self.planned[0] \
+            + self.tail_ms
 
     def parts(self) -> list[tuple[str, float]]:
         """(part, ms) adding up to the wall time."""
@@ -169,9 +184,12 @@ def account(timeline: StepTimeline, host: HostSamples | None = None,
     step = statistics.median([times[i] for i in plain] or [times[i] for i in candidates])
     usual_wait = statistics.median([waits[i] for i in plain] or [0.0])
     first_compile = min(times[0], compiled.get(0, 0.0))
+    planned = (timeline.planned_steps, timeline.planned_from or "") if (
+        timeline.cut_short and timeline.planned_steps) else None
     result = RunAccount(wall_ms=max(timeline.total_ms, sum(times) + timeline.tail_ms),
                         startup_ms=times[0] - first_compile, steady_ms=0.0, step_ms=step,
-                        tail_ms=timeline.tail_ms, first_compile_ms=first_compile)
+                        tail_ms=timeline.tail_ms, first_compile_ms=first_compile,
+                        steps=max(timeline.steps, n), planned=planned)
     result.unlisted_ms = result.wall_ms - sum(times) - timeline.tail_ms
     charged: dict[WorkKind, dict[int, float]] = {k: {} for k in KINDS}
     for i in range(1, n):

@@ -230,6 +230,12 @@ class StepTimeline:
     # [start, end): the profiler window's steps, slowed by the profiler itself.
     window_start: int | None = None
     window_end: int | None = None
+    # The steps the script means to make, where it says so (its Trainer's max_steps, the
+    # `range(N)` around its step), and from where: a run cut short after the window is
+    # projected to them (gpudiag/measure/profile/inscript/planned.py).
+    planned_steps: Annotated[int, Field(ge=1)] | None = None
+    planned_from: str | None = None
+    cut_short: bool = False  # gpudiag ended the script after its window (--stop-after-window)
 
 
 # What the training thread was doing in a host sample

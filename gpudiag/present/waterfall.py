@@ -83,6 +83,33 @@ def _step_intro(stage: StageResult, step: StepAccount) -> str:
             f"{top:.2f} ms/step is known to about +-{step.error(top):.2f} ms.{busy}")
 
 
+def _span(ms: float) -> str:
+    seconds = ms / 1e3
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def projection(whole: RunAccount) -> str | None:
+    """What a run cut short after gpudiag's window would have taken at the steps the script
+    means to make, and what its start-up is of that."""
+    projected = whole.projected_ms
+    if projected is None or whole.planned is None:
+        return None
+    steps, source = whole.planned
+    per_step = whole.loop_ms / (whole.steps - 1)
+    startup = whole.startup_ms + whole.first_compile_ms
+    loop = projected - startup - whole.tail_ms
+    return (f"gpudiag ended the script after its window, at step {whole.steps:,}; it means to "
+            f"make {steps:,} steps ({source}). At this run's cost per step ({per_step:,.1f} "
+            f"ms, its periodic work included) the whole run would take about "
+            f"{_span(projected)}, the training loop {loop / projected:.1%} of it (start-up "
+            f"{_span(startup)}): a finding's share of the training loop is that much of the "
+            "whole run.")
+
+
 def markdown_sections(run: RunResult) -> list[str]:
     """report.md: for each profiled process, the run's parts and the step's."""
     out: list[str] = []
@@ -99,6 +126,9 @@ def markdown_sections(run: RunResult) -> list[str]:
                        "finding's share of wall time is of this whole." if priced else "."),
                     ""]
             out += _markdown_table(run_rows(whole, priced), "ms", whole.wall_ms, lines=False)
+            projected = projection(whole)
+            if projected is not None:
+                out += [projected, ""]
         step = step_account(stage)
         if step is not None:
             out += [f"### Where each step's time went: `{stage.name}`", "",
@@ -135,8 +165,12 @@ def terminal_tables(run: RunResult) -> list[Table]:
         whole = stage_account(stage)
         priced = findings_by_part(run, stage)
         if whole is not None and len(whole.parts()) > 2:
-            tables.append(_table(f"{stage.name}: the run's {whole.wall_ms / 1e3:,.1f} s",
-                                 run_rows(whole, priced), "ms", lines=False))
+            projected = whole.projected_ms
+            planned = (f" (cut short; about {_span(projected)} projected for its "
+                       f"{whole.planned[0]:,} steps)"
+                       if projected is not None and whole.planned is not None else "")
+            tables.append(_table(f"{stage.name}: the run's {whole.wall_ms / 1e3:,.1f} s"
+                                 + planned, run_rows(whole, priced), "ms", lines=False))
         step = step_account(stage)
         if step is not None:
             tables.append(_table(f"{stage.name}: a steady step's {step.step_ms:.2f} ms "

@@ -33,6 +33,7 @@ from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.components import FsdpWatch, LoaderWatch, OptimizerWatch
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
+from gpudiag.measure.profile.inscript.planned import planned_steps
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
 from gpudiag.measure.profile.inscript.timeline import (
@@ -123,6 +124,8 @@ class Recorder:
         self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
         self.optimizers = OptimizerWatch()
         self.fsdp = FsdpWatch()
+        self.planned: tuple[int, str] | None = None  # (steps the script means to make, from)
+        self.cut_short = False  # gpudiag ended the script after its window
         self.backward_site: str | None = None
         self.backward_seen = False
         self.loaders = LoaderWatch()
@@ -149,6 +152,8 @@ class Recorder:
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.optimizers.stepped(optimizer, sys._getframe(1))
         self.fsdp.stepped()
+        if self.planned is None:
+            self.planned = planned_steps(sys._getframe(1)) or (0, "")
         if self.manual:
             return
         if self.clock is None:
@@ -273,6 +278,7 @@ class Recorder:
         if self.stop_after_window:
             print(f"gpudiag profile: the profiler window closed at step {self.steps}; ending "
                   "the script (--stop-after-window)", file=sys.stderr, flush=True)
+            self.cut_short = True
             self.finish()
             raise SystemExit(0)
 
@@ -492,11 +498,14 @@ class Recorder:
     def _timeline(self) -> StepTimeline:
         profiled = self.schedule.profiled_steps
         window = (profiled.start, profiled.stop) if self.evidence is not None else None
-        return build_timeline(self.host_marks, extra_steps=self.extra_steps,
-                              end_mark=self.end_mark, exit_mark=self.exit_mark,
-                              waits=self.data_wait,
-                              calls=self.data_calls, sites=self.loop_sites, saves=self.saves,
-                              window=window)
+        timeline = build_timeline(self.host_marks, extra_steps=self.extra_steps,
+                                  end_mark=self.end_mark, exit_mark=self.exit_mark,
+                                  waits=self.data_wait, calls=self.data_calls,
+                                  sites=self.loop_sites, saves=self.saves, window=window)
+        if self.planned is not None and self.planned[0] > 0:
+            timeline.planned_steps, timeline.planned_from = self.planned
+        timeline.cut_short = self.cut_short
+        return timeline
 
     def _why_no_evidence(self) -> str:
         if not self.schedule.profiled_steps:
