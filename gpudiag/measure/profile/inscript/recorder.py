@@ -10,6 +10,7 @@ up, are timed, run under the profiler or come after is schedule.py's to say.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -153,7 +154,10 @@ class Recorder:
         self.optimizers.stepped(optimizer, sys._getframe(1))
         self.fsdp.stepped()
         if self.planned is None:
-            self.planned = planned_steps(sys._getframe(1)) or (0, "")
+            self.planned = (0, "")
+            # A loader's len() runs its sampler's: never an error in the script's step.
+            with contextlib.suppress(Exception):
+                self.planned = planned_steps(sys._getframe(1)) or self.planned
         if self.manual:
             return
         if self.clock is None:
