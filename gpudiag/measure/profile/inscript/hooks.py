@@ -148,9 +148,13 @@ def _hook_ddp(recorder: Recorder) -> None:
 def _hook_fsdp(recorder: Recorder) -> None:
     def noted_group(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            # Counted before the constructor shards them: full tensors still.
+            # Counted before the constructor shards them: full tensors still (a torch whose
+            # constructor takes other arguments first gets no count, and FSDP its own error).
             params = args[0] if args else kwargs.get("params", ())
-            param_bytes = sum(p.numel() * p.element_size() for p in params)
+            try:
+                param_bytes = sum(p.numel() * p.element_size() for p in params)
+            except (TypeError, AttributeError):
+                param_bytes = 0
             original(self, *args, **kwargs)
             recorder.fsdp_grouped(self, sys._getframe(1), param_bytes)
         return __init__
