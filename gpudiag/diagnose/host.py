@@ -26,7 +26,7 @@ KIND_LABELS: dict[HostKind, str] = {
     "sync": "blocked in device syncs (waiting for the GPU)",
     "torch": "in torch calls (launches, CPU-side op work)",
     "data": "waiting for the training DataLoader",
-    "compile": "in torch.compile's own work (Dynamo's guards and frame checks)",
+    "compile": "in torch.compile's own work (Dynamo's guards, compiling)",
     "python": "Python and numpy (host-only work)",
     "call": "C calls and operators, torch or not (no profiler window to tell)",
     "gpudiag": "gpudiag's own step bookkeeping",

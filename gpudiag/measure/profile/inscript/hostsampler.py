@@ -21,7 +21,7 @@ further out than the training loop (a library's loop is charged to its own lines
 what the thread was doing there (gpudiag.model.facts.HOST_KINDS), read from the innermost frame:
 - in torch's own Python code (a module's forward, backward(), an optimizer) -> torch; under
   torch.utils.data -> data; in torch's tensor printing or a synchronize() -> sync; in
-  torch.compile's own code (Dynamo's guards, its frame callback, a recompilation) -> compile;
+  torch.compile's own work (Dynamo's guards, a compilation) -> compile;
 - at a call whose target the source names (`loss.item()`, `np.rot90(x)`, `torch.cat(...)`,
   found from the call instruction's source position): a read-back (.item(), .cpu(), .tolist(),
   .numpy(), .nonzero()...) -> sync on a GPU; a name that resolves through the frame's globals
@@ -96,8 +96,12 @@ SYNC_CALLS = frozenset({"item", "tolist", "cpu", "numpy", "synchronize", "nonzer
 _TORCH = "torch"
 _DATA_DIR = "/torch/utils/data/"
 _SYNC_FILES = ("/torch/_tensor_str.py",)
-_COMPILE_DIRS = ("/torch/_dynamo/", "/torch/_inductor/")
-_DYNAMO_GUARDS = frozenset({"guard", "___make_guard_fn"})  # generated, file "<string>"
+# torch.compile's own work: its guards (generated code, file "<string>"), and compiling, which
+# always runs under Dynamo's convert_frame (Inductor too). Not the rest of torch/_dynamo: its
+# eval_frame.py wraps every torch._disable_dynamo function (torch.optim's step, with
+# compile=False), and a compiled call runs compiled code, whose work is the torch calls'.
+_COMPILING_FILE = "/torch/_dynamo/convert_frame.py"
+_DYNAMO_GUARDS = frozenset({"guard", "___make_guard_fn"})
 _OPERATORS = frozenset({"BINARY_OP", "BINARY_SUBSCR", "STORE_SUBSCR", "COMPARE_OP",
                         "UNARY_NEGATIVE", "UNARY_INVERT", "CONTAINS_OP", "BINARY_MATRIX_MULTIPLY"})
 OTHER_LINES = "(other lines)"
@@ -260,8 +264,8 @@ def _walk(frame: FrameType, loop_code: CodeType | None) -> _Walk:
             elif role == "torch":
                 sync = sync or code.co_filename.endswith(_SYNC_FILES) or \
                     code.co_name == "synchronize"
-                compiling = compiling or code.co_name in _DYNAMO_GUARDS or any(
-                    d in code.co_filename for d in _COMPILE_DIRS)
+                compiling = compiling or code.co_name in _DYNAMO_GUARDS or \
+                    code.co_filename.endswith(_COMPILING_FILE)
         if code is loop_code:
             return _Walk(user, library, data, sync, compiling,
                          _location(code.co_filename, f.f_lineno))
