@@ -652,3 +652,30 @@ def test_stage_loader_workers_start_where_there_are_no_signal_masks(
     loader = base._WorkersStartQuietly(range(4), batch_size=None, num_workers=1,
                                        worker_init_fn=base._leave_stopping_to_the_main_process)
     assert [int(x) for x in loader] == [0, 1, 2, 3]
+
+
+def test_the_sampling_timers_signal_is_ignored_once_gpudiag_is_done() -> None:
+    """The host sampler's timer signal (a real-time one, whose default action ends the
+    process) is left ignored when the interpreter exits: CPython's finalisation puts the
+    default action back under a Python handler, and an expiry queued before the timer's
+    delete then killed a finished Lightning script (signal 60). A handler the script put
+    there itself is left alone."""
+    from gpudiag.measure.profile.inscript import threadtimer
+
+    if threadtimer.unavailable() is not None:
+        pytest.skip(f"no timer signal here: {threadtimer.unavailable()}")
+    probe = """
+        import signal, sys, time
+        import gpudiag.measure.profile.inscript.threadtimer as threadtimer
+        timer = threadtimer.ThreadTimer(0.001, lambda signum, frame: None)
+        timer.start()
+        time.sleep(0.02)
+        if sys.argv[1] == "own":  # the script's own handler, after gpudiag's
+            signal.signal(timer.signum, lambda signum, frame: None)
+        threadtimer._close_live()  # what atexit runs
+        print(signal.getsignal(timer.signum) is signal.SIG_IGN)
+    """
+    for case, ignored in (("ours", "True"), ("own", "False")):
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(probe), case],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0 and done.stdout.strip() == ignored, (case, done)

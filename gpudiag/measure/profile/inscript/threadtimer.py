@@ -18,6 +18,7 @@ preempts goroutines with SIGURG for the same reason (golang/proposal, design
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -28,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
+
+from gpudiag.measure.interrupts import signal_name
 
 SIGEV_THREAD_ID = 4  # <asm-generic/siginfo.h>: deliver to the thread named in the event
 CLOCK_MONOTONIC = 1  # <linux/time.h>: time.perf_counter's clock on Linux
@@ -100,7 +103,7 @@ def unavailable() -> str | None:
     if signum is None or _posix_timers() is None:
         return "the C library has no timer_create"
     if signal.getsignal(signum) is not signal.SIG_DFL and not handled(signum):
-        return f"{signal.Signals(signum).name} is the script's own"
+        return f"{signal_name(signum)} is the script's own"
     return None
 
 
@@ -118,11 +121,19 @@ _LIVE: dict[int, ThreadTimer] = {}
 
 @atexit.register
 def _close_live() -> None:
-    """At exit: every timer of this process deleted (an expiry the kernel queued before the
-    delete still comes, after CPython's finalisation put the default action back: ignored)."""
+    """At exit: every timer of this process deleted, and its signal ignored from here on. An
+    expiry the kernel queued before the delete can still come; CPython's finalisation puts
+    the default action back for a signal with a Python handler, and a real-time signal's
+    default action ends the process: a Lightning script was killed by signal 60 after its
+    last step (1 profile in 5). A signal set to SIG_IGN is left ignored by the finalisation
+    (Modules/signalmodule.c, _PySignal_Fini)."""
     for timer in list(_LIVE.values()):
         if timer.pid == os.getpid():  # (a forked child has none of its parent's timers)
             timer.close()
+    for signum in sorted(_SIGNALS):
+        if handled(signum):  # ours still: the script has not put a handler of its own there
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signum, signal.SIG_IGN)
 
 
 # The handler stays installed once set: a signal already on its way when a timer is deleted
@@ -131,6 +142,7 @@ _HANDLERS: dict[int, Handler] = {}
 
 
 _INSTALLED: list[Handler] = []
+_SIGNALS: set[int] = set()  # the signals gpudiag ever set a handler on
 # Wrappers' code around _dispatch (they wrap others too), by id: a code object hashes its
 # whole bytecode and constants, microseconds in a handler that runs 100 times a second.
 _WRAPPER_CODES: dict[int, CodeType] = {}
@@ -163,6 +175,7 @@ def _install(signum: int, handler: Handler) -> None:
     signal.signal(signum, handler)
     signal.siginterrupt(signum, False)  # SA_RESTART
     _INSTALLED.append(handler)
+    _SIGNALS.add(signum)
 
 
 class ThreadTimer:
