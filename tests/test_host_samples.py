@@ -531,9 +531,9 @@ def test_a_disable_dynamo_wrapper_is_not_torch_compiles_work() -> None:
     """torch.optim's step runs through torch._disable_dynamo's wrapper (torch/_dynamo/
     eval_frame.py) with or without torch.compile: a sample there is a torch call, not
     "torch.compile's own work" (nanoGPT with compile=False showed 0.8 ms of it)."""
-    from gpudiag.measure.profile.inscript.hostsampler import classify
-
     from torch.utils._pytree import tree_map
+
+    from gpudiag.measure.profile.inscript.hostsampler import classify
 
     seen: list[Any] = []
 

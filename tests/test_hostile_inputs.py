@@ -64,6 +64,12 @@ def _write_text(relative: str, text: str | bytes) -> Setup:
     return setup
 
 
+def _sparse(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:
+        handle.truncate(size)
+
+
 def _step(value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(data: dict[str, Any]) -> None:
         data["stages"][0]["iter_ms"][3] = value
@@ -173,6 +179,14 @@ RUN_CASES = [
 ]
 
 COMPARE_CASES = [
+    # Reads are bounded: a device never ends (/dev/zero grew to 5.5 GB in 20 s), a FIFO
+    # blocks forever, a sparse 300 MiB file is no gpudiag file.
+    Case("gate-calibration-device", ["gate", A, B, "--calibration", "/dev/zero"],
+         "/dev/zero: not a regular file"),
+    Case("gate-calibration-fifo", ["gate", A, B, "--calibration", "{ws}/pipe"],
+         "pipe: not a regular file", [lambda ws: os.mkfifo(ws / "pipe")]),
+    Case("compare-huge-file", ["compare", "{ws}/huge/run.json", B], "larger than 256 MiB",
+         [lambda ws: _sparse(ws / "huge" / "run.json", 300 * 2**20)]),
     Case("compare-missing", ["compare", "{ws}/none", B], "{ws}/none"),
     Case("compare-not-json", ["compare", "{ws}/bad", B], "not valid JSON",
          [_write_text("bad/run.json", "{not json")]),
@@ -415,7 +429,8 @@ def _workspace(root: Path) -> Path:
 def _snapshot(root: Path) -> dict[str, bytes | None]:
     files: dict[str, bytes | None] = {}
     for path in sorted(root.rglob("*")):
-        files[str(path.relative_to(root))] = None if path.is_dir() else path.read_bytes()
+        files[str(path.relative_to(root))] = (None if path.is_dir() else path.read_bytes()
+                                              if path.is_file() else b"(not a regular file)")
     return files
 
 

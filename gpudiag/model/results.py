@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import stat
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -702,11 +703,26 @@ def save_run(run: RunResult, path: Path) -> None:
     write_text_atomic(path, run_json_text(run))
 
 
+# run.json of a 15-hour run is a few MB (its timeline is capped); a file past this is not one
+# of gpudiag's, and reading it whole would take the machine's memory (/dev/zero grew to 5.5 GB
+# in 20 s before reads were bounded).
+MAX_JSON_BYTES = 256 * 2**20
+
+
 def read_json_file(file: Path) -> Any:
     """A gpudiag file's parsed JSON; RunFileError (one line, naming the file) when it cannot be
-    read or parsed."""
+    read or parsed, is not a regular file (a FIFO would block forever, a device never end) or
+    is larger than any gpudiag writes."""
     try:
-        text = file.read_text()
+        status = file.stat()
+        if not stat.S_ISREG(status.st_mode):
+            raise RunFileError(f"{file}: not a regular file")
+        with file.open("rb") as handle:
+            data = handle.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise RunFileError(f"{file}: larger than {MAX_JSON_BYTES // 2**20} MiB: not a "
+                               "gpudiag file")
+        text = data.decode()
     except FileNotFoundError:
         raise RunFileError(f"{file}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
