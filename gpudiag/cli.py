@@ -39,6 +39,7 @@ from gpudiag.model.calibration import (
     MIN_CALIBRATION_TRIALS,
     Calibration,
     load_calibration,
+    plausible,
     save_calibration,
 )
 from gpudiag.model.config import ProfileConfig, RunConfig
@@ -684,6 +685,8 @@ def calibrate(
         _check_sources(options == RunOptions() and out is None, "run options and --out only "
                        "apply without --from")
     record = calibration_record(load_run_set(from_run), str(from_run))
+    for warning in plausible(record):
+        typer.echo(warning, err=True)
     save_calibration(existing.with_record(record), file)
     for spread in record.stages:
         device = (f", device time {spread.device_sd:.3%}" if spread.device_sd is not None

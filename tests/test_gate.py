@@ -155,3 +155,20 @@ def test_trials_wanted_stops_when_decided_at_the_cap_or_out_of_reach() -> None:
     wanted = decision.trials_wanted(2, 6)
     assert wanted == 0 or 2 < wanted <= 6
     assert decision.trials_wanted(6, 6) == 0
+
+
+def test_calibrate_warns_of_a_noisy_spread_and_refuses_an_implausible_one() -> None:
+    """A spread past 10% is recorded with a warning (the gate then decides only large
+    changes); one past 50% is not written at all (the gate would refuse the file)."""
+    from gpudiag.model.calibration import CalibrationRecord, StageSpread, plausible
+    from gpudiag.model.errors import BadInput
+
+    def record(sd: float) -> CalibrationRecord:
+        return CalibrationRecord(device="cpu", gpu_name=None, workload={"model": "dgca"},
+                                 stages=[StageSpread(stage="train", trials=5, wall_sd=sd)])
+
+    assert plausible(record(0.02)) == []
+    (warning,) = plausible(record(0.2))
+    assert "differ by 20.0%" in warning
+    with pytest.raises(BadInput, match="differ by 60%"):
+        plausible(record(0.6))

@@ -70,6 +70,14 @@ def _sparse(path: Path, size: int) -> None:
         handle.truncate(size)
 
 
+def _calibration(wall_sd: float) -> Setup:
+    def setup(ws: Path) -> None:
+        record = {"device": "cpu", "gpu_name": None, "workload": {"model": "dgca"},
+                  "stages": [{"stage": "train-fp16", "trials": 5, "wall_sd": wall_sd}]}
+        (ws / "cal.json").write_text(json.dumps({"schema_version": 1, "records": [record]}))
+    return setup
+
+
 def _step(value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(data: dict[str, Any]) -> None:
         data["stages"][0]["iter_ms"][3] = value
@@ -187,6 +195,12 @@ COMPARE_CASES = [
          "pipe: not a regular file", [lambda ws: os.mkfifo(ws / "pipe")]),
     Case("compare-huge-file", ["compare", "{ws}/huge/run.json", B], "larger than 256 MiB",
          [lambda ws: _sparse(ws / "huge" / "run.json", 300 * 2**20)]),
+    # A calibration's spreads are bounded: a 5,000% one passed every regression, 1e308
+    # overflowed into a traceback with exit 1.
+    Case("gate-calibration-spread-5000pct", ["gate", A, B, "--calibration", "{ws}/cal.json"],
+         "less than or equal to 0.5", [_calibration(3.9)]),
+    Case("gate-calibration-spread-1e308", ["gate", A, B, "--calibration", "{ws}/cal.json"],
+         "less than or equal to 0.5", [_calibration(1e308)]),
     Case("compare-missing", ["compare", "{ws}/none", B], "{ws}/none"),
     Case("compare-not-json", ["compare", "{ws}/bad", B], "not valid JSON",
          [_write_text("bad/run.json", "{not json")]),

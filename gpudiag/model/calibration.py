@@ -17,8 +17,8 @@ from typing import Annotated
 from pydantic import Field
 
 from gpudiag.model.atomic import write_text_atomic
+from gpudiag.model.errors import BadInput
 from gpudiag.model.results import (
-    NonNegative,
     RunFileError,
     from_jsonable,
     read_json_file,
@@ -28,6 +28,13 @@ from gpudiag.model.results import (
 CALIBRATION_SCHEMA = 1
 DEFAULT_CALIBRATION = Path(".gpudiag/calibration.json")
 MIN_CALIBRATION_TRIALS = 3  # a spread needs two degrees of freedom to mean anything
+# Spreads (SD of log throughput) past this are no machine's between-process noise but a broken
+# measurement: 0.5 is one trial 65% off the next; a hand-edited 5,000% passed every
+# regression, and 1e308 overflowed. Refused on load. Past NOISY_SD `calibrate` warns: the gate
+# then decides only large changes (a loaded CI host recorded 59.5%).
+MAX_SPREAD_SD = 0.5
+NOISY_SD = 0.10
+Spread = Annotated[float, Field(ge=0, le=MAX_SPREAD_SD, allow_inf_nan=False)]
 
 
 @dataclass
@@ -37,8 +44,8 @@ class StageSpread:
 
     stage: str
     trials: Annotated[int, Field(ge=MIN_CALIBRATION_TRIALS)]
-    wall_sd: NonNegative
-    device_sd: NonNegative | None = None
+    wall_sd: Spread
+    device_sd: Spread | None = None
 
 
 @dataclass
@@ -73,6 +80,24 @@ class Calibration:
         """This calibration with `record` added, replacing the one of the same key."""
         kept = [r for r in self.records if r.key() != record.key()]
         return Calibration(records=[*kept, record])
+
+
+def plausible(record: CalibrationRecord) -> list[str]:
+    """Warnings for a record's noisy stages; BadInput where a spread is past MAX_SPREAD_SD
+    (nothing is written then: the gate would refuse the file)."""
+    warnings = []
+    for spread in record.stages:
+        worst = max(spread.wall_sd, spread.device_sd or 0.0)
+        if worst > MAX_SPREAD_SD:
+            raise BadInput(f"{spread.stage}: fresh processes differ by {worst:.0%} (SD of log "
+                           f"throughput), past the {MAX_SPREAD_SD:.0%} a calibration may hold: "
+                           "something else ran on this machine meanwhile; calibrate again on "
+                           "a quiet one")
+        if worst > NOISY_SD:
+            warnings.append(f"warning: {spread.stage}: fresh processes differ by {worst:.1%}: "
+                            "a loaded machine? The gate then decides only changes several "
+                            "times that large")
+    return warnings
 
 
 def load_calibration(path: Path) -> Calibration:
