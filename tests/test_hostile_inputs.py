@@ -201,6 +201,11 @@ COMPARE_CASES = [
          "less than or equal to 0.5", [_calibration(3.9)]),
     Case("gate-calibration-spread-1e308", ["gate", A, B, "--calibration", "{ws}/cal.json"],
          "less than or equal to 0.5", [_calibration(1e308)]),
+    # An interpreter that will not load the recorder (-I, -E, -S) is refused before it runs.
+    Case("profile-python-isolated", ["profile", "--", sys.executable, "-I", "train.py"],
+         "-I: isolated mode ignores PYTHONPATH"),
+    Case("profile-python-no-site", ["profile", "--", sys.executable, "-u", "-Su", "train.py"],
+         "-Su: it skips the site module"),
     Case("compare-missing", ["compare", "{ws}/none", B], "{ws}/none"),
     Case("compare-not-json", ["compare", "{ws}/bad", B], "not valid JSON",
          [_write_text("bad/run.json", "{not json")]),

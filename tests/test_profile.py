@@ -459,3 +459,16 @@ def test_a_jobs_environment_is_a_training_ranks_not_its_launchers(tmp_path: Path
     found = collect(tmp_path)
     assert found.env is not None and found.env.device == "cuda:0"
     assert [s.name for s in found.stages] == ["train.py[rank0]", "train.py[rank1]"]
+
+
+def test_a_profile_inside_a_profiled_process_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpudiag profile -- gpudiag profile -- python train.py` reported nothing at either
+    level: the inner one, started with the outer's recorder variables, says so and stops."""
+    from conftest import invoke
+
+    monkeypatch.setenv("GPUDIAG_PROFILE_PARENT", "12345")
+    done = invoke(["profile", "--out", str(tmp_path / "run"), "--", sys.executable, "-c",
+                   "pass"])
+    assert done.exit_code == 2 and "already profiled by a gpudiag profile" in done.stderr
+    assert not (tmp_path / "run").exists()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -139,6 +140,40 @@ def check_command(command: Sequence[str]) -> None:
     if not head.startswith((b"#!", b"\x7fELF")):
         raise BadInput(f"cannot run {command[0]!r}: no interpreter line (#!) and not a "
                        "program; run it with its interpreter (python script.py, sh script)")
+    blocked = _isolating_flag(command)
+    if blocked is not None:
+        arg, flag = blocked
+        raise BadInput(f"{command[0]} {arg}: {ISOLATING_FLAGS[flag]}, so gpudiag's recorder "
+                       f"cannot load in it; run the script without -{flag}")
+    if os.environ.get(protocol.ENV_PARENT):
+        raise BadInput("this process is already profiled by a gpudiag profile above it: profile "
+                       "the training command once, from the outside")
+
+
+# Interpreter options under which the bootstrap's sitecustomize never runs.
+ISOLATING_FLAGS = {"I": "isolated mode ignores PYTHONPATH and the site hooks",
+                   "E": "it ignores PYTHON* variables, PYTHONPATH among them",
+                   "S": "it skips the site module, which imports sitecustomize"}
+_PYTHON = re.compile(r"^python[0-9.]*$")
+_TAKES_VALUE = ("-X", "-W", "--check-hash-based-pycs")
+
+
+def _isolating_flag(command: Sequence[str]) -> tuple[str, str] | None:
+    """(the argument, the letter): `-I` (or `-E`, `-S`, alone or among other letters) on a
+    Python interpreter's command line, before its script, `-m` or `-c`."""
+    if not _PYTHON.match(Path(command[0]).name):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-m", "-c", "-") or not arg.startswith("-"):
+            return None
+        if arg in _TAKES_VALUE:
+            next(args, None)
+        elif not arg.startswith("--") and arg[1] not in "XW":
+            flag = next((letter for letter in arg[1:] if letter in ISOLATING_FLAGS), None)
+            if flag is not None:
+                return arg, flag
+    return None
 
 
 def _start(command: Sequence[str], env: dict[str, str],
