@@ -503,6 +503,22 @@ def test_committed_h100_fixes_follow_from_their_kept_runs(name: str) -> None:
 KNOBS = EXAMPLES.parent / "h200-knobs"
 
 
+def _committed_knob(folder: Path, script: str, code: str, line: str) -> tuple[RunResult, Finding]:
+    """A committed H200 run of a framework knob: its fixes table what its kept runs give, and
+    the finding `code` today's rules make of it, at the line of examples/`script`.py that
+    holds `line`."""
+    from gpudiag.diagnose import evaluate
+    from gpudiag.diagnose.tryfix import reassess
+
+    run = load_run(folder)
+    runs = {p.name: load_run(p) for p in sorted((folder / "fixes").iterdir())}
+    assert reassess(run, runs) == run.fixes and run.env.gpu_name == "NVIDIA H200"
+    source = Path(__file__).resolve().parent.parent / "examples" / f"{script}.py"
+    (finding,) = [f for f in evaluate(run) if f.id == code]
+    assert finding.location == f"examples/{script}.py:{line_of(source, line)}"
+    return run, finding
+
+
 @pytest.mark.parametrize(("name", "code", "remedy", "line"), [
     ("per_tensor_optimizer", "GD106", "fused-optimizer", "foreach=False)"),
     ("loader_restarts", "GD204", "persistent-workers", "loader = DataLoader("),
@@ -512,15 +528,7 @@ def test_committed_knob_fixes_name_the_knob_and_were_measured_faster(
     """The H200 runs of the two framework knobs: the finding at the line that sets the knob,
     its remedy measured faster with the same losses, the table what the kept runs give, and
     the finding's price within 25% of the saving measured (reports/examples/h200-knobs)."""
-    from gpudiag.diagnose import evaluate
-    from gpudiag.diagnose.tryfix import reassess
-
-    run = load_run(KNOBS / name)
-    runs = {p.name: load_run(p) for p in sorted((KNOBS / name / "fixes").iterdir())}
-    assert reassess(run, runs) == run.fixes and run.env.gpu_name == "NVIDIA H200"
-    script = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
-    (finding,) = [f for f in evaluate(run) if f.id == code]
-    assert finding.location == f"examples/{name}.py:{line_of(script, line)}"
+    run, finding = _committed_knob(KNOBS / name, name, code, line)
     best = run.fixes[0]
     assert (best.remedy, best.status, best.equivalence) == (remedy, "measured", "same")
     assert best.speedup_low is None or best.speedup_low > 1.0
@@ -543,15 +551,7 @@ def test_committed_two_gpu_knobs_name_the_knob_and_were_measured(
     table what the kept runs give; GD805's estimate within 25% of the saving measured, GD802's
     exposed share (a lower bound on the host-bound step, said so) below it
     (reports/examples/h200x2-knobs)."""
-    from gpudiag.diagnose import evaluate
-    from gpudiag.diagnose.tryfix import reassess
-
-    run = load_run(KNOBS_2GPU / name)
-    runs = {p.name: load_run(p) for p in sorted((KNOBS_2GPU / name / "fixes").iterdir())}
-    assert reassess(run, runs) == run.fixes and run.env.gpu_name == "NVIDIA H200"
-    source = Path(__file__).resolve().parent.parent / "examples" / f"{script}.py"
-    (finding,) = [f for f in evaluate(run) if f.id == code]
-    assert finding.location == f"examples/{script}.py:{line_of(source, line)}"
+    run, finding = _committed_knob(KNOBS_2GPU / name, script, code, line)
     (fix,) = [f for f in run.fixes if f.remedy == remedy]
     assert (fix.status, fix.equivalence) == ("measured", "same") and fix.speedup is not None
     saved = 1 - 1 / fix.speedup
