@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from gpudiag.measure.evidence.source import code_role, display_path
 
 MAX_FRAMES = 64  # frames looked through, from the optimizer's step outward
+_LIGHTNING = ("lightning.", "pytorch_lightning.")
 
 
 class _NotPlain(Exception):
@@ -64,7 +65,8 @@ def _outward(frame: FrameType | None) -> Iterator[FrameType]:
 
 def _trainer(frame: FrameType) -> tuple[int, str] | None:
     """transformers' Trainer, inside its training loop."""
-    if frame.f_code.co_name != "_inner_training_loop":
+    if frame.f_code.co_name != "_inner_training_loop" or \
+            "transformers" not in frame.f_code.co_filename:
         return None
     state = getattr(frame.f_locals.get("self"), "state", None)
     steps = getattr(state, "max_steps", None)
@@ -74,10 +76,13 @@ def _trainer(frame: FrameType) -> tuple[int, str] | None:
 
 
 def _lightning(frame: FrameType) -> tuple[int, str] | None:
-    """Lightning's Trainer, from one of its loops."""
-    trainer = getattr(frame.f_locals.get("self"), "trainer", None)
-    if trainer is None or not type(trainer).__module__.startswith(("lightning",
-                                                                    "pytorch_lightning")):
+    """Lightning's Trainer, from one of its loops (only Lightning's own objects are asked:
+    a script's object may compute `trainer` with a property that raises or does work)."""
+    owner = frame.f_locals.get("self")
+    if not type(owner).__module__.startswith(_LIGHTNING):
+        return None
+    trainer = getattr(owner, "trainer", None)
+    if trainer is None or not type(trainer).__module__.startswith(_LIGHTNING):
         return None
     steps = getattr(trainer, "max_steps", -1)
     if isinstance(steps, int) and steps > 0:
