@@ -546,10 +546,12 @@ def _gate_runs(options: RunOptions, gate: GateOptions, out: Path | None, force: 
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
     (up to --max-trials a side); both sides merged, and the directory holding the trials."""
     from gpudiag.diagnose.gate import TIME_METRICS  # noqa: PLC0415  (scipy)
+    from gpudiag.measure.plan import check_run_options  # noqa: PLC0415  (torch)
     from gpudiag.present import default_run_dir, prepare_run_dir  # noqa: PLC0415  (pandas)
 
     base_ref, trials, max_trials = gate.base_ref, gate.trials, gate.max_trials
     assert base_ref is not None  # only called with --base-ref
+    check_run_options(options)  # before anything is checked out or created
 
     def next_count(done: Interleaved) -> int:
         k = min(len(done.base), len(done.head))

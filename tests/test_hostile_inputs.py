@@ -291,6 +291,8 @@ GATE_CASES = [
     Case("gate-limit-unknown-stage", ["gate", A, B, "--max-regression", "warp:5"], "warp"),
     Case("gate-markdown-exists", ["gate", A, B, "--markdown", "{ws}/notes.txt"],
          "exists; pass --force"),
+    Case("gate-ref-unknown-stage", ["gate", "--base-ref", "HEAD", "--device", "cpu", "--stages",
+                                    "nosuch"], "unknown stage 'nosuch'"),  # before any checkout
     Case("gate-ref-outside-git", ["gate", "--base-ref", "HEAD"], "not inside a git repository"),
     Case("gate-bad-ref", ["gate", "--base-ref", "no-such-ref-xyz"], "no-such-ref-xyz",
          [_git_repository]),

@@ -118,6 +118,15 @@ def memory_capacity(device: str) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
 
 
+def check_run_options(options: RunOptions) -> None:
+    """What build_config checks of `options` without loading the model: for `gate --base-ref`,
+    before its worktree and --out exist (the model is each side's own, judged by its trials:
+    a head whose model breaks is exit 5, not bad input)."""
+    device = resolve_device(options.device)
+    _stages(options.stages)
+    _check_distributed(options, device)
+
+
 def _check_distributed(options: RunOptions, device: str) -> None:
     if not options.node_rank < options.nnodes:
         raise BadInput(f"--node-rank {options.node_rank} must be in 0..{options.nnodes - 1} "
