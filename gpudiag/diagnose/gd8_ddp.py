@@ -51,8 +51,9 @@ def _faster_link(backend: str) -> str:
             "a faster network between nodes, or fewer, larger all-reduces.")
 
 
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:,.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
+def megabytes(nbytes: float, digits: int = 0) -> str:
+    """Bytes as decimal MB (KB below 1 MB), with `digits` after the point for MB."""
+    return f"{nbytes / 1e6:,.{digits}f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
 
 
 def _sweep_line(info: DdpFacts) -> str:
@@ -99,7 +100,7 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
         compute = max(step - comm, 1e-6)
         # Accumulating k micro-steps under no_sync shares one all-reduce among k batches.
         k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY) * comm / compute))
-        link = (f"{_mb(grad)} of gradients per step over a link measured at "
+        link = (f"{megabytes(grad)} of gradients per step over a link measured at "
                 f"{probe.busbw_gbps if probe else 0:.1f} GB/s bus bandwidth take {comm:.1f} ms")
         hidden = ("" if overlap is None or overlap >= NO_OVERLAP else
                   f"; only {overlap:.0%} of the all-reduce runs beside compute (bucket_cap_mb "
@@ -419,7 +420,7 @@ def _buckets(facts: dict[str, Any]) -> str:
     """bucket_cap_mb's advice, where it can help: gradients that fill several buckets."""
     cap, grad = facts.get("bucket_mb"), facts.get("grad_bytes_per_step")
     if cap and grad is not None and grad <= cap * 2**20:
-        return (f"its {_mb(grad)} of gradients fit one bucket already (bucket_cap_mb "
+        return (f"its {megabytes(grad)} of gradients fit one bucket already (bucket_cap_mb "
                 f"{cap:g}), so bucket size cannot help; ")
     now = f"{cap:g} MB" if cap else "unknown"
     return f"fewer, larger buckets (raise bucket_cap_mb, now {now}); "
@@ -536,7 +537,7 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
              "probe_busbw_gbps": None if probe is None else round(probe, 2)}
     if not grad:
         return "", facts, True
-    text = f"{_mb(grad * rounds)} of gradients per step"
+    text = f"{megabytes(grad * rounds)} of gradients per step"
     if effective is not None:
         text += f" moved at {effective:.1f} GB/s bus bandwidth"
     if probe:

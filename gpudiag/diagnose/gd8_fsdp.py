@@ -8,7 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import pct
-from gpudiag.diagnose.gd8_ddp import COMM_CRITICAL_SHARE, profiled_jobs, regathers
+from gpudiag.diagnose.gd8_ddp import (
+    COMM_CRITICAL_SHARE,
+    megabytes,
+    profiled_jobs,
+    regathers,
+)
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import FsdpFacts, FsdpUnits
 from gpudiag.model.results import RunResult
@@ -17,10 +22,6 @@ INFO_SHARE, WARNING_SHARE = 0.03, 0.10
 # Parameters below this (with their gradients and two Adam states, 4x) fit any training GPU
 # many times over: sharding them buys memory nobody needs, at a gather per unit and step.
 SMALL_MODEL_BYTES = 2**30
-
-
-def _mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:,.0f} KB"
 
 
 def _knob_site(fsdp: FsdpFacts | None) -> FsdpUnits | None:
@@ -71,8 +72,8 @@ def fsdp_reshard_after_forward(run: RunResult) -> Iterator[Draft]:
         memory = ""
         if fsdp is not None and knob is not None:
             held = knob.resharding_bytes * (1 - 1 / fsdp.shard_size)
-            memory = (f"; the cost: up to {_mb(held)} more memory per device at the peak (the "
-                      "units' parameters held unsharded until their backward)")
+            memory = (f"; the cost: up to {megabytes(held, digits=1)} more memory per device "
+                      "at the peak (the units' parameters held unsharded until their backward)")
         small = fsdp is not None and 0 < fsdp.param_bytes < SMALL_MODEL_BYTES
         yield Draft(
             severity=severity_for(share, warning=WARNING_SHARE, critical=COMM_CRITICAL_SHARE),
@@ -102,7 +103,7 @@ def fsdp_reshard_after_forward(run: RunResult) -> Iterator[Draft]:
                  + (f" at {at}" if at else " where each unit is sharded")
                  + f": each unit's parameters stay gathered from forward to backward, "
                  f"{again.count:.0f} all-gathers fewer per step{memory}."
-                 + (f" The model has only {_mb(fsdp.param_bytes)} of parameters: unless "
-                    "memory requires sharding, DDP (DistributedDataParallel) keeps a full copy "
-                    "per device and reduces gradients with one all-reduce per step, with no "
-                    "gathers at all." if small and fsdp is not None else "")))
+                 + (f" The model has only {megabytes(fsdp.param_bytes, digits=1)} of "
+                    "parameters: unless memory requires sharding, DDP (DistributedDataParallel) "
+                    "keeps a full copy per device and reduces gradients with one all-reduce per "
+                    "step, with no gathers at all." if small and fsdp is not None else "")))

@@ -106,9 +106,17 @@ class RunAccount:
         not). None without a plan beyond the steps made."""
         if self.planned is None or self.planned[0] <= self.steps or self.steps < 2:
             return None
-        per_step = self.loop_ms / (self.steps - 1)
-        return self.startup_ms + self.first_compile_ms + per_step * self.planned[0] \
-            + self.tail_ms
+        return self.setup_ms + self.loop_ms_per_step * self.planned[0] + self.tail_ms
+
+    @property
+    def setup_ms(self) -> float:
+        """Step 0: start-up and the compilations in it."""
+        return self.startup_ms + self.first_compile_ms
+
+    @property
+    def loop_ms_per_step(self) -> float:
+        """What each step after the first cost of the training loop, periodic work included."""
+        return self.loop_ms / (self.steps - 1) if self.steps > 1 else 0.0
 
     def parts(self) -> list[tuple[str, float]]:
         """(part, ms) adding up to the wall time."""

@@ -99,15 +99,13 @@ def projection(whole: RunAccount) -> str | None:
     if projected is None or whole.planned is None:
         return None
     steps, source = whole.planned
-    per_step = whole.loop_ms / (whole.steps - 1)
-    startup = whole.startup_ms + whole.first_compile_ms
-    loop = projected - startup - whole.tail_ms
+    loop = projected - whole.setup_ms - whole.tail_ms
     return (f"gpudiag ended the script after its window, at step {whole.steps:,}; it means to "
-            f"make {steps:,} steps ({source}). At this run's cost per step ({per_step:,.1f} "
-            f"ms, its periodic work included) the whole run would take about "
-            f"{_span(projected)}, the training loop {loop / projected:.1%} of it (start-up "
-            f"{_span(startup)}): a finding's share of the training loop is that much of the "
-            "whole run.")
+            f"make {steps:,} steps ({source}). At this run's cost per step "
+            f"({whole.loop_ms_per_step:,.1f} ms, its periodic work included) the whole run "
+            f"would take about {_span(projected)}, the training loop {loop / projected:.1%} "
+            f"of it (start-up {_span(whole.setup_ms)}): a finding's share of the training "
+            "loop is that much of the whole run.")
 
 
 def markdown_sections(run: RunResult) -> list[str]:

@@ -57,3 +57,17 @@ def when_imported(names: Sequence[str], callback: Callable[[ModuleType], None]) 
             callback(module)
         else:
             _after_import.waiting.setdefault(name, []).append(callback)
+
+
+def when_fsdp_imported(callback: Callable[[type], None]) -> None:
+    """`callback(FSDPParamGroup)` once FSDP2 is imported, under whichever name this torch has
+    it (each class once, where both modules hold it)."""
+    seen: set[int] = set()
+
+    def found(module: ModuleType) -> None:
+        group = getattr(module, "FSDPParamGroup", None)
+        if isinstance(group, type) and id(group) not in seen:
+            seen.add(id(group))
+            callback(group)
+
+    when_imported(FSDP_PARAM_GROUP_MODULES, found)

@@ -13,7 +13,6 @@ import importlib.util
 import sys
 import time
 from collections.abc import Callable
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +23,7 @@ from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
 from gpudiag.measure.evidence.trace import LOADER_RANGES, MICROSTEP_RANGE
 from gpudiag.measure.profile.inscript import writewatch
-from gpudiag.measure.profile.inscript.afterimport import FSDP_PARAM_GROUP_MODULES, when_imported
+from gpudiag.measure.profile.inscript.afterimport import when_fsdp_imported
 
 if TYPE_CHECKING:
     from gpudiag.measure.profile.inscript.recorder import Recorder
@@ -159,9 +158,4 @@ def _hook_fsdp(recorder: Recorder) -> None:
             recorder.fsdp_grouped(self, sys._getframe(1), param_bytes)
         return __init__
 
-    def patch(module: ModuleType) -> None:
-        group = getattr(module, "FSDPParamGroup", None)
-        if group is not None:
-            _wrap(group, "__init__", noted_group)
-
-    when_imported(FSDP_PARAM_GROUP_MODULES, patch)
+    when_fsdp_imported(lambda group: _wrap(group, "__init__", noted_group))

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
-from gpudiag.measure.profile.inscript.afterimport import FSDP_PARAM_GROUP_MODULES, when_imported
+from gpudiag.measure.profile.inscript.afterimport import when_fsdp_imported
 from gpudiag.measure.profile.inscript.frameworks import loader_origin
 from gpudiag.model.remedies import (
     REMEDIES,
@@ -433,13 +433,7 @@ def _fsdp_keep_gathered(seen: RemedyEvidence) -> Callable[[], None]:
             record.site = record.site or _site()
         return __init__
 
-    def patch(module: Any) -> None:
-        group = getattr(module, "FSDPParamGroup", None)
-        if group is not None and not getattr(group.__init__, "__gpudiag_remedy__", False):
-            _wrap(group, "__init__", around)
-            group.__init__.__gpudiag_remedy__ = True
-
-    when_imported(FSDP_PARAM_GROUP_MODULES, patch)
+    when_fsdp_imported(lambda group: _wrap(group, "__init__", around))
     return lambda: None
 
 
