@@ -47,12 +47,17 @@ class ProfilerWindow:
         self._annotator: SourceAnnotator | None = None
         self._range: record_function | None = None
         self._mark = 0.0
+        # Seconds each phase of the window took (start, steps, collect, export, parse,
+        # analyze): what the window costs, where (benchmarks/window_cost.py).
+        self.phase_s: dict[str, float] = {}
+        self._opened = 0.0
 
     @property
     def open(self) -> bool:
         return self._profiler is not None
 
     def start(self) -> None:
+        begin = time.perf_counter()
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -69,6 +74,8 @@ class ProfilerWindow:
         if self.annotate:
             self._annotator = SourceAnnotator()
             self._annotator.__enter__()
+        self._opened = time.perf_counter()
+        self.phase_s = {"start": self._opened - begin}
         self._open_step()
 
     def _open_step(self) -> None:
@@ -101,14 +108,24 @@ class ProfilerWindow:
         if self._annotator is not None:
             self._annotator.__exit__(None, None, None)
             self._annotator = None
+        mark = time.perf_counter()
+        self.phase_s["steps"] = mark - self._opened
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
+        mark = self._phase("collect", mark)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
             profiler.export_chrome_trace(str(path))
             self.trace_json = path.read_bytes()
+        mark = self._phase("export", mark)
         events: list[dict[str, Any]] = json.loads(self.trace_json).get("traceEvents", [])
+        self._phase("parse", mark)
         return events
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_s[name] = now - since
+        return now
 
     def evidence(self, events: list[dict[str, Any]], timed_step_ms: float | None,
                  kernel_lines: dict[str, list[str]] | None = None) -> Evidence | None:
@@ -117,9 +134,13 @@ class ProfilerWindow:
         (gpudiag/measure/profile/inscript/compiles.py)."""
         if not self.step_ms:
             return None
-        return analyze(events, steps=len(self.step_ms), step_ms=statistics.fmean(self.step_ms),
-                       backend="cuda" if self.device.type == "cuda" else "cpu",
-                       timed_step_ms=timed_step_ms, kernel_lines=kernel_lines)
+        begin = time.perf_counter()
+        try:
+            return analyze(events, steps=len(self.step_ms), step_ms=statistics.fmean(self.step_ms),
+                           backend="cuda" if self.device.type == "cuda" else "cpu",
+                           timed_step_ms=timed_step_ms, kernel_lines=kernel_lines)
+        finally:
+            self._phase("analyze", begin)
 
 
 @contextlib.contextmanager
