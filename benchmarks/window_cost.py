@@ -24,6 +24,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,7 @@ STEPS: dict[str, Callable[[torch.device], Callable[[], None]]] = {
     "gradient logging": gradient_logging}
 
 
-def window_phases(name: str, device: torch.device) -> dict[str, Any]:
+def window_phases(name: str, device: torch.device, save_to: Path | None) -> dict[str, Any]:
     step = STEPS[name](device)
     for _ in range(3):
         step()
@@ -127,7 +128,8 @@ def window_phases(name: str, device: torch.device) -> dict[str, Any]:
     evidence = window.evidence(events, statistics.median(plain))
     with tempfile.TemporaryDirectory() as tmp:
         mark = time.perf_counter()
-        with gzip.open(Path(tmp) / "trace.json.gz", "wb", compresslevel=6) as f:
+        saved = (save_to or Path(tmp)) / f"{name.replace(' ', '-')}.json.gz"
+        with gzip.open(saved, "wb", compresslevel=6) as f:
             f.write(window.trace_json)
         window.phase_s["save"] = time.perf_counter() - mark
     whole = time.perf_counter() - begin
@@ -147,7 +149,7 @@ def phases(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     for name in args.steps or list(STEPS):
-        row = window_phases(name, device)
+        row = window_phases(name, device, args.traces)
         rows.append(row)
         parts = "  ".join(f"{k} {v:.2f}" for k, v in row["phase_s"].items())
         print(f"{name:22s} {row['recorded_per_step']:8,.0f} {row['recorded']}/step  plain "
@@ -189,11 +191,13 @@ def _scripts(scratch: Path, ddp: bool) -> dict[str, list[str]]:
 
 def _profiled(tree: Path, script: list[str], out: Path) -> dict[str, Any]:
     # The tree's gpudiag first on the path, in gpudiag's process and (inherited) the script's.
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    path = os.pathsep.join(p for p in (str(tree.resolve()), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     start = time.perf_counter()
+    # Not from this folder: `python -m` puts the working directory before PYTHONPATH.
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--out", str(out), "--",
                            sys.executable, *script], env=env, capture_output=True, text=True,
-                          check=False)
+                          check=False, cwd=out.parent)
     wall = time.perf_counter() - start
     row: dict[str, Any] = {"tree": str(tree), "wall_s": wall, "rc": done.returncode}
     if done.returncode not in (0, 2, 3):
@@ -228,8 +232,12 @@ def runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 # Trees alternate, their order reversed every other repeat (ABBA).
                 trees = args.tree if repeat % 2 == 0 else args.tree[::-1]
                 for tree in trees:
-                    row = _profiled(tree, script, scratch / f"run-{len(rows)}")
+                    out = scratch / f"run-{len(rows)}"
+                    row = _profiled(tree, script, out)
                     row.update(script=name, repeat=repeat, plain_wall_s=plain)
+                    if args.keep is not None:  # the run's files, its profiler trace included
+                        shutil.copytree(out, args.keep / out.name, dirs_exist_ok=True)
+                        row["kept"] = out.name
                     rows.append(row)
                     print(f"{name:28s} {Path(row['tree']).name:10s} wall {row['wall_s']:6.1f} s "
                           f"(plain {plain:5.1f} s)  window "
@@ -245,12 +253,14 @@ def main() -> int:
     ph = sub.add_parser("phases")
     ph.add_argument("--device", default=None)
     ph.add_argument("--steps", action="append", choices=list(STEPS))
+    ph.add_argument("--traces", type=Path, default=None, help="keep each window's trace here")
     rn = sub.add_parser("runs")
     rn.add_argument("--tree", type=Path, action="append", required=True,
                     help="a gpudiag source tree (repeat to compare)")
     rn.add_argument("--repeats", type=int, default=2)
     rn.add_argument("--ddp", action="store_true", help="also the two-GPU DDP script")
     rn.add_argument("--only", action="append", help="a script's name (repeatable)")
+    rn.add_argument("--keep", type=Path, default=None, help="copy each run's folder here")
     for p in (ph, rn):
         p.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

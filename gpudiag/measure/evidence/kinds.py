@@ -10,6 +10,7 @@ gpudiag/model/results.py (DEVICE_KINDS)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 from gpudiag.model.results import DeviceKind
@@ -47,6 +48,9 @@ _OP_KINDS: tuple[tuple[DeviceKind, re.Pattern[str]], ...] = (
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
+# Cached: a window launches the same few hundred kernels and operators tens of thousands of
+# times, and their names run to hundreds of characters of C++ templates.
+@functools.lru_cache(maxsize=2**14)
 def kernel_kind(name: str, *, in_optimizer: bool = False) -> DeviceKind:
     """A kernel's kind; an otherwise elementwise kernel launched by an optimizer's step is the
     optimizer's (unfused, per-parameter)."""
@@ -58,6 +62,7 @@ def kernel_kind(name: str, *, in_optimizer: bool = False) -> DeviceKind:
     return "optimizer" if in_optimizer else "other"
 
 
+@functools.lru_cache(maxsize=2**14)
 def op_kind(name: str, *, in_optimizer: bool = False) -> DeviceKind:
     """A CPU operator's kind (its host time is its work)."""
     if in_optimizer:

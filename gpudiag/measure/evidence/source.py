@@ -19,8 +19,12 @@ from types import CodeType, FrameType
 from typing import Any, Literal, NamedTuple
 
 import torch
+
+# The profiler's record function without record_function's Python: no torch op dispatched to
+# open and close it (torch/autograd/profiler.py), a range a third of the cost (the one
+# Inductor's generated code uses). Its ranges land in the trace as operators, "cpu_op".
+from torch._C._profiler import _RecordFunctionFast
 from torch.overrides import TorchFunctionMode
-from torch.profiler import record_function
 
 ANNOTATION_PREFIX = "gpudiag.src|"
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -54,8 +58,10 @@ def annotation(location: str, function: str, direct: bool, dtype: str = "", via:
     return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}|{dtype}|{via}"
 
 
+@functools.lru_cache(maxsize=2**16)
 def parse_annotation(name: str) -> Site | None:
-    """The site a source annotation names (None for other ranges)."""
+    """The site a source annotation names (None for other ranges). Cached: a window holds a
+    few hundred distinct names hundreds of thousands of times."""
     if not name.startswith(ANNOTATION_PREFIX):
         return None
     location, function, direct, dtype, via = name[len(ANNOTATION_PREFIX):].rsplit("|", 4)
@@ -250,8 +256,8 @@ class SourceAnnotator(TorchFunctionMode):
         self.calls += 1
         if site is None:
             return func(*args, **(kwargs or {}))
-        with record_function(annotation(site.location, site.function, site.direct,
-                                        matmul_dtype(func, args), site.via)):
+        with _RecordFunctionFast(annotation(site.location, site.function, site.direct,
+                                            matmul_dtype(func, args), site.via)):
             return func(*args, **(kwargs or {}))
 
 

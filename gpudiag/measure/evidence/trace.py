@@ -22,7 +22,7 @@ from typing import Any
 
 from gpudiag.measure.evidence import shapes
 from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
-from gpudiag.measure.evidence.source import in_loop, parse_annotation
+from gpudiag.measure.evidence.source import ANNOTATION_PREFIX, in_loop, parse_annotation
 from gpudiag.model.results import MEMORY_BOUND_KINDS, Evidence, LineCount, SourceLine
 
 SHORT_KERNEL_US = 10.0  # kernels shorter than this are dominated by launch overhead
@@ -95,94 +95,50 @@ class _Line:
 
 
 def _end(e: dict[str, Any]) -> float:
-    end = e.get("_end")
-    if end is None:
-        end = e["_end"] = float(e["ts"]) + float(e.get("dur", 0.0))
+    """An event's end; its start and end are read once, when the window is selected."""
+    end: float = e["_end"]
     return end
 
 
-def _enclosing(events: list[dict[str, Any]], ranges: list[dict[str, Any]],
-               key: str) -> None:
-    """Store on each event (under `key`) the innermost range of `ranges` that contains it on the
-    same host thread. Both lists are scanned once, in time order."""
-    by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for r in ranges:
-        by_thread[r["tid"]].append(r)
-    for thread_ranges in by_thread.values():
-        thread_ranges.sort(key=lambda r: (r["ts"], -_end(r)))
-    for tid, items in _group(events).items():
-        pending = by_thread.get(tid, [])
-        stack: list[dict[str, Any]] = []
-        i = 0
-        for e in items:
-            while i < len(pending) and pending[i]["ts"] <= e["ts"]:
-                # Ranges nest: drop those that ended before this one starts, so the stack is
-                # always a chain of ranges each inside the one below it.
-                while stack and _end(stack[-1]) < pending[i]["ts"]:
-                    stack.pop()
-                stack.append(pending[i])
-                i += 1
-            while stack and _end(stack[-1]) < e["ts"]:
-                stack.pop()
-            for candidate in reversed(stack):
-                if candidate is not e and _end(candidate) >= _end(e):
-                    e[key] = candidate
-                    break
+# Where a host event sits: the innermost range of each kind that holds it on its thread, stored
+# on the event under the kind's key. `_line`: a source annotation; `_optimizer`: an optimizer
+# step; `_loader`: a DataLoader's range; `_backward`: an autograd node's evaluation; `_op`
+# and `_parent`: an operator (what launched a runtime call; what an operator runs inside);
+# `_matmul`: a matmul operator.
+_OP_KEYS = ("_line", "_optimizer", "_loader", "_backward", "_parent", "_matmul")
+_RUNTIME_KEYS = ("_line", "_optimizer", "_backward", "_matmul", "_op")
+# At equal start and end, the range that encloses sorts first: annotations and other ranges
+# hold operators, operators hold runtime calls, and flow points sit inside all of them.
+_RANGE, _OPERATOR, _RUNTIME, _POINT = range(4)
+_EMPTY: dict[str, dict[str, Any]] = {}
 
 
-def _group(events: Iterable[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
-    groups: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        groups[e["tid"]].append(e)
-    for items in groups.values():
-        items.sort(key=lambda e: (e["ts"], -_end(e)))
-    return groups
-
-
-def _top_level(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Operators not nested inside another operator on the same thread."""
-    top = []
-    for items in _group(ops).values():
-        open_until = -1.0
-        for e in items:
-            if e["ts"] >= open_until:
-                top.append(e)
-                open_until = _end(e)
-    return top
-
-
-def _link_backward(events: list[dict[str, Any]], ops: list[dict[str, Any]],
-                   backward_nodes: list[dict[str, Any]],
-                   annotations: list[dict[str, Any]]) -> None:
-    """Set `_forward_line` on backward nodes: the annotation around the forward op that created
-    the node. The profiler's forward->backward flow events say which op that was, in-place
-    writes into views (CopySlices) included; traces without them fall back to the autograd
-    sequence number, taking the last forward op that recorded it (the one that made the node).
-    """
-    starts = {f["id"]: {"ts": float(f["ts"]), "dur": 0.0, "tid": f["tid"], "name": ""}
-              for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "s"}
-    finishes = [{"ts": float(f["ts"]), "dur": 0.0, "tid": f["tid"], "name": "", "id": f["id"]}
-                for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "f"
-                and f["id"] in starts]
-    _enclosing(list(starts.values()), annotations, "_line")
-    _enclosing(finishes, backward_nodes, "_backward")
-    for finish in finishes:
-        node, start = finish.get("_backward"), starts[finish["id"]]
-        if node is not None and start.get("_line") is not None:
-            node["_forward_line"] = start["_line"]
-    forward_by_seq: dict[Any, dict[str, Any]] = {}
-    for o in sorted(ops, key=lambda o: o["ts"]):
-        seq = o.get("args", {}).get("Sequence number")
-        # Ops running inside a backward node carry its sequence number too; skip them.
-        if (seq is not None and "_backward" not in o
-                and not o["name"].startswith(BACKWARD_PREFIX)):
-            forward_by_seq[seq] = o
-    for node in backward_nodes:
-        if "_forward_line" in node:
-            continue
-        forward = forward_by_seq.get(node.get("args", {}).get("Sequence number"))
-        if forward is not None and forward.get("_line") is not None:
-            node["_forward_line"] = forward["_line"]
+def _mark_enclosing(items: list[tuple[float, float, int, int, dict[str, Any],
+                                      tuple[str, ...], tuple[str, ...]]]) -> None:
+    """One thread's host events in one sweep, in time order: on each, under each key it
+    `receives`, the innermost other event holding it that `provides` that key. Items are
+    (start, -end, rank, index, event, receives, provides); the stack holds, for every open
+    event, the innermost holder of each key as seen from inside it."""
+    items.sort()
+    stack: list[tuple[float, dict[str, dict[str, Any]]]] = []
+    for ts, neg_end, _, _, e, receives, provides in items:
+        end = -neg_end
+        while stack and stack[-1][0] < ts:
+            stack.pop()
+        # Ranges nest; a range that overlaps this event without holding it is passed over.
+        k = len(stack) - 1
+        while k >= 0 and stack[k][0] < end:
+            k -= 1
+        around = stack[k][1] if k >= 0 else _EMPTY
+        for key in receives:
+            holder = around.get(key)
+            if holder is not None:
+                e[key] = holder
+        if provides:
+            inside = dict(around)
+            for key in provides:
+                inside[key] = e
+            stack.append((end, inside))
 
 
 def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -224,6 +180,7 @@ class _Window:
     # Compiled kernels' source lines (Inductor's provenance), for work no annotation encloses.
     kernel_lines: dict[str, list[str]] = field(default_factory=dict)
     lines: dict[str, _Line] = field(default_factory=dict)
+    busy: list[tuple[float, float]] = field(default_factory=list)  # device work, merged
 
     def line_of(self, e: dict[str, Any]) -> dict[str, Any] | None:
         """The source annotation `e` belongs to. Backward work inside `loss.backward()` belongs
@@ -254,37 +211,116 @@ class _Window:
 def _select(events: list[dict[str, Any]]) -> _Window:
     """Sort the window's complete events by kind and mark their attribution."""
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    steps_ranges = [e for e in events if e.get("ph") == "X" and e.get("name") == STEP_RANGE]
-    first = min((float(s["ts"]) for s in steps_ranges), default=-math.inf)
-    last = max((_end(s) for s in steps_ranges), default=math.inf)
-    for e in events:
+    complete = [e for e in events if e.get("ph") == "X"]
+    for e in complete:
+        e["ts"] = ts = float(e["ts"])
+        e["_end"] = ts + float(e.get("dur", 0.0))
+    steps_ranges = [e for e in complete if e.get("name") == STEP_RANGE]
+    first = min((s["ts"] for s in steps_ranges), default=-math.inf)
+    last = max((s["_end"] for s in steps_ranges), default=math.inf)
+    annotations: list[dict[str, Any]] = []
+    for e in complete:
         # Host work outside the profiled steps (the window's own final sync) is not the step's.
-        if e.get("ph") == "X" and (e.get("cat") in DEVICE_CATS
-                                   or first <= float(e["ts"]) <= last):
-            by_cat[e.get("cat", "")].append(e)
+        cat = e.get("cat", "")
+        if cat in DEVICE_CATS or first <= e["ts"] <= last:
+            # The annotator's ranges are recorded as operators (source.py: the profiler's fast
+            # record function), or as user annotations by earlier versions.
+            if cat in _HOST_RANGE_CATS and e["name"].startswith(ANNOTATION_PREFIX):
+                annotations.append(e)
+            else:
+                by_cat[cat].append(e)
     ops, runtime = by_cat["cpu_op"], by_cat["cuda_runtime"] + by_cat["cuda_driver"]
     host = ops + runtime
-    span = (first, last) if steps_ranges else (min((float(e["ts"]) for e in host), default=0.0),
-                                               max((_end(e) for e in host), default=0.0))
+    span = (first, last) if steps_ranges else (min((e["ts"] for e in host), default=0.0),
+                                               max((e["_end"] for e in host), default=0.0))
     window = _Window(
-        by_cat=by_cat, span=span,
-        annotations=[a for a in by_cat["user_annotation"] if parse_annotation(a["name"])],
-        ops=ops, runtime=runtime,
+        by_cat=by_cat, span=span, annotations=annotations, ops=ops, runtime=runtime,
         device=by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"],
         backward_nodes=[o for o in ops if o["name"].startswith(BACKWARD_PREFIX)],
         matmuls=[o for o in ops if o["name"] in MATMUL_OPS],
-        steps=sorted((float(r["ts"]), _end(r)) for r in steps_ranges),
+        steps=sorted((r["ts"], r["_end"]) for r in steps_ranges),
         optimizer_steps=[a for a in by_cat["user_annotation"]
                          if a["name"].startswith(OPTIMIZER_RANGE)])
-    _enclosing(host, window.annotations, "_line")
-    _enclosing(host, window.optimizer_steps, "_optimizer")
-    _enclosing(ops, [a for a in by_cat["user_annotation"] if a["name"].startswith(LOADER_RANGES)],
-               "_loader")
-    _enclosing(host, window.backward_nodes, "_backward")
-    _enclosing(runtime, window.matmuls, "_matmul")
-    _enclosing(runtime, ops, "_op")  # the operator that launched a kernel: its shapes
-    _link_backward(events, ops, window.backward_nodes, window.annotations)
+    window.busy = _merge((d["ts"], d["_end"]) for d in window.device)
+    loaders = [a for a in by_cat["user_annotation"] if a["name"].startswith(LOADER_RANGES)]
+    starts, finishes = _flows(events)
+    by_thread: dict[Any, list[tuple[float, float, int, int, dict[str, Any], tuple[str, ...],
+                                    tuple[str, ...]]]] = defaultdict(list)
+
+    def add(items: Iterable[dict[str, Any]], rank: int, receives: tuple[str, ...],
+            provides: Callable[[dict[str, Any]], tuple[str, ...]]) -> None:
+        for e in items:
+            by_thread[e["tid"]].append((e["ts"], -e["_end"], rank, len(by_thread[e["tid"]]), e,
+                                        receives, provides(e)))
+
+    add(annotations, _RANGE, (), lambda _: ("_line",))
+    add(window.optimizer_steps, _RANGE, (), lambda _: ("_optimizer",))
+    add(loaders, _RANGE, (), lambda _: ("_loader",))
+    add(ops, _OPERATOR, _OP_KEYS, _provided_by_operator)
+    add(runtime, _RUNTIME, _RUNTIME_KEYS, lambda _: ())
+    add(starts.values(), _POINT, ("_line",), lambda _: ())
+    add(finishes, _POINT, ("_backward",), lambda _: ())
+    for items in by_thread.values():
+        _mark_enclosing(items)
+    _link_backward(starts, finishes, ops, window.backward_nodes)
     return window
+
+
+_HOST_RANGE_CATS = frozenset({"cpu_op", "user_annotation"})
+
+
+def _provided_by_operator(op: dict[str, Any]) -> tuple[str, ...]:
+    name = op["name"]
+    if name.startswith(BACKWARD_PREFIX):
+        return ("_op", "_parent", "_backward")
+    if name in MATMUL_OPS:
+        return ("_op", "_parent", "_matmul")
+    return ("_op", "_parent")
+
+
+def _flows(events: list[dict[str, Any]],
+           ) -> tuple[dict[Any, dict[str, Any]], list[dict[str, Any]]]:
+    """The profiler's forward->backward flow events as points on their threads: each start
+    (at the forward operator that made an autograd node) by id, and the finishes (at the
+    node's evaluation) whose start is in the trace."""
+    starts = {f["id"]: {"ts": float(f["ts"]), "_end": float(f["ts"]), "tid": f["tid"]}
+              for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "s"}
+    finishes = [{"ts": float(f["ts"]), "_end": float(f["ts"]), "tid": f["tid"], "id": f["id"]}
+                for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "f"
+                and f["id"] in starts]
+    return starts, finishes
+
+
+def _link_backward(starts: dict[Any, dict[str, Any]], finishes: list[dict[str, Any]],
+                   ops: list[dict[str, Any]], backward_nodes: list[dict[str, Any]]) -> None:
+    """Set `_forward_line` on backward nodes: the annotation around the forward op that created
+    the node. The profiler's forward->backward flow events say which op that was, in-place
+    writes into views (CopySlices) included; traces without them fall back to the autograd
+    sequence number, taking the last forward op that recorded it (the one that made the node).
+    """
+    for finish in finishes:
+        node, start = finish.get("_backward"), starts[finish["id"]]
+        if node is not None and start.get("_line") is not None:
+            node["_forward_line"] = start["_line"]
+    forward_by_seq: dict[Any, dict[str, Any]] = {}
+    for o in sorted(ops, key=lambda o: o["ts"]):
+        seq = o.get("args", {}).get("Sequence number")
+        # Ops running inside a backward node carry its sequence number too; skip them.
+        if (seq is not None and "_backward" not in o
+                and not o["name"].startswith(BACKWARD_PREFIX)):
+            forward_by_seq[seq] = o
+    for node in backward_nodes:
+        if "_forward_line" in node:
+            continue
+        forward = forward_by_seq.get(node.get("args", {}).get("Sequence number"))
+        if forward is not None and forward.get("_line") is not None:
+            node["_forward_line"] = forward["_line"]
+
+
+def _top_level(ops: list[dict[str, Any]], key: str = "_parent") -> list[dict[str, Any]]:
+    """Operators not nested inside another operator (of the kind `key` marks) on their
+    thread."""
+    return [o for o in ops if key not in o]
 
 
 def _count_call(line: _Line, annotation_event: dict[str, Any]) -> None:
@@ -434,7 +470,7 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
 def _count_operators(w: _Window, counts: _Device) -> None:
     """Without kernels: matmul work is the host time of the outermost matmul operators, and
     each top-level operator's host time is its kind's."""
-    for o in _top_level(w.matmuls):
+    for o in _top_level(w.matmuls, "_matmul"):
         counts.matmul_us[_dtype(w.line_of(o))] += float(o.get("dur", 0.0))
     for o in w.ops:
         compiled = w.compiled_lines(o["name"]) if w.kernel_lines else []
@@ -451,7 +487,6 @@ def _count_operators(w: _Window, counts: _Device) -> None:
 def _working_ops(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The operators that do the work: ATen operators with no working operator inside them
     (aten::addmm, not the aten::linear around it; a cast's aten::copy_, not its aten::to)."""
-    _enclosing(ops, ops, "_parent")
     working = [o for o in ops if o["name"].startswith("aten::") and o["name"] not in NO_WORK_OPS]
     for o in working:
         o["_working"] = True
@@ -546,7 +581,7 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
                    kernels=line.kernels * per, syncs=line.syncs * per,
                    copies=line.memcpys * per, device_ms=line.device_us * per / 1e3,
                    sync_idle_ms=_idle_after(runtime.line_sync_ends[line.location],
-                                            w.device) * per / 1e3,
+                                            w.busy) * per / 1e3,
                    kind_ms={k: round(v * per / 1e3, 4) for k, v in sorted(line.kind_us.items())
                             if v > 0},
                    flops=line.flops * per, bytes=line.bytes * per,
@@ -568,7 +603,7 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> 
             device_ms_per_step=line.device_us * per / 1e3,
             median_kernel_us=statistics.median(line.kernel_us) if line.kernel_us else None,
             sync_idle_ms_per_step=_idle_after(runtime.line_sync_ends[line.location],
-                                              w.device) * per / 1e3,
+                                              w.busy) * per / 1e3,
             share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
             in_loop=in_loop(line.location),
             via=line.vias.most_common(1)[0][0] if line.vias else None)
@@ -589,8 +624,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     runtime = _count_runtime(w)
     device = _count_device(w, runtime, backend)
     _count_shapes(w, backend)
-    busy_ms = (_length(_merge((float(d["ts"]), _end(d)) for d in w.device)) / 1e3
-               if w.device else None)
+    busy_ms = _length(w.busy) / 1e3 if w.device else None
     htod = [d for d in w.by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
     launched_at = {corr: float(r["ts"]) for corr, r in runtime.by_correlation.items()}
     coll = _collectives(events, w.ops, w.by_cat, w.device, backend, w.span, launched_at)
@@ -605,7 +639,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         htod_overlap_fraction=_overlap_fraction(htod, w.by_cat["kernel"]),
         memset_per_step=len(w.by_cat["gpu_memset"]) * per,
         sync_ms_per_step=runtime.sync_us * per / 1e3,
-        sync_idle_ms_per_step=_idle_after(runtime.sync_ends, w.device) * per / 1e3,
+        sync_idle_ms_per_step=_idle_after(runtime.sync_ends, w.busy) * per / 1e3,
         matmul_ms_by_dtype={k: v * per / 1e3 for k, v in sorted(device.matmul_us.items())},
         device_ms_by_kind={k: v * per / 1e3 for k, v in sorted(device.kind_us.items())},
         device_ms_per_step=device.kernel_us * per / 1e3,
@@ -675,12 +709,12 @@ def _dtype(annotation_event: dict[str, Any] | None) -> str:
     return parsed.dtype if parsed and parsed.dtype else "unknown"
 
 
-def _idle_after(moments: list[float], device: list[dict[str, Any]]) -> float:
-    """Device idle time from each moment to the next device activity (the queue a sync drained
-    stays empty until the host issues more work). Moments with the device busy cost nothing."""
-    if not moments or not device:
+def _idle_after(moments: list[float], busy: list[tuple[float, float]]) -> float:
+    """Device idle time from each moment to the next device activity (`busy`: the device's
+    work, merged; the queue a sync drained stays empty until the host issues more work).
+    Moments with the device busy cost nothing."""
+    if not moments or not busy:
         return 0.0
-    busy = _merge((float(d["ts"]), _end(d)) for d in device)
     starts = [a for a, _ in busy]
     gaps = []
     for t in moments:
