@@ -161,3 +161,36 @@ def test_the_steps_a_loop_means_to_make_are_read_from_its_source() -> None:
     for _ in range(int("4")):
         unknown["call"] = planned_steps(sys._getframe())
     assert unknown == {"while": None, "if": None, "call": None}
+
+
+def _one_epoch(loader: object, seen: list[tuple[int, str] | None]) -> None:
+    import sys
+
+    from gpudiag.measure.profile.inscript.planned import planned_steps
+
+    for _batch in loader:  # type: ignore[attr-defined]
+        seen.append(planned_steps(sys._getframe()))
+
+
+def test_an_epoch_loop_around_the_call_of_a_loop_multiplies_it() -> None:
+    """A step loop in train_epoch(), called from an epoch loop in main(): the epochs multiply
+    the loader's batches (a short script's schedule is fitted to that count, issue 39); a
+    `while` or an `if` in a loop around the call leaves it unknown, never one epoch's."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=2)  # 5 batches
+    seen: list[tuple[int, str] | None] = []
+    for _epoch in range(4):
+        _one_epoch(loader, seen)
+    assert seen[0] is not None and seen[0][0] == 20
+    assert "x the loop at" in seen[0][1]
+    unknown: list[tuple[int, str] | None] = []
+    while not unknown:
+        _one_epoch(loader, unknown)
+    for epoch in range(3):
+        if epoch:
+            _one_epoch(loader, unknown)
+    assert not any(unknown)
+    once: list[tuple[int, str] | None] = []
+    _one_epoch(loader, once)  # called once, not in a loop: one epoch is the run
+    assert once[0] is not None and once[0][0] == 5

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import in_folder, invoke, line_of, profile_script, write_script
 
+from gpudiag.model.config import ProfileConfig
 from gpudiag.model.results import RunResult, load_run
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ LOOP_SCRIPT = """
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    for step in range({steps}):
+    {loop}
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         for p in model.parameters():
@@ -42,12 +43,27 @@ LOOP_SCRIPT = """
                 p.grad[0].mul_(1.0)  # the planted per-element loop
         opt.step()
         opt.zero_grad()
+        {count}
 """
 
 
 @pytest.mark.heavy
 def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> None:
-    script = write_script(tmp_path / "short.py", LOOP_SCRIPT.format(steps=12))
+    """A short script that says how many steps it makes (its loop's range) is profiled in one
+    run with the schedule fitted to them; one that does not (a while loop) runs once more with
+    a schedule fitted to the steps it made, in a scratch copy."""
+    planned = write_script(tmp_path / "planned.py", LOOP_SCRIPT.format(
+        loop="for step in range(12):", count=""))
+    code, run, output = _profile(tmp_path, planned)
+    assert code == 0, output
+    assert not run.reruns and "run once more" not in output
+    assert any("The script plans 12 steps (the loop at planned.py:" in n for n in run.notes)
+    config = run.config
+    assert isinstance(config, ProfileConfig)
+    assert (config.warmup, config.timed, config.evidence_steps) == (2, 7, 2)
+    assert run.stages[0].evidence is not None and run.findings[0].id == "GD101"
+    script = write_script(tmp_path / "short.py", LOOP_SCRIPT.format(
+        loop="step = 0\n    while step < 12:", count="step += 1"))
     code, run, output = _profile(tmp_path, script)
     assert code == 0, output
     assert "it is run once more" in output and run.stages[0].evidence is not None
@@ -272,7 +288,8 @@ def test_library_frames_are_passed_through_to_the_users_line(tmp_path: Path) -> 
 def test_an_interpreter_that_cannot_load_gpudiag_fails_loudly(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     write_script(broken / "nvtx.py", "raise ImportError('nvtx is broken in this environment')\n")
-    script = write_script(tmp_path / "ok.py", LOOP_SCRIPT.format(steps=45))
+    script = write_script(tmp_path / "ok.py",
+                          LOOP_SCRIPT.format(loop="for step in range(45):", count=""))
     code, _, output = _profile(tmp_path, script, env={"PYTHONPATH": str(broken)})
     assert code == 2, output
     assert sys.executable in output and "cannot load gpudiag's recorder" in output

@@ -402,6 +402,9 @@ class ScriptFacts:
     optimizers: list[OptimizerFacts] = field(default_factory=list)
     loaders: list[LoaderUse] = field(default_factory=list)
     fsdp: FsdpFacts | None = None  # FSDP2's units (fully_shard), where the script shards
+    # (warm-up, timed, profiled) when the recorder fitted its schedule to the steps the script
+    # planned (timeline.planned_steps), fewer than the asked schedule needs: one run, no re-run.
+    fitted_schedule: tuple[int, int, int] | None = None
 
 
 @dataclass

@@ -36,23 +36,32 @@ def planned_steps(frame: FrameType | None) -> tuple[int, str] | None:
         found = _trainer(f) or _lightning(f)
         if found is not None:
             return found
+    steps, where = 1, ""
     for f in frames:
         if code_role(f.f_code) != "user":
             continue
         loops = _loops_around(f.f_code, f.f_lineno)
         if loops is None:
-            continue  # the step is not inside a loop here: the loop is further out
-        steps = 1
+            # No loop here: the loop is further out; or, once one was found, this frame calls
+            # the loop's function once, unless a loop holds the call after all (a `while`, an
+            # `if` inside a `for`): then how often is not known.
+            if where and _held_unknown(f.f_code, f.f_lineno):
+                return None
+            continue
         for loop in loops:
             count = _length(loop, f)
             if count is None:
                 return None
             steps *= count
-        path = display_path(f.f_code.co_filename)
-        where = (f"the loop at {path}:{loops[0].lineno}" if len(loops) == 1 else
-                 f"the loops at {path}:" + " x :".join(str(x.lineno) for x in loops))
-        return (steps, where) if steps > 0 else None
-    return None
+        # The innermost loop names the figure; loops in the callers (an epoch loop around a
+        # train_epoch() call) multiply it.
+        if not where:
+            path = display_path(f.f_code.co_filename)
+            where = (f"the loop at {path}:{loops[0].lineno}" if len(loops) == 1 else
+                     f"the loops at {path}:" + " x :".join(str(x.lineno) for x in loops))
+        else:
+            where += f" x the loop at {display_path(f.f_code.co_filename)}:{loops[0].lineno}"
+    return (steps, where) if where and steps > 0 else None
 
 
 def _outward(frame: FrameType | None) -> Iterator[FrameType]:
@@ -114,6 +123,26 @@ def _loops_around(code: CodeType, line: int) -> list[ast.For] | None:
     None when no loop holds it, the source is not readable, or a `while` loop or an `if`
     inside the innermost loop holds it (how often the step runs is then not the loop's
     count)."""
+    held = _statements_around(code, line)
+    if held is None:
+        return None
+    loops = [n for n in held if isinstance(n, ast.For)]
+    if not loops or any(isinstance(n, ast.While) for n in held) or any(
+            isinstance(n, ast.If) and n.lineno > loops[-1].lineno for n in held):
+        return None
+    return loops
+
+
+def _held_unknown(code: CodeType, line: int) -> bool:
+    """Whether a loop holds `line` in `code`'s function, or its source is unreadable: for a
+    line no countable loop holds (_loops_around gave None), how often it runs is not known."""
+    held = _statements_around(code, line)
+    return held is None or any(isinstance(n, (ast.For, ast.While)) for n in held)
+
+
+def _statements_around(code: CodeType, line: int) -> list[ast.stmt] | None:
+    """The for, while and if statements of `code`'s function whose bodies hold `line`,
+    outermost first; None when the source is not readable."""
     tree = _tree(code.co_filename)
     if tree is None:
         return None
@@ -133,11 +162,7 @@ def _loops_around(code: CodeType, line: int) -> list[ast.For] | None:
             visit(child)
 
     visit(tree)
-    loops = [n for n in held if isinstance(n, ast.For)]
-    if not loops or any(isinstance(n, ast.While) for n in held) or any(
-            isinstance(n, ast.If) and n.lineno > loops[-1].lineno for n in held):
-        return None
-    return loops
+    return held
 
 
 def _length(loop: ast.For, frame: FrameType) -> int | None:

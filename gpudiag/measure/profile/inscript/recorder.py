@@ -127,6 +127,7 @@ class Recorder:
         self.fsdp = FsdpWatch()
         self.planned: tuple[int, str] | None = None  # (steps the script means to make, from)
         self.cut_short = False  # gpudiag ended the script after its window
+        self.fitted_to_plan = False  # the schedule was shrunk to the steps the script plans
         self.backward_site: str | None = None
         self.backward_seen = False
         self.loaders = LoaderWatch()
@@ -158,12 +159,23 @@ class Recorder:
             # A loader's len() runs its sampler's: never an error in the script's step.
             with contextlib.suppress(Exception):
                 self.planned = planned_steps(sys._getframe(1)) or self.planned
+            self._fit_to_plan(self.planned[0])
         if self.manual:
             return
         if self.clock is None:
             self.clock = id(optimizer)
         if id(optimizer) == self.clock:
             self.boundary()
+
+    def _fit_to_plan(self, planned: int) -> None:
+        """A script that says it makes fewer steps than the schedule needs gets the schedule
+        fitted to them now, at its first step, rather than a second run after the first fell
+        short (issue 39). Where it says nothing, or makes fewer steps than it said, the launcher
+        re-runs it as before (session.py)."""
+        fitted = self.config.fitted(planned) if 0 < planned < self.schedule.end else None
+        if fitted is not None:
+            self.schedule = Schedule.of(fitted)
+            self.fitted_to_plan = True
 
     def manual_step(self) -> None:
         self.manual = True
@@ -484,6 +496,8 @@ class Recorder:
         self.fsdp.stepped()  # units built after the last optimizer step (gpudiag.step() clocks)
         facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
             steps=self.steps, warmup=self.schedule.warmup, timed=timed,
+            fitted_schedule=((self.schedule.warmup, self.schedule.timed,
+                              self.schedule.evidence_steps) if self.fitted_to_plan else None),
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None,
             compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],

@@ -15,6 +15,7 @@ torch: the recorder in each process reports its machine and settings.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import platform
@@ -370,8 +371,10 @@ def profile_command(request: ProfileRequest,
                         on_window))
     made = max((s.facts.script.steps for s in output.run.stages if s.facts.script), default=0)
     fitted = asked.fitted(made)
+    ran = output.run.config  # the asked schedule, or the one fitted to the script's plan
+    assert isinstance(ran, ProfileConfig)
     if (request.rerun and output.exit_code == 0 and made
-            and made < asked.steps_needed and fitted is not None):
+            and made < ran.steps_needed and fitted is not None):
         note = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
                 f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
                 f"profiled {asked.evidence_steps}); it is run once more with warm-up "
@@ -440,11 +443,21 @@ def _profile_once(out: Path, config: ProfileConfig,
 def _output(config: ProfileConfig, parts_dir: Path, ended: Ended | None) -> ProfileOutput:
     """The run so far (`ended` None: the command still runs) or as the command left it."""
     found = collect(parts_dir)
+    fitted = _fitted_to_plan(config, found.stages)
     run = RunResult(
-        tool_version=__version__, env=found.env or _no_environment(), config=config,
+        tool_version=__version__, env=found.env or _no_environment(), config=fitted or config,
         created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         stages=found.stages, interrupted=ended is not None and ended.interrupted)
     messages = found.messages
+    if fitted is not None:
+        timeline = next(s.facts.script.timeline for s in found.stages
+                        if s.facts.script is not None and s.facts.script.timeline is not None)
+        run.notes.append(
+            f"The script plans {timeline.planned_steps} steps ({timeline.planned_from}), fewer "
+            f"than the {config.steps_needed} gpudiag's schedule needs (warm-up "
+            f"{config.warmup}, timed {config.timed}, profiled {config.evidence_steps}): it was "
+            f"profiled in one run with warm-up {fitted.warmup}, timed {fitted.timed}, "
+            f"profiled {fitted.evidence_steps}.")
     if ended is not None and ended.failed:
         _mark_failure(run, found, ended, config.command)
         messages.append(f"the command {ended.describe()}")
@@ -457,6 +470,20 @@ def _output(config: ProfileConfig, parts_dir: Path, ended: Ended | None) -> Prof
         run.notes.append(NO_STEPS_HELP)
     return ProfileOutput(run=run, exit_code=ended.code if ended is not None else 0,
                          messages=messages)
+
+
+def _fitted_to_plan(config: ProfileConfig, stages: Sequence[StageResult],
+                    ) -> ProfileConfig | None:
+    """The schedule the script's processes ran, where their recorders fitted it to the steps
+    the script planned (recorder.py); None where they ran the asked one."""
+    for stage in stages:
+        script = stage.facts.script
+        if script is not None and script.fitted_schedule is not None \
+                and script.timeline is not None:
+            warmup, timed, profiled = script.fitted_schedule
+            return dataclasses.replace(config, warmup=warmup, timed=timed,
+                                       evidence_steps=profiled)
+    return None
 
 
 def _mark_failure(run: RunResult, found: Collected, ended: Ended,
