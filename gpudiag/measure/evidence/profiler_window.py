@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from gpudiag.measure.evidence.source import SourceAnnotator
 from gpudiag.measure.evidence.trace import STEP_RANGE, analyze
 from gpudiag.measure.timing import synchronize
+from gpudiag.model.atomic import write_bytes_atomic
 from gpudiag.model.results import Evidence
 
 
@@ -198,9 +199,9 @@ def capture_trace(step: Callable[[], object], *, device: torch.device,
 def save_trace(exported: bytes, path: Path) -> None:
     """A closed window's Chrome trace (its `trace_json`), gzipped (ui.perfetto.dev and
     chrome://tracing open it): torch's export as it is, never parsed and encoded again, at
-    gzip level 6 (zlib's default; 9 is slower for a few percent)."""
-    with gzip.open(path, "wb", compresslevel=6) as f:
-        f.write(exported)
+    gzip level 6 (zlib's default; 9 is slower for a few percent). Whole or not at all: it may
+    be written from a thread beside the script (the recorder's), which an exit can cut."""
+    write_bytes_atomic(path, gzip.compress(exported, compresslevel=6))
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,

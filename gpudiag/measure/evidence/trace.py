@@ -18,7 +18,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpudiag.measure.evidence import shapes
 from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
@@ -177,6 +177,7 @@ class _Window:
     matmuls: list[dict[str, Any]]
     steps: list[tuple[float, float]] = field(default_factory=list)  # each profiled step's span
     optimizer_steps: list[dict[str, Any]] = field(default_factory=list)
+    microsteps: list[dict[str, Any]] = field(default_factory=list)  # MICROSTEP_RANGE's ranges
     # Compiled kernels' source lines (Inductor's provenance), for work no annotation encloses.
     kernel_lines: dict[str, list[str]] = field(default_factory=dict)
     lines: dict[str, _Line] = field(default_factory=dict)
@@ -208,18 +209,44 @@ class _Window:
         return self.lines[site.location]
 
 
+class _Read(NamedTuple):
+    complete: list[dict[str, Any]]  # "X" events, their start and end read
+    flows: list[dict[str, Any]]  # forward->backward flow points
+    steps: list[dict[str, Any]]  # STEP_RANGE's ranges
+    microsteps: list[dict[str, Any]]  # MICROSTEP_RANGE's ranges, on the host
+
+
+def _read(events: list[dict[str, Any]]) -> _Read:
+    """One pass over the events (a window holds hundreds of thousands)."""
+    read = _Read([], [], [], [])
+    for e in events:
+        ph = e.get("ph")
+        if ph == "X":
+            read.complete.append(e)
+            e["ts"] = ts = float(e["ts"])
+            e["_end"] = ts + float(e.get("dur", 0.0))
+            name = e.get("name")
+            if name == STEP_RANGE:
+                read.steps.append(e)
+            # Kineto copies each host range onto the GPU's timeline too (gpu_user_annotation).
+            elif name == MICROSTEP_RANGE and e.get("cat") == "user_annotation":
+                read.microsteps.append(e)
+        elif ph in _FLOW_PHASES and e.get("cat") == "fwdbwd":
+            read.flows.append(e)
+    return read
+
+
+_FLOW_PHASES = frozenset({"s", "f"})
+
+
 def _select(events: list[dict[str, Any]]) -> _Window:
     """Sort the window's complete events by kind and mark their attribution."""
+    read = _read(events)
+    first = min((s["ts"] for s in read.steps), default=-math.inf)
+    last = max((s["_end"] for s in read.steps), default=math.inf)
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    complete = [e for e in events if e.get("ph") == "X"]
-    for e in complete:
-        e["ts"] = ts = float(e["ts"])
-        e["_end"] = ts + float(e.get("dur", 0.0))
-    steps_ranges = [e for e in complete if e.get("name") == STEP_RANGE]
-    first = min((s["ts"] for s in steps_ranges), default=-math.inf)
-    last = max((s["_end"] for s in steps_ranges), default=math.inf)
     annotations: list[dict[str, Any]] = []
-    for e in complete:
+    for e in read.complete:
         # Host work outside the profiled steps (the window's own final sync) is not the step's.
         cat = e.get("cat", "")
         if cat in DEVICE_CATS or first <= e["ts"] <= last:
@@ -231,19 +258,28 @@ def _select(events: list[dict[str, Any]]) -> _Window:
                 by_cat[cat].append(e)
     ops, runtime = by_cat["cpu_op"], by_cat["cuda_runtime"] + by_cat["cuda_driver"]
     host = ops + runtime
-    span = (first, last) if steps_ranges else (min((e["ts"] for e in host), default=0.0),
-                                               max((e["_end"] for e in host), default=0.0))
+    span = (first, last) if read.steps else (min((e["ts"] for e in host), default=0.0),
+                                             max((e["_end"] for e in host), default=0.0))
     window = _Window(
         by_cat=by_cat, span=span, annotations=annotations, ops=ops, runtime=runtime,
         device=by_cat["kernel"] + by_cat["gpu_memcpy"] + by_cat["gpu_memset"],
         backward_nodes=[o for o in ops if o["name"].startswith(BACKWARD_PREFIX)],
         matmuls=[o for o in ops if o["name"] in MATMUL_OPS],
-        steps=sorted((r["ts"], r["_end"]) for r in steps_ranges),
+        steps=sorted((r["ts"], r["_end"]) for r in read.steps),
         optimizer_steps=[a for a in by_cat["user_annotation"]
-                         if a["name"].startswith(OPTIMIZER_RANGE)])
+                         if a["name"].startswith(OPTIMIZER_RANGE)],
+        microsteps=read.microsteps)
     window.busy = _merge((d["ts"], d["_end"]) for d in window.device)
-    loaders = [a for a in by_cat["user_annotation"] if a["name"].startswith(LOADER_RANGES)]
-    starts, finishes = _flows(events)
+    _attribute(window, read.flows)
+    return window
+
+
+def _attribute(window: _Window, flows: list[dict[str, Any]]) -> None:
+    """Mark every host event with what holds it (_mark_enclosing), thread by thread, and each
+    backward node with its forward line."""
+    loaders = [a for a in window.by_cat["user_annotation"]
+               if a["name"].startswith(LOADER_RANGES)]
+    starts, finishes = _flows(flows)
     by_thread: dict[Any, list[tuple[float, float, int, int, dict[str, Any], tuple[str, ...],
                                     tuple[str, ...]]]] = defaultdict(list)
 
@@ -253,17 +289,16 @@ def _select(events: list[dict[str, Any]]) -> _Window:
             by_thread[e["tid"]].append((e["ts"], -e["_end"], rank, len(by_thread[e["tid"]]), e,
                                         receives, provides(e)))
 
-    add(annotations, _RANGE, (), lambda _: ("_line",))
+    add(window.annotations, _RANGE, (), lambda _: ("_line",))
     add(window.optimizer_steps, _RANGE, (), lambda _: ("_optimizer",))
     add(loaders, _RANGE, (), lambda _: ("_loader",))
-    add(ops, _OPERATOR, _OP_KEYS, _provided_by_operator)
-    add(runtime, _RUNTIME, _RUNTIME_KEYS, lambda _: ())
+    add(window.ops, _OPERATOR, _OP_KEYS, _provided_by_operator)
+    add(window.runtime, _RUNTIME, _RUNTIME_KEYS, lambda _: ())
     add(starts.values(), _POINT, ("_line",), lambda _: ())
     add(finishes, _POINT, ("_backward",), lambda _: ())
     for items in by_thread.values():
         _mark_enclosing(items)
-    _link_backward(starts, finishes, ops, window.backward_nodes)
-    return window
+    _link_backward(starts, finishes, window.ops, window.backward_nodes)
 
 
 _HOST_RANGE_CATS = frozenset({"cpu_op", "user_annotation"})
@@ -278,16 +313,15 @@ def _provided_by_operator(op: dict[str, Any]) -> tuple[str, ...]:
     return ("_op", "_parent")
 
 
-def _flows(events: list[dict[str, Any]],
+def _flows(flows: list[dict[str, Any]],
            ) -> tuple[dict[Any, dict[str, Any]], list[dict[str, Any]]]:
     """The profiler's forward->backward flow events as points on their threads: each start
     (at the forward operator that made an autograd node) by id, and the finishes (at the
     node's evaluation) whose start is in the trace."""
     starts = {f["id"]: {"ts": float(f["ts"]), "_end": float(f["ts"]), "tid": f["tid"]}
-              for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "s"}
+              for f in flows if f["ph"] == "s"}
     finishes = [{"ts": float(f["ts"]), "_end": float(f["ts"]), "tid": f["tid"], "id": f["id"]}
-                for f in events if f.get("cat") == "fwdbwd" and f.get("ph") == "f"
-                and f["id"] in starts]
+                for f in flows if f["ph"] == "f" and f["id"] in starts]
     return starts, finishes
 
 
@@ -627,7 +661,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
     busy_ms = _length(w.busy) / 1e3 if w.device else None
     htod = [d for d in w.by_cat["gpu_memcpy"] if memcpy_kind(d["name"]).startswith("HtoD")]
     launched_at = {corr: float(r["ts"]) for corr, r in runtime.by_correlation.items()}
-    coll = _collectives(events, w.ops, w.by_cat, w.device, backend, w.span, launched_at)
+    coll = _collectives(w.microsteps, w.ops, w.by_cat, w.device, backend, w.span, launched_at)
     per = 1.0 / steps
     pace = timed_step_ms or step_ms
     return Evidence(
@@ -745,7 +779,7 @@ class _Collectives:
         return 1.0 - self.exposed_us / self.wall_us
 
 
-def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
+def _collectives(micro: list[dict[str, Any]], ops: list[dict[str, Any]],
                  by_cat: dict[str, list[dict[str, Any]]], device: list[dict[str, Any]],
                  backend: str,
                  host_window: tuple[float, float],
@@ -775,9 +809,6 @@ def _collectives(events: list[dict[str, Any]], ops: list[dict[str, Any]],
     if backend == "cuda":
         exposed = _blocking(wall, compute, other, launched_at)
         compute_us = _length(_clip(compute, window))
-    # The host's ranges: kineto copies each onto the GPU's timeline too (gpu_user_annotation).
-    micro = [e for e in events if e.get("ph") == "X" and e.get("name") == MICROSTEP_RANGE
-             and e.get("cat") == "user_annotation"]
     reduced = 0
     for m in micro:
         i = bisect.bisect_left(reductions, float(m["ts"]))
