@@ -1,4 +1,4 @@
-"""FLOPs of one real step, by torch's FlopCounterMode (after timing, beside the evidence window).
+"""FLOPs of one real step, by torch's FlopCounterMode (the first warm-up step of a stage).
 
 Within ~1% of the analytic count (6N + attention, PaLM appendix B) on CUDA; on a CPU the
 attention kernel goes uncounted, so CPU figures are a lower bound.
