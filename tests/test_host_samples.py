@@ -26,7 +26,7 @@ from gpudiag.diagnose.timeline import periodic_groups
 from gpudiag.measure.profile.inscript import threadtimer
 from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import Evidence, LineCount, RunResult, StageResult
+from gpudiag.model.results import Evidence, Finding, LineCount, RunResult, StageResult
 
 BLOCK_S = 0.4
 
@@ -463,6 +463,14 @@ EVAL_SCRIPT = """
 """
 
 
+def _periodic_beyond_jitter(run: RunResult) -> list[Finding]:
+    """GD703's findings above information level. On a loaded 2-core machine, other processes'
+    bursts can line up on a period by chance often enough to pass its test (CI: "every 44
+    steps", 4 slow steps, 1.4% of the loop); priced that small, such a finding is information,
+    and no load made one a warning in these runs."""
+    return [f for f in run.findings if f.id == "GD703" and f.severity != "info"]
+
+
 @pytest.mark.slow
 def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(tmp_path: Path) -> None:
     # No DataLoader and no save (test_profile_field's evaluation, with a save, has both);
@@ -471,7 +479,7 @@ def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(tmp_path:
     script = write_script(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=every))
     run, output = _profile(tmp_path, script)
     truth = json.loads((tmp_path / "truth.json").read_text())
-    found = [f for f in run.findings if f.id == "GD703"]
+    found = _periodic_beyond_jitter(run)
     assert len(found) == 1, output
     evaluation = found[0]
     assert evaluation.location == script_line(script, "score = evaluate()")
@@ -487,7 +495,7 @@ def test_periodic_evaluation_without_a_dataloader_is_named_at_its_call(tmp_path:
 def test_without_host_samples_periodic_work_says_it_has_no_line(tmp_path: Path) -> None:
     script = write_script(tmp_path / "evaluating.py", EVAL_SCRIPT.format(every=20))
     run, output = _profile(tmp_path, script, "--host-sample-hz", "0")
-    found = [f for f in run.findings if f.id == "GD703"]
+    found = _periodic_beyond_jitter(run)
     assert len(found) == 1, output
     assert found[0].location is None and "no host samples" in found[0].fix
     assert run.stages[0].facts.script is not None and run.stages[0].facts.script.host is None
