@@ -512,6 +512,23 @@ def test_what_the_command_leaves_running(tmp_path: Path, monkeypatch: pytest.Mon
             os.kill(sleeper, signal.SIGKILL)
 
 
+def test_pythons_own_resource_tracker_is_left_to_end_on_its_own(tmp_path: Path) -> None:
+    """A spawn context's lock starts Python's resource tracker, which outlives the script by a
+    moment (it removes the script's semaphores when its pipe closes): it is not a process the
+    command left running, and it is not stopped (stopping it would leak them)."""
+    from gpudiag.measure.profile.launching.session import run_command
+
+    script = ("import multiprocessing as mp, sys\n"
+              "lock = mp.get_context('spawn').Lock()\n"
+              "from multiprocessing import resource_tracker\n"
+              "open(sys.argv[1], 'w').write(str(resource_tracker._resource_tracker._pid))\n")
+    pid_file = tmp_path / "tracker.pid"
+    ended = run_command([sys.executable, "-c", script, str(pid_file)], dict(os.environ))
+    tracker = int(pid_file.read_text())
+    assert ended.code == 0 and ended.left_running is None, ended.left_running
+    assert not _alive(tracker)
+
+
 @contextlib.contextmanager
 def _as_a_shell_starts_it() -> Iterator[None]:
     """A child started meanwhile gets SIGINT handled (a handler, reset to the default at exec)

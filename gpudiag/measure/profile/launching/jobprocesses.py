@@ -60,6 +60,22 @@ def describe(pid: int) -> str:
     return f"pid {pid} ({line[:SHOWN_CHARS]}{'...' if len(line) > SHOWN_CHARS else ''})"
 
 
+# Python's multiprocessing helpers, by the code their interpreter runs (`python -c "from
+# multiprocessing.resource_tracker import main;main(5)"`, Lib/multiprocessing/resource_tracker.py
+# and forkserver.py).
+_HELPERS = (b"from multiprocessing.resource_tracker import main",
+            b"from multiprocessing.forkserver import main")
+
+
+def python_helper(pid: int) -> bool:
+    """Whether `pid` is Python's multiprocessing resource tracker or forkserver."""
+    try:
+        cmdline = Path(PROC, str(pid), "cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(helper in cmdline for helper in _HELPERS)
+
+
 def _prctl(option: int, value: int | ctypes.c_int) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)

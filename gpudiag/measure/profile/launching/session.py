@@ -33,7 +33,13 @@ from types import FrameType
 from gpudiag._version import __version__
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name
 from gpudiag.measure.profile import protocol
-from gpudiag.measure.profile.launching.jobprocesses import JobProcesses, describe, job_processes
+from gpudiag.measure.profile.launching.jobprocesses import (
+    JobProcesses,
+    Process,
+    describe,
+    job_processes,
+    python_helper,
+)
 from gpudiag.measure.profile.launching.scratch import (
     SCRATCH_DIR,
     Scratch,
@@ -269,12 +275,27 @@ def _stop_the_rest(job: JobProcesses, forwarder: _Forwarder) -> str | None:
     if forwarder.first_at is not None:  # stopped: they had the signal with the command
         _end_within_grace(job, forwarder, forwarder.first_at)
         return None
+    left = _once_helpers_end(job, left)
+    if not left:
+        return None
     named = [describe(p.pid) for p in left]
     job.terminate()
     how = (f"killed (SIGKILL) after {STOP_GRACE_S:.0f} s without exiting on SIGTERM"
            if _end_within_grace(job, forwarder, time.monotonic()) else "stopped with SIGTERM")
     return (f"the command left {len(named)} process{'es' if len(named) > 1 else ''} running "
             f"({', '.join(named)}): {how}")
+
+
+def _once_helpers_end(job: JobProcesses, left: list[Process]) -> list[Process]:
+    """What is left once Python's own multiprocessing helpers had the grace to end: a spawn
+    Pool's resource tracker (or a forkserver) outlives its script by a moment, cleaning up,
+    and ends when it sees its pipe close; stopping it would leak the semaphores it was about
+    to remove, and it was never the script's to leave running."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    while left and all(python_helper(p.pid) for p in left) and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
+        left = job.others()
+    return left
 
 
 def _end_within_grace(job: JobProcesses, forwarder: _Forwarder, since: float) -> bool:
