@@ -140,7 +140,12 @@ def test_tiny_ladder_finds_the_loop_line(tiny_ladder: RunOutput) -> None:
     assert len(loops) == 1
     assert loops[0].location is not None
     assert loops[0].location.endswith(f"gpudiag/measure/models/dgca.py:{dgca_loop_line()}")
-    assert loops[0].evidence["counterfactual_stage"] == "full-vectorized"
+    # Priced by the vectorized twin where the two measured apart; on a loaded 2-core machine
+    # the tiny preset's 4 timed steps a stage often overlap, and the finding says so instead
+    # (test_a_twin_that_did_not_measure_apart_prices_nothing holds both branches).
+    evidence = loops[0].evidence
+    assert evidence.get("counterfactual_stage") == "full-vectorized" or str(
+        evidence.get("counterfactual_unsteady", "")).startswith("full-vectorized")
     assert not [f for f in findings if f.id == "GD101" and f.stage != "full-loop"]
     # The runner measures; diagnosis is the command layer's, once, on the finished run.
     assert tiny_ladder.run.findings == []
@@ -735,6 +740,28 @@ def test_loop_is_priced_by_its_counterfactual_twin() -> None:
     assert f.evidence["counterfactual_device_ops_per_step"] == 1007.0
     assert f.impact == pytest.approx(2 / 3) and f.severity == "critical"
     assert "full-vectorized runs 3.0x faster" in f.title
+
+
+def test_a_twin_that_did_not_measure_apart_prices_nothing() -> None:
+    """On a loaded CPU the loop stage and its vectorized twin overlapped (issue 38: "full-
+    vectorized runs 0.5x faster"): no speedup is quoted, the loop is priced by its share of
+    the profiled step, and the finding says the timings were too unsteady to price it by."""
+    run = gd101(share=0.4)
+    loop = run.stages[0]
+    loop.iter_ms = [100.0, 140.0, 180.0, 220.0, 260.0]
+    loop.facts.counterfactual = "full-vectorized"
+    twin = make_stage("full-vectorized", ms=100.0, evidence=make_evidence())
+    twin.iter_ms = [150.0, 200.0, 250.0, 300.0, 350.0]  # "slower": noise
+    run.stages.append(twin)
+    (f,) = findings_of("GD101", run)
+    assert "counterfactual_speedup" not in f.evidence and "faster" not in f.title
+    assert f.impact == pytest.approx(0.4)
+    assert "did not measure apart" in f.title and "too unsteady" in f.evidence[
+        "counterfactual_unsteady"]
+    twin.iter_ms = [60.0, 62.0, 64.0, 66.0, 68.0]  # apart: the measured twin prices it
+    (f,) = findings_of("GD101", run)
+    assert f.evidence["counterfactual_speedup"] == pytest.approx(140.0 / 62.0, abs=0.01)
+    assert "counterfactual_unsteady" not in f.evidence
 
 
 def test_loop_on_the_cpu_counts_operator_calls() -> None:
