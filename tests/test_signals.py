@@ -11,6 +11,7 @@ started below gpudiag.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -179,12 +180,15 @@ def _script(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("signum", "group"), [(signal.SIGINT, False), (signal.SIGTERM, True)],
-                         ids=["SIGINT-pid", "SIGTERM-group"])
+@pytest.mark.parametrize(("signum", "group"), [(signal.SIGINT, False), (signal.SIGTERM, True),
+                                               (signal.SIGHUP, False)],
+                         ids=["SIGINT-pid", "SIGTERM-group", "SIGHUP-pid"])
 def test_profile_stops_the_script_and_writes_what_it_measured(
         tmp_path: Path, signum: int, group: bool) -> None:
     """`profile` passes the signal to the script's own process group (DataLoader workers
-    included), and writes the steps measured before it."""
+    included), and writes the steps measured before it. SIGHUP (the terminal closed, an ssh
+    session dropped) stops it as SIGTERM does, exit 129: it used to end gpudiag alone and leave
+    the script training on."""
     out = tmp_path / "run"
     script = _script(tmp_path / "train.py")
     process = _start(["profile", "--no-plots", "--out", str(out), "--warmup", "2", "--timed",
@@ -198,6 +202,31 @@ def test_profile_stops_the_script_and_writes_what_it_measured(
     run = load_run(out)
     assert run.interrupted and run.stages and len(run.stages[0].iter_ms) == 10
     assert run.stages[0].ok and run.stages[0].evidence is not None  # the window's, kept
+
+
+def test_a_killed_profile_takes_its_script_with_it(tmp_path: Path) -> None:
+    """SIGKILL to `gpudiag profile` (the out-of-memory killer): no handler runs, yet the script
+    gets its parent-death SIGTERM, stops at its next step and writes what it measured; nothing
+    it started trains on, orphaned."""
+    out = tmp_path / "run"
+    script = _script(tmp_path / "train.py")
+    process = _start(["profile", "--no-plots", "--out", str(out), "--warmup", "2", "--timed",
+                      "10", "--steps", "1", "--", sys.executable, str(script)], tmp_path)
+    parts = out / "parts"
+    try:  # the end of warm-up's part: the script is in its steps
+        _wait_for(lambda: parts.is_dir() and any(parts.glob("part-*.json")), process)
+        below = _descendants(process.pid)
+        process.kill()
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    deadline = time.monotonic() + STOP_WITHIN_S + ORPHAN_EXIT_S
+    while any(_alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in below if _alive(p)], "left training on"
+    (part,) = [json.loads(f.read_text()) for f in parts.glob("part-*.json")]
+    assert part["final"] and part["steps"] > 2
 
 
 def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:

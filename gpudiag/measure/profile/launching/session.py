@@ -4,13 +4,14 @@ turn what each process recorded into an ordinary run (one stage per script, or p
 Injection: a bootstrap folder holding a sitecustomize.py leads PYTHONPATH, so every Python
 process the command starts (the script, torchrun's ranks) installs the recorder before the
 user's code runs; nothing in the script changes. Output passes through; the command's exit code
-is kept. The command runs in its own process group: SIGINT and SIGTERM sent to gpudiag are
-passed to all of it, and on Linux to every other process of its job too, whatever its group
-or session (jobprocesses.py); whatever the processes recorded is read even when the command
-failed or was stopped. A re-run (a short script's second run, each of --try-fixes' runs) runs
-in a scratch copy of the working directory (scratch.py): the first run is the user's own, in
-the user's directory; the others leave its files as they were. This module never imports
-torch: the recorder in each process reports its machine and settings.
+is kept. The command runs in its own process group: SIGINT, SIGTERM and SIGHUP sent to gpudiag
+are passed to all of it, and on Linux to every other process of its job too, whatever its group
+or session (jobprocesses.py); a gpudiag killed outright takes the command with it (the
+recorder's parent-death signal, lifecycle.py). Whatever the processes recorded is read even
+when the command failed or was stopped. A re-run (a short script's second run, each of
+--try-fixes' runs) runs in a scratch copy of the working directory (scratch.py): the first run
+is the user's own, in the user's directory; the others leave its files as they were. This
+module never imports torch: the recorder in each process reports its machine and settings.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def child_env(parts: Path, out: Path, config: ProfileConfig) -> dict[str, str]:
 
 
 class _Forwarder:
-    """SIGINT/SIGTERM to gpudiag, passed on to the command. SIGINT goes to its whole process
+    """SIGINT/SIGTERM/SIGHUP to gpudiag, passed on to the command (SIGHUP as SIGTERM: the
+    script's own terminal may be gone). SIGINT goes to its whole process
     group, as a terminal's Ctrl-C would, and to every other process of its job. SIGTERM goes
     to the command's own process (and to each process of the job that left its group or lost
     its parent): torch's DataLoader workers take a SIGTERM from anyone but their parent as a
@@ -193,8 +195,10 @@ def _start(command: Sequence[str], env: dict[str, str],
         raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
 
 
-_STOPPED_RETURNCODES = (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
-                        128 + signal.SIGTERM)
+# SIGHUP too: a closed terminal or a dropped ssh session stops the run (and the script), as
+# SIGTERM does; it would otherwise end gpudiag and leave the script training on, orphaned.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOPPED_RETURNCODES = tuple(code for s in FORWARDED for code in (-s, 128 + s))
 
 
 @dataclass
@@ -216,8 +220,8 @@ class Ended:
 
     @property
     def interrupted(self) -> bool:
-        """Stopped: gpudiag passed a signal on, or someone sent SIGINT/SIGTERM to the script
-        itself (it died of it, or exited 130/143 as a shell would)."""
+        """Stopped: gpudiag passed a signal on, or someone sent SIGINT/SIGTERM/SIGHUP to the
+        script itself (it died of it, or exited 130/143/129 as a shell would)."""
         return self.stopped_by is not None or self.returncode in _STOPPED_RETURNCODES
 
     @property
@@ -238,7 +242,7 @@ def run_command(command: Sequence[str], env: dict[str, str],
     forwarder = _Forwarder()
     # Handlers (not SIG_IGN) before the child starts: a caught signal is reset to its default
     # in the child at exec, an ignored one would stay ignored there.
-    previous = {s: signal.signal(s, forwarder) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forwarder) for s in FORWARDED}
     try:
         with job_processes() as job:
             process = _start(command, env, cwd)
