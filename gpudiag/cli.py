@@ -124,7 +124,7 @@ class _OneLineErrors(typer.core.TyperGroup):
         except OSError as exc:  # a path the user gave that cannot be read or written
             code = _path_error(exc) if exc.filename else _internal_error(exc, argv)
         except _Aborts as exc:  # click's wrapper of KeyboardInterrupt (and of SIGTERM's)
-            code = ExitCode.TERMINATED if _by_sigterm(exc) else ExitCode.INTERRUPTED
+            code = _stopped_by(exc)
         except Exception as exc:  # a bug in gpudiag (typer.Exit's code came back as `code`)
             code = _internal_error(exc, argv)
         if not standalone_mode:
@@ -143,9 +143,12 @@ def _internal_error(exc: Exception, argv: Sequence[str]) -> ExitCode:
     return ExitCode.INTERNAL_ERROR
 
 
-def _by_sigterm(exc: BaseException) -> bool:
-    cause = exc.__cause__ or exc.__context__
-    return type(cause).__name__ == "Terminated"  # gpudiag.measure.interrupts, never imported here
+def _stopped_by(exc: BaseException) -> ExitCode:
+    """130, 143 or 129: by the stop click's Abort wraps (gpudiag.measure.interrupts' classes,
+    by name: never imported here)."""
+    cause = type(exc.__cause__ or exc.__context__).__name__
+    return {"Terminated": ExitCode.TERMINATED, "HungUp": ExitCode.HUNG_UP}.get(
+        cause, ExitCode.INTERRUPTED)
 
 
 app = typer.Typer(

@@ -119,8 +119,10 @@ def _assert_clean_stop(code: int, stderr: str, seconds: float, below: set[int],
 
 # A terminal's Ctrl-C (the whole group) and a kill of gpudiag alone; SIGINT to gpudiag alone
 # takes the same way out as the first, which the profile test below sends.
-@pytest.mark.parametrize(("signum", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True)],
-                         ids=["SIGTERM-pid", "SIGINT-group"])
+# A closed terminal's SIGHUP reaches its whole foreground group, as Ctrl-C does: exit 129.
+@pytest.mark.parametrize(("signum", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True),
+                                               (signal.SIGHUP, True)],
+                         ids=["SIGTERM-pid", "SIGINT-group", "SIGHUP-group"])
 def test_run_with_loader_workers_stops_and_keeps_what_it_measured(
         tmp_path: Path, signum: int, group: bool) -> None:
     """`run` in its data-train stage (two DataLoader workers alive), after a finished stage

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpudiag.measure.interrupts import Terminated, child_stopped, wait_child
+from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
@@ -92,7 +91,7 @@ def run_one(options: RunOptions, checkout: Path, out_dir: Path) -> RunResult | N
                                                    env=side_env(checkout)))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
     if child_stopped(code, stopped_by):
-        raise Terminated if stopped_by == signal.SIGTERM else KeyboardInterrupt
+        raise stop_error(stopped_by)
     if run is None:
         raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}); its error is "
                        "above")

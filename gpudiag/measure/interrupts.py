@@ -28,7 +28,9 @@ from typing import Any
 CHILD_GRACE_S = 8.0  # a stopped child writes its partial run well within this
 # A signal this soon after the first is the same stop arriving twice, not a second request.
 REPEAT_WINDOW_S = 2.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too: a closed terminal or a dropped ssh session stops a measurement as SIGTERM does,
+# and keeps what was measured (exit 129), instead of ending gpudiag and orphaning its children.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def signal_name(signum: int) -> str:
@@ -43,6 +45,14 @@ def signal_name(signum: int) -> str:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so the same code keeps what was measured."""
+
+    signum = signal.SIGTERM
+
+
+class HungUp(Terminated):
+    """SIGHUP: the terminal closed, or the ssh session dropped."""
+
+    signum = signal.SIGHUP
 
 
 class Stopped(KeyboardInterrupt):
@@ -69,8 +79,12 @@ class Stop:
 _ACTIVE: list[Stop] = []  # the open stop_on_signals' Stop, for raise_if_stopped()
 
 
-def _stop_error(signum: int) -> KeyboardInterrupt:
-    return (KeyboardInterrupt if signum == signal.SIGINT else Terminated)()
+def stop_error(signum: int | None) -> KeyboardInterrupt:
+    """The exception a stop by `signum` raises: KeyboardInterrupt for SIGINT (or none known),
+    HungUp for SIGHUP, Terminated for SIGTERM."""
+    if signum == signal.SIGHUP:
+        return HungUp()
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _swallows(frame: FrameType | None) -> bool:
@@ -89,7 +103,7 @@ def _raise_for(stop: Stop) -> Callable[[int, FrameType | None], None]:
             stop.signum, stop.first_at = signum, now
         if _swallows(frame):
             return  # raise_if_stopped() at the next step or stage raises it
-        raise _stop_error(signum)
+        raise stop_error(signum)
     return handler
 
 
@@ -98,7 +112,7 @@ def raise_if_stopped() -> None:
     exceptions Python drops): called between steps and stages, it never fires twice for one
     stop, since the runner stops at the first."""
     if _ACTIVE and _ACTIVE[-1].signum is not None:
-        raise _stop_error(_ACTIVE[-1].signum)
+        raise stop_error(_ACTIVE[-1].signum)
 
 
 # A peer that went away mid-handshake, as multiprocessing's resource_sharer thread (how
@@ -172,13 +186,13 @@ def signals_ignored() -> Iterator[None]:
 def signal_of(exc: KeyboardInterrupt) -> int:
     if isinstance(exc, Stopped):
         return exc.signum
-    return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    return exc.signum if isinstance(exc, Terminated) else signal.SIGINT
 
 
 def child_stopped(code: int, signum: int | None) -> bool:
     """Whether a child gpudiag run ended because of a stop: gpudiag passed it a signal, or it
-    exited as a stopped gpudiag does (130, 143)."""
-    return signum is not None or code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    exited as a stopped gpudiag does (130, 143, 129)."""
+    return signum is not None or code in tuple(128 + s for s in STOP_SIGNALS)
 
 
 def wait_child(process: subprocess.Popen[bytes]) -> tuple[int, int | None]:

@@ -8,7 +8,6 @@ what a gate compares trial by trial.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from gpudiag.measure.interrupts import Terminated, child_stopped, wait_child
+from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import NothingMeasured
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
@@ -57,7 +56,7 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
             break
     if not runs:
         if interrupted:  # stopped before any trial wrote its run: the CLI's 130 or 143
-            raise Terminated if last_stop == signal.SIGTERM else KeyboardInterrupt
+            raise stop_error(last_stop)
         raise NothingMeasured(f"none of the {trials} trials wrote a run.json (each trial's "
                               f"error is above; their directories are in {out_dir})")
     return TrialsOutput(runs=runs, samples=pd.concat(frames) if frames else pd.DataFrame(),

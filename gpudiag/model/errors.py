@@ -54,8 +54,8 @@ class ExitCode(IntEnum):
         "a bug in gpudiag (EX_SOFTWARE in sysexits.h): one line on stderr names the exception "
         "and a new file in the temporary directory holding its traceback; please report it")
     HUNG_UP = 129, (
-        "`profile` stopped by SIGHUP (its terminal closed, an ssh session dropped): the script "
-        "was stopped with it and the partial run is written")
+        "stopped by SIGHUP (the terminal closed, an ssh session dropped); the partial run is "
+        "written, and a profiled script is stopped with it")
     INTERRUPTED = 130, "stopped by SIGINT (Ctrl-C); the partial run is written"
     TERMINATED = 143, (
         "stopped by SIGTERM (`kill`, a job scheduler, a CI timeout); the partial run is written")

@@ -58,8 +58,10 @@ def sample(spec: dict[str, Any], out: str, period_s: float, gpm_period_s: float)
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Ctrl-C reaches the whole process group; the parent decides when sampling stops.
+    # Ctrl-C (and a closed terminal's SIGHUP) reaches the whole process group; the parent
+    # decides when sampling stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _request_stop)
     parser = argparse.ArgumentParser(prog="gpudiag.measure.telemetry.worker")
     parser.add_argument("--spec", required=True, help="reader spec, JSON")

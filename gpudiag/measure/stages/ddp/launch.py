@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gpudiag.measure.interrupts import Terminated, wait_child
+from gpudiag.measure.interrupts import stop_error, wait_child
 from gpudiag.measure.stages.ddp.worker import PARTS_FILE
 from gpudiag.measure.stages.ladder import precision_of
 from gpudiag.measure.timed_window import Window, fill_timed
@@ -96,7 +95,7 @@ def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
         # torchrun passes a SIGINT/SIGTERM on to its ranks and waits for them.
         code, stopped_by = wait_child(process)
         if stopped_by is not None:
-            raise Terminated if stopped_by == signal.SIGTERM else KeyboardInterrupt
+            raise stop_error(stopped_by)
     parts_file = out / PARTS_FILE
     if code != 0 and not parts_file.is_file():
         log_text = log_path.read_text()
