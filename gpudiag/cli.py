@@ -568,7 +568,9 @@ def _gate_runs(options: RunOptions, gate: GateOptions, out: Path | None, force: 
                      + (f"; going to {wanted}" if wanted > k else "; stopping"), soft_wrap=True)
         return wanted
 
-    with base_checkout(base_ref, Path.cwd()) as base:
+    # SIGTERM (a CI job's timeout) and SIGHUP stop the gate as Ctrl-C does: the running trial
+    # gets the signal and its grace, the base's worktree is removed, the exit says which.
+    with stop_on_signals() as stop, base_checkout(base_ref, Path.cwd()) as base:
         # Only once the base exists: a bad ref must leave no empty run directory behind.
         out_dir = prepare_run_dir(out, default_run_dir("gate"), force=force)
         stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
@@ -577,7 +579,7 @@ def _gate_runs(options: RunOptions, gate: GateOptions, out: Path | None, force: 
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
-        raise typer.Exit(ExitCode.INTERRUPTED)
+        raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
     return (merge_trials(done.base), merge_trials(done.head), out_dir,
             min(len(done.base), len(done.head)))
 

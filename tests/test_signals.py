@@ -231,6 +231,33 @@ def test_a_killed_profile_takes_its_script_with_it(tmp_path: Path) -> None:
     assert part["final"] and part["steps"] > 2
 
 
+def test_sigterm_to_a_gate_stops_its_trial_and_removes_its_worktree(tmp_path: Path) -> None:
+    """SIGTERM to `gate --base-ref` during a trial (a CI job's timeout): the trial's `gpudiag
+    run` gets it and its grace, nothing is left running, the base's temporary worktree is gone
+    from the repository, and the exit is 143. It used to kill gpudiag alone: the trial ran on,
+    orphaned, and the worktree stayed registered."""
+    import shutil as sh
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    repo = tmp_path / "repo"
+    sh.copytree(Path(__file__).resolve().parents[1] / "gpudiag", repo / "gpudiag",
+                ignore=sh.ignore_patterns("__pycache__"))
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"],
+                 ["commit", "-q", "--allow-empty", "-m", "head"]):
+        subprocess.run([*git, *args], cwd=repo, check=True)
+    out = tmp_path / "job"
+    tiny = [a for a in TINY if a != "--quiet"]  # a run option the gate does not take
+    process = _start(["gate", "--base-ref", "HEAD~1", *tiny, "--stages", "train", "--iters",
+                      "100000", "--out", str(out)], repo)
+    code, stderr, seconds, below = _stop(
+        process, signal.SIGTERM, group=False,
+        ready=lambda: (out / "base").is_dir() and len(_descendants(process.pid)) >= 1)
+    _assert_clean_stop(code, stderr, seconds, below, signal.SIGTERM)
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
+                               text=True, check=True).stdout
+    assert len(worktrees.strip().splitlines()) == 1, worktrees
+
+
 def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:
     """Ctrl-C to `run --stages ddp` on a CPU (two gloo ranks under torchrun): the launcher and
     both ranks are gone within seconds, and the stage is marked interrupted."""
