@@ -173,8 +173,11 @@ def _option_parameters(cls: type[OptionsT]) -> list[inspect.Parameter]:
         choices = f" One of: {', '.join(spec.choices)}." if spec.choices else ""
         params.append(inspect.Parameter(
             f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-            annotation=Annotated[cli_hint, typer.Option(spec.flag, *spec.aliases,
-                                                        help=spec.help + choices)]))
+            annotation=Annotated[cli_hint, typer.Option(
+                spec.flag, *spec.aliases, help=spec.help + choices,
+                # "<list[str]>" widened the type column until an 80-column --help cut option
+                # names ("--evidence-steps,--st…")
+                metavar="<list>" if _is_tuple(hint) else None)]))
     return params
 
 

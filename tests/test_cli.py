@@ -205,3 +205,16 @@ def test_a_bad_run_json_is_bad_input_in_one_line(tmp_path: Path) -> None:
     for argv in (["gate", str(bad), str(HEAD)], ["report", str(tmp_path)],
                  ["compare", str(HEAD), str(bad)]):
         _one_line_error(invoke(argv), f"{bad}: ")
+
+
+@pytest.mark.parametrize("command", ["run", "profile", "calibrate"])
+def test_help_at_80_columns_keeps_option_names_whole(command: str) -> None:
+    """At 80 columns the type column ("<list[str]>") once squeezed the option names until
+    `profile --help` showed "--evidence-steps,--st…" (issue 38)."""
+    result = invoke([command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    names = [line.split()[1] for line in result.stdout.splitlines()
+             if line.startswith("│ --")]
+    assert names and not [n for n in names if "…" in n], names
+    if command == "profile":
+        assert "--evidence-steps,--steps" in names
