@@ -99,6 +99,29 @@ def test_readme_recipe_fails_an_added_sync_and_names_it(tmp_path: Path) -> None:
     assert len(worktrees.strip().splitlines()) == 1  # the base checkout was removed
 
 
+def test_a_head_that_cannot_import_its_model_is_the_heads_failure(tmp_path: Path) -> None:
+    """The head commit leaves a SyntaxError in the model file the gate runs: the base's trial
+    ran, the head's wrote nothing. Exit 5 (the head broke), not 2 (bad input), in one line
+    that says it was the head; the worktree is gone."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "gpudiag", repo / "gpudiag",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "tests" / "tiny_mlp.py", repo / "model.py")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run([*GIT, *args], cwd=repo, check=True)
+    (repo / "model.py").write_text("def factory(options:\n")  # the head's typo
+    subprocess.run([*GIT, "commit", "-qam", "broken"], cwd=repo, check=True)
+    done = _gpudiag(repo, "gate", "--base-ref", "HEAD~1", "--device", "cpu", "--preset", "tiny",
+                    "--model", "model.py:factory", "--stages", "train", "--iters", "4",
+                    "--evidence-steps", "0", "--out", str(tmp_path / "job"))
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert "the head (this checkout) broke where the base ran" in done.stderr
+    assert "Traceback" not in done.stderr.split("gpudiag: error:")[-1]
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
+                               text=True, check=True).stdout
+    assert len(worktrees.strip().splitlines()) == 1
+
+
 def test_base_ref_errors_are_one_line(tmp_path: Path) -> None:
     outside = _gpudiag(tmp_path, "gate", "--base-ref", "main", "--device", "cpu")
     assert outside.returncode == 2 and "not inside a git repository" in outside.stderr

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
-from gpudiag.model.errors import BadInput
+from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
 
@@ -120,7 +120,13 @@ def run_interleaved(options: RunOptions, *, base: Path, head: Path, out_dir: Pat
             sides = [("base", base, done.base), ("head", head, done.head)]
             for side, checkout, runs in (sides if k % 2 else sides[::-1]):
                 on_trial(side, k)
-                run = run_one(options, checkout, out_dir / side / f"trial-{k}")
+                try:
+                    run = run_one(options, checkout, out_dir / side / f"trial-{k}")
+                except BadInput as exc:
+                    if side == "head" and done.base:  # the base ran: the head broke, not the input
+                        raise HeadBroke(f"the head (this checkout) broke where the base ran: "
+                                        f"{exc}") from None
+                    raise
                 if run is not None:
                     runs.append(run)
             if k >= first:

@@ -49,7 +49,8 @@ class ExitCode(IntEnum):
         "why), or no `--trials` trial wrote a run")
     HEAD_FAILED = 5, (
         "the gate's head broke: a stage the base ran crashed, was skipped or was interrupted, "
-        "or the head's run was interrupted (named in the summary)")
+        "or the head's run was interrupted (named in the summary), or the head could not run "
+        "where the base did (its trial's error is above)")
     INTERNAL_ERROR = 70, (
         "a bug in gpudiag (EX_SOFTWARE in sysexits.h): one line on stderr names the exception "
         "and a new file in the temporary directory holding its traceback; please report it")
@@ -65,6 +66,12 @@ class GpudiagError(Exception):
     """An error the user can fix; its message is one line."""
 
     exit_code = ExitCode.BAD_INPUT
+
+
+class HeadBroke(GpudiagError):
+    """The gate's head could not run where its base did (a trial of it wrote no run)."""
+
+    exit_code = ExitCode.HEAD_FAILED
 
 
 class NothingMeasured(GpudiagError):
