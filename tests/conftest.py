@@ -17,6 +17,8 @@ import contextlib
 import fcntl
 import hashlib
 import pickle
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -131,6 +133,28 @@ def invoke(argv: Sequence[str | Path], **options: Any) -> Invoked:
     own options, such as env or terminal_width)."""
     result = _runner.invoke(app, [str(a) for a in argv], **options)
     return Invoked(result.exit_code, result.stdout, result.stderr, result.exception)
+
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
+
+
+def gpudiag_repo(tmp: Path, files: dict[str, Path] | None = None) -> Path:
+    """A git repository at tmp/repo holding gpudiag's package (and `files`: name -> a file to
+    copy), committed as its base: what `gate --base-ref` checks out. The caller commits the
+    head on top (git(repo, ...))."""
+    repo = tmp / "repo"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "gpudiag", repo / "gpudiag",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name, source in (files or {}).items():
+        shutil.copy(source, repo / name)
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        git(repo, *args)
+    return repo
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run([*GIT, *args], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout
 
 
 def write_script(path: Path, body: str) -> Path:

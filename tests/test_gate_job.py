@@ -13,10 +13,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import in_folder, invoke
+from conftest import GIT, git, gpudiag_repo, in_folder, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
-GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
 
 
 def _benchmark(name: str = "gate_regressions") -> ModuleType:
@@ -58,14 +57,10 @@ def _gpudiag(cwd: Path, *args: str, env: dict[str, str] | None = None,
 
 def _repo_with(tmp: Path, variant: str, bench: ModuleType) -> Path:
     """A git repository holding gpudiag's package: a base commit, then `variant` on top."""
-    repo = tmp / "repo"
-    shutil.copytree(ROOT / "gpudiag", repo / "gpudiag",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
-        subprocess.run([*GIT, *args], cwd=repo, check=True)
+    repo = gpudiag_repo(tmp)
     edited = bench.build(variant, tmp / "builds") / bench.MODEL_FILE
     shutil.copy(edited, repo / bench.MODEL_FILE)
-    subprocess.run([*GIT, "commit", "-qam", variant], cwd=repo, check=True)
+    git(repo, "commit", "-qam", variant)
     return repo
 
 
@@ -103,14 +98,9 @@ def test_a_head_that_cannot_import_its_model_is_the_heads_failure(tmp_path: Path
     """The head commit leaves a SyntaxError in the model file the gate runs: the base's trial
     ran, the head's wrote nothing. Exit 5 (the head broke), not 2 (bad input), in one line
     that says it was the head; the worktree is gone."""
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "gpudiag", repo / "gpudiag",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "tests" / "tiny_mlp.py", repo / "model.py")
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
-        subprocess.run([*GIT, *args], cwd=repo, check=True)
+    repo = gpudiag_repo(tmp_path, {"model.py": ROOT / "tests" / "tiny_mlp.py"})
     (repo / "model.py").write_text("def factory(options:\n")  # the head's typo
-    subprocess.run([*GIT, "commit", "-qam", "broken"], cwd=repo, check=True)
+    git(repo, "commit", "-qam", "broken")
     done = _gpudiag(repo, "gate", "--base-ref", "HEAD~1", "--device", "cpu", "--preset", "tiny",
                     "--model", "model.py:factory", "--stages", "train", "--iters", "4",
                     "--evidence-steps", "0", "--out", str(tmp_path / "job"))

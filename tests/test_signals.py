@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import profile_script
+from conftest import git, gpudiag_repo, profile_script
 from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.model.results import load_run
@@ -236,15 +236,8 @@ def test_sigterm_to_a_gate_stops_its_trial_and_removes_its_worktree(tmp_path: Pa
     run` gets it and its grace, nothing is left running, the base's temporary worktree is gone
     from the repository, and the exit is 143. It used to kill gpudiag alone: the trial ran on,
     orphaned, and the worktree stayed registered."""
-    import shutil as sh
-
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
-    repo = tmp_path / "repo"
-    sh.copytree(Path(__file__).resolve().parents[1] / "gpudiag", repo / "gpudiag",
-                ignore=sh.ignore_patterns("__pycache__"))
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"],
-                 ["commit", "-q", "--allow-empty", "-m", "head"]):
-        subprocess.run([*git, *args], cwd=repo, check=True)
+    repo = gpudiag_repo(tmp_path)
+    git(repo, "commit", "-q", "--allow-empty", "-m", "head")
     out = tmp_path / "job"
     tiny = [a for a in TINY if a != "--quiet"]  # a run option the gate does not take
     process = _start(["gate", "--base-ref", "HEAD~1", *tiny, "--stages", "train", "--iters",
