@@ -466,13 +466,16 @@ def gd804(*, ratio: float) -> RunResult:
     return make_run(rank(0, 30.0, 30.0 * (ratio - 1) + 1.0), rank(1, 30.0 * ratio, 1.0))
 
 
-def gd304(*, share: float, idle: float = 0.05, backend: str = "cuda") -> RunResult:
+def gd304(*, share: float, idle: float = 0.05, backend: str = "cuda",
+          fused: float | None = None) -> RunResult:
     """A hand-written attention block: `share` of the kernel time in softmax (attn.py:30, with
-    its matmuls) and a cast (attn.py:31); the GPU idle `idle` of the step."""
+    its matmuls) and a cast (attn.py:31); the GPU idle `idle` of the step. With `fused`, the
+    lines' shapes were recorded: their memory-bound operators move 1 GB, fused `fused` GB."""
     by_kind = {"matmul": 100 * (1 - share), "softmax": 60 * share, "elementwise": 40 * share}
+    moved = {} if fused is None else {"memory_bytes": 1e9, "fused_memory_bytes": fused * 1e9}
     lines = [LineCount("attn.py:30", "forward", kind_ms={"softmax": 60 * share,
-                                                         "matmul": 100 * (1 - share)}),
-             LineCount("attn.py:31", "forward", kind_ms={"elementwise": 40 * share})]
+                                                         "matmul": 100 * (1 - share)}, **moved),
+             LineCount("attn.py:31", "forward", kind_ms={"elementwise": 40 * share}, **moved)]
     ev = make_evidence(backend=backend, idle_fraction=idle, device_ms_by_kind=by_kind,
                        line_counts=lines)
     return make_run(make_stage("train", evidence=ev))
@@ -677,6 +680,19 @@ CASES: dict[str, Case] = {
 
 def findings_of(code: str, run: RunResult) -> list[Finding]:
     return [f for f in evaluate(run) if f.id == code]
+
+
+def test_memory_bound_kernels_are_priced_by_what_fusing_them_saves() -> None:
+    """With shapes: fused, the lines' operators would move a quarter of their bytes, so at
+    today's rate three quarters of their 50 ms goes: 37.5% of the kernel time, busy 95%.
+    Without: the memory-bound kernels' whole share, and the price says it is an upper bound."""
+    (modelled,) = findings_of("GD304", gd304(share=0.5, fused=0.25))
+    assert modelled.impact == pytest.approx(0.375 * 0.95)
+    assert modelled.evidence["fusion_saving_ms"] == pytest.approx(37.5)
+    assert modelled.evidence["price"].startswith("a model in bytes")
+    (bound,) = findings_of("GD304", gd304(share=0.5))
+    assert bound.impact == pytest.approx(0.5 * 0.95) == bound.evidence["upper_bound_share"]
+    assert bound.evidence["price"].startswith("an upper bound")
 
 
 def test_every_rule_has_a_case() -> None:

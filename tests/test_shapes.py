@@ -122,6 +122,43 @@ def test_a_real_cpu_window_names_the_promoted_add_and_its_softmax() -> None:
     assert ev.matmul_ms_by_dtype.get("bf16", 0) > 0
 
 
+def test_consecutive_memory_bound_operators_fuse_into_one_per_pass() -> None:
+    """A real CPU window: mul, add, relu and softmax of a 64 x 256 fp32 tensor (and the sum
+    after them, on the next line) run in a row, as does their backward: fused, each pass moves
+    its largest operator's bytes (forward: a read and a write, 2 x 64 KiB; backward: the
+    softmax's gradient, its output and the result, 3 x 64 KiB), a fraction of what they move
+    one by one."""
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def step() -> None:
+        y = ((x * 2.0 + 1.0).relu()).softmax(-1)
+        y.sum().backward()
+
+    ev = collect_evidence(step, device=torch.device("cpu"), steps=2, timed_step_ms=None)
+    mine = [c for c in ev.line_counts if c.location.startswith("tests/test_shapes.py")]
+    tensor = 64 * 256 * 4
+    assert sum(c.fused_memory_bytes for c in mine) == pytest.approx((2 + 3) * tensor)
+    assert sum(c.memory_bytes for c in mine) > 3 * sum(c.fused_memory_bytes for c in mine)
+    assert all(c.memory_bytes == c.bytes for c in mine)  # no matmul here
+
+
+def test_a_matmul_or_a_new_step_ends_a_fused_run() -> None:
+    """Two elementwise operators on either side of a matmul do not fuse; nor do the same
+    operator in two steps."""
+    elems = [[1024]]
+    events = [
+        ann("m.py:1", "forward", 0, 100),
+        shaped("aten::add", ["float"], elems, ts=1, dur=5),
+        shaped("aten::mm", ["float", "float"], [[32, 32], [32, 32]], ts=10, dur=5),
+        shaped("aten::mul", ["float"], elems, ts=20, dur=5),
+        shaped("aten::relu", ["float"], elems, ts=30, dur=5),
+    ]
+    ev = analyze(events, steps=1, step_ms=1.0, backend="cpu")
+    (line,) = ev.line_counts
+    # add alone (2 x 4 KiB); mul and relu fused (one of them: 2 x 4 KiB of their 4 x 4 KiB).
+    assert line.memory_bytes == 6 * 4096 and line.fused_memory_bytes == 4 * 4096
+
+
 def test_the_busiest_lines_are_held_against_their_roof() -> None:
     """On an H100 (datasheet bf16 989 TFLOP/s, 3,350 GB/s): a matmul line at 494.5 TFLOP/s is
     compute-bound at half its roof; a softmax line moving 1 GB in 1 ms is memory-bound at 30%."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.common import pct
@@ -193,6 +194,50 @@ MEMORY_THRESHOLDS = (
 )
 
 
+@dataclass
+class FusionModel:
+    """What fusing the memory-bound operators would save, per step: a model in bytes (the
+    roofline's memory side). Each run of consecutive ones becomes one kernel moving the run's
+    largest operator's bytes (LineCount.fused_memory_bytes), at the rate the line's kernels
+    reach now: their time shrinks with their bytes. Kernels that re-read their input (a
+    softmax's passes) move more than counted; the model keeps today's rate, not the peak's."""
+
+    saving_ms: float  # per step, on the lines with recorded shapes
+    modelled_ms: float  # their memory-bound ms per step
+    unmodelled_ms: float  # memory-bound ms on lines without shapes (compiled, or unrecorded)
+
+
+def _fusion_model(stage: StageResult) -> FusionModel:
+    ev = stage.evidence
+    saving = modelled = unmodelled = 0.0
+    for count in ev.line_counts if ev else []:
+        ms = sum(v for k, v in count.kind_ms.items() if k in MEMORY_BOUND_KINDS)
+        if ms <= 0:
+            continue
+        if count.memory_bytes <= 0:
+            unmodelled += ms
+            continue
+        modelled += ms
+        saving += ms * max(0.0, 1.0 - count.fused_memory_bytes / count.memory_bytes)
+    return FusionModel(saving_ms=saving, modelled_ms=modelled, unmodelled_ms=unmodelled)
+
+
+def _memory_price(model: FusionModel, upper: float) -> str:
+    """How GD304's price was reached, in words for the report."""
+    bound = (f"at most {pct(upper)} of the step, were the memory-bound kernels to vanish "
+             "(a fused attention kernel also skips masked matmul work, and may win that)")
+    if model.modelled_ms <= 0:
+        return (f"an upper bound, no shapes recorded on the lines that own them: {bound}; "
+                "--try-fixes compiles the model to measure it")
+    unmodelled = (f"; {model.unmodelled_ms:.2f} ms/step on lines without shapes not counted"
+                  if model.unmodelled_ms > 0 else "")
+    return (f"a model in bytes (the roofline's memory side): consecutive memory-bound "
+            f"operators fused as a compiler fuses them, each run into one kernel moving its "
+            f"largest operator's bytes at today's rate, save {model.saving_ms:.2f} of their "
+            f"{model.modelled_ms:.2f} ms/step{unmodelled}; "
+            f"{bound}; --try-fixes compiles the model to measure it")
+
+
 def _memory_lines(stage: StageResult) -> list[tuple[str, float, dict[str, float]]]:
     """(line, memory-bound ms per step, its ms by kind) for the lines that own such kernels,
     busiest first."""
@@ -266,8 +311,9 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
 def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
     """On a GPU busy at least 75% of the step, memory-bound kernels (softmax, norm,
     elementwise, reduction: gpudiag/measure/evidence/kinds.py) hold at least half the kernel
-    time; priced as their share of the step: what removing them would save, nothing else
-    changed (a fused attention kernel also skips masked matmul work, and may win more)."""
+    time; priced by what fusing them would save (FusionModel: bytes at today's rate), never
+    above their share of the step (what removing them would save); their share where no
+    line's shapes were recorded."""
     for stage in run.stages_with_evidence():
         ev = stage.evidence
         assert ev is not None
@@ -281,7 +327,10 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
         if share < MEMORY_WARNING:
             continue
         lines = _memory_lines(stage)
-        step_share = share * (1 - idle)
+        upper = share * (1 - idle)
+        model = _fusion_model(stage)
+        modelled = model.modelled_ms > 0
+        step_share = model.saving_ms / total * (1 - idle) if modelled else upper
         matmul = by_kind.get("matmul", 0.0) / total
         top = f"; most at {lines[0][0]} ({lines[0][1]:.2f} ms/step)" if lines else ""
         kinds = ", ".join(f"{k} {pct(v / total)}" for k, v in
@@ -293,15 +342,13 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
             title=(f"Memory-bound kernels take {pct(share)} of the kernel time ({kinds}), "
                    f"matmuls {pct(matmul)}, with the GPU busy {pct(1 - idle)} of the step"
                    f"{top}"),
-            location=lines[0][0] if lines else None, impact=min(1.0, step_share),
+            location=lines[0][0] if lines else None, impact=min(upper, step_share),
             evidence={"memory_bound_share": round(share, 3), "matmul_share": round(matmul, 3),
                       "device_ms_by_kind": {k: round(v, 3) for k, v in by_kind.items()},
                       "idle_fraction": round(idle, 3),
-                      "price": "upper bound: the memory-bound kernels' share of the step, as "
-                               "if they all vanished; a fused kernel still reads its inputs "
-                               "and writes its outputs (a compiled transformer step saved 20% "
-                               "where this read 55%); --try-fixes compiles the model to "
-                               "measure it",
+                      "price": _memory_price(model, upper),
+                      "fusion_saving_ms": round(model.saving_ms, 3),
+                      "upper_bound_share": round(upper, 3),
                       "lines": {loc: {"memory_bound_ms": round(ms, 3),
                                       "ms_by_kind": {k: round(v, 3) for k, v in kinds_.items()}}
                                 for loc, ms, kinds_ in lines[:5]}},

@@ -205,6 +205,11 @@ class LineCount:
     # (an estimate: each input once, an output the size of the largest input; a matmul's exact).
     flops: NonNegative = 0.0
     bytes: NonNegative = 0.0
+    # Of those bytes, the memory-bound operators' (softmax, norm, elementwise, reduction); and
+    # what they would still move fused as a compiler fuses them (consecutive ones into one
+    # kernel moving the largest one's bytes: gpudiag/measure/evidence/trace.py).
+    memory_bytes: NonNegative = 0.0
+    fused_memory_bytes: NonNegative = 0.0
     # Memory-bound kernel ms (CPU: operator ms) whose operator computed in fp32, by kind, and
     # casts into fp32 ("cast"); inside an autocast region these are fp32 islands (autocast's
     # fp32 softmax and norms and their casts, elementwise ops promoted by an fp32 input).

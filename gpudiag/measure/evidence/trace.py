@@ -91,6 +91,8 @@ class _Line:
     kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     flops: float = 0.0
     bytes: float = 0.0
+    memory_bytes: float = 0.0  # of its memory-bound operators
+    fused_memory_bytes: float = 0.0  # of those, what they would move fused (_count_fusion)
     fp32_kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
@@ -546,18 +548,24 @@ def _inside_working(op: dict[str, Any]) -> bool:
 
 def _count_shapes(w: _Window, backend: str) -> None:
     """Per line: FLOPs and bytes of its working operators (gpudiag/measure/evidence/shapes.py),
-    and the memory-bound time of those that computed in fp32 (casts aside). On a GPU that time
-    is the kernels each operator launched; on a CPU, the operator's own."""
-    for o in _working_ops(w.ops):
+    what its memory-bound ones would move fused (_count_fusion), and the memory-bound time of
+    those that computed in fp32 (casts aside). On a GPU that time is the kernels each operator
+    launched; on a CPU, the operator's own."""
+    working = _working_ops(w.ops)
+    for o in working:
         owner = w.line_of(o)
         if owner is None:
             continue
         line = w.stats(owner)
+        moved = shapes.bytes_moved(o)
         line.flops += shapes.flops(o)
-        line.bytes += shapes.bytes_moved(o)
+        line.bytes += moved
         kind = op_kind(o["name"], in_optimizer="_optimizer" in o)
+        if kind in MEMORY_BOUND_KINDS:
+            line.memory_bytes += moved
         if backend != "cuda" and kind in MEMORY_BOUND_KINDS and _fp32_island(o):
             line.fp32_kind_us[_island_kind(o, kind)] += float(o.get("dur", 0.0))
+    _count_fusion(w, working)
     if backend != "cuda":
         return
     for o in w.ops:
@@ -566,6 +574,37 @@ def _count_shapes(w: _Window, backend: str) -> None:
             fp32 = w.stats(owner).fp32_kind_us
             for kind, us in o["_memory_us"].items():
                 fp32[_island_kind(o, kind)] += us
+
+
+def _count_fusion(w: _Window, working: list[dict[str, Any]]) -> None:
+    """What each line's memory-bound operators would move fused, as a compiler fuses them: a
+    run of consecutive memory-bound operators on one thread, in one pass of one step (no
+    matmul, attention, collective or optimizer step between them; forward and backward
+    compiled apart) becomes one kernel that reads its inputs and writes its
+    output once, modelled as moving the run's largest operator's bytes; each operator's share
+    of that is in proportion to its own bytes."""
+    run: list[tuple[dict[str, Any], float]] = []
+
+    def close() -> None:
+        total = sum(moved for _, moved in run)
+        fused = max((moved for _, moved in run), default=0.0)
+        for o, moved in run:
+            owner = w.line_of(o)
+            if owner is not None and total > 0:
+                w.stats(owner).fused_memory_bytes += moved * fused / total
+        run.clear()
+
+    step_of = _step_finder(w.steps) if w.steps else lambda _: None
+    where: tuple[Any, ...] | None = None
+    for o in sorted(working, key=lambda o: (o["tid"], o["ts"])):
+        memory = op_kind(o["name"], in_optimizer="_optimizer" in o) in MEMORY_BOUND_KINDS
+        here = (o["tid"], step_of(o), o.get("_backward") is not None)
+        if here != where or not memory:
+            close()
+            where = here
+        if memory:
+            run.append((o, shapes.bytes_moved(o)))
+    close()
 
 
 def _island_kind(op: dict[str, Any], kind: str) -> str:
@@ -619,6 +658,8 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
                    kind_ms={k: round(v * per / 1e3, 4) for k, v in sorted(line.kind_us.items())
                             if v > 0},
                    flops=line.flops * per, bytes=line.bytes * per,
+                   memory_bytes=line.memory_bytes * per,
+                   fused_memory_bytes=line.fused_memory_bytes * per,
                    fp32_ms_by_kind={k: round(v * per / 1e3, 4)
                                     for k, v in sorted(line.fp32_kind_us.items()) if v > 0})
          for line in w.lines.values()),
