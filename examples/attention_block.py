@@ -1,6 +1,7 @@
 """Transformer blocks with attention written by hand (matmul, scale, causal mask, softmax,
 matmul) under bf16 autocast at sequence length 2048, or with `--sdpa`
-F.scaled_dot_product_attention (a fused kernel). Times itself: truth.json in the working
+F.scaled_dot_product_attention (a fused kernel); `--compile` compiles the model (as
+--try-fixes' compile-model does). Times itself: truth.json in the working
 directory holds every step's CUDA-synchronised time (reports/examples/h100-memory-bound)."""
 
 import argparse
@@ -20,6 +21,7 @@ parser.add_argument("--heads", type=int, default=16)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--sdpa", action="store_true", help="fused attention")
+parser.add_argument("--compile", action="store_true", help="the model under torch.compile")
 args = parser.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if device == "cpu":
@@ -60,6 +62,8 @@ class Block(nn.Module):
 torch.manual_seed(0)
 model = nn.Sequential(*[Block(args.width, args.heads) for _ in range(args.layers)]).to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+if args.compile:
+    model.compile()
 x = torch.randn(args.batch, args.seq, args.width, device=device)
 truth: dict[str, list[float]] = {"step_ms": []}
 for step in range(args.steps):
