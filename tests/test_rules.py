@@ -690,6 +690,12 @@ def test_memory_bound_kernels_are_priced_by_what_fusing_them_saves() -> None:
     assert modelled.impact == pytest.approx(0.375 * 0.95)
     assert modelled.evidence["fusion_saving_ms"] == pytest.approx(37.5)
     assert modelled.evidence["price"].startswith("a model in bytes")
+    # Short of half the kernel time, fusing still saves 40% x 3/4 x 95% = 28.5% of the step.
+    (short,) = findings_of("GD304", gd304(share=0.4, fused=0.25))
+    assert short.severity == "warning" and short.impact == pytest.approx(0.285)
+    assert "fused, ~28% of the step would go" in short.title
+    assert not findings_of("GD304", gd304(share=0.4))  # no shapes: no model to go on
+    assert not findings_of("GD304", gd304(share=0.2, fused=0.25))  # 14%
     (bound,) = findings_of("GD304", gd304(share=0.5))
     assert bound.impact == pytest.approx(0.5 * 0.95) == bound.evidence["upper_bound_share"]
     assert bound.evidence["price"].startswith("an upper bound")

@@ -171,6 +171,10 @@ def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
 
 MEMORY_WARNING, MEMORY_CRITICAL = 0.50, 0.75  # of the step's kernel time
 MEMORY_MAX_IDLE = 0.25  # idler than this, the host sets the pace (GD102), not the kernels
+# Short of half the kernel time, a warning still where fusing them saves this much of the step
+# by the bytes model (FusionModel): compile's fusions measured 1.48x at 48% (an H200,
+# reports/examples/h200-memory-bound-compile/narrow_fixes.json).
+MEMORY_FUSION_SAVING = 0.20
 OPTIMIZER_SHARE = 0.15  # an unfused optimizer this large is worth its own advice
 OTHER_MEMORY_SHARE = 0.25  # memory-bound time outside attention this large: fusion advice
 KIND_NAMED_SHARE = 0.05  # a memory-bound kind named in the title from this share
@@ -180,6 +184,9 @@ MEMORY_THRESHOLDS = (
               "memory-bound kernels take half the kernel time: the step is not in its "
               "matmuls"),
     Threshold("critical_share", MEMORY_CRITICAL, "three quarters of it"),
+    Threshold("fusion_saving", MEMORY_FUSION_SAVING,
+              "short of half, a warning still where fusing them saves this share of the step "
+              "by the bytes model"),
     Threshold("max_idle_fraction", MEMORY_MAX_IDLE,
               "the GPU busy nearly all the step, so kernel time is the step's time"),
     Threshold("optimizer_share", OPTIMIZER_SHARE,
@@ -230,7 +237,7 @@ def _memory_price(model: FusionModel, upper: float) -> str:
         return (f"an upper bound, no shapes recorded on the lines that own them: {bound}; "
                 "--try-fixes compiles the model to measure it")
     unmodelled = (f"; {model.unmodelled_ms:.2f} ms/step on lines without shapes not counted"
-                  if model.unmodelled_ms > 0 else "")
+                  if model.unmodelled_ms >= 0.005 else "")
     return (f"a model in bytes (the roofline's memory side): consecutive memory-bound "
             f"operators fused as a compiler fuses them, each run into one kernel moving its "
             f"largest operator's bytes at today's rate, save {model.saving_ms:.2f} of their "
@@ -295,7 +302,8 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
 
 @rule(
     "GD304", "memory-bound-kernels", concern="compute",
-    summary="The busy GPU spends most of its kernel time in memory-bound kernels, not matmuls.",
+    summary=("The busy GPU spends much of its kernel time in memory-bound kernels that fusion "
+             "would cut, not in matmuls."),
     why=("Softmax, normalisation, activations, casts and residual adds do a few operations per "
          "element read and written: their time is memory bandwidth, and a step made of them "
          "runs far below the GPU's matmul rate however busy it looks. A hand-written "
@@ -311,7 +319,7 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
 def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
     """On a GPU busy at least 75% of the step, memory-bound kernels (softmax, norm,
     elementwise, reduction: gpudiag/measure/evidence/kinds.py) hold at least half the kernel
-    time; priced by what fusing them would save (FusionModel: bytes at today's rate), never
+    time, or fusing them would save a fifth of the step by the bytes model; priced by what fusing them would save (FusionModel: bytes at today's rate), never
     above their share of the step (what removing them would save); their share where no
     line's shapes were recorded."""
     for stage in run.stages_with_evidence():
@@ -324,24 +332,26 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
             continue
         memory = sum(v for k, v in by_kind.items() if k in MEMORY_BOUND_KINDS)
         share = memory / total
-        if share < MEMORY_WARNING:
-            continue
-        lines = _memory_lines(stage)
-        upper = share * (1 - idle)
         model = _fusion_model(stage)
         modelled = model.modelled_ms > 0
+        upper = share * (1 - idle)
         step_share = model.saving_ms / total * (1 - idle) if modelled else upper
+        if share < MEMORY_WARNING and not (modelled and step_share >= MEMORY_FUSION_SAVING):
+            continue
+        lines = _memory_lines(stage)
+        saving = f"; fused, ~{pct(step_share)} of the step would go" if modelled else ""
         matmul = by_kind.get("matmul", 0.0) / total
         top = f"; most at {lines[0][0]} ({lines[0][1]:.2f} ms/step)" if lines else ""
         kinds = ", ".join(f"{k} {pct(v / total)}" for k, v in
                           sorted(by_kind.items(), key=lambda kv: -kv[1])
                           if k in MEMORY_BOUND_KINDS and v / total >= KIND_NAMED_SHARE)
         yield Draft(
-            severity=severity_for(share, warning=MEMORY_WARNING, critical=MEMORY_CRITICAL),
+            severity=severity_for(max(share, MEMORY_WARNING), warning=MEMORY_WARNING,
+                                  critical=MEMORY_CRITICAL),
             stage=stage.name,
             title=(f"Memory-bound kernels take {pct(share)} of the kernel time ({kinds}), "
                    f"matmuls {pct(matmul)}, with the GPU busy {pct(1 - idle)} of the step"
-                   f"{top}"),
+                   f"{top}{saving}"),
             location=lines[0][0] if lines else None, impact=min(upper, step_share),
             evidence={"memory_bound_share": round(share, 3), "matmul_share": round(matmul, 3),
                       "device_ms_by_kind": {k: round(v, 3) for k, v in by_kind.items()},
