@@ -15,6 +15,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,7 +26,16 @@ from rich.table import Table
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
-from gpudiag.measure.gatejob import Interleaved, base_checkout, run_interleaved
+from gpudiag.measure.gatejob import (
+    Interleaved,
+    TrialCommand,
+    base_checkout,
+    head_checkout,
+    repository_top,
+    run_interleaved,
+    run_repeated,
+    share_into,
+)
 from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
 from gpudiag.measure.profile.launching.session import (
     ProfileOutput,
@@ -546,18 +556,24 @@ def compare(
             stdout.print(f"  finding {title}: {f.id} {f.stage}: {f.title}", soft_wrap=True)
 
 
-def _gate_runs(options: RunOptions, gate: GateOptions, out: Path | None, force: bool,
-               decide_now: Callable[[RunResult, RunResult], GateDecision],
+def _gate_runs(options: RunOptions, gate: GateOptions, command: list[str], out: Path | None,
+               force: bool, decide_now: Callable[[RunResult, RunResult], GateDecision],
                ) -> tuple[RunResult, RunResult, Path, int]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
-    (up to --max-trials a side); both sides merged, and the directory holding the trials."""
+    (up to --max-trials a side); both sides merged, and the directory holding the trials. A
+    user's command runs on both sides in worktrees (gpudiag/measure/gatejob.py)."""
     from gpudiag.diagnose.gate import TIME_METRICS  # noqa: PLC0415  (scipy)
     from gpudiag.measure.plan import check_run_options  # noqa: PLC0415  (torch)
     from gpudiag.present import default_run_dir, prepare_run_dir  # noqa: PLC0415  (pandas)
 
     base_ref, trials, max_trials = gate.base_ref, gate.trials, gate.max_trials
     assert base_ref is not None  # only called with --base-ref
-    check_run_options(options)  # before anything is checked out or created
+    if command:
+        trial = TrialCommand(command=tuple(command), top=repository_top(Path.cwd()),
+                             samples_per_step=gate.samples_per_step)
+    else:
+        check_run_options(options)  # before anything is checked out or created
+        trial = TrialCommand(options=options)
 
     def next_count(done: Interleaved) -> int:
         k = min(len(done.base), len(done.head))
@@ -573,18 +589,40 @@ def _gate_runs(options: RunOptions, gate: GateOptions, out: Path | None, force: 
 
     # SIGTERM (a CI job's timeout) and SIGHUP stop the gate as Ctrl-C does: the running trial
     # gets the signal and its grace, the base's worktree is removed, the exit says which.
-    with stop_on_signals() as stop, base_checkout(base_ref, Path.cwd()) as base:
+    with stop_on_signals() as stop, ExitStack() as checkouts:
+        base = checkouts.enter_context(base_checkout(base_ref, Path.cwd()))
+        head = checkouts.enter_context(head_checkout(Path.cwd())) if command else Path.cwd()
+        if command:
+            share_into([Path(p) for p in gate.share], Path.cwd(), [base, head])
         # Only once the base exists: a bad ref must leave no empty run directory behind.
         out_dir = prepare_run_dir(out, default_run_dir("gate"), force=force)
         stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
                      f"{max_trials} trials a side, in {out_dir}", soft_wrap=True)
-        done = run_interleaved(options, base=base, head=Path.cwd(), out_dir=out_dir,
+        if command:
+            stderr.print(_command_note(gate.share), soft_wrap=True)
+        done = run_interleaved(trial, base=base, head=head, out_dir=out_dir,
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
         raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
     return (merge_trials(done.base), merge_trials(done.head), out_dir,
             min(len(done.base), len(done.head)))
+
+
+def _a_run(path: Path) -> bool:
+    """Whether a gate's argument names a run (a directory or a .json file), not a command."""
+    return path.is_dir() or (path.suffix == ".json" and path.is_file())
+
+
+def _command_note(shared: tuple[str, ...], *, who: str = "gate: each side runs") -> str:
+    """What running the user's command does with the user's files, said before it runs."""
+    note = (f"{who} in a temporary checkout (this checkout with its uncommitted changes and "
+            "untracked files, for the head); what the command writes there is removed with "
+            "it")
+    if shared:
+        note += (f"; {', '.join(shared)} linked into both (--share): what the command writes "
+                 "there reaches your files")
+    return note
 
 
 def _calibration_for_gate(path: Path | None) -> Calibration | None:
@@ -618,10 +656,11 @@ def _append_summary(text: str) -> None:
 def gate(
     options: RunOptions,
     own: GateOptions,
-    baseline: Annotated[Path | None, typer.Argument(help="Baseline: run directory, run.json, "
-                                                    "trial folder, or a saved baseline file.")]
-    = None,
-    current: Annotated[Path | None, typer.Argument(help="The run to check.")] = None,
+    given: Annotated[list[str] | None, typer.Argument(
+        metavar="[BASELINE CURRENT | -- COMMAND]",
+        help="Two runs (run directory, run.json, trial folder, or a saved baseline file: the "
+             "baseline, then the run to check); or, with --base-ref, the command to measure "
+             "after --: python train.py ..., torchrun ...")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Also write the decision as markdown.")]
     = None,
     out: Annotated[Path | None, typer.Option(help="With --base-ref: where the trials go "
@@ -635,7 +674,17 @@ def gate(
     from gpudiag.present import writable_output_file, write_output_file  # noqa: PLC0415  (pandas)
     from gpudiag.present.compare import gate_lines, gate_markdown  # noqa: PLC0415  (scipy)
 
-    when_undecided = check_gate_options(own, (baseline, current), options)
+    given = given or []
+    if own.base_ref is not None and len(given) == 2 and all(_a_run(Path(g)) for g in given):
+        raise BadInput("give either BASELINE and CURRENT or --base-ref, not both (a command "
+                       "to measure goes after --)")
+    command = given if own.base_ref is not None else []
+    baseline, current = (None, None) if command else (
+        Path(given[0]) if given else None, Path(given[1]) if len(given) > 1 else None)
+    if not command and len(given) > 2:
+        raise BadInput(f"expected BASELINE and CURRENT, got {len(given)} paths; a command to "
+                       "measure goes after --base-ref REF --")
+    when_undecided = check_gate_options(own, (baseline, current), options, command)
     rules = GateRules(parse_limits(list(own.max_regression)), own.min_iters,
                       own.allow_mismatch, _calibration_for_gate(own.calibration))
     if markdown is not None:
@@ -644,7 +693,7 @@ def gate(
     interleaved, per_side = own.base_ref is not None, 0
     if interleaved:
         a, b, trials_dir, per_side = _gate_runs(
-            options, own, out, force,
+            options, own, command, out, force,
             lambda x, y: judge(x, y, rules, labels=labels, interleaved=True)[0])
         markdown = markdown or trials_dir / "gate.md"
     else:
@@ -666,6 +715,13 @@ def gate(
 @_with_options(RunOptions)
 def calibrate(
     options: RunOptions,
+    command: Annotated[list[str] | None, typer.Argument(
+        metavar="[-- COMMAND]", help="Your training command, after --, to calibrate a gate of "
+        "it (`gate --base-ref REF -- COMMAND`): each trial a gpudiag profile of it, run in a "
+        "temporary checkout of this one.")] = None,
+    share: Annotated[list[str] | None, typer.Option(
+        "--share", help="With a COMMAND: a path git does not hold (data), linked into the "
+        "temporary checkout for it to read. Repeat.")] = None,
     trials: Annotated[int, typer.Option(help="Fresh-process trials to measure the spread "
                                         f"from (at least {MIN_CALIBRATION_TRIALS}).")] = 8,
     from_run: Annotated[Path | None, typer.Option(
@@ -685,15 +741,21 @@ def calibrate(
     from gpudiag.present import default_run_dir  # noqa: PLC0415  (pandas)
 
     existing = load_calibration(file) if file.exists() else Calibration()
+    _check_sources(not (command and options != RunOptions()), "run options (--model, ...) "
+                   "measure gpudiag's workload; a command is profiled with its defaults")
+    _check_sources(bool(command) or not share, "--share goes with a COMMAND")
     if from_run is None:
         if trials < MIN_CALIBRATION_TRIALS:
             raise BadInput(f"--trials {trials}: a spread needs at least "
                            f"{MIN_CALIBRATION_TRIALS} trials")
         from_run = out or default_run_dir("calibrate")
-        _run(options, out=from_run, as_json=False, trials=trials, quiet=True, force=force)
+        if command:
+            _calibrate_command(command, share or [], from_run, trials, force=force)
+        else:
+            _run(options, out=from_run, as_json=False, trials=trials, quiet=True, force=force)
     else:
-        _check_sources(options == RunOptions() and out is None, "run options and --out only "
-                       "apply without --from")
+        _check_sources(options == RunOptions() and out is None and not command,
+                       "run options, a command and --out only apply without --from")
     record = calibration_record(load_run_set(from_run), str(from_run))
     for warning in plausible(record):
         typer.echo(warning, err=True)
@@ -705,6 +767,24 @@ def calibrate(
                    f"processes ({spread.trials} trials)")
     typer.echo(f"calibration written: {file} ({record.gpu_name or record.device}; commit it, "
                "`gpudiag gate` reads it from there)")
+
+
+def _calibrate_command(command: list[str], share: list[str], out: Path, trials: int, *,
+                       force: bool) -> None:
+    """`trials` gpudiag profiles of the user's command, one after another, in a temporary
+    checkout of this one (the user's files untouched), into out/trial-K."""
+    from gpudiag.present import prepare_run_dir  # noqa: PLC0415  (pandas)
+
+    trial = TrialCommand(command=tuple(command), top=repository_top(Path.cwd(), "calibrate"))
+    with stop_on_signals() as stop, head_checkout(Path.cwd()) as checkout:
+        share_into([Path(p) for p in share], Path.cwd(), [checkout])
+        out_dir = prepare_run_dir(out, out, force=force)
+        stderr.print(_command_note(tuple(share), who="calibrate: the trials run"),
+                     soft_wrap=True)
+        runs = run_repeated(trial, checkout, out_dir, trials,
+                            on_trial=lambda k: stderr.print(f"trial {k}/{trials}"))
+    if len(runs) < trials:
+        raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
 
 
 baseline_app = typer.Typer(help="Keep baselines in the repository for `gpudiag gate`.",

@@ -118,6 +118,8 @@ def test_base_ref_errors_are_one_line(tmp_path: Path) -> None:
     subprocess.run([*GIT, "init", "-q"], cwd=tmp_path, check=True)
     missing = _gpudiag(tmp_path, "gate", "--base-ref", "nope", "--device", "cpu")
     assert missing.returncode == 2 and "no such commit" in missing.stderr
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     both = _gpudiag(tmp_path, "gate", "a", "b", "--base-ref", "main")
     assert both.returncode == 2 and "not both" in both.stderr
     stray = _gpudiag(tmp_path, "gate", "a", "b", "--stages", "train-fp16")

@@ -19,6 +19,7 @@ import numpy as np
 from scipy import stats
 
 from gpudiag.diagnose.counters import CounterChange, compare_counters
+from gpudiag.diagnose.hostdiff import HostLineChange, host_line_changes
 from gpudiag.diagnose.noise import NoiseFloor, floor_for
 from gpudiag.diagnose.trials import (
     StageSamples,
@@ -152,6 +153,8 @@ class StageComparison:
     device: RatioEstimate | None = None
     device_samples: tuple[StageSamples, StageSamples] | None = None
     counters: list[CounterChange] = field(default_factory=list)
+    # A profiled script's host time per step by line, both sides (gpudiag/diagnose/hostdiff.py)
+    host_lines: list[HostLineChange] = field(default_factory=list)
 
     @property
     def counter_changes(self) -> list[CounterChange]:
@@ -204,6 +207,7 @@ def _add_exact_and_device(stage: StageComparison, a: StageResult, b: StageResult
     stage.counters = compare_counters(
         side_counters(a), side_counters(b),
         a.evidence.line_counts if a.evidence else [], b.evidence.line_counts if b.evidence else [])
+    stage.host_lines = host_line_changes(a, b)
     da, db = device_samples(a), device_samples(b)
     if da is not None and db is not None:
         stage.device_samples = (da, db)

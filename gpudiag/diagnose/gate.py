@@ -20,6 +20,9 @@ from typing import Literal
 
 from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison, compare_runs
 from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
+from gpudiag.diagnose.hostdiff import describe as describe_host_line
+from gpudiag.diagnose.hostdiff import localized_growth
+from gpudiag.diagnose.trials import rate_name
 from gpudiag.model.calibration import Calibration
 from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.options import OnInconclusive
@@ -130,8 +133,13 @@ class GateDecision:
             if g.metric not in TIME_METRICS:
                 continue
             what = f"{g.stage} {'wall' if g.metric == 'wall' else 'device'} time"
+            decided_by = next((f"{o.stage} {o.metric}" for o in self.stages
+                               if o.outcome == self.outcome), "")
             if g.outcome != "inconclusive":
                 lines.append(f"{what}: decided ({g.outcome}) with {per_side} trial(s) a side")
+            elif self.outcome in ("regression", "failed"):
+                lines.append(f"{what}: undecided with {per_side} trial(s) a side; no more were "
+                             f"run, the gate being decided ({self.outcome}: {decided_by})")
             elif g.trials_needed is None:
                 lines.append(f"{what}: undecided ({g.reason})")
             elif g.trials_needed > max_trials:
@@ -196,11 +204,13 @@ def _unusable(comparison: StageComparison, limit: float, min_iters: int) -> Stag
     return None
 
 
-def interval_gate(stage: str, metric: str, est: RatioEstimate, limit: float) -> StageGate:
+def interval_gate(stage: str, metric: str, est: RatioEstimate, limit: float,
+                  rate: str = "throughput") -> StageGate:
     """Regression when the interval lies below 1 and the estimate is worse than the limit; pass
     when the interval's low end clears 1 - limit, or nothing changed and the data could have
-    shown a change of the limit's size; inconclusive otherwise."""
-    what = "throughput" if metric == "wall" else "device-time throughput"
+    shown a change of the limit's size; inconclusive otherwise. `rate`: what the ratio is of
+    (trials.rate_name)."""
+    what = rate if metric == "wall" else f"device-time {rate}"
     change = (f"{est.ratio - 1:+.1%} {what} ({est.confidence:.0%} CI "
               f"{est.low - 1:+.1%} .. {est.high - 1:+.1%})")
     if est.high < 1 and est.ratio < 1 - limit:
@@ -226,7 +236,8 @@ def gate_stage(comparison: StageComparison, limit: float, min_iters: int) -> Sta
     if unusable is not None:
         return unusable
     assert comparison.throughput is not None
-    return interval_gate(comparison.stage, "wall", comparison.throughput, limit)
+    return interval_gate(comparison.stage, "wall", comparison.throughput, limit,
+                         rate_name(comparison.after or comparison.before))
 
 
 def _count(value: float, unit: str) -> str:
@@ -303,6 +314,11 @@ def _drift(wall: StageGate, device: StageGate | None, s: StageComparison, *,
     est = wall.estimate
     slower = est is not None and (wall.outcome == "regression" or (
         wall.outcome == "inconclusive" and est.ratio < 1 - wall.limit))
+    grew_at = localized_growth(s.host_lines) if slower else None
+    if grew_at is not None:  # the step grew at one line of the code, not everywhere
+        return dataclasses.replace(wall, reason=wall.reason + f"; the host's step grew at "
+                                   f"{describe_host_line(grew_at)}, the rest of it did not: "
+                                   "the code changed, not the machine")
     if not slower or est is None or not _same_work(s) or (
             device is not None and (device.estimate is None or device.estimate.significant)):
         return wall
@@ -322,6 +338,17 @@ def _drift(wall: StageGate, device: StageGate | None, s: StageComparison, *,
                f"{unchanged}: the machine changed (load, clocks), not the work; {fix}")
 
 
+def _host_line_named(wall: StageGate, s: StageComparison) -> StageGate:
+    """A wall-time regression of a profiled script names the line whose host time grew most
+    (where _drift did not already name the one it grew at)."""
+    grown = [c for c in s.host_lines if c.grew_ms > 0]
+    if wall.outcome != "regression" or not grown or "the host's step grew at" in wall.reason:
+        return wall
+    top = max(grown, key=lambda c: c.grew_ms)
+    return dataclasses.replace(wall, reason=wall.reason + "; host time grew most at "
+                               + describe_host_line(top))
+
+
 def _stage_gates(s: StageComparison, limits: GateLimits, min_iters: int, *,
                  interleaved: bool) -> list[StageGate]:
     wall_limit = limits.get(s.stage, "wall")
@@ -333,9 +360,10 @@ def _stage_gates(s: StageComparison, limits: GateLimits, min_iters: int, *,
     if s.before is None or s.after is None or wall.outcome == "failed":
         return [wall]
     device_limit = limits.get(s.stage, "device")
-    device = (interval_gate(s.stage, "device", s.device, device_limit)
+    device = (interval_gate(s.stage, "device", s.device, device_limit,
+                            rate_name(s.after or s.before))
               if s.device is not None and device_limit is not None else None)
-    gates = [_drift(wall, device, s, interleaved=interleaved)]
+    gates = [_host_line_named(_drift(wall, device, s, interleaved=interleaved), s)]
     if device is not None:
         gates.append(device)
     measured = {c.name: c for c in s.counters}

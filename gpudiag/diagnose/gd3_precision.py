@@ -319,9 +319,10 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
 def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
     """On a GPU busy at least 75% of the step, memory-bound kernels (softmax, norm,
     elementwise, reduction: gpudiag/measure/evidence/kinds.py) hold at least half the kernel
-    time, or fusing them would save a fifth of the step by the bytes model; priced by what fusing them would save (FusionModel: bytes at today's rate), never
-    above their share of the step (what removing them would save); their share where no
-    line's shapes were recorded."""
+    time, or fusing them would save a fifth of the step by the bytes model; priced by what
+    fusing them would save (FusionModel: bytes at today's rate), never above their share of
+    the step (what removing them would save); their share where no line's shapes were
+    recorded."""
     for stage in run.stages_with_evidence():
         ev = stage.evidence
         assert ev is not None

@@ -47,15 +47,28 @@ def throttled(stage: StageResult) -> bool:
     return any(shares.get(r, 0.0) > INVALID_THROTTLE_SHARE for r in INVALIDATING_THROTTLE)
 
 
+def per_step(stage: StageResult) -> int:
+    """What a step's rate counts: its samples where known (gpudiag's workloads; a profiled
+    script's DataLoader batch or --samples-per-step), else the step itself, so that throughput
+    is steps per second and its ratio the inverse of step time's."""
+    return stage.samples_per_step or 1
+
+
+def rate_name(stage: StageResult | None) -> str:
+    """What a stage's throughput is a rate of, for messages."""
+    return "throughput" if stage is None or stage.samples_per_step else \
+        "step rate (samples per step unknown)"
+
+
 def trial_of(stage: StageResult) -> Trial | None:
     """The stage's score as one trial, or None if it did not run."""
-    if not stage.ok or not stage.iter_ms or not stage.samples_per_step:
+    if not stage.ok or not stage.iter_ms:
         return None
     steady = steady_state(stage.iter_ms)
     # Bursty stages (a prefetching DataLoader) are scored by their mean, as everywhere else.
     ms = statistics.fmean(steady) if stage.facts.bursty else statistics.median(steady)
     device = stage.evidence.device_ms_by_step if stage.evidence is not None else []
-    return Trial(ms_per_iter=ms, iters=len(steady), samples_per_step=stage.samples_per_step,
+    return Trial(ms_per_iter=ms, iters=len(steady), samples_per_step=per_step(stage),
                  throttled=throttled(stage), energy_per_sample_j=stage.energy_per_sample_j,
                  counters=read_counters(stage), device_ms_by_step=list(device))
 
@@ -64,10 +77,10 @@ def block_scores(stage: StageResult) -> list[float]:
     """Throughput of contiguous blocks of steady-state steps (for a single trial)."""
     steady = steady_state(stage.iter_ms)
     blocks = min(MAX_BLOCKS, len(steady) // BLOCK_STEPS)
-    if blocks < 2 or not stage.samples_per_step:
+    if blocks < 2:
         return []
     size = len(steady) // blocks
-    return [stage.samples_per_step / statistics.median(steady[i * size:(i + 1) * size]) * 1e3
+    return [per_step(stage) / statistics.median(steady[i * size:(i + 1) * size]) * 1e3
             for i in range(blocks)]
 
 
@@ -106,15 +119,15 @@ def device_samples(stage: StageResult) -> StageSamples | None:
     Trials without kernel times (a CPU, no evidence window, a trial cut short before it) are
     left out; None when none has them."""
     trials = [t for t in _trials_or_own(stage) if not t.throttled and t.device_ms]
-    per_step = stage.samples_per_step
-    if not trials or not per_step:
+    samples = per_step(stage)
+    if not trials:
         return None
     steps = sum(len(t.device_ms_by_step) for t in trials)
     if len(trials) >= 2:
-        return StageSamples(scores=[per_step / t.device_ms * 1e3 for t in trials
+        return StageSamples(scores=[samples / t.device_ms * 1e3 for t in trials
                                     if t.device_ms], kind="trials",
                             invalid=len(stage.trials) - len(trials), iters=steps)
-    return StageSamples(scores=[per_step / ms * 1e3 for ms in trials[0].device_ms_by_step
+    return StageSamples(scores=[samples / ms * 1e3 for ms in trials[0].device_ms_by_step
                                 if ms > 0], kind="blocks", invalid=0, iters=steps)
 
 

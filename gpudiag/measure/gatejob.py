@@ -2,10 +2,13 @@
 interleaved, so that drift between machines or hours never enters the comparison.
 
 The base is a temporary git worktree of REF (removed afterwards); each trial is a fresh
-`python -m gpudiag run` whose working directory is the side's checkout, so relative paths
-(`--model models/net.py`) and the side's own modules resolve to that side's code: Python puts a
-`-m` run's working directory first on sys.path, and `src/` is added where the repository has
-one. Trials alternate base/head, head/base, ... (ABBA), so a slow drift over the job weighs on
+`python -m gpudiag run` (or, for the user's own command, `gpudiag profile -- COMMAND`) whose
+working directory is the side's checkout, so relative paths (`--model models/net.py`,
+`python train.py`) and the side's own modules resolve to that side's code: Python puts a `-m`
+run's working directory first on sys.path, and `src/` is added where the repository has one.
+A user's command runs the head in a worktree too (this checkout's tracked changes and
+untracked files copied in), so that what the script writes never lands on the user's files.
+Trials alternate base/head, head/base, ... (ABBA), so a slow drift over the job weighs on
 both sides alike. How many trials to run is the caller's decision (`next_count`), made after
 each round from the runs so far.
 """
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,22 +39,22 @@ def _git(cwd: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
-@contextmanager
-def base_checkout(ref: str, cwd: Path) -> Iterator[Path]:
-    """A detached worktree of `ref`, positioned at `cwd`'s place in the repository; removed on
-    exit, whatever happens."""
+def repository_top(cwd: Path, who: str = "--base-ref") -> Path:
+    """The top of the git repository holding `cwd`; BadInput naming `who` needs it."""
     if shutil.which("git") is None:
-        raise BadInput("--base-ref needs git on PATH")
+        raise BadInput(f"{who} needs git on PATH")
     try:
-        top = Path(_git(cwd, "rev-parse", "--show-toplevel"))
+        return Path(_git(cwd, "rev-parse", "--show-toplevel"))
     except BadInput:
-        raise BadInput(f"--base-ref: {cwd} is not inside a git repository") from None
-    try:
-        commit = _git(cwd, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-    except BadInput:
-        raise BadInput(f"--base-ref {ref!r}: no such commit in {top} (fetch it first, "
-                       "e.g. `git fetch origin main`)") from None
-    tmp = Path(tempfile.mkdtemp(prefix="gpudiag-base-"))
+        raise BadInput(f"{who}: {cwd} is not inside a git repository (its temporary "
+                       "checkouts are git worktrees)") from None
+
+
+@contextmanager
+def _worktree(top: Path, commit: str, cwd: Path) -> Iterator[tuple[Path, Path]]:
+    """A detached worktree of `commit`: (its top, `cwd`'s place in it); removed on exit,
+    whatever happens."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpudiag-gate-"))
     _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
     # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up alone.
     # `git worktree prune` would also drop the user's worktrees whose directory is missing
@@ -59,13 +62,66 @@ def base_checkout(ref: str, cwd: Path) -> Iterator[Path]:
     admin: Path | None = None
     try:
         admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
-        yield tmp / "tree" / cwd.resolve().relative_to(top.resolve())
+        yield tmp / "tree", tmp / "tree" / cwd.resolve().relative_to(top.resolve())
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=top,
                        capture_output=True, check=False)
         shutil.rmtree(tmp, ignore_errors=True)
         if admin is not None and admin.parent.name == "worktrees" and admin.is_dir():
             shutil.rmtree(admin, ignore_errors=True)
+
+
+@contextmanager
+def base_checkout(ref: str, cwd: Path) -> Iterator[Path]:
+    """A detached worktree of `ref`, positioned at `cwd`'s place in the repository; removed on
+    exit, whatever happens."""
+    top = repository_top(cwd)
+    try:
+        commit = _git(cwd, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except BadInput:
+        raise BadInput(f"--base-ref {ref!r}: no such commit in {top} (fetch it first, "
+                       "e.g. `git fetch origin main`)") from None
+    with _worktree(top, commit, cwd) as (_, place):
+        yield place
+
+
+@contextmanager
+def head_checkout(cwd: Path) -> Iterator[Path]:
+    """This checkout as it is, in a worktree of its own: HEAD with the tracked files' changes
+    (`git stash create` makes a commit of them and touches nothing) and the untracked files
+    git does not ignore copied in; positioned at `cwd`'s place, removed on exit."""
+    top = repository_top(cwd)
+    commit = _git(top, "stash", "create") or _git(top, "rev-parse", "HEAD")
+    untracked = [Path(p) for p in _git(top, "ls-files", "--others", "--exclude-standard",
+                                       "-z").split("\0") if p]
+    with _worktree(top, commit, cwd) as (tree, place):
+        for relative in untracked:
+            source = top / relative
+            if source.is_file() and not source.is_symlink():
+                (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, tree / relative)
+        yield place
+
+
+def share_into(paths: list[Path], cwd: Path, checkouts: list[Path]) -> None:
+    """Link each --share path (data, a tokenizer, outside git: relative to `cwd`) into every
+    checkout at the same place, so both sides read the same inputs."""
+    for path in paths:
+        source = (cwd / path).resolve()
+        if not source.exists():
+            raise BadInput(f"--share {path}: no such file or directory")
+        try:
+            relative = source.relative_to(cwd.resolve())
+        except ValueError:
+            raise BadInput(f"--share {path}: not inside {cwd}; give a path under the working "
+                           "directory (a path outside it is read from where it is)") from None
+        for checkout in checkouts:
+            target = checkout / relative
+            if target.exists() or target.is_symlink():
+                raise BadInput(f"--share {path}: the checkout has its own {relative} (it is "
+                               "in git): nothing to share")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(source, target_is_directory=source.is_dir())
 
 
 def side_env(root: Path) -> dict[str, str]:
@@ -80,22 +136,74 @@ def side_env(root: Path) -> dict[str, str]:
     return env
 
 
-def run_one(options: RunOptions, checkout: Path, out_dir: Path) -> RunResult | None:
-    """One fresh `gpudiag run` of `checkout`'s code into `out_dir`; None if it wrote nothing.
-    Raises KeyboardInterrupt after the child (which got the Ctrl-C too) has written its part."""
-    # No plots: a trial is evidence for gate.md, which links none (1-2 s a trial, as in
-    # trialrun.py).
-    command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
-               "--out", str(out_dir.resolve()), "--quiet", "--no-plots"]
-    code, stopped_by = wait_child(subprocess.Popen(command, cwd=checkout,
-                                                   env=side_env(checkout)))
+@dataclass(frozen=True)
+class TrialCommand:
+    """What one trial runs: `gpudiag run` with the gate's run options, or `gpudiag profile`
+    of the user's command, whose absolute paths into the repository are moved into the side's
+    checkout (else `python /repo/train.py` would run the head's file on both sides)."""
+
+    options: RunOptions | None = None
+    command: tuple[str, ...] = ()
+    top: Path | None = None  # the user's repository, for the command's absolute paths
+    samples_per_step: int | None = None
+
+    def argv(self, checkout: Path, out_dir: Path) -> list[str]:
+        out = ["--out", str(out_dir.resolve())]
+        # No plots: a trial is evidence for gate.md, which links none (1-2 s a trial, as in
+        # trialrun.py).
+        if self.options is not None:
+            return [sys.executable, "-m", "gpudiag", "run", *to_argv(self.options), *out,
+                    "--quiet", "--no-plots"]
+        declared = ([] if self.samples_per_step is None
+                    else ["--samples-per-step", str(self.samples_per_step)])
+        # One process a trial: a short script is timed on the steps it has.
+        return [sys.executable, "-m", "gpudiag", "profile", *out, "--no-plots", "--no-rerun",
+                *declared, "--", *(self._moved(arg, checkout) for arg in self.command)]
+
+    def _moved(self, arg: str, checkout: Path) -> str:
+        if self.top is None or not arg.startswith("/"):
+            return arg
+        try:
+            inside = Path(arg).resolve().relative_to(self.top.resolve())
+        except ValueError:
+            return arg
+        return str(_checkout_top(checkout) / inside)
+
+
+def _checkout_top(checkout: Path) -> Path:
+    """The worktree's top above a checkout's working directory (gpudiag-gate-*/tree)."""
+    for parent in (checkout, *checkout.parents):
+        if parent.name == "tree" and parent.parent.name.startswith("gpudiag-gate-"):
+            return parent
+    return checkout
+
+
+def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | None:
+    """One fresh gpudiag process on `checkout`'s code into `out_dir`; None if it wrote nothing.
+    Raises KeyboardInterrupt after the child (which got the Ctrl-C too) has written its part.
+    A profiled command's own output goes to `out_dir`.log; its tail is shown if it fails."""
+    log = out_dir.with_name(out_dir.name + ".log") if trial.options is None else None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") if log is not None else nullcontext() as sink:
+        code, stopped_by = wait_child(subprocess.Popen(
+            trial.argv(checkout, out_dir), cwd=checkout, env=side_env(checkout),
+            stdout=sink, stderr=subprocess.STDOUT if sink is not None else None))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
     if child_stopped(code, stopped_by):
         raise stop_error(stopped_by)
     if run is None:
-        raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}); its error is "
-                       "above")
+        where = (f"; the end of its output ({log}):\n{_tail(log)}" if log is not None
+                 else "; its error is above")
+        raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}){where}")
     return run
+
+
+TAIL_LINES = 12
+
+
+def _tail(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines()
+    return "\n".join(f"  {line}" for line in lines[-TAIL_LINES:])
 
 
 @dataclass
@@ -105,7 +213,7 @@ class Interleaved:
     interrupted: bool = False
 
 
-def run_interleaved(options: RunOptions, *, base: Path, head: Path, out_dir: Path, first: int,
+def run_interleaved(trial: TrialCommand, *, base: Path, head: Path, out_dir: Path, first: int,
                     next_count: Callable[[Interleaved], int],
                     on_trial: Callable[[str, int], None] = lambda side, k: None,
                     ) -> Interleaved:
@@ -121,7 +229,7 @@ def run_interleaved(options: RunOptions, *, base: Path, head: Path, out_dir: Pat
             for side, checkout, runs in (sides if k % 2 else sides[::-1]):
                 on_trial(side, k)
                 try:
-                    run = run_one(options, checkout, out_dir / side / f"trial-{k}")
+                    run = run_one(trial, checkout, out_dir / side / f"trial-{k}")
                 except BadInput as exc:
                     if side == "head" and done.base:  # the base ran: the head broke, not the input
                         raise HeadBroke(f"the head (this checkout) broke where the base ran: "
@@ -134,3 +242,20 @@ def run_interleaved(options: RunOptions, *, base: Path, head: Path, out_dir: Pat
     except KeyboardInterrupt:
         done.interrupted = True
     return done
+
+
+def run_repeated(trial: TrialCommand, checkout: Path, out_dir: Path, count: int,
+                 on_trial: Callable[[int], None] = lambda k: None) -> list[RunResult]:
+    """`count` fresh processes of one side, one after another, into out_dir/trial-K (a
+    calibration's trials). Stops at a Ctrl-C with the trials that finished."""
+    runs: list[RunResult] = []
+    try:
+        for k in range(1, count + 1):
+            on_trial(k)
+            run = run_one(trial, checkout, out_dir / f"trial-{k}")
+            if run is not None:
+                runs.append(run)
+    except KeyboardInterrupt:
+        if not runs:
+            raise
+    return runs

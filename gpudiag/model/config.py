@@ -170,6 +170,9 @@ class ProfileConfig:
     host_sample_hz: float = HOST_SAMPLE_HZ  # the training thread's stack; 0: not sampled
     compile_lines: bool = False  # Inductor's provenance on: compiled kernels by source line
     stop_after_window: bool = False  # end the script once its window has closed
+    # Samples per step as the user declared them (--samples-per-step); else the first batch a
+    # DataLoader yields says, and without one the step itself is the unit.
+    samples_per_step: int | None = None
     # --try-fixes: remedies applied in the script (gpudiag.model.remedies names), the first
     # backward() losses to record, and a seed set before the script runs (its own wins).
     remedies: tuple[str, ...] = ()

@@ -126,6 +126,11 @@ class ProfileOptions:
                                     "by line, at least (short steps raise it so the timed "
                                     "steps get ~200 samples, up to 400 Hz; 0: not sampled).",
                                     check="non-negative")
+    samples_per_step: int | None = _option(None, "--samples-per-step", "Samples one step "
+                                           "trains on (in each process, under torchrun), for "
+                                           "throughput; default: the first DataLoader batch's "
+                                           "size, else throughput is steps per second.",
+                                           check="positive")
     compile_lines: bool = _option(False, "--compile-lines", "Under torch.compile, charge "
                                   "Inductor's fused kernels to the source lines of the ops they "
                                   "fused (Inductor's provenance tracking: ~5% more compile "
@@ -155,7 +160,17 @@ class GateOptions:
 
     base_ref: str | None = _option(None, "--base-ref", "Measure this git ref (a temporary "
                                    "worktree) and this checkout here, interleaved, instead of "
-                                   "reading two runs; takes the run options.")
+                                   "reading two runs: gpudiag's workload (the run options), or "
+                                   "your command after -- (each trial a gpudiag profile of "
+                                   "it).")
+    share: tuple[str, ...] = _option((), "--share", "With --base-ref -- COMMAND: a path "
+                                     "under the working directory that git does not hold "
+                                     "(data, a tokenizer), linked into both sides' checkouts "
+                                     "for the command to read. Repeat.", commas=False)
+    samples_per_step: int | None = _option(None, "--samples-per-step", "With --base-ref -- "
+                                           "COMMAND: samples one step trains on, for "
+                                           "throughput (default: the first DataLoader batch's "
+                                           "size, else steps per second).", check="positive")
     trials: int = _option(1, "--trials", "With --base-ref: trials a side to start with.")
     max_trials: int = _option(5, "--max-trials", "With --base-ref: add trials while the gate "
                               "is inconclusive, up to this many a side.")
@@ -180,9 +195,10 @@ class GateOptions:
 
 
 def check_gate_options(options: GateOptions, runs: Sequence[object | None],
-                       run_options: RunOptions) -> OnInconclusive:
+                       run_options: RunOptions, command: Sequence[str] = ()) -> OnInconclusive:
     """A gate's options checked, each error one line naming its flag: their ranges, and what
-    it compares (`runs`, the BASELINE and CURRENT given, or --base-ref with `run_options`).
+    it compares (`runs`, the BASELINE and CURRENT given, or --base-ref with `run_options` or
+    the user's `command`).
     Returns what an undecided gate exits with. (The limits' grammar is checked where the
     metrics are known: gpudiag.diagnose.gate.parse_limits.)"""
     if options.on_inconclusive not in ON_INCONCLUSIVE:
@@ -198,6 +214,11 @@ def check_gate_options(options: GateOptions, runs: Sequence[object | None],
         raise BadInput("give BASELINE and CURRENT (two runs), or --base-ref REF to measure both")
     if options.base_ref is None and run_options != RunOptions():
         raise BadInput("run options (--model, --stages, ...) only apply with --base-ref")
+    if command and run_options != RunOptions():
+        raise BadInput("run options (--model, --stages, ...) measure gpudiag's workload; a "
+                       "command after -- is measured with gpudiag profile's defaults")
+    if not command and (options.share or options.samples_per_step is not None):
+        raise BadInput("--share and --samples-per-step go with --base-ref REF -- COMMAND")
     return "pass" if options.on_inconclusive == "pass" else "fail"
 
 
@@ -216,6 +237,7 @@ def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileCo
         evidence_steps=options.evidence_steps,
         telemetry=typing.cast(ProfileTelemetry, options.telemetry),  # its choices are checked
         host_sample_hz=options.host_sample_hz, compile_lines=options.compile_lines,
+        samples_per_step=options.samples_per_step,
         stop_after_window=options.stop_after_window or options.try_fixes,
         losses=max(1, options.warmup) if options.try_fixes else 0,
         seed=FIX_SEED if options.try_fixes else None)

@@ -494,7 +494,8 @@ class Recorder:
                         timer="cuda-events" if self.cuda else "host-clock",
                         telemetry=self.telemetry or result.telemetry, phases_ms=phases)
         status = result.status
-        fill_timed(result, window, samples_per_step=self.batch_size)
+        fill_timed(result, window, samples_per_step=self.config.samples_per_step or
+                   self.batch_size)
         result.status = status
         saves = _checkpoints([dataclasses.replace(s, step=s.step - first) for s in self.saves
                               if s.step in steps])
