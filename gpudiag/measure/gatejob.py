@@ -91,7 +91,9 @@ def head_checkout(cwd: Path) -> Iterator[Path]:
     (`git stash create` makes a commit of them and touches nothing) and the untracked files
     git does not ignore copied in; positioned at `cwd`'s place, removed on exit."""
     top = repository_top(cwd)
-    commit = _git(top, "stash", "create") or _git(top, "rev-parse", "HEAD")
+    # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
+    commit = (_git(top, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
+                   "stash", "create") or _git(top, "rev-parse", "HEAD"))
     untracked = [Path(p) for p in _git(top, "ls-files", "--others", "--exclude-standard",
                                        "-z").split("\0") if p]
     with _worktree(top, commit, cwd) as (tree, place):

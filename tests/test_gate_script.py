@@ -1,0 +1,186 @@
+"""README's CI recipe for the user's own script, end to end on the CPU: `gpudiag gate
+--base-ref REF -- python train.py` in a real git repository, each trial a `gpudiag profile` of
+the script in a temporary worktree; the profiled runs it leaves gated against each other
+(`gate A B`) and calibrated from (`calibrate --from`). The step sleeps: on a loaded 2-core
+machine its time holds to a few percent, as a GPU step's does on its runner, and the
+calibration the recipe asks for is written as a runner's committed file would be."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import GIT, git, in_folder, invoke, line_of
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = '''\
+import time
+
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(32, 32)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16, 32)
+for step in range(40):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.020)
+'''
+SLEEP = "    time.sleep(0.020)\n"
+# This runner's spread between processes of the script, as `gpudiag calibrate -- python
+# train.py` records it (a sleeping step: 0.1-0.5% on an idle 2-core VM; 1% for a loaded one).
+CALIBRATION = {"schema_version": 1, "records": [{
+    "device": "cpu", "gpu_name": None, "workload": {"mode": "profile"},
+    "stages": [{"stage": "train.py", "trials": 8, "wall_sd": 0.01}]}]}
+
+
+def readme_script_gate() -> list[str]:
+    """README's gate of a user's script (`gpudiag gate --base-ref ... -- python ...`), its
+    continuations joined, up to the `--`."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"^(gpudiag gate --base-ref (?:.*\\\n)*.* -- python .*)$", text, re.M)
+    assert match, "README.md shows no `gpudiag gate --base-ref ... -- python` command"
+    argv = shlex.split(match.group(1).replace("\\\n", " "))
+    return argv[1:argv.index("--")]
+
+
+def _repo(tmp: Path, head: str | None) -> Path:
+    """tmp/repo: train.py committed as the base, `head` (a whole script) committed on top, and
+    the runner's calibration committed where the gate reads it."""
+    repo = tmp / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text(SCRIPT)
+    (repo / ".gpudiag").mkdir()
+    (repo / ".gpudiag" / "calibration.json").write_text(json.dumps(CALIBRATION))
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        git(repo, *args)
+    if head is not None:
+        (repo / "train.py").write_text(head)
+        git(repo, "commit", "-qam", "head")
+    return repo
+
+
+def _gate(repo: Path, out: Path, *extra: str, env: dict[str, str] | None = None,
+          ) -> subprocess.CompletedProcess[str]:
+    argv = readme_script_gate()
+    argv[argv.index("origin/main")] = "HEAD~1" if git(repo, "rev-list", "--count",
+                                                     "HEAD").strip() != "1" else "HEAD"
+    with in_folder(repo):
+        done = invoke([*argv, "--out", str(out), *extra, "--", sys.executable, "train.py"],
+                      env=env)
+    assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
+    return subprocess.CompletedProcess(argv, done.exit_code, done.stdout, done.stderr)
+
+
+def _worktrees(repo: Path) -> int:
+    return len(git(repo, "worktree", "list").strip().splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_slower_step_and_a_new_sync_fail_the_recipe_with_their_lines(
+        tmp_path: Path) -> None:
+    """The head sleeps 40% longer and reads the loss with .item() every step: exit 1 at the
+    first trial a side, the wall time's regression at the sleep's line, the sync's at the
+    .item() line, in the step summary and gate.md; the user's checkout and files untouched,
+    the worktrees gone, no plots drawn for trials."""
+    head = SCRIPT.replace(SLEEP, "    loss.item()\n    time.sleep(0.028)\n")
+    repo = _repo(tmp_path, head)
+    before = {p.name for p in repo.iterdir()}
+    summary = tmp_path / "summary.md"
+    done = _gate(repo, tmp_path / "job", env={"GITHUB_STEP_SUMMARY": str(summary)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = summary.read_text()
+    assert text.startswith("## gpudiag gate: REGRESSION"), text
+    assert (tmp_path / "job" / "gate.md").read_text() == text.rstrip("\n") + "\n"
+    assert not list((tmp_path / "job").rglob("*.png"))
+    sleep = f"train.py:{line_of(repo / 'train.py', 'time.sleep(0.028)')}"
+    item = f"train.py:{line_of(repo / 'train.py', 'loss.item()')}"
+    wall = next(line for line in done.stdout.splitlines() if "[wall]" in line)
+    assert "regression" in wall and "step rate (samples per step unknown)" in wall, wall
+    assert sleep in wall, wall
+    syncs = next(line for line in done.stdout.splitlines() if "[syncs]" in line)
+    assert "regression" in syncs and f"from {item}" in syncs, syncs
+    assert "trial-2" not in {p.name for p in (tmp_path / "job" / "base").iterdir()}
+    assert {p.name for p in repo.iterdir()} == before  # the script ran elsewhere
+    assert not git(repo, "status", "--porcelain").strip()
+    assert _worktrees(repo) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_unchanged_code_passes_the_recipe_and_its_runs_gate_and_calibrate(
+        tmp_path: Path) -> None:
+    """No change (an uncommitted edit to a comment, and an untracked file the head carries):
+    exit 0, PASS, wall time decided. Its trials are profiled runs of the same code: two of them
+    given to `gate A B` pass (an A/A pair), and `calibrate --from` their folder records the
+    spread between them."""
+    repo = _repo(tmp_path, None)
+    (repo / "train.py").write_text("# edited\n" + SCRIPT)
+    (repo / "notes.txt").write_text("mine")
+    done = _gate(repo, tmp_path / "job")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("PASS"), done.stdout
+    assert re.search(r"train.py wall time: decided \(pass\) with \d trial", done.stdout)
+    assert (repo / "notes.txt").read_text() == "mine" and _worktrees(repo) == 1
+    runs = sorted(p for p in (tmp_path / "job").glob("*/trial-*") if p.is_dir())
+    assert len(runs) >= 2
+    # One run a side: the calibrated 1% allows a 20% limit to be decided (README says so).
+    with in_folder(repo):
+        pair = invoke(["gate", str(runs[0]), str(runs[-1]), "--max-regression", "20"])
+    assert pair.exit_code == 0 and pair.stdout.startswith("PASS"), pair.stdout
+    trials = tmp_path / "trials"
+    for run in runs:
+        shutil.copytree(run, trials / f"{run.parent.name}-{run.name}")
+    if len(runs) >= 3:
+        with in_folder(tmp_path):
+            calibrated = invoke(["calibrate", "--from", str(trials), "--file",
+                                 str(tmp_path / "calibration.json")])
+        assert calibrated.exit_code == 0, calibrated.output
+        assert re.search(r"train.py: wall time \d+\.\d+% between processes", calibrated.stdout)
+
+
+@pytest.mark.slow
+def test_a_head_that_crashes_where_the_base_ran_exits_5(tmp_path: Path) -> None:
+    """The head raises before its first step: the base's trial ran, the head's crashed. Exit
+    5, the verdict says the head's stage failed where the base's ran, with its error."""
+    repo = _repo(tmp_path, "raise RuntimeError('broken on purpose')\n" + SCRIPT)
+    done = _gate(repo, tmp_path / "job")
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert done.stdout.startswith("FAILED: the head's run broke where the base's ran")
+    assert re.search(r"failed\s+train.py \[wall\]: the head's stage failed where the base's "
+                     r"ran: .*RuntimeError: broken on purpose", done.stdout), done.stdout
+    assert _worktrees(repo) == 1
+
+
+def test_the_command_form_is_checked_before_anything_runs(tmp_path: Path) -> None:
+    """Run options belong to gpudiag's workload, --share and --samples-per-step to a command,
+    a --share path must exist under the working directory; each a one-line exit 2."""
+    repo = _repo(tmp_path, None)
+    cases = [
+        (["gate", "--base-ref", "HEAD", "--stages", "train", "--", sys.executable, "train.py"],
+         "measure gpudiag's workload"),
+        (["gate", "--base-ref", "HEAD", "--share", "data"], "go with --base-ref REF -- COMMAND"),
+        (["gate", "--base-ref", "HEAD", "--share", "data", "--", sys.executable, "train.py"],
+         "--share data: no such file or directory"),
+        (["calibrate", "--share", "data"], "--share goes with a COMMAND"),
+        (["calibrate", "--stages", "train", "--", sys.executable, "train.py"],
+         "a command is profiled with its defaults"),
+    ]
+    for argv, message in cases:
+        with in_folder(repo):
+            done = invoke(argv)
+        assert done.exit_code == 2 and message in done.stderr, (argv, done.output)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert subprocess.run([*GIT, "worktree", "list"], cwd=repo, capture_output=True,
+                          text=True, check=True).stdout.count("\n") == 1
+    assert not (repo / "reports").exists()
