@@ -6,12 +6,15 @@ tests/test_gate_script.py; the decisions: tests/test_gate.py.)"""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from conftest import GIT, git, gpudiag_repo, in_folder, invoke
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +129,46 @@ def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path)
 
     with base_checkout("HEAD", repo) as base:
         assert (base / "a.txt").read_text() == "a\n"
-    assert str(mine) in listed() and "gpudiag-base" not in listed()
+    assert str(mine) in listed() and "gpudiag-gate" not in listed()
     (tmp_path / "unmounted").rename(tmp_path / "drive")
     assert subprocess.run(["git", "status", "--short"], cwd=mine, check=False,
                           capture_output=True).returncode == 0
+
+
+def test_the_head_checkout_is_this_checkout_as_it_is(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script's head runs in a worktree holding this checkout's uncommitted change and its
+    untracked file, made from a freshly copied clone (stale stat data in its index, as on a CI
+    runner) by a git with no identity configured; the user's checkout is left as it was."""
+    from gpudiag.measure.gatejob import head_checkout
+
+    made = tmp_path / "made"
+    made.mkdir()
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=made, check=True)
+    (made / "train.py").write_text("steps = 10\n")
+    (made / ".gitignore").write_text("data/\n")
+    subprocess.run([*git, "add", "-A"], cwd=made, check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], cwd=made, check=True)
+    repo = tmp_path / "copied"
+    shutil.copytree(made, repo)
+    later = (repo / ".gitignore").stat().st_mtime + 5
+    os.utime(repo / ".gitignore", (later, later))  # as a copy made later: its index is stale
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "no-config"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    with head_checkout(repo) as head:  # nothing changed: HEAD
+        assert (head / "train.py").read_text() == "steps = 10\n"
+    (repo / "train.py").write_text("steps = 20\n")
+    (repo / "notes.py").write_text("new = 1\n")
+    (repo / "data").mkdir()
+    (repo / "data" / "big.bin").write_bytes(b"0" * 10)
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
+                            text=True, check=True).stdout
+    with head_checkout(repo) as head:
+        assert (head / "train.py").read_text() == "steps = 20\n"
+        assert (head / "notes.py").read_text() == "new = 1\n"
+        assert not (head / "data").exists()  # ignored: --share's to link
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
+                          text=True, check=True).stdout == status
+    assert not subprocess.run(["git", "stash", "list"], cwd=repo, capture_output=True,
+                              text=True, check=True).stdout

@@ -91,6 +91,10 @@ def head_checkout(cwd: Path) -> Iterator[Path]:
     (`git stash create` makes a commit of them and touches nothing) and the untracked files
     git does not ignore copied in; positioned at `cwd`'s place, removed on exit."""
     top = repository_top(cwd)
+    # `stash create` fails, silently, on an index whose files' stat data went stale (a copied
+    # or freshly checked-out tree, as on a CI runner): refreshed first, as `git status` does.
+    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=top, capture_output=True,
+                   check=False)
     # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
     commit = (_git(top, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
                    "stash", "create") or _git(top, "rev-parse", "HEAD"))
