@@ -315,10 +315,10 @@ def _drift(wall: StageGate, device: StageGate | None, s: StageComparison, *,
     slower = est is not None and (wall.outcome == "regression" or (
         wall.outcome == "inconclusive" and est.ratio < 1 - wall.limit))
     grew_at = localized_growth(s.host_lines) if slower else None
-    if grew_at is not None:  # the step grew at one line of the code, not everywhere
+    if grew_at is not None:  # the step grew at a line the head edited, not everywhere
         return dataclasses.replace(wall, reason=wall.reason + f"; the host's step grew at "
-                                   f"{describe_host_line(grew_at)}, the rest of it did not: "
-                                   "the code changed, not the machine")
+                                   f"{describe_host_line(grew_at)}, a line the head changed, "
+                                   "and the rest of it did not: the code, not the machine")
     if not slower or est is None or not _same_work(s) or (
             device is not None and (device.estimate is None or device.estimate.significant)):
         return wall

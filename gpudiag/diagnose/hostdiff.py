@@ -1,8 +1,9 @@
 """Where a profiled step's host time grew between two runs: the host sampler's time per steady
-step by line of the user's code (facts.script.host), side by side. A slower machine stretches
-every line alike; a change to the code grows the lines it touched. So a step that grew at
-one line while the rest of it did not is the code's doing, even between runs recorded apart,
-and the gate names that line."""
+step by line of the user's code (facts.script.host), side by side, each line's source read
+from both runs. A slower machine stretches every line alike; a line's own time also moves
+with what it waits on (a collective, a loader, the GPU), with no change to the code. So only
+a step that grew at a line the head edited, while the rest of it did not, is the code's doing
+even between runs recorded apart; the gate names that line."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class HostLineChange:
     text: str  # its source, which pairs the two sides' lines when code above it moved
     before_ms: float  # host time per steady step
     after_ms: float
+    edited: bool = False  # its source differs between the runs, or only the head has it
 
     @property
     def grew_ms(self) -> float:
@@ -45,10 +47,16 @@ def _by_line(host: HostSamples) -> dict[str, tuple[str, float]]:
     return {loc: (host.text.get(loc, "").strip(), sum(v)) for loc, v in found.items()}
 
 
+def _number(location: str) -> int:
+    number = location.rpartition(":")[2]
+    return int(number) if number.isdigit() else 0
+
+
 def _pairs(a: dict[str, tuple[str, float]], b: dict[str, tuple[str, float]],
            ) -> list[tuple[str | None, str | None]]:
     """The two sides' locations paired: by file and source first (code above the line may
-    have moved it), then what is left by location (the line itself was edited)."""
+    have moved it), then what is left by location (the line itself was edited), then by file
+    and the nearest line (edited, and moved)."""
     def key(loc: str, text: str) -> tuple[str, str]:
         return loc.rpartition(":")[0], text
 
@@ -63,12 +71,13 @@ def _pairs(a: dict[str, tuple[str, float]], b: dict[str, tuple[str, float]],
             left_a.discard(match)
         else:
             left_b.append(loc)
-    for loc in left_b:
-        if loc in left_a:
-            pairs.append((loc, loc))
-            left_a.discard(loc)
-        else:
-            pairs.append((None, loc))
+    for loc in sorted(left_b, key=_number):
+        same_file = [x for x in left_a if x.rpartition(":")[0] == loc.rpartition(":")[0]]
+        near = loc if loc in left_a else min(
+            same_file, key=lambda x: abs(_number(x) - _number(loc)), default=None)
+        pairs.append((near, loc))
+        if near is not None:
+            left_a.discard(near)
     return pairs + [(loc, None) for loc in sorted(left_a)]
 
 
@@ -85,13 +94,16 @@ def host_line_changes(before: StageResult | None, after: StageResult | None,
         text_a, ms_a = lines_a[loc_a] if loc_a is not None else ("", 0.0)
         text_b, ms_b = lines_b[loc_b] if loc_b is not None else ("", 0.0)
         changes.append(HostLineChange(location=loc_b or loc_a or "", text=text_b or text_a,
-                                      before_ms=ms_a, after_ms=ms_b))
+                                      before_ms=ms_a, after_ms=ms_b,
+                                      edited=loc_b is not None and (
+                                          loc_a is None or text_a != text_b)))
     return sorted(changes, key=lambda c: -abs(c.grew_ms))
 
 
 def localized_growth(changes: list[HostLineChange]) -> HostLineChange | None:
-    """The line the host's step grew at, if it grew at one: that line took at least half the
-    growth while the rest of the step grew, relatively, at most half as much as the whole."""
+    """The line the host's step grew at, if it grew at one the head edited: that line took at
+    least half the growth while the rest of the step grew, relatively, at most half as much as
+    the whole."""
     before = sum(c.before_ms for c in changes)
     after = sum(c.after_ms for c in changes)
     if not changes or before <= 0 or after <= before:
@@ -100,7 +112,7 @@ def localized_growth(changes: list[HostLineChange]) -> HostLineChange | None:
     rest_before, rest_after = before - top.before_ms, after - top.after_ms
     step_growth = after / before - 1
     rest_growth = rest_after / rest_before - 1 if rest_before > 0 else 0.0
-    if top.grew_ms >= LOCALIZED_SHARE * (after - before) and \
+    if top.edited and top.grew_ms >= LOCALIZED_SHARE * (after - before) and \
             rest_growth <= REST_GROWTH_RATIO * step_growth:
         return top
     return None
