@@ -11,7 +11,7 @@ import pytest
 from conftest import invoke, ladder_config
 from tiny_mlp import MODEL as TINY_MLP
 
-from gpudiag.diagnose.compare import compare_runs
+from gpudiag.diagnose.compare import compare_runs, match_findings
 from gpudiag.diagnose.gate import GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials, steady_state
 from gpudiag.model.results import (
@@ -119,6 +119,22 @@ def test_findings_new_since_the_baseline_travel_with_the_decision() -> None:
     comparison = compare_runs(before, after)
     assert comparison.findings_new == [loop] and not comparison.findings_resolved
     assert decide(comparison).new_findings == [loop]
+
+
+def test_a_finding_whose_line_moved_persists_rather_than_being_new() -> None:
+    """A line inserted above the loop moves its finding from model.py:119 to :120: the same
+    finding; one at a line of another file, or of another rule, is new."""
+    def found(rule: str, location: str) -> Finding:
+        return Finding(id=rule, rule="r", severity="warning", stage="train-fp16",
+                       title=location, location=location, impact=0.1)
+
+    before = [found("GD101", "model.py:119"), found("GD105", "data.py:10")]
+    after = [found("GD101", "model.py:120"), found("GD105", "train.py:10"),
+             found("GD102", "model.py:121")]
+    resolved, new, persisting = match_findings(before, after)
+    assert [f.location for f in persisting] == ["model.py:120"]
+    assert sorted(f.location for f in new) == ["model.py:121", "train.py:10"]
+    assert [f.location for f in resolved] == ["data.py:10"]
 
 
 def _save(run: RunResult, path: Path) -> Path:

@@ -225,6 +225,35 @@ def _finding_key(f: Finding) -> tuple[str, str | None, str | None]:
     return f.id, f.stage, f.location
 
 
+def _line(f: Finding) -> tuple[str, int]:
+    """A finding's file and line number ("" and 0 where it names none)."""
+    path, _, number = (f.location or "").rpartition(":")
+    return (path, int(number)) if number.isdigit() else (f.location or "", 0)
+
+
+def match_findings(before: list[Finding], after: list[Finding],
+                   ) -> tuple[list[Finding], list[Finding], list[Finding]]:
+    """(resolved, new, persisting): the same rule on the same stage at the same place, else in
+    the same file at the nearest line (code above it moved it: the same finding, not a new
+    one)."""
+    olds = {_finding_key(f): f for f in before}
+    news = {_finding_key(f): f for f in after}
+    persisting = [f for k, f in news.items() if k in olds]
+    left_old = [f for k, f in olds.items() if k not in news]
+    new = []
+    for f in (f for k, f in news.items() if k not in olds):
+        path, number = _line(f)
+        same = [o for o in left_old if (o.id, o.stage) == (f.id, f.stage)
+                and _line(o)[0] == path and path]
+        if same:
+            moved = min(same, key=lambda o: abs(_line(o)[1] - number))
+            left_old.remove(moved)
+            persisting.append(f)
+        else:
+            new.append(f)
+    return left_old, new, persisting
+
+
 def _note(a: StageResult | None, b: StageResult | None, estimate: RatioEstimate | None) -> str:
     if a is None or b is None:
         return f"only in the {'after' if a is None else 'before'} run"
@@ -294,13 +323,10 @@ def compare_runs(before: RunResult, after: RunResult, *, before_label: str = "be
                 if getattr(before.env, f) != getattr(after.env, f)]
     config_diff = _differences(before.config.settings(), after.config.settings())
     mismatches = _mismatches(before, after, config_diff)
-    before_keys = {_finding_key(f): f for f in before.findings}
-    after_keys = {_finding_key(f): f for f in after.findings}
+    resolved, new, persisting = match_findings(before.findings, after.findings)
     return Comparison(
         before_label=before_label, after_label=after_label, stages=stages,
         env_differences=env_diff, config_differences=config_diff, mismatches=mismatches,
         confidence=1 - alpha,
-        findings_resolved=[f for k, f in before_keys.items() if k not in after_keys],
-        findings_new=[f for k, f in after_keys.items() if k not in before_keys],
-        findings_persisting=[f for k, f in after_keys.items() if k in before_keys],
+        findings_resolved=resolved, findings_new=new, findings_persisting=persisting,
     )
