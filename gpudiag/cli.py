@@ -657,7 +657,7 @@ def gate(
     options: RunOptions,
     own: GateOptions,
     given: Annotated[list[str] | None, typer.Argument(
-        metavar="[BASELINE CURRENT | -- COMMAND]",
+        metavar="BASELINE CURRENT | -- COMMAND",
         help="Two runs (run directory, run.json, trial folder, or a saved baseline file: the "
              "baseline, then the run to check); or, with --base-ref, the command to measure "
              "after --: python train.py ..., torchrun ...")] = None,
@@ -716,7 +716,7 @@ def gate(
 def calibrate(
     options: RunOptions,
     command: Annotated[list[str] | None, typer.Argument(
-        metavar="[-- COMMAND]", help="Your training command, after --, to calibrate a gate of "
+        metavar="-- COMMAND", help="Your training command, after --, to calibrate a gate of "
         "it (`gate --base-ref REF -- COMMAND`): each trial a gpudiag profile of it, run in a "
         "temporary checkout of this one.")] = None,
     share: Annotated[list[str] | None, typer.Option(
