@@ -6,6 +6,7 @@ loader) is not, whatever its size."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from gpudiag.diagnose.gate import GateRules, judge
 from gpudiag.diagnose.hostdiff import host_line_changes, localized_growth
@@ -89,3 +90,22 @@ def test_the_gate_keeps_a_regression_at_an_edited_line_between_runs_recorded_apa
     decision, _ = judge(base, run(stage(waited, step_ms=38, seed=2)), rules)
     (wall,) = [g for g in decision.stages if g.metric == "wall"]
     assert wall.outcome == "inconclusive" and wall.drift, wall.reason
+
+
+def test_an_uncalibrated_host_bound_script_is_told_its_wall_prior_is_only_the_floor() -> None:
+    """nanoGPT's A/A trials on an H200 (reports/examples/h200-gate-nanogpt): the GPU idles ~47%
+    of the step and fresh processes differed by 25% in wall time. Gated without a calibration,
+    the summary says the wall prior is only the built-in floor; with the machine's calibration
+    committed beside them, it does not."""
+    from gpudiag.diagnose.trials import load_run_set
+    from gpudiag.model.calibration import load_calibration
+
+    example = Path(__file__).resolve().parents[1] / "reports" / "examples" / "h200-gate-nanogpt"
+    base, head = load_run_set(example / "aa" / "base"), load_run_set(example / "aa" / "head")
+    decision, _ = judge(base, head, GateRules())
+    assert any("the built-in floor (5%), and the GPU idles" in line for line in decision.unseen)
+    calibrated = GateRules(calibration=load_calibration(example / "calibration.json"))
+    decision, _ = judge(base, head, calibrated)
+    assert not any("built-in floor" in line for line in decision.unseen), decision.unseen
+    (wall,) = [g for g in decision.stages if g.metric == "wall"]
+    assert wall.outcome == "inconclusive"  # 25% between processes: it cannot tell, and says so

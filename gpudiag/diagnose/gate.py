@@ -402,12 +402,32 @@ def _unseen(comparison: Comparison, gates: list[StageGate]) -> list[str]:
             if varying:
                 lines.append(f"{s.stage}: {', '.join(varying)} varied between trials of a "
                              "side: not exact here, compared as ranges")
+        lines += _uncalibrated_host_bound(s)
     for g in gates:
         if g.outcome == "inconclusive" and g.estimate is not None:
             what = "wall time" if g.metric == "wall" else f"{g.metric} time"
             lines.append(f"{g.stage}: {what} could only detect a change of "
                          f"{g.estimate.min_detectable:.1%} or more (limit {_pct(g.limit)})")
     return lines
+
+
+HOST_BOUND_IDLE = 0.25  # the GPU idle this share of a profiled step: the host sets its pace
+
+
+def _uncalibrated_host_bound(s: StageComparison) -> list[str]:
+    """A wall-time prior that is only the built-in floor, on a script whose GPU waits on the
+    host: such scripts' processes can differ far more than the floor (nanoGPT's eager step
+    by 25% on an H200, reports/examples/h200-gate-nanogpt), and the verdict leans on it."""
+    est, b = s.throughput, s.after
+    idle = b.evidence.idle_fraction if b is not None and b.evidence is not None else None
+    if est is None or not est.floor.source.startswith("built-in") or b is None or \
+            b.facts.script is None or b.evidence is None or b.evidence.backend != "cuda" or \
+            idle is None or idle < HOST_BOUND_IDLE:
+        return []
+    return [f"{s.stage}: wall time's spread between processes is the built-in floor "
+            f"({est.floor.sigma:.0%}), and the GPU idles {idle:.0%} of the step: a host-bound "
+            "script's processes can differ far more; record this machine's with `gpudiag "
+            "calibrate -- COMMAND` before trusting a wall-time verdict"]
 
 
 def _priors(comparison: Comparison) -> list[str]:
