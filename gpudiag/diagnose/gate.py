@@ -20,6 +20,7 @@ from typing import Literal
 
 from gpudiag.diagnose.compare import Comparison, RatioEstimate, StageComparison, compare_runs
 from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
+from gpudiag.diagnose.gd1_launch import IDLE_WARNING as STARVED_IDLE
 from gpudiag.diagnose.hostdiff import describe as describe_host_line
 from gpudiag.diagnose.hostdiff import localized_growth
 from gpudiag.diagnose.trials import rate_name
@@ -411,18 +412,16 @@ def _unseen(comparison: Comparison, gates: list[StageGate]) -> list[str]:
     return lines
 
 
-HOST_BOUND_IDLE = 0.25  # the GPU idle this share of a profiled step: the host sets its pace
-
-
 def _uncalibrated_host_bound(s: StageComparison) -> list[str]:
     """A wall-time prior that is only the built-in floor, on a script whose GPU waits on the
-    host: such scripts' processes can differ far more than the floor (nanoGPT's eager step
-    by 25% on an H200, reports/examples/h200-gate-nanogpt), and the verdict leans on it."""
+    host as long as GD102 warns of (STARVED_IDLE): such scripts' processes can differ far
+    more than the floor (nanoGPT's eager step by 25% on an H200,
+    reports/examples/h200-gate-nanogpt), and the verdict leans on it."""
     est, b = s.throughput, s.after
     idle = b.evidence.idle_fraction if b is not None and b.evidence is not None else None
     if est is None or not est.floor.source.startswith("built-in") or b is None or \
             b.facts.script is None or b.evidence is None or b.evidence.backend != "cuda" or \
-            idle is None or idle < HOST_BOUND_IDLE:
+            idle is None or idle < STARVED_IDLE:
         return []
     return [f"{s.stage}: wall time's spread between processes is the built-in floor "
             f"({est.floor.sigma:.0%}), and the GPU idles {idle:.0%} of the step: a host-bound "
