@@ -564,7 +564,12 @@ def _gate_runs(options: RunOptions, gate: GateOptions, command: list[str], out: 
     user's command runs on both sides in worktrees (gpudiag/measure/gatejob.py)."""
     from gpudiag.diagnose.gate import TIME_METRICS  # noqa: PLC0415  (scipy)
     from gpudiag.measure.plan import check_run_options  # noqa: PLC0415  (torch)
-    from gpudiag.present import default_run_dir, prepare_run_dir  # noqa: PLC0415  (pandas)
+    from gpudiag.present import (  # noqa: PLC0415  (pandas)
+        default_run_dir,
+        prepare_run_dir,
+        write_output_file,
+    )
+    from gpudiag.present.compare import stopped_gate_markdown  # noqa: PLC0415  (scipy)
 
     base_ref, trials, max_trials = gate.base_ref, gate.trials, gate.max_trials
     assert base_ref is not None  # only called with --base-ref
@@ -604,7 +609,13 @@ def _gate_runs(options: RunOptions, gate: GateOptions, command: list[str], out: 
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
     if done.interrupted or not done.base or not done.head:
-        raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
+        code = stop.exit_code or ExitCode.INTERRUPTED
+        # The job's artifact says why there is no verdict (a CI timeout leaves only this).
+        text = stopped_gate_markdown(code, len(done.base), len(done.head))
+        with signals_ignored():
+            write_output_file(out_dir / "gate.md", text, "--out")
+            _append_summary(text)
+        raise typer.Exit(code)
     return (merge_trials(done.base), merge_trials(done.head), out_dir,
             min(len(done.base), len(done.head)))
 

@@ -234,8 +234,8 @@ def test_a_killed_profile_takes_its_script_with_it(tmp_path: Path) -> None:
 def test_sigterm_to_a_gate_stops_its_trial_and_removes_its_worktree(tmp_path: Path) -> None:
     """SIGTERM to `gate --base-ref` during a trial (a CI job's timeout): the trial's `gpudiag
     run` gets it and its grace, nothing is left running, the base's temporary worktree is gone
-    from the repository, and the exit is 143. It used to kill gpudiag alone: the trial ran on,
-    orphaned, and the worktree stayed registered."""
+    from the repository, gate.md says why there is no verdict, and the exit is 143. It used to
+    kill gpudiag alone: the trial ran on, orphaned, and the worktree stayed registered."""
     repo = gpudiag_repo(tmp_path)
     git(repo, "commit", "-q", "--allow-empty", "-m", "head")
     out = tmp_path / "job"
@@ -249,6 +249,9 @@ def test_sigterm_to_a_gate_stops_its_trial_and_removes_its_worktree(tmp_path: Pa
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
                                text=True, check=True).stdout
     assert len(worktrees.strip().splitlines()) == 1, worktrees
+    text = (out / "gate.md").read_text()
+    assert text.startswith("## gpudiag gate: STOPPED") and "SIGTERM" in text, text
+    assert "after 0 base and 0 head trial(s)" in text and "no verdict (exit 143)" in text
 
 
 def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:

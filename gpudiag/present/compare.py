@@ -175,6 +175,18 @@ def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass")
     return lines
 
 
+STOPPED_BY = {129: "SIGHUP (the terminal or connection closed)", 130: "SIGINT (Ctrl-C)",
+              143: "SIGTERM (a CI job's timeout, or kill)"}
+
+
+def stopped_gate_markdown(exit_code: int, base_trials: int, head_trials: int) -> str:
+    """gate.md of a gate stopped before it decided: what stopped it and what it had."""
+    by = STOPPED_BY.get(exit_code, f"a signal (exit {exit_code})")
+    return (f"## gpudiag gate: STOPPED\n\nStopped by {by} after {base_trials} base and "
+            f"{head_trials} head trial(s), before it decided: no verdict (exit {exit_code}). "
+            "The trials that finished are in base/ and head/ beside this file.\n")
+
+
 def gate_markdown(decision: GateDecision, c: Comparison,
                   on_inconclusive: OnInconclusive = "pass") -> str:
     out = [f"## gpudiag gate: {decision.outcome.upper()}", "", "```",
