@@ -1,3 +1,3 @@
-from gpudiag.cli import main
+from gpudiag.launch import main
 
 main()

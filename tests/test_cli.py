@@ -103,6 +103,29 @@ def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
     assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-300:]
 
 
+@pytest.mark.parametrize("where", ["import", "command"])
+def test_a_ctrl_c_while_gpudiag_loads_or_stops_is_130_in_one_line(where: str) -> None:
+    """A Ctrl-C while gpudiag.cli is imported (a second or two), or one that escapes a command
+    already stopping (a second Ctrl-C), ends with 130 and one line, not SIGINT's -2 and a
+    traceback. Made certain here: the import, or the app, raises the KeyboardInterrupt."""
+    raising = {
+        "import": ("class Stop:\n"
+                   "    def find_spec(self, name, path=None, target=None):\n"
+                   "        if name == 'gpudiag.cli':\n"
+                   "            raise KeyboardInterrupt\n"
+                   "sys.meta_path.insert(0, Stop())\n"),
+        "command": ("import gpudiag.cli\n"
+                    "def app():\n"
+                    "    raise KeyboardInterrupt\n"
+                    "gpudiag.cli.app = app\n"),
+    }[where]
+    code = f"import sys\n{raising}from gpudiag.launch import main\nmain()\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr == "gpudiag: stopped by SIGINT (Ctrl-C)\n"
+
+
 def test_readme_exit_codes_are_generated_from_the_enum() -> None:
     text = README.read_text()
     start = text.index("## Exit codes and guarantees\n\n") + len("## Exit codes and guarantees\n\n")
