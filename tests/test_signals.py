@@ -566,6 +566,23 @@ def test_what_the_command_leaves_running(tmp_path: Path, monkeypatch: pytest.Mon
             os.kill(sleeper, signal.SIGKILL)
 
 
+def test_a_process_already_exiting_is_left_to_end_like_pythons_helpers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's command line reads empty once its memory is released, before it is a
+    zombie: it is ending on its own, as the resource tracker (caught so in CI) and the
+    forkserver do; a training script is not."""
+    from gpudiag.measure.profile.launching import jobprocesses
+
+    monkeypatch.setattr(jobprocesses, "PROC", tmp_path)
+    lines = {1: b"", 2: b"python\0-c\0from multiprocessing.resource_tracker import main;main(5)",
+             3: b"python\0train.py\0"}
+    for pid, cmdline in lines.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
+    assert [jobprocesses.python_helper(pid) for pid in lines] == [True, True, False]
+    assert not jobprocesses.python_helper(4)  # gone: not ours to wait for
+
+
 def test_pythons_own_resource_tracker_is_left_to_end_on_its_own(tmp_path: Path) -> None:
     """A spawn context's lock starts Python's resource tracker, which outlives the script by a
     moment (it removes the script's semaphores when its pipe closes): it is not a process the
