@@ -552,15 +552,17 @@ def _count_shapes(w: _Window, backend: str) -> None:
     those that computed in fp32 (casts aside). On a GPU that time is the kernels each operator
     launched; on a CPU, the operator's own."""
     working = _working_ops(w.ops)
+    for o in working:  # read once: _count_fusion reads them too, lines or not
+        o["_moved"] = shapes.bytes_moved(o)
+        o["_kind"] = op_kind(o["name"], in_optimizer="_optimizer" in o)
     for o in working:
         owner = w.line_of(o)
         if owner is None:
             continue
         line = w.stats(owner)
-        moved = shapes.bytes_moved(o)
+        moved, kind = o["_moved"], o["_kind"]
         line.flops += shapes.flops(o)
         line.bytes += moved
-        kind = op_kind(o["name"], in_optimizer="_optimizer" in o)
         if kind in MEMORY_BOUND_KINDS:
             line.memory_bytes += moved
         if backend != "cuda" and kind in MEMORY_BOUND_KINDS and _fp32_island(o):
@@ -580,9 +582,9 @@ def _count_fusion(w: _Window, working: list[dict[str, Any]]) -> None:
     """What each line's memory-bound operators would move fused, as a compiler fuses them: a
     run of consecutive memory-bound operators on one thread, in one pass of one step (no
     matmul, attention, collective or optimizer step between them; forward and backward
-    compiled apart) becomes one kernel that reads its inputs and writes its
-    output once, modelled as moving the run's largest operator's bytes; each operator's share
-    of that is in proportion to its own bytes."""
+    compiled apart) becomes one kernel that reads its inputs and writes its output once,
+    modelled as moving the run's largest operator's bytes; each operator's share of that is in
+    proportion to its own bytes (`_moved` and `_kind`: _count_shapes read them)."""
     run: list[tuple[dict[str, Any], float]] = []
 
     def close() -> None:
@@ -597,13 +599,13 @@ def _count_fusion(w: _Window, working: list[dict[str, Any]]) -> None:
     step_of = _step_finder(w.steps) if w.steps else lambda _: None
     where: tuple[Any, ...] | None = None
     for o in sorted(working, key=lambda o: (o["tid"], o["ts"])):
-        memory = op_kind(o["name"], in_optimizer="_optimizer" in o) in MEMORY_BOUND_KINDS
+        memory = o["_kind"] in MEMORY_BOUND_KINDS
         here = (o["tid"], step_of(o), o.get("_backward") is not None)
         if here != where or not memory:
             close()
             where = here
         if memory:
-            run.append((o, shapes.bytes_moved(o)))
+            run.append((o, o["_moved"]))
     close()
 
 
