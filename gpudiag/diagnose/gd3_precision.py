@@ -175,6 +175,9 @@ MEMORY_MAX_IDLE = 0.25  # idler than this, the host sets the pace (GD102), not t
 # by the bytes model (FusionModel): compile's fusions measured 1.48x at 48% (an H200,
 # reports/examples/h200-memory-bound-compile/narrow_fixes.json).
 MEMORY_FUSION_SAVING = 0.20
+# ... and information from a tenth: nanoGPT at GPT-2 small's width, eager, was modelled at 17%
+# and compile measured 15-17% (reports/examples/h200-memory-bound-compile/README.md).
+MEMORY_FUSION_INFO = 0.10
 OPTIMIZER_SHARE = 0.15  # an unfused optimizer this large is worth its own advice
 OTHER_MEMORY_SHARE = 0.25  # memory-bound time outside attention this large: fusion advice
 KIND_NAMED_SHARE = 0.05  # a memory-bound kind named in the title from this share
@@ -187,6 +190,8 @@ MEMORY_THRESHOLDS = (
     Threshold("fusion_saving", MEMORY_FUSION_SAVING,
               "short of half, a warning still where fusing them saves this share of the step "
               "by the bytes model"),
+    Threshold("fusion_info", MEMORY_FUSION_INFO,
+              "... and information from this share"),
     Threshold("max_idle_fraction", MEMORY_MAX_IDLE,
               "the GPU busy nearly all the step, so kernel time is the step's time"),
     Threshold("optimizer_share", OPTIMIZER_SHARE,
@@ -319,7 +324,8 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
 def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
     """On a GPU busy at least 75% of the step, memory-bound kernels (softmax, norm,
     elementwise, reduction: gpudiag/measure/evidence/kinds.py) hold at least half the kernel
-    time, or fusing them would save a fifth of the step by the bytes model; priced by what
+    time, or fusing them would save a fifth of the step by the bytes model (a tenth:
+    information); priced by what
     fusing them would save (FusionModel: bytes at today's rate), never above their share of
     the step (what removing them would save); their share where no line's shapes were
     recorded."""
@@ -337,8 +343,11 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
         modelled = model.modelled_ms > 0
         upper = share * (1 - idle)
         step_share = model.saving_ms / total * (1 - idle) if modelled else upper
-        if share < MEMORY_WARNING and not (modelled and step_share >= MEMORY_FUSION_SAVING):
+        if share < MEMORY_WARNING and not (modelled and step_share >= MEMORY_FUSION_INFO):
             continue
+        severity = (severity_for(max(share, MEMORY_WARNING), warning=MEMORY_WARNING,
+                                 critical=MEMORY_CRITICAL)
+                    if share >= MEMORY_WARNING or step_share >= MEMORY_FUSION_SAVING else "info")
         lines = _memory_lines(stage)
         saving = f"; fused, ~{pct(step_share)} of the step would go" if modelled else ""
         matmul = by_kind.get("matmul", 0.0) / total
@@ -347,8 +356,7 @@ def memory_bound_kernels(run: RunResult) -> Iterator[Draft]:
                           sorted(by_kind.items(), key=lambda kv: -kv[1])
                           if k in MEMORY_BOUND_KINDS and v / total >= KIND_NAMED_SHARE)
         yield Draft(
-            severity=severity_for(max(share, MEMORY_WARNING), warning=MEMORY_WARNING,
-                                  critical=MEMORY_CRITICAL),
+            severity=severity,
             stage=stage.name,
             title=(f"Memory-bound kernels take {pct(share)} of the kernel time ({kinds}), "
                    f"matmuls {pct(matmul)}, with the GPU busy {pct(1 - idle)} of the step"
