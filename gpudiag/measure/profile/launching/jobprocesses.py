@@ -70,7 +70,7 @@ _HELPERS = (b"from multiprocessing.resource_tracker import main",
 def python_helper(pid: int) -> bool:
     """Whether `pid` is Python's multiprocessing resource tracker or forkserver, or a process
     already exiting: its command line reads empty once its memory is released, before it is a
-    zombie (the tracker was caught so, 1 in ~50 CI runs, and called left running)."""
+    zombie (the tracker was caught so in a clean-clone test run, and called left running)."""
     try:
         cmdline = Path(PROC, str(pid), "cmdline").read_bytes()
     except OSError:
