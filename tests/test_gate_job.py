@@ -172,3 +172,32 @@ def test_the_head_checkout_is_this_checkout_as_it_is(tmp_path: Path,
                           text=True, check=True).stdout == status
     assert not subprocess.run(["git", "stash", "list"], cwd=repo, capture_output=True,
                               text=True, check=True).stdout
+
+
+def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An untracked, unignored folder past the copy's budget (a venv, a dataset) is refused in
+    one line naming it, before any worktree exists; within the budget it is copied."""
+    from gpudiag.measure import gatejob
+    from gpudiag.model.errors import BadInput
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    (repo / "train.py").write_text("steps = 10\n")
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], cwd=repo, check=True)
+    (repo / "venv" / "lib").mkdir(parents=True)
+    for k in range(5):
+        (repo / "venv" / "lib" / f"m{k}.py").write_text("x = 1\n")
+    monkeypatch.setattr(gatejob, "MAX_UNTRACKED_FILES", 4)
+    refused = pytest.raises(BadInput, match=r"5 untracked files .* most under venv\) would be")
+    with refused, gatejob.head_checkout(repo):
+        pass
+    assert "gpudiag-gate" not in subprocess.run(["git", "worktree", "list"], cwd=repo,
+                                                capture_output=True, text=True,
+                                                check=True).stdout
+    monkeypatch.setattr(gatejob, "MAX_UNTRACKED_FILES", 5)
+    with gatejob.head_checkout(repo) as head:
+        assert (head / "venv" / "lib" / "m4.py").read_text() == "x = 1\n"

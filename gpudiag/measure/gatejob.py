@@ -85,11 +85,34 @@ def base_checkout(ref: str, cwd: Path) -> Iterator[Path]:
         yield place
 
 
+# Untracked files the head's worktree copies: beyond these, they are data or an environment,
+# not code under review (a venv git does not ignore holds ~10,000 files).
+MAX_UNTRACKED_FILES = 2_000
+MAX_UNTRACKED_BYTES = 256 * 2**20
+
+
+def _untracked(top: Path) -> list[Path]:
+    """The untracked files git does not ignore, checked against the copy's budget before any
+    worktree is made."""
+    found = [Path(p) for p in _git(top, "ls-files", "--others", "--exclude-standard",
+                                   "-z").split("\0") if p]
+    files = [p for p in found if (top / p).is_file() and not (top / p).is_symlink()]
+    size = sum((top / p).stat().st_size for p in files)
+    if len(files) > MAX_UNTRACKED_FILES or size > MAX_UNTRACKED_BYTES:
+        folders = sorted({p.parts[0] for p in files},
+                         key=lambda f: -sum(1 for p in files if p.parts[0] == f))
+        raise BadInput(f"{len(files):,} untracked files ({size / 2**20:,.0f} MiB, most under "
+                       f"{folders[0]}) would be copied into the head's checkout: list them in "
+                       ".gitignore (pass inputs with --share) or commit them")
+    return files
+
+
 @contextmanager
 def head_checkout(cwd: Path) -> Iterator[Path]:
     """This checkout as it is, in a worktree of its own: HEAD with the tracked files' changes
     (`git stash create` makes a commit of them and touches nothing) and the untracked files
-    git does not ignore copied in; positioned at `cwd`'s place, removed on exit."""
+    git does not ignore copied in (not links: one would write through to the user's files;
+    within a budget); positioned at `cwd`'s place, removed on exit."""
     top = repository_top(cwd)
     # `stash create` fails, silently, on an index whose files' stat data went stale (a copied
     # or freshly checked-out tree, as on a CI runner): refreshed first, as `git status` does.
@@ -98,14 +121,11 @@ def head_checkout(cwd: Path) -> Iterator[Path]:
     # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
     commit = (_git(top, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
                    "stash", "create") or _git(top, "rev-parse", "HEAD"))
-    untracked = [Path(p) for p in _git(top, "ls-files", "--others", "--exclude-standard",
-                                       "-z").split("\0") if p]
+    untracked = _untracked(top)
     with _worktree(top, commit, cwd) as (tree, place):
         for relative in untracked:
-            source = top / relative
-            if source.is_file() and not source.is_symlink():
-                (tree / relative).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, tree / relative)
+            (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(top / relative, tree / relative)
         yield place
 
 
