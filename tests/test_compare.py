@@ -23,6 +23,7 @@ from gpudiag.model.results import (
     load_run,
     save_run,
 )
+from gpudiag.present.compare import gate_lines
 
 BATCH = 128
 
@@ -118,7 +119,15 @@ def test_findings_new_since_the_baseline_travel_with_the_decision() -> None:
     after.findings = [loop]
     comparison = compare_runs(before, after)
     assert comparison.findings_new == [loop] and not comparison.findings_resolved
-    assert decide(comparison).new_findings == [loop]
+    decision = decide(comparison)
+    assert decision.new_findings == [loop]
+    # Offered as causes only of a regression; beside a pass they are run-to-run findings.
+    lines = gate_lines(decision)
+    assert decision.outcome != "regression"
+    assert any(line.startswith("New findings since the baseline (no regression to explain")
+               for line in lines), lines
+    decision.outcome = "regression"
+    assert "New findings since the baseline (likely causes):" in gate_lines(decision)
 
 
 def test_a_finding_whose_line_moved_persists_rather_than_being_new() -> None:

@@ -169,7 +169,12 @@ def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass")
         lines.append("Between-process spread (the prior, and pooled with these trials):")
         lines += [f"  {line}" for line in decision.priors]
     if decision.new_findings:
-        lines.append("New findings since the baseline (likely causes):")
+        # Without a regression they explain nothing: one run's finding near its threshold
+        # can be absent from the next (an A/A gate of nanoGPT listed a GD703 at 12%).
+        lines.append("New findings since the baseline (likely causes):"
+                     if decision.outcome in ("regression", "failed") else
+                     "New findings since the baseline (no regression to explain: findings near "
+                     "a threshold come and go between runs of the same code):")
         lines += [f"  {f.severity} {f.id} {f.stage}: {f.title}"
                   + (f" at {f.location}" if f.location else "") for f in decision.new_findings]
     return lines
