@@ -106,21 +106,24 @@ def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
     assert "warning: GITHUB_STEP_SUMMARY" in done.stderr
 
 
+def _committed(repo: Path, files: dict[str, str]) -> Path:
+    """A git repository at `repo` holding `files` (name -> text) in one commit."""
+    repo.mkdir()
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
+        git(repo, *args)
+    return repo
+
+
 def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path) -> None:
     """gate --base-ref's worktree is removed alone: a worktree of the user's whose directory
     is missing at that moment (an unmounted drive, a moved folder) stays registered."""
     from gpudiag.measure.gatejob import base_checkout
 
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
-    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
-    (repo / "a.txt").write_text("a\n")
-    subprocess.run([*git, "add", "a.txt"], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "a"], cwd=repo, check=True)
+    repo = _committed(tmp_path / "repo", {"a.txt": "a\n"})
     mine = tmp_path / "drive" / "feature"
-    subprocess.run([*git, "worktree", "add", "-q", "-b", "feature", str(mine)], cwd=repo,
-                   check=True)
+    git(repo, "worktree", "add", "-q", "-b", "feature", str(mine))
     (tmp_path / "drive").rename(tmp_path / "unmounted")  # its directory is gone for now
 
     def listed() -> str:
@@ -142,14 +145,7 @@ def test_the_head_checkout_is_this_checkout_as_it_is(tmp_path: Path,
     runner) by a git with no identity configured; the user's checkout is left as it was."""
     from gpudiag.measure.gatejob import head_checkout
 
-    made = tmp_path / "made"
-    made.mkdir()
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
-    subprocess.run([*git, "init", "-q"], cwd=made, check=True)
-    (made / "train.py").write_text("steps = 10\n")
-    (made / ".gitignore").write_text("data/\n")
-    subprocess.run([*git, "add", "-A"], cwd=made, check=True)
-    subprocess.run([*git, "commit", "-qm", "a"], cwd=made, check=True)
+    made = _committed(tmp_path / "made", {"train.py": "steps = 10\n", ".gitignore": "data/\n"})
     repo = tmp_path / "copied"
     shutil.copytree(made, repo)
     later = (repo / ".gitignore").stat().st_mtime + 5
@@ -181,13 +177,7 @@ def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
     from gpudiag.measure import gatejob
     from gpudiag.model.errors import BadInput
 
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
-    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
-    (repo / "train.py").write_text("steps = 10\n")
-    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
-    subprocess.run([*git, "commit", "-qm", "a"], cwd=repo, check=True)
+    repo = _committed(tmp_path / "repo", {"train.py": "steps = 10\n"})
     (repo / "venv" / "lib").mkdir(parents=True)
     for k in range(5):
         (repo / "venv" / "lib" / f"m{k}.py").write_text("x = 1\n")
