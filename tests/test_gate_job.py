@@ -108,8 +108,8 @@ def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
 
 def _committed(repo: Path, files: dict[str, str]) -> Path:
     """A git repository at `repo` holding `files` (name -> text) in one commit."""
-    repo.mkdir()
     for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a"]):
         git(repo, *args)
@@ -191,3 +191,17 @@ def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
     monkeypatch.setattr(gatejob, "MAX_UNTRACKED_FILES", 5)
     with gatejob.head_checkout(repo) as head:
         assert (head / "venv" / "lib" / "m4.py").read_text() == "x = 1\n"
+
+
+def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path: Path) -> None:
+    """`python /repo/sub/train.py` from /repo/sub: each side's trial runs its checkout's file,
+    not the head's; a path outside the repository stays as given."""
+    from gpudiag.measure.gatejob import TrialCommand, base_checkout
+
+    repo = _committed(tmp_path / "repo", {"sub/train.py": "steps = 1\n"})
+    outside = str(tmp_path / "data.bin")
+    trial = TrialCommand(command=("python", str(repo / "sub" / "train.py"), outside), top=repo)
+    with in_folder(repo / "sub"), base_checkout("HEAD", repo / "sub") as base:
+        *_, script, data = trial.argv(base, tmp_path / "out")
+        assert script == str(base / "train.py") and Path(script).is_file()
+        assert data == outside

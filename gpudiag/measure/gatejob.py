@@ -193,15 +193,10 @@ class TrialCommand:
             inside = Path(arg).resolve().relative_to(self.top.resolve())
         except ValueError:
             return arg
-        return str(_checkout_top(checkout) / inside)
-
-
-def _checkout_top(checkout: Path) -> Path:
-    """The worktree's top above a checkout's working directory (gpudiag-gate-*/tree)."""
-    for parent in (checkout, *checkout.parents):
-        if parent.name == "tree" and parent.parent.name.startswith("gpudiag-gate-"):
-            return parent
-    return checkout
+        # The checkout stands at the working directory's place in the repository: its top is
+        # as many folders up as that place is deep.
+        depth = len(Path.cwd().resolve().relative_to(self.top.resolve()).parts)
+        return str((checkout.parents[depth - 1] if depth else checkout) / inside)
 
 
 def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | None:
