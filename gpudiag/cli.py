@@ -26,6 +26,7 @@ from rich.table import Table
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
+from gpudiag.measure.childexec import landlock_abi
 from gpudiag.measure.gatejob import (
     Interleaved,
     TrialCommand,
@@ -37,11 +38,14 @@ from gpudiag.measure.gatejob import (
     share_into,
 )
 from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
+from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR
 from gpudiag.measure.profile.launching.session import (
     ProfileOutput,
     ProfileRequest,
+    RerunPolicy,
     check_command,
     profile_command,
+    rerun_policy,
 )
 from gpudiag.measure.profile.launching.tryfixes import SCRATCH_PATTERN, run_fixes
 from gpudiag.model.calibration import (
@@ -379,6 +383,9 @@ def profile(
 
     config = profile_config(options, command)
     check_command(command)
+    policy = rerun_policy(options.rerun_writable, unconfined=options.unconfined_reruns,
+                          isolated=("--try-fixes" if options.try_fixes else
+                                    "--stop-after-window" if config.stop_after_window else None))
     # Absolute before launch: the script may change directory.
     run_dir = prepare_run_dir(out, default_run_dir("profile"), force=force).resolve()
 
@@ -389,15 +396,21 @@ def profile(
                         "report is rewritten when it ends)"), soft_wrap=True)
 
     if options.try_fixes:
-        _announce_try_fixes(rerun=options.rerun)
-    output = profile_command(
-        ProfileRequest(config, run_dir, rerun=options.rerun), on_window=early,
-        on_rerun=lambda note: stderr.print(f"[yellow]gpudiag profile:[/] {escape(note)}",
-                                           soft_wrap=True))
+        _announce_try_fixes(run_dir, policy, rerun=options.rerun)
+    elif config.stop_after_window:
+        stderr.print("gpudiag profile: the script is stopped after its profiler window, so it "
+                     f"runs in a scratch copy of this folder ({run_dir / SCRATCH_DIR}"
+                     f"){_confinement(policy)}: your files stay as they are", soft_wrap=True)
+    with stop_on_signals():  # a SIGTERM while a re-run's copy is made stops it as Ctrl-C does
+        output = profile_command(
+            ProfileRequest(config, run_dir, rerun=options.rerun, policy=policy),
+            on_window=early,
+            on_rerun=lambda note: stderr.print(f"[yellow]gpudiag profile:[/] {escape(note)}",
+                                               soft_wrap=True))
     _warn_reruns(output.run.reruns)
     if options.try_fixes and output.exit_code == 0 and not output.run.interrupted:
         with stop_on_signals():  # a SIGTERM between the runs stops them as Ctrl-C does
-            _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)))
+            _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)), policy)
     elif options.try_fixes:
         stderr.print("[yellow]try-fixes:[/] not tried: the diagnosis run did not end cleanly",
                      soft_wrap=True)
@@ -413,19 +426,30 @@ def profile(
     raise typer.Exit(output.exit_code)
 
 
-def _announce_try_fixes(*, rerun: bool) -> None:
+def _confinement(policy: RerunPolicy) -> str:
+    """How a run in a scratch copy is kept to it, for the line that announces one."""
+    if landlock_abi():
+        return ", and the kernel keeps it from writing anywhere else of yours"
+    assert policy.unconfined
+    return ("; this kernel cannot keep it from writing elsewhere (--unconfined-reruns): what "
+            "it writes outside the copy is listed afterwards")
+
+
+def _announce_try_fixes(run_dir: Path, policy: RerunPolicy, *, rerun: bool) -> None:
     """Before the first run: how many times the script may run, and where."""
     most = 1 + rerun + len(BASELINE_RUNS) + len(REMEDIES) + 1
-    stderr.print(f"try-fixes: the script runs at most {most} times: once here for the "
-                 "diagnosis" + (" (and once more, in a scratch copy, if it ends before its "
-                                "profiler window)" if rerun else "")
+    stderr.print(f"try-fixes: the script runs at most {most} times: once for the "
+                 "diagnosis" + (" (and once more if it ends before its profiler window)"
+                                if rerun else "")
                  + f", then {len(BASELINE_RUNS)} times without fixes, once per fix the "
                  f"diagnosis calls for (at most {len(REMEDIES)}) and once with those that pay "
-                 "together, each in a scratch copy of this folder inside the run folder: "
-                 "your files stay as they are", soft_wrap=True)
+                 "together; each is stopped after its profiler window and runs in a scratch "
+                 f"copy of this folder inside {run_dir}{_confinement(policy)}: your files "
+                 "stay as they are", soft_wrap=True)
 
 
-def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
+def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str],
+               policy: RerunPolicy) -> None:
     """The remedies the diagnosis calls for (and `forced` ones), measured
     (gpudiag.measure.profile.launching.tryfixes) and assessed (gpudiag.diagnose.tryfix) into
     `first.run.fixes`."""
@@ -449,14 +473,14 @@ def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str]) -> None:
                  f"each stopped after its profiler window (about "
                  f"{count * (run.duration_s or 0):.0f} s) and run in a scratch copy of "
                  f"{Path.cwd()} at {run_dir / SCRATCH_PATTERN}: what they write there stays "
-                 "there; writes outside it are listed in report.md", soft_wrap=True)
+                 "there", soft_wrap=True)
 
     def done_one(out_dir: Path, output: ProfileOutput) -> None:
         _write_profile(out_dir, output, plots=False)
         _warn_reruns(output.run.reruns)
 
     done = run_fixes(
-        run_dir, run.config, [r.name for r in plan.remedies],
+        run_dir, run.config, [r.name for r in plan.remedies], policy=policy,
         paid=lambda runs: passing(assess(run, plan, runs)),
         on_start=lambda label: stderr.print(f"try-fixes: running {label}", soft_wrap=True),
         on_done=done_one)

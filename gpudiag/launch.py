@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import sys
 
-INTERRUPTED = 130  # gpudiag.model.errors.ExitCode.INTERRUPTED, not imported: it is the slow part
+# gpudiag.model.errors.ExitCode's, not imported: that is the slow part. By the stop's class
+# (gpudiag.measure.interrupts: Terminated, HungUp), by name: a SIGTERM forwarded to a trial
+# while it loads is a SIGTERM, not a Ctrl-C.
+STOPPED = {"KeyboardInterrupt": (130, "SIGINT (Ctrl-C)"), "Terminated": (143, "SIGTERM"),
+           "HungUp": (129, "SIGHUP")}
 
 
 def main() -> None:
@@ -15,6 +19,7 @@ def main() -> None:
         from gpudiag.cli import main as cli_main  # noqa: PLC0415  (the import is what is guarded)
 
         cli_main()
-    except KeyboardInterrupt:
-        sys.stderr.write("gpudiag: stopped by SIGINT (Ctrl-C)\n")
-        raise SystemExit(INTERRUPTED) from None
+    except KeyboardInterrupt as exc:
+        code, name = STOPPED.get(type(exc).__name__, STOPPED["KeyboardInterrupt"])
+        sys.stderr.write(f"gpudiag: stopped by {name}\n")
+        raise SystemExit(code) from None

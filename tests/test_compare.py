@@ -146,6 +146,32 @@ def test_a_finding_whose_line_moved_persists_rather_than_being_new() -> None:
     assert [f.location for f in resolved] == ["data.py:10"]
 
 
+def test_a_finding_some_trials_show_and_others_not_is_neither_new_nor_resolved() -> None:
+    """The H100 recipe's A/A gate printed "New findings since the baseline: warning GD102": a
+    share near its threshold, over it in one process and under it in the next. Across the
+    trials of each side only a finding every head trial shows and no base trial does is
+    new (and resolved the other way round)."""
+    def found(rule: str) -> Finding:
+        return Finding(id=rule, rule="r", severity="warning", stage="train-fp16", title=rule,
+                       location="train.py:9", impact=0.1)
+
+    rng = np.random.default_rng(3)
+    base = [_run(50.0, rng=rng) for _ in range(2)]
+    head = [_run(50.0, rng=rng) for _ in range(2)]
+    base[0].findings = [found("GD102"), found("GD703")]  # GD102: one base trial of two
+    base[1].findings = [found("GD703")]
+    head[0].findings = [found("GD102"), found("GD301")]  # GD102: both head trials
+    head[1].findings = [found("GD102"), found("GD301"), found("GD105")]  # GD105: one of two
+    comparison = compare_runs(merge_trials(base), merge_trials(head))
+    assert [f.id for f in comparison.findings_new] == ["GD301"]
+    assert [f.id for f in comparison.findings_resolved] == ["GD703"]
+    assert sorted(f.id for f in comparison.findings_unsteady) == ["GD102", "GD105"]
+    assert [f.id for f in decide(comparison).new_findings] == ["GD301"]
+    # Merged again (a run --trials folder read as a side), the unsteady ones stay so.
+    assert [f.id for f in merge_trials([merge_trials(head), head[0]]).unsteady_findings] == [
+        "GD105"]
+
+
 def _save(run: RunResult, path: Path) -> Path:
     save_run(run, path / "run.json")
     return path

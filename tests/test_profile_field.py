@@ -68,7 +68,8 @@ def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> Non
     assert code == 0, output
     assert "it is run once more" in output and run.stages[0].evidence is not None
     (second,) = run.reruns  # in a scratch copy of the folder, not in the user's
-    assert second.label == "rerun" and second.cwd == str(tmp_path / "run" / "rerun" / "cwd")
+    assert second.label == "rerun" and second.cwd == str(
+        tmp_path / "run" / "rerun" / "cwd" / tmp_path.parent.name / tmp_path.name)
     assert run.findings and run.findings[0].id == "GD101"
     planted = next(n for n, text in enumerate(script.read_text().splitlines(), 1)
                    if "the planted per-element loop" in text)

@@ -767,3 +767,26 @@ def test_the_sampling_timers_signal_is_ignored_once_gpudiag_is_done() -> None:
         done = subprocess.run([sys.executable, "-c", textwrap.dedent(probe), case],
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0 and done.stdout.strip() == ignored, (case, done)
+
+
+def test_a_stopped_script_is_said_to_stop_at_its_own_line_not_gpudiags() -> None:
+    """A Ctrl-C raised at gpudiag's step hook printed `KeyboardInterrupt at
+    .../gpudiag/measure/profile/inscript/recorder.py:691`: the line is the script's own."""
+    import traceback
+
+    import gpudiag
+    from gpudiag.measure.profile.inscript.lifecycle import _users_frame
+
+    package = Path(gpudiag.__file__).parent
+    library = Path(sys.prefix) / "lib" / "python3" / "site-packages" / "torch" / "optim.py"
+    frames = traceback.StackSummary.from_list([
+        ("/home/u/proj/train.py", 40, "<module>", "train()"),
+        ("/home/u/proj/train.py", 12, "train", "opt.step()"),
+        (str(library), 500, "step", "hook()"),
+        (str(package / "measure/profile/inscript/recorder.py"), 691, "on_step", "raise"),
+    ])
+    where = _users_frame(frames)
+    assert where is not None and (where.filename, where.lineno) == ("/home/u/proj/train.py", 12)
+    inside = traceback.StackSummary.from_list(frames[2:])  # the script's own not on the stack
+    where = _users_frame(inside)
+    assert where is not None and where.filename == str(library)

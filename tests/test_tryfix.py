@@ -14,6 +14,8 @@ import torch
 from conftest import in_folder, invoke, line_of, tree_hashes, write_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
+from gpudiag.measure.childexec import landlock_abi
+from gpudiag.measure.profile.launching.session import RerunPolicy
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import (
     NO_REMEDY,
@@ -113,7 +115,8 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     with in_folder(tmp_path):
         output = profile_once(ProfileRequest(config, tmp_path / "run", rerun=False,
                                              isolate="together"))
-    copy = tmp_path / "run" / "cwd"  # the scratch copy the run was isolated in
+    copy = Path(output.run.reruns[0].cwd)  # the scratch copy the run was isolated in
+    assert copy == tmp_path / "run" / "cwd" / tmp_path.parent.name / tmp_path.name
     (view,) = _seen(copy).values()
     assert view["num_workers"] >= 1 and view["pin_memory"]  # type: ignore[operator]
     assert view["precision"] == "high"  # the script's own switch-off overruled
@@ -157,11 +160,14 @@ def test_fsdp_units_keep_their_parameters_gathered_under_the_remedy(tmp_path: Pa
     from gpudiag.measure.profile.launching.session import ProfileRequest
     from gpudiag.measure.profile.launching.session import profile_command as profile_once
 
-    script = write_script(tmp_path / "shard.py", f"""
+    # The rendezvous file in the run's own working directory: the scratch copy it runs in
+    # (a path into the user's folder would be refused, tests/test_confine.py).
+    script = write_script(tmp_path / "shard.py", """
+        import os
         import torch
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
-        dist.init_process_group("gloo", init_method="file://{tmp_path / 'pg'}", rank=0,
+        dist.init_process_group("gloo", init_method="file://" + os.path.abspath("pg"), rank=0,
                                 world_size=1)
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
         for layer in model:
@@ -286,16 +292,17 @@ def test_ddp_no_sync_remedy_gives_each_rank_the_gradients_ddp_would(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_one_run_left_it(
+def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_it_was(
         tmp_path: Path) -> None:
     """A forced fix alone between two runs without any: measured, priced, placed at the
     script's line, its numerics compared (more loader workers keep them; bf16's small change
-    is the committed H100 runs', test_committed_h100_fixes_follow_from_their_kept_runs). The
-    diagnosis ran in the user's folder, each later run in a scratch copy of the folder as the
-    diagnosis left it: the folder sees one run (one more log line, one rotation of its
-    checkpoints), and what each run wrote outside its copy is listed. What each remedy does
-    in the script is test_every_remedy_applied_together's; a short script's re-run is
-    isolated the same way (session._isolated), test_profile_field's 12-step test."""
+    is the committed H100 runs', test_committed_h100_fixes_follow_from_their_kept_runs). Every
+    run, the diagnosis too (stopped after its window, it would leave a rotation half done),
+    runs in a scratch copy of the folder as the user left it, its writes confined to the copy
+    (tests/test_confine.py): the user's folder is unchanged, not even a log line, and a folder
+    --rerun-writable names is each run's to write. What each remedy does in the script is
+    test_every_remedy_applied_together's; a short script's re-run is isolated the same way
+    (session._isolated), test_profile_field's 12-step test."""
     user = tmp_path / "proj"
     script = user / "train.py"
     (user / "data").mkdir(parents=True)
@@ -304,40 +311,37 @@ def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_one_ru
     (user / "train.log").write_text("run start\n")
     (user / "checkpoint-100.pt").write_text("the user's last run")
     before = tree_hashes(user)
-    outside = tmp_path / "outside.txt"
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    outside = allowed / "outside.txt"
     forced = ("loader",)
     with in_folder(user):
         done = invoke(["profile", "--no-plots", "--try-fixes",
                        *[a for n in forced for a in ("--fix", n)], "--warmup", "2", "--timed",
-                       "6", "--steps", "1", "--out", tmp_path / "run", "--", sys.executable,
-                       "train.py", outside])
+                       "6", "--steps", "1", "--out", tmp_path / "run", "--rerun-writable",
+                       allowed, "--unconfined-reruns",  # where the kernel cannot confine
+                       "--", sys.executable, "train.py", outside])
     assert done.exit_code == 0, done.output
     said = done.stderr.replace("\n", " ")
     assert said.index("your files stay as they are") < said.index("running without-fixes-1")
     run = load_run(tmp_path / "run")
 
-    # The user's folder: the diagnosis's own run, and nothing of the four or five after it.
-    assert _seen(user) == {"": PLAIN_VIEW}
-    after = tree_hashes(user)
-    assert {k: after.get(k) for k in ("train.py", "data/in.txt")} == {
-        k: before[k] for k in ("train.py", "data/in.txt")}
-    assert (user / "train.log").read_text() == "run start\n" * 2
-    (checkpoint,) = user.glob("checkpoint-*.pt")  # the diagnosis's rotation removed the user's
-    assert torch.load(user / "ckpt.pt")["step"] == int(checkpoint.stem.split("-")[1]) < 100
-    assert outside.read_text() == "x" * (1 + len(run.reruns))  # each run wrote there: listed
-    assert [r.label for r in run.reruns][:2] == ["without-fixes-1", forced[0]]
-    for rerun in run.reruns:  # each started from the folder as the diagnosis left it
-        assert rerun.wrote_outside == [str(outside)] and rerun.source == str(user)
-        assert (Path(rerun.cwd) / "train.log").read_text() == "run start\n" * 3
+    assert tree_hashes(user) == before
+    assert [r.label for r in run.reruns][:3] == ["diagnosis", "without-fixes-1", forced[0]]
+    assert _seen(Path(run.reruns[0].cwd)) == {"": PLAIN_VIEW}
+    assert outside.read_text() == "x" * len(run.reruns)  # allowed: each run wrote there
+    for rerun in run.reruns:  # each started from the folder as the user left it
+        assert rerun.source == str(user) and rerun.wrote_outside == []
+        assert rerun.confined == (landlock_abi() > 0)
+        assert (Path(rerun.cwd) / "train.log").read_text() == "run start\n" * 2
         assert len(list(Path(rerun.cwd).glob("checkpoint-*.pt"))) == 1
     report = (tmp_path / "run" / "report.md").read_text()
     assert "## Where the re-runs ran" in report
-    assert f"| without-fixes-1 | `{tmp_path / 'run'}/fixes/without-fixes-1/cwd` |" in report
-    assert report.count(f"| {outside} |") == len(run.reruns)
-    assert f"without-fixes-2: wrote outside its scratch copy: {outside}" in said
+    assert (f"| without-fixes-1 | `{tmp_path / 'run'}/fixes/without-fixes-1/cwd/"
+            f"{tmp_path.name}/proj` |") in report
 
     # The fixes, each in its own copy, measured and compared.
-    seen = _seen(*(tmp_path / "run" / "fixes").glob("*/cwd"))
+    seen = _seen(*(Path(r.cwd) for r in run.reruns))
     assert seen["loader"]["num_workers"] >= 1  # type: ignore[operator]
     fixes = {f.remedy: f for f in run.fixes}
     assert set(forced) <= set(fixes)
@@ -650,8 +654,9 @@ def test_a_stop_keeps_the_measured_runs_and_names_the_fixes_it_left_unmeasured(
     plan = plan_fixes(run, forced=["loader", "no-empty-cache"])
     kept: dict[str, RunResult] = {}
     done = tryfixes.run_fixes(
-        tmp_path, ProfileConfig(), [r.name for r in plan.remedies], paid=lambda _: [],
-        on_start=on_start, on_done=lambda out, output: kept.update({out.name: output.run}))
+        tmp_path, ProfileConfig(), [r.name for r in plan.remedies], policy=RerunPolicy(),
+        paid=lambda _: [], on_start=on_start,
+        on_done=lambda out, output: kept.update({out.name: output.run}))
     assert done.interrupted and done.exit_code == 130
     run.fixes = assess(run, plan, done.runs, done.unmeasured)
     rows = {f.remedy: f for f in run.fixes}
@@ -685,7 +690,8 @@ def test_a_sigterm_between_runs_stops_them_with_its_own_exit_code(
             raise Terminated
 
     monkeypatch.setattr(tryfixes, "profile_command", profile_command)
-    done = tryfixes.run_fixes(tmp_path, ProfileConfig(), ["no-empty-cache"], paid=lambda _: [],
-                              on_start=on_start, on_done=lambda out, output: None)
+    done = tryfixes.run_fixes(tmp_path, ProfileConfig(), ["no-empty-cache"],
+                              policy=RerunPolicy(), paid=lambda _: [], on_start=on_start,
+                              on_done=lambda out, output: None)
     assert done.interrupted and done.exit_code == 143
     assert set(done.runs) == {"without-fixes-1"} and done.unmeasured == [("no-empty-cache",)]

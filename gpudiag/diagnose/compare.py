@@ -173,6 +173,9 @@ class Comparison:
     findings_resolved: list[Finding] = field(default_factory=list)
     findings_new: list[Finding] = field(default_factory=list)
     findings_persisting: list[Finding] = field(default_factory=list)
+    # Some trials of a side showed them and others did not: near their thresholds, within the
+    # run-to-run noise (RunResult.unsteady_findings); never new or resolved.
+    findings_unsteady: list[Finding] = field(default_factory=list)
 
     def stage(self, name: str) -> StageComparison | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -221,10 +224,6 @@ def _differences(before: dict[str, object], after: dict[str, object]
     return [(n, before.get(n), after.get(n)) for n in names if before.get(n) != after.get(n)]
 
 
-def _finding_key(f: Finding) -> tuple[str, str | None, str | None]:
-    return f.id, f.stage, f.location
-
-
 def _line(f: Finding) -> tuple[str, int]:
     """A finding's file and line number ("" and 0 where it names none)."""
     path, _, number = (f.location or "").rpartition(":")
@@ -236,8 +235,8 @@ def match_findings(before: list[Finding], after: list[Finding],
     """(resolved, new, persisting): the same rule on the same stage at the same place, else in
     the same file at the nearest line (code above it moved it: the same finding, not a new
     one)."""
-    olds = {_finding_key(f): f for f in before}
-    news = {_finding_key(f): f for f in after}
+    olds = {f.place: f for f in before}
+    news = {f.place: f for f in after}
     persisting = [f for k, f in news.items() if k in olds]
     left_old = [f for k, f in olds.items() if k not in news]
     new = []
@@ -324,9 +323,13 @@ def compare_runs(before: RunResult, after: RunResult, *, before_label: str = "be
     config_diff = _differences(before.config.settings(), after.config.settings())
     mismatches = _mismatches(before, after, config_diff)
     resolved, new, persisting = match_findings(before.findings, after.findings)
+    flickering = {f.place: f for f in (*after.unsteady_findings, *before.unsteady_findings)}
+    unsteady = set(flickering)
     return Comparison(
         before_label=before_label, after_label=after_label, stages=stages,
         env_differences=env_diff, config_differences=config_diff, mismatches=mismatches,
         confidence=1 - alpha,
-        findings_resolved=resolved, findings_new=new, findings_persisting=persisting,
+        findings_resolved=[f for f in resolved if f.place not in unsteady],
+        findings_new=[f for f in new if f.place not in unsteady],
+        findings_persisting=persisting, findings_unsteady=list(flickering.values()),
     )

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.diagnose.counters import read_counters
-from gpudiag.model.results import RunFileError, RunResult, StageResult, Trial, load_run
+from gpudiag.model.results import (
+    Finding,
+    RunFileError,
+    RunResult,
+    StageResult,
+    Trial,
+    load_run,
+)
 
 SETTLE_REL = 0.02  # a step within 2% (or 3 MADs) of the steady median counts as settled
 SETTLE_RUN = 3  # ... for this many steps in a row
@@ -150,10 +157,27 @@ def merge_trials(runs: list[RunResult]) -> RunResult:
                   if t is not None]
         stage.trials = trials
         stage.evidence = next((s.evidence for s in same if s.evidence is not None), None)
+    _split_findings(merged, runs)
     merged.notes.append(f"{len(runs)} trials, each a fresh process; per-stage figures are "
                         "medians over trials.")
     merged.interrupted = any(r.interrupted for r in runs)
     return merged
+
+
+def _split_findings(merged: RunResult, runs: list[RunResult]) -> None:
+    """The merged run's findings: those every trial showed; those only some showed (a value
+    near its rule's threshold, on one side of it in one process and the other in the next)
+    are kept apart as unsteady, with those the trials were merged with already."""
+    places = [{f.place: f for f in (*run.findings, *run.unsteady_findings)} for run in runs]
+    steady = {f.place for f in runs[0].findings}
+    for run in runs[1:]:
+        steady &= {f.place for f in run.findings}
+    seen: dict[tuple[str, str | None, str | None], Finding] = {}
+    for found in places:
+        for place, finding in found.items():
+            seen.setdefault(place, finding)
+    merged.findings = [f for f in runs[0].findings if f.place in steady]
+    merged.unsteady_findings = [f for place, f in seen.items() if place not in steady]
 
 
 def load_run_set(path: Path) -> RunResult:

@@ -25,6 +25,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import RunOptions, to_argv
@@ -207,7 +208,7 @@ def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") if log is not None else nullcontext() as sink:
         code, stopped_by = wait_child(subprocess.Popen(
-            trial.argv(checkout, out_dir), cwd=checkout, env=side_env(checkout),
+            child_command(trial.argv(checkout, out_dir)), cwd=checkout, env=side_env(checkout),
             stdout=sink, stderr=subprocess.STDOUT if sink is not None else None))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
     if child_stopped(code, stopped_by):

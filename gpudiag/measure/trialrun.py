@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import NothingMeasured
 from gpudiag.model.options import RunOptions, to_argv
@@ -44,7 +45,7 @@ def run_trials(options: RunOptions, out_dir: Path, trials: int,
         # No plots of its own: the merged run draws them (1-2 s a trial).
         command = [sys.executable, "-m", "gpudiag", "run", *to_argv(options),
                    "--out", str(trial_dir), "--quiet", "--no-plots"]
-        code, stopped_by = wait_child(subprocess.Popen(command))
+        code, stopped_by = wait_child(subprocess.Popen(child_command(command)))
         last_stop = stopped_by
         if (trial_dir / "run.json").is_file():
             runs.append(load_run(trial_dir))

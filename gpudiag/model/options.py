@@ -150,6 +150,15 @@ class ProfileOptions:
     fixes: tuple[str, ...] = _option((), "--fix", "With --try-fixes, also try this fix "
                                      "whatever the findings say. Repeat, or separate with "
                                      "commas.", choices=tuple(REMEDIES))
+    rerun_writable: tuple[str, ...] = _option((), "--rerun-writable", "A folder outside the "
+                                              "working directory that runs in a scratch copy "
+                                              "may write (an absolute output path of the "
+                                              "script's that holds nothing of yours). Repeat.",
+                                              commas=False)
+    unconfined_reruns: bool = _option(False, "--unconfined-reruns", "Where the kernel cannot "
+                                      "confine a run in a scratch copy to it (no Linux "
+                                      "Landlock), run it anyway: a file of yours it writes "
+                                      "changes (listed afterwards).")
 
 
 @dataclass(frozen=True)

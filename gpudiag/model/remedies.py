@@ -24,6 +24,9 @@ FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's 
 # bracket the others, and the fixes that paid, together.
 BASELINE_RUNS = ("without-fixes-1", "without-fixes-2")
 COMBINED_RUN = "combined"
+# A diagnosis run gpudiag stops after its window (--stop-after-window, --try-fixes) runs in a
+# scratch copy of the working directory too, under this label.
+DIAGNOSIS_RUN = "diagnosis"
 # The DataLoader arguments the loader remedies may change, recorded before and after in each
 # loader they saw: the permanent change names the settings the run measured.
 LOADER_SETTINGS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")

@@ -451,6 +451,11 @@ class Finding:
     fix: str = ""
     account: FindingAccount | None = None  # set after the rules, for a finding that prices time
 
+    @property
+    def place(self) -> tuple[str, str | None, str | None]:
+        """The same finding in another run: its rule's code, stage and location."""
+        return self.id, self.stage, self.location
+
 
 @dataclass
 class MeasuredFix:
@@ -496,7 +501,8 @@ class Rerun:
     cwd: str  # the copy it ran in; what it wrote is kept there, unchanged copies are removed
     copied: Count = 0  # files copied (cloned where the filesystem can)
     # Not copied but linked to the user's (relative paths; a folder ends in "/"): version
-    # control, environments, what is over the copy budget. A write to them reaches the user's.
+    # control, environments, data folders, what is over the copy budget. Read-only when
+    # `confined`; else a write to them reaches the user's.
     linked: list[str] = field(default_factory=list)
     linked_count: Count = 0  # all of them; `linked` lists the first
     # Paths it wrote outside the copy (seen through Python's file functions, torch.save and
@@ -504,6 +510,13 @@ class Rerun:
     wrote_outside: list[str] = field(default_factory=list)
     more_outside: bool = False
     changed_linked: list[str] = field(default_factory=list)  # linked files that changed meanwhile
+    # The kernel confined its writes to its own folder (Landlock): linked paths were read-only
+    # to it, and `wrote_outside` lists what it tried, refused.
+    confined: bool = False
+    unmirrored: list[str] = field(default_factory=list)  # parent folders too large to mirror
+    # The copy sat where the folder sits (its parents mirrored) and the command's absolute
+    # paths into the folder were moved into it; runs recorded before either: False.
+    mirrored: bool = False
 
 
 @dataclass
@@ -544,6 +557,10 @@ class RunResult:
     config: AnyConfig  # RunConfig (gpudiag run) or ProfileConfig (gpudiag profile)
     stages: list[StageResult] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    # A run merged from trials (gpudiag.diagnose.trials.merge_trials): findings some trials
+    # showed and others did not, near their thresholds; a comparison calls them neither new
+    # nor resolved.
+    unsteady_findings: list[Finding] = field(default_factory=list)
     created_utc: str = ""
     duration_s: float | None = None
     interrupted: bool = False

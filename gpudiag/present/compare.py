@@ -132,6 +132,8 @@ def comparison_markdown(c: Comparison) -> str:
     out += _finding_lines("Findings resolved", c.findings_resolved)
     out += _finding_lines("New findings", c.findings_new)
     out += _finding_lines("Findings persisting", c.findings_persisting)
+    out += _finding_lines("Seen in some trials of a side only (near their thresholds: neither "
+                          "new nor resolved)", c.findings_unsteady)
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -8,6 +8,7 @@ from pathlib import PurePath
 from rich.table import Table
 from rich.text import Text
 
+from gpudiag.model.remedies import DIAGNOSIS_RUN
 from gpudiag.model.results import MeasuredFix, Rerun, RunResult
 from gpudiag.present.tables import markdown_table
 
@@ -80,13 +81,22 @@ def _not_recommended(fix: MeasuredFix) -> str | None:
     return None  # the same, or no losses seen (the "same result?" column says which)
 
 
+def recommended(fix: MeasuredFix) -> bool:
+    """To be made permanent: measured, faster, and its losses the same (or not seen)."""
+    return fix.status == "measured" and fix.speedup is not None and _not_recommended(fix) is None
+
+
 def _change(fix: MeasuredFix) -> str:
-    if fix.status == "not-measured":
-        return fix.note
+    where = f"at `{fix.location}`: " if fix.location else ""
+    if fix.status == "no-remedy":  # the finding's own advice, which no run measured
+        return f"not measured ({fix.note}); the finding suggests {where}{fix.change}"
+    if fix.status == "not-measured":  # a stop came first; the note says so
+        return fix.note or "not measured"
+    if fix.status != "measured" or fix.speedup is None:  # its runs failed: no advice
+        return f"not recommended: {fix.note or UNMEASURED.get(fix.status, 'not measured')}"
     why_not = _not_recommended(fix)
     if why_not is not None:
         return f"not recommended: {why_not}"
-    where = f"at `{fix.location}`: " if fix.location else ""
     note = f" ({fix.note})" if fix.note else ""
     return f"{where}{fix.change}{note}"
 
@@ -142,7 +152,7 @@ def fixes_table(run: RunResult) -> Table:
             measured.append(same)
         if measured:
             block.append("\n" + " | ".join(measured))
-        block.append(f"\nmake it permanent: {change}")
+        block.append(f"\nmake it permanent: {change}" if recommended(fix) else f"\n{change}")
         table.add_row(f"{rank}.", block)
     return table
 
@@ -169,9 +179,13 @@ def rerun_warning(rerun: Rerun) -> str | None:
         parts.append("CHANGED your file(s), linked not copied: "
                      + _listed(rerun.changed_linked))
     if rerun.wrote_outside:
-        parts.append("wrote outside its scratch copy: "
+        parts.append(_outside_verb(rerun) + " outside its scratch copy: "
                      + _listed(rerun.wrote_outside, more=rerun.more_outside))
     return f"{rerun.label}: {'; '.join(parts)}" if parts else None
+
+
+def _outside_verb(rerun: Rerun) -> str:
+    return "was refused writing" if rerun.confined else "wrote"
 
 
 def reruns_markdown(run: RunResult) -> list[str]:
@@ -180,13 +194,29 @@ def reruns_markdown(run: RunResult) -> list[str]:
     if not run.reruns:
         return []
     source = run.reruns[0].source
-    lines = ["## Where the re-runs ran", "",
-             f"The script's first run ran in `{source}`, as it was started. Each re-run ran in "
-             "a scratch copy of that folder (same command, same arguments), so it read the "
-             "files there as they were and what it wrote, appended or deleted there stayed in "
-             "the copy; the copy keeps only what the run wrote. Writes outside the copy are "
-             "those seen through Python's file functions, torch.save and safetensors (not "
-             "native code's or other programs'); caches and temporary files are left out.", ""]
+    confined = all(r.confined for r in run.reruns)
+    first = ([] if any(r.label == DIAGNOSIS_RUN for r in run.reruns) else
+             [f"The script's first run ran in `{source}`, as it was started."])
+    lines = ["## Where the re-runs ran", "", *first,
+             f"Each run below ran in a scratch copy of `{source}` (same command, same "
+             "arguments" + ("; an absolute path into the folder moved into the copy; the "
+                            "folders above it mirrored, so `../data` reads yours"
+                            if all(r.mirrored for r in run.reruns) else "")
+             + "), so it read the files there as they "
+             "were and what it wrote, appended or deleted there stayed in the copy; the copy "
+             "keeps only what the run wrote. "
+             + ("The kernel (Linux Landlock) kept each from writing anywhere else: what is "
+                "linked to yours was read-only to it, and a write outside its copy, its own "
+                "folder, temporary files, caches and the folders --rerun-writable named was "
+                "refused. Refused writes are those seen through Python's file functions, "
+                "torch.save and safetensors." if confined else
+                "Writes outside the copy are those seen through Python's file functions, "
+                "torch.save and safetensors (not native code's or other programs'); caches "
+                "and temporary files are left out."), ""]
+    unmirrored = sorted({p for r in run.reruns for p in r.unmirrored})
+    if unmirrored:
+        lines += [f"Not mirrored (too many entries): {', '.join(unmirrored)}; a path the "
+                  "script reads there by `..` is not found in the copy.", ""]
     rows = []
     for rerun in run.reruns:
         linked = _listed(rerun.linked, rerun.linked_count) or "-"
@@ -196,7 +226,9 @@ def reruns_markdown(run: RunResult) -> list[str]:
             outside.append(_listed(rerun.wrote_outside, more=rerun.more_outside))
         rows.append([rerun.label, f"`{_shown(rerun.cwd, source)}`", f"{rerun.copied:,}",
                      linked, "; ".join(outside) or "nothing seen"])
-    lines += markdown_table(("re-run", "ran in", "files copied", "linked to yours instead",
+    lines += markdown_table(("re-run", "ran in", "files copied",
+                             "linked to yours instead" + (" (read-only)" if confined else ""),
+                             "refused outside its copy" if confined else
                              "wrote outside its copy"), rows, right=[False, False, True, False,
                                                                      False])
     return [*lines, ""]

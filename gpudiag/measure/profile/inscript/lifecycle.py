@@ -9,7 +9,6 @@ from __future__ import annotations
 import _thread
 import atexit
 import contextlib
-import ctypes
 import functools
 import os
 import signal
@@ -24,14 +23,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from gpudiag.measure.interrupts import sharer_lost_a_peer
-from gpudiag.measure.profile.protocol import ENV_PARENT
 
 if TYPE_CHECKING:
     from gpudiag.measure.profile.inscript.recorder import Recorder
 
 MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
 STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # How long a DataLoader worker's lost file-descriptor handshake waits for the stop that cut it:
 # the stop reaches the script's main process first (it drops the handshake) and this worker's
 # main thread a moment later (CI saw the traceback printed before it did).
@@ -42,33 +39,12 @@ def install(recorder: Recorder) -> None:
     """The exit, crash and signal handling of this interpreter, for `recorder`. A signal the
     script (or a library it imported at start-up) handles already keeps its handler."""
     atexit.register(recorder.finish)
-    _die_with_gpudiag()
     _record_crashes(recorder)
     _write_before_os_exit(recorder)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, functools.partial(_exit_on_sigterm, recorder))
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, functools.partial(_interrupt, recorder))
-
-
-def _die_with_gpudiag() -> None:
-    """The command gpudiag started gets SIGTERM when gpudiag dies without stopping it (SIGKILL,
-    the out-of-memory killer): it stops at its next step and writes what it measured, as on
-    any SIGTERM, instead of training on orphaned. Linux's parent-death signal (prctl(2)
-    PR_SET_PDEATHSIG), set only in the process gpudiag started itself: torchrun stops its
-    ranks on SIGTERM, and a DataLoader worker is its own parent's. The signal follows the
-    thread that started the process: gpudiag's main thread, which lives as long as it does."""
-    parent = os.environ.get(ENV_PARENT)
-    if not sys.platform.startswith("linux") or parent != str(os.getppid()):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):  # no C library to load, or no prctl in it
-        return
-    if parent != str(os.getppid()):  # gpudiag died before the prctl took hold
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _record_crashes(recorder: Recorder) -> None:
@@ -85,13 +61,26 @@ def _record_crashes(recorder: Recorder) -> None:
         if issubclass(exc_type, KeyboardInterrupt) and previous_hook is sys.__excepthook__:
             # A stop gpudiag passed on (or the user's Ctrl-C): where it stopped, in one line,
             # instead of a traceback of whatever the loop happened to be doing.
-            where = traceback.extract_tb(tb)[-1] if tb is not None else None
+            where = _users_frame(traceback.extract_tb(tb)) if tb is not None else None
             print(f"KeyboardInterrupt{f' at {where.filename}:{where.lineno}' if where else ''}",
                   file=sys.stderr)
             return
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record_crash
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[3]) + os.sep  # gpudiag/
+_LIBRARIES = tuple({str(Path(p) / "lib") + os.sep for p in (sys.prefix, sys.base_prefix)})
+
+
+def _users_frame(frames: traceback.StackSummary) -> traceback.FrameSummary | None:
+    """Where the script was when stopped: its own deepest line, not a library's or gpudiag's
+    (a stop raised at gpudiag's step hook would name recorder.py); the deepest line outside
+    gpudiag where the script's own is not on the stack."""
+    outside = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_PACKAGE)]
+    own = [f for f in outside if not f.filename.startswith(_LIBRARIES)]
+    return own[-1] if own else outside[-1] if outside else None
 
 
 def _stop_comes(recorder: Recorder) -> bool:

@@ -30,6 +30,7 @@ from gpudiag.measure.profile.protocol import (
     ENV_OUT,
     ENV_SCRATCH,
     ENV_TRACE_DIR,
+    ENV_WRITABLE,
     WRITES_MORE,
     writes_name,
 )
@@ -148,7 +149,8 @@ def install() -> WriteWatch | None:
     allowed = [scratch, os.environ.get(ENV_TRACE_DIR) or scratch, os.environ[ENV_OUT],
                "/dev", "/proc", "/sys", os.path.join(home, ".cache"),
                os.path.join(home, ".triton"),
-               *(os.environ[v] for v in _CACHE_VARIABLES if os.environ.get(v))]
+               *(os.environ[v] for v in _CACHE_VARIABLES if os.environ.get(v)),
+               *(p for p in os.environ.get(ENV_WRITABLE, "").split(os.pathsep) if p)]
     WATCH = WriteWatch(os.environ[ENV_OUT], allowed,
                        prefixes=(os.path.join(os.path.realpath(temporary), "torchinductor_"),))
     sys.addaudithook(WATCH.audit)

@@ -16,8 +16,10 @@ module never imports torch: the recorder in each process reports its machine and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import getpass
 import os
 import platform
 import re
@@ -25,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +35,8 @@ from pathlib import Path
 from types import FrameType
 
 from gpudiag._version import __version__
-from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name
+from gpudiag.measure.childexec import child_command, landlock_abi
+from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name, signal_of
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.launching.jobprocesses import (
     JobProcesses,
@@ -48,7 +52,8 @@ from gpudiag.measure.profile.launching.scratch import (
     make_scratch,
 )
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.errors import BadInput, ExitCode
+from gpudiag.model.errors import BadInput
+from gpudiag.model.remedies import DIAGNOSIS_RUN
 from gpudiag.model.results import Env, RunFileError, RunResult, StageResult
 
 # The folder whose sitecustomize.py installs the recorder in every Python process the command
@@ -199,6 +204,7 @@ def _start(command: Sequence[str], env: dict[str, str],
 # SIGTERM does; it would otherwise end gpudiag and leave the script training on, orphaned.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED_RETURNCODES = tuple(code for s in FORWARDED for code in (-s, 128 + s))
+STOP_CODES = tuple(128 + s for s in FORWARDED)  # the exit codes of a stopped command
 
 
 @dataclass
@@ -375,12 +381,62 @@ def _clear(parts_dir: Path) -> None:
 
 
 @dataclass(frozen=True)
+class RerunPolicy:
+    """How a run in a scratch copy may write: `unconfined`, the user's consent to re-run where
+    the kernel cannot confine a re-run's writes (measure/childexec.py); `writable`, folders of
+    the user's a confined run may write too (--rerun-writable); files the user's own run wrote
+    since `written_since` (time.time()) are copied first (scratch.py)."""
+
+    unconfined: bool = False
+    writable: tuple[str, ...] = ()
+    written_since: float | None = None
+
+
+@dataclass(frozen=True)
 class ProfileRequest:
     config: ProfileConfig  # the command and what the recorder does in it
     out: Path  # the run directory
     rerun: bool = True  # re-run a script too short for the schedule once, with one that fits
     # A re-run's label (a fix's): run in a scratch copy of the working directory, out/cwd.
+    # A diagnosis run gpudiag stops early (--stop-after-window) runs in one too (DIAGNOSIS_RUN).
     isolate: str | None = None
+    policy: RerunPolicy = RerunPolicy()
+
+
+def confinement_refusal(policy: RerunPolicy, what: str) -> str | None:
+    """Why `what` (runs in scratch copies) may not run here: the kernel cannot confine their
+    writes and the user did not consent; None when they may."""
+    if landlock_abi() or policy.unconfined:
+        return None
+    return (f"{what} in a scratch copy of this folder, but this machine cannot keep it from "
+            f"writing to your files (the kernel has no Linux Landlock: {platform.release()}): "
+            "a file of yours it writes through a link, or a path it names outside the copy, "
+            "would change. --unconfined-reruns runs it anyway (what it writes outside the "
+            "copy is listed afterwards)")
+
+
+def rerun_policy(writable: Sequence[str], *, unconfined: bool,
+                 isolated: str | None) -> RerunPolicy:
+    """How runs in scratch copies may write, checked before anything runs: the `writable`
+    folders (--rerun-writable) exist and hold no part of the working directory, and a
+    profile whose every run is in a copy (`isolated` names the option that makes it so) may
+    run here at all. Starts the clock of what the user's run writes."""
+    here = Path.cwd().resolve()
+    for folder in writable:
+        path = Path(folder).resolve()
+        if not path.is_dir():
+            raise BadInput(f"--rerun-writable {folder}: not a folder")
+        if here.is_relative_to(path):
+            raise BadInput(f"--rerun-writable {folder}: it holds the working directory, "
+                           "whose files a run in a copy must not change")
+    policy = RerunPolicy(unconfined=unconfined,
+                         writable=tuple(str(Path(f).resolve()) for f in writable),
+                         written_since=time.time())
+    refused = None if isolated is None else confinement_refusal(
+        policy, f"{isolated} runs the script")
+    if refused is not None:
+        raise BadInput(refused)
+    return policy
 
 
 def profile_command(request: ProfileRequest,
@@ -388,74 +444,127 @@ def profile_command(request: ProfileRequest,
                     on_rerun: Callable[[str], None] | None = None) -> ProfileOutput:
     """Run the command under the recorder. `on_window` hears the run as soon as a process's
     profiler window closed (the script may still be running); `on_rerun` hears why a short
-    script runs again, before it does (in a scratch copy: the first run was the user's own)."""
+    script runs again, before it does (in a scratch copy: the first run was the user's own).
+    A diagnosis stopped after its window runs in a scratch copy itself."""
     started = time.perf_counter()
     asked = request.config
-    output = (_profile_once(request.out, asked, on_window) if request.isolate is None else
-              _isolated(request.out, request.out / SCRATCH_DIR, request.isolate, asked,
-                        on_window))
+    label = request.isolate or (DIAGNOSIS_RUN if asked.stop_after_window else None)
+    output = (_profile_once(request.out, asked, on_window) if label is None else
+              _isolated(request.out, request.out / SCRATCH_DIR, label, asked, on_window,
+                        request.policy))
     made = max((s.facts.script.steps for s in output.run.stages if s.facts.script), default=0)
     fitted = asked.fitted(made)
     ran = output.run.config  # the asked schedule, or the one fitted to the script's plan
     assert isinstance(ran, ProfileConfig)
     if (request.rerun and output.exit_code == 0 and made
             and made < ran.steps_needed and fitted is not None):
-        note = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
-                f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
-                f"profiled {asked.evidence_steps}); it is run once more with warm-up "
-                f"{fitted.warmup}, timed {fitted.timed}, profiled {fitted.evidence_steps}, in "
-                f"a scratch copy of its working directory ({RERUN_DIR}/{SCRATCH_DIR} in the "
-                "run folder; --no-rerun to keep the first run)")
+        short = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
+                 f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
+                 f"profiled {asked.evidence_steps})")
+        refused = confinement_refusal(request.policy, "it would run once more")
+        note = (f"{short}; it is run once more with warm-up {fitted.warmup}, timed "
+                f"{fitted.timed}, profiled {fitted.evidence_steps}, in a scratch copy of its "
+                f"working directory ({RERUN_DIR}/{SCRATCH_DIR} in the run folder; --no-rerun "
+                "to keep the first run)") if refused is None else f"{short}; {refused}"
         announced = on_rerun is not None
         if on_rerun is not None:
             on_rerun(note)
         try:
-            output = _isolated(request.out, request.out / RERUN_DIR / SCRATCH_DIR, RERUN_DIR,
-                               fitted, on_window)
+            if refused is None:
+                output = _isolated(request.out, request.out / RERUN_DIR / SCRATCH_DIR,
+                                   RERUN_DIR, fitted, on_window, request.policy)
         except ScratchError as exc:
-            note = f"the script made {made} steps, too few for a profiler window; {exc}"
+            note = f"{short}, too few for a profiler window; {exc}"
             announced = False
-        except KeyboardInterrupt:  # while copying, where no child holds the signal
-            output.run.interrupted, output.exit_code = True, ExitCode.INTERRUPTED
+        except KeyboardInterrupt as exc:  # while copying, where no child holds the signal
+            output.run.interrupted, output.exit_code = True, 128 + signal_of(exc)
         if not announced:
             output.messages.insert(0, note)
         output.run.notes.insert(0, note)
+    scheduling = scheduling_note()
+    if scheduling is not None:
+        output.run.notes.append(scheduling)
     output.run.duration_s = time.perf_counter() - started
     return output
 
 
-def _isolated(out: Path, root: Path, label: str, config: ProfileConfig,
-              on_window: Callable[[ProfileOutput], None] | None) -> ProfileOutput:
-    """A re-run, in a scratch copy of gpudiag's working directory at `root`; the run records
-    it (RunResult.reruns), with what it wrote outside the copy. ScratchError when the copy
-    cannot be made."""
-    scratch = make_scratch(Path.cwd(), root, leave_out=out)
+AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
+BUSY_LOAD_PER_CPU = 0.5  # runnable processes per CPU (1-minute load) that other work adds
+
+
+def scheduling_note() -> str | None:
+    """How the script's CPU share may have differed from the user's own run: it runs in a
+    session of its own (so gpudiag can stop all it starts), and where the kernel schedules
+    each session as a group (autogroup, on by default in many distributions), a busy CPU
+    shares out per group, not per process. Said only when the CPU was busy."""
     try:
-        output = _profile_once(out, config, on_window, scratch)
+        autogroup = AUTOGROUP.read_text().strip() == "1"
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cpus = os.cpu_count() or 1
+    if not autogroup or load < BUSY_LOAD_PER_CPU * cpus:
+        return None
+    return (f"The CPU was busy (load {load:.1f} on {cpus} CPUs) and this kernel schedules "
+            "each session as a group (autogroup): the script ran in a session of its own, "
+            "so its share of the CPU, and its host-bound steps, may differ from a run in "
+            "your terminal's session; compare step times with the machine otherwise idle.")
+
+
+def _isolated(out: Path, top: Path, label: str, config: ProfileConfig,
+              on_window: Callable[[ProfileOutput], None] | None,
+              policy: RerunPolicy) -> ProfileOutput:
+    """A run in a scratch copy of gpudiag's working directory (in `top`), its writes confined
+    where the kernel can; the run records it (RunResult.reruns), with what it wrote, or tried
+    to write, outside the copy. ScratchError when the copy cannot be made."""
+    scratch = make_scratch(Path.cwd(), top, leave_out=out, written_since=policy.written_since,
+                           confined=landlock_abi() > 0)
+    try:
+        output = _profile_once(out, config, on_window, scratch, policy)
     finally:
         rerun = scratch.finish(label, out / PARTS_DIR)
     output.run.reruns.append(rerun)
+    if rerun.confined and rerun.wrote_outside and output.exit_code not in (0, *STOP_CODES):
+        refused = (f"it was refused writing outside its scratch copy ({rerun.wrote_outside[0]}"
+                   f"{' and more' if len(rerun.wrote_outside) > 1 else ''}): a run in a copy "
+                   "may write only there, so no file of yours changes. If that folder holds "
+                   "nothing of yours, --rerun-writable FOLDER lets the runs write it")
+        output.messages.append(f"{label}: {refused}")
+        output.run.notes.append(f"The run {label} failed; {refused}.")
     return output
 
 
 def _profile_once(out: Path, config: ProfileConfig,
                   on_window: Callable[[ProfileOutput], None] | None,
-                  scratch: Scratch | None = None) -> ProfileOutput:
+                  scratch: Scratch | None = None,
+                  policy: RerunPolicy = RerunPolicy()) -> ProfileOutput:
     parts_dir = out / PARTS_DIR
     _clear(parts_dir)
     env = child_env(parts_dir, out, config)
-    if scratch is not None:
-        env.update(scratch.env())
-    announced: list[bool] = []
+    command = list(config.command)
+    writable: list[str] | None = None
+    with contextlib.ExitStack() as cleanup:
+        if scratch is not None:
+            env.update(scratch.env())
+            command = scratch.command(command)
+            if scratch.confined:
+                # A temporary folder of the run's own, short: a Unix socket's path there
+                # (multiprocessing's) must fit 108 bytes, which the run folder's may not.
+                temporary = cleanup.enter_context(tempfile.TemporaryDirectory(
+                    prefix="gpudiag-", ignore_cleanup_errors=True))
+                writable = confined_writable(out, Path(temporary), scratch.source, env,
+                                             policy.writable)
+                env[protocol.ENV_WRITABLE] = os.pathsep.join(writable)
+        announced: list[bool] = []
 
-    def tick() -> None:
-        if on_window is not None and not announced and any(
-                parts_dir.glob(protocol.WINDOW_DONE_GLOB)):
-            announced.append(True)
-            on_window(_output(config, parts_dir, ended=None))
+        def tick() -> None:
+            if on_window is not None and not announced and any(
+                    parts_dir.glob(protocol.WINDOW_DONE_GLOB)):
+                announced.append(True)
+                on_window(_output(config, parts_dir, ended=None))
 
-    ended = run_command(config.command, env, on_tick=tick,
-                        cwd=scratch.root if scratch is not None else None)
+        ended = run_command(child_command(command, writable), env, on_tick=tick,
+                            cwd=scratch.root if scratch is not None else None)
     output = _output(config, parts_dir, ended=ended)
     if not any(s.facts.script for s in output.run.stages):  # no process recorded a step
         failures = bootstrap_failures(parts_dir)
@@ -463,6 +572,45 @@ def _profile_once(out: Path, config: ProfileConfig,
             raise BadInput(f"{failures[0]}: install gpudiag into that interpreter, or run the "
                            "command with the Python gpudiag runs under")
     return output
+
+
+# Caches a confined run may write, as compilers and hubs keep them (their variables, else their
+# defaults under the home folder): a cold cache would time their first steps differently.
+_CACHE_VARIABLES = ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                    "TORCH_HOME", "HF_HOME", "HF_DATASETS_CACHE", "CUDA_CACHE_PATH",
+                    "TORCH_EXTENSIONS_DIR")
+_HOME_CACHES = (".cache", ".triton", ".nv")
+
+
+def confined_writable(out: Path, temporary: Path, source: Path, env: dict[str, str],
+                      allowed: Sequence[str]) -> list[str]:
+    """Where a confined run may write: its own folder (the copy, its parts and traces), its
+    `temporary` folder (which `env` now names), the device and process files, the caches,
+    and the folders the user allowed; never a folder holding the working directory.
+    Inductor's cache stays the one the user's runs fill (it lives in the temporary folder)."""
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
+    if "TORCHINDUCTOR_CACHE_DIR" not in env and inductor.is_dir():
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    env.update({"TMPDIR": str(temporary), "TEMP": str(temporary), "TMP": str(temporary)})
+    home = Path.home()
+    places = [out, temporary, Path("/dev"), Path("/proc"), *(home / name for name in _HOME_CACHES),
+              *(Path(env[v]) for v in _CACHE_VARIABLES if env.get(v)),
+              *(Path(p) for p in allowed)]
+    writable = []
+    for place in places:
+        real = Path(os.path.realpath(place))
+        if real.is_dir() and not source.is_relative_to(real):
+            writable.append(str(real))
+    return writable
+
+
+def _user() -> str:
+    """The user name as Inductor puts it in its cache folder's name (torch/_inductor/
+    runtime/cache_dir_utils.py: getpass.getuser(), path separators dropped)."""
+    try:
+        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}"
 
 
 def _output(config: ProfileConfig, parts_dir: Path, ended: Ended | None) -> ProfileOutput:

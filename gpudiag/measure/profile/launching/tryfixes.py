@@ -14,7 +14,12 @@ from pathlib import Path
 
 from gpudiag.measure.interrupts import signal_of
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR, ScratchError
-from gpudiag.measure.profile.launching.session import ProfileOutput, ProfileRequest, profile_command
+from gpudiag.measure.profile.launching.session import (
+    ProfileOutput,
+    ProfileRequest,
+    RerunPolicy,
+    profile_command,
+)
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import BASELINE_RUNS, COMBINED_RUN
 from gpudiag.model.results import Rerun, RunResult
@@ -39,6 +44,7 @@ class FixRuns:
 
 
 def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], *,
+              policy: RerunPolicy,
               paid: Callable[[dict[str, RunResult]], Sequence[str]],
               on_start: Callable[[str], None],
               on_done: Callable[[Path, ProfileOutput], None]) -> FixRuns:
@@ -47,7 +53,8 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
     drifts meanwhile shows in the baseline's spread, not as a fix's effect. Each runs in a
     scratch copy of the working directory (fixes/<label>/cwd), so every run starts from the
     files the diagnosis run left and none changes the user's. `paid(runs)` names the remedies
-    worth combining; `on_done` hears each run's output and its folder."""
+    worth combining; `on_done` hears each run's output and its folder. `policy`: how the
+    runs may write (session.RerunPolicy)."""
     done = FixRuns()
 
     def measure(names: tuple[str, ...], label: str) -> bool:
@@ -56,7 +63,8 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
         out_dir.mkdir(parents=True, exist_ok=True)
         config = dataclasses.replace(diagnosed, remedies=names)
         try:
-            output = profile_command(ProfileRequest(config, out_dir, rerun=False, isolate=label))
+            output = profile_command(ProfileRequest(config, out_dir, rerun=False, isolate=label,
+                                                   policy=policy))
         except ScratchError as exc:
             done.error = str(exc)
             return False

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import stop_error, wait_child
 from gpudiag.measure.stages.ddp.worker import PARTS_FILE
 from gpudiag.measure.stages.ladder import precision_of
@@ -90,7 +91,8 @@ def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
     out = work / "parts"
     log_path = work / "launch.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen(launch_command(config, config_file, out), stdout=log,
+        process = subprocess.Popen(child_command(launch_command(config, config_file, out)),
+                                   stdout=log,
                                    stderr=subprocess.STDOUT)
         # torchrun passes a SIGINT/SIGTERM on to its ranks and waits for them.
         code, stopped_by = wait_child(process)

@@ -1,0 +1,248 @@
+"""Issue 38's red-team classes at field scale, re-run: folders a unit test cannot hold (50,001
+files, 20,100 files, a 2.2 GiB log, made sparse or empty), each profiled as a user would, with
+the user's folder hashed before and after, gpudiag's exit code, its output searched for a
+traceback, and the processes it left. Writes a JSON record and a markdown table:
+
+    python benchmarks/nothing_lost.py --out reports/examples/nothing-lost
+
+Every case's expectation is the issue's: no file of the user's changes, nothing is left
+running, no traceback, and what the re-run could not do is said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# A script that does to its folder what the red team's did: rotates checkpoints, appends to
+# its log, overwrites a checkpoint, writes beside __file__, runs git, reads ../data, writes a
+# file whose name is not UTF-8 outside its folder. It runs STEPS steps; gpudiag stops it early.
+SCRIPT = """
+    import os, subprocess, sys
+    from pathlib import Path
+    import gpudiag
+
+    here = Path(__file__).resolve().parent
+    action = sys.argv[1]
+    for step in range(40):
+        if action == "short" and step == 4:  # fewer steps than it plans: run once more
+            break
+        if step == 2:
+            if action == "rotate":
+                os.makedirs("exp/out", exist_ok=True)
+                Path(f"exp/out/ckpt-{step}.pt").write_text("new")
+                for old in Path("exp/out").glob("ckpt-*.pt"):
+                    if old.name != f"ckpt-{step}.pt":
+                        old.unlink()
+            elif action == "log-and-ckpt":
+                with open("train.log", "a") as log:
+                    log.write("run start\\n")
+                Path("ckpt.pt").write_text("overwritten")
+            elif action == "beside-file":
+                (here / "results.json").write_text("{}")
+            elif action == "git":
+                subprocess.run(["git", "status", "--short"], check=False, capture_output=True)
+                subprocess.run(["git", "add", "-A"], check=False, capture_output=True)
+            elif action == "read-up":
+                assert Path("../data/x.txt").read_text() == "beside"
+            elif action == "odd-name":
+                try:
+                    open(os.fsdecode(sys.argv[2].encode() + b"/caf\\xe9.txt"), "w").write("x")
+                except PermissionError:
+                    pass  # refused: the run goes on
+        gpudiag.step()
+"""
+
+
+@dataclass
+class Case:
+    name: str
+    what: str  # the red team's case
+    exit_code: int = -1
+    unchanged: bool = False
+    traceback: bool = False
+    left_running: list[str] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)  # lines of gpudiag's output that matter
+    seconds: float = 0.0
+    passed: bool = False
+
+
+def _hashes(folder: Path, leave_out: Path) -> dict[str, str]:
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if path == leave_out or leave_out in path.parents:
+            continue
+        rel = str(path.relative_to(folder))
+        if path.is_symlink():
+            found[rel] = f"-> {path.readlink()}"
+        elif path.is_file():
+            stat = path.stat()
+            # Sparse and empty files by size and time; the small ones by their bytes.
+            found[rel] = (hashlib.sha256(path.read_bytes()).hexdigest() if stat.st_size < 2**20
+                          else f"{stat.st_size}/{stat.st_mtime_ns}")
+    return found
+
+
+def _many(folder: Path, count: int, per_folder: int | None = None) -> None:
+    for n in range(count):
+        sub = folder if per_folder is None else folder / f"part{n // per_folder}"
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"{n}.jpg").touch()
+
+
+def _own_processes(marker: str) -> list[str]:
+    left = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmdline:
+                left.append(cmdline[:120])
+    return left
+
+
+def _profile(project: Path, args: list[str], *, stop_when: Callable[[], bool] | None = None,
+             ) -> tuple[int, str]:
+    command = [sys.executable, "-m", "gpudiag", "profile", "--no-plots", "--warmup", "1",
+               "--timed", "3", "--steps", "1", "--host-sample-hz", "0", "--telemetry", "off",
+               "--out", str(project / "run"), *args]
+    process = subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    if stop_when is not None:
+        while process.poll() is None and not stop_when():
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=600)
+    return process.returncode, output
+
+
+def run_case(case: Case, root: Path, build: Callable[[Path], None], args: list[str],
+             expect: Callable[[Case, str, Path], bool],
+             stop_when: Callable[[Path], Callable[[], bool]] | None = None) -> Case:
+    project = root / case.name / "proj"
+    project.mkdir(parents=True)
+    (project / "train.py").write_text(textwrap.dedent(SCRIPT))
+    (project.parent / "data").mkdir()
+    (project.parent / "data" / "x.txt").write_text("beside")
+    build(project)
+    args = [str(project / "train.py") if a == "SCRIPT" else a for a in args]
+    before = _hashes(project.parent, project / "run")
+    started = time.perf_counter()
+    code, output = _profile(project, args,
+                            stop_when=stop_when(project) if stop_when is not None else None)
+    case.seconds = round(time.perf_counter() - started, 1)
+    time.sleep(0.5)
+    case.exit_code = code
+    case.unchanged = _hashes(project.parent, project / "run") == before
+    case.traceback = "Traceback" in output and "PermissionError" not in output
+    case.left_running = _own_processes(str(project))
+    case.said = [line for line in output.splitlines() if any(
+        w in line for w in ("refused", "scratch", "stopped", "Landlock", "rerun-writable"))][:6]
+    case.passed = (case.unchanged and not case.traceback and not case.left_running
+                   and expect(case, output, project))
+    return case
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    out = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    cases: list[Case] = []
+    with tempfile.TemporaryDirectory(prefix="nothing-lost-") as temporary:
+        root = Path(temporary)
+        elsewhere = root / "elsewhere"
+        elsewhere.mkdir()
+        ok = (lambda c, o, p: c.exit_code == 0)  # noqa: E731
+
+        def dataset_and_checkpoints(p: Path) -> None:
+            _many(p / "data", 50_001)
+            (p / "exp" / "out").mkdir(parents=True)
+            (p / "exp" / "out" / "ckpt-1001.pt").write_text("the user's")
+
+        cases.append(run_case(
+            Case("dataset-50001", "50,001 images in data/, checkpoint rotation in exp/out"),
+            root, dataset_and_checkpoints, ["--stop-after-window", "--", sys.executable,
+                                            "train.py", "rotate"], ok))
+
+        def small_files(p: Path) -> None:
+            _many(p / "data", 20_100, per_folder=1_500)
+            (p / "train.log").write_text("run start\n")
+            (p / "ckpt.pt").write_text("the user's")
+
+        cases.append(run_case(
+            Case("small-files-20100", "20,100 small files beside train.log and ckpt.pt"),
+            root, small_files, ["--stop-after-window", "--", sys.executable, "train.py",
+                                "log-and-ckpt"], ok))
+
+        def big_log(p: Path) -> None:
+            with (p / "train.log").open("wb") as log:
+                log.truncate(int(2.2 * 2**30))  # sparse: 2.2 GiB long, no blocks
+            (p / "ckpt.pt").write_text("the user's")
+
+        cases.append(run_case(
+            Case("log-2.2GiB", "one 2.2 GiB train.log the script appends to"),
+            root, big_log, ["--stop-after-window", "--", sys.executable, "train.py",
+                            "log-and-ckpt"],
+            lambda c, o, p: c.exit_code != 0 and "refused writing outside" in o))
+        cases.append(run_case(
+            Case("absolute-script", "python /abs/path/train.py writing beside __file__"),
+            root, lambda p: (p / "results.json").write_text("the user's"),
+            ["--stop-after-window", "--", sys.executable, "SCRIPT", "beside-file"], ok))
+
+        def repository(p: Path) -> None:
+            subprocess.run(["git", "init", "-q"], cwd=p, check=True)
+            (p / "new.txt").write_text("untracked")
+
+        cases.append(run_case(
+            Case("git", "the script runs git status and git add -A"),
+            root, repository, ["--stop-after-window", "--", sys.executable, "train.py", "git"],
+            ok))
+        cases.append(run_case(
+            Case("read-beside", "the script reads ../data"), root, lambda p: None,
+            ["--stop-after-window", "--", sys.executable, "train.py", "read-up"], ok))
+        cases.append(run_case(
+            Case("odd-name", "a write outside, to a name that is not UTF-8"), root,
+            lambda p: None, ["--stop-after-window", "--", sys.executable, "train.py",
+                             "odd-name", str(elsewhere)],
+            lambda c, o, p: c.exit_code == 0 and not any(elsewhere.iterdir())
+            and "caf\\xe9" in (p / "run" / "report.md").read_text()))
+
+        def copy_started(p: Path) -> Callable[[], bool]:
+            return (p / "run" / "rerun" / "cwd").exists
+
+        cases.append(run_case(
+            Case("sigterm-in-copy", "SIGTERM while a short script's re-run copies 18,000 "
+                 "files"), root, lambda p: _many(p / "data", 18_000, per_folder=1_500),
+            ["--", sys.executable, "train.py", "short"],
+            lambda c, o, p: c.exit_code == 143 and (p / "run" / "run.json").is_file()
+            and not (p / "run" / "rerun" / "cwd").exists(),
+            stop_when=copy_started))
+    for case in cases:
+        print(f"{'PASS' if case.passed else 'FAIL'} {case.name}: exit {case.exit_code}, "
+              f"unchanged {case.unchanged}, {case.seconds} s")
+    (out / "nothing-lost.json").write_text(json.dumps([asdict(c) for c in cases], indent=1))
+    rows = [f"| {c.name} | {c.what} | {c.exit_code} | {'yes' if c.unchanged else '**NO**'} | "
+            f"{'none' if not c.left_running else len(c.left_running)} | "
+            f"{'**yes**' if c.traceback else 'no'} | {c.seconds} | "
+            f"{'pass' if c.passed else '**FAIL**'} |" for c in cases]
+    (out / "README.md").write_text("\n".join([
+        "# Issue 38's red-team classes, re-run (`benchmarks/nothing_lost.py`)", "",
+        "| case | what | exit | user's folder unchanged | left running | traceback | s | |",
+        "| --- | --- | ---: | --- | --- | --- | ---: | --- |", *rows, ""]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Runs in a scratch copy with a guarantee, not a report (issue 38's red team): the kernel
+confines their writes (Linux Landlock), so nothing linked into the copy (data past the budget,
+.git, a virtualenv, the parents' folders) and no path outside it can be written; the copy sits
+where the working directory sits, so `../data` reads the user's data; an absolute path to the
+script runs the copy; files the user's run wrote are copied first; a stop while copying leaves
+nothing. Where the kernel cannot confine, nothing re-runs without the user's consent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import in_folder, invoke, tree_hashes
+
+from gpudiag.measure import childexec as confine
+from gpudiag.measure.interrupts import stop_on_signals
+from gpudiag.measure.profile.launching import scratch
+from gpudiag.measure.profile.launching.scratch import make_scratch
+from gpudiag.measure.profile.launching.session import confined_writable
+from gpudiag.model.config import ProfileConfig
+from gpudiag.model.errors import ExitCode
+from gpudiag.model.results import Env, MeasuredFix, Rerun, RunResult
+from gpudiag.present.fixes import fixes_table, reruns_markdown
+
+landlock = pytest.mark.skipif(confine.landlock_abi() < 1, reason="the kernel has no Landlock")
+
+
+def _user_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A project beside its data, as the red team built it: a dataset folder past the
+    walk's per-folder limit, checkpoints to rotate, a log, a file past the copy budget, a
+    repository; the run folder inside the project."""
+    top = tmp_path / "work"
+    source = top / "proj"
+    for name, text in {"train.py": "", "train.log": "run start\n", "exp/out/ckpt-1001.pt": "c",
+                       "big.bin": "B" * 500, ".git/index": "index", ".git/HEAD": "ref"}.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(text)
+    images = source / "data" / "images"
+    images.mkdir(parents=True)
+    for n in range(12):  # past DATASET_ENTRIES as the test sets it
+        (images / f"{n}.jpg").write_text("jpg")
+    (top / "data").mkdir()
+    (top / "data" / "shared.txt").write_text("read beside the folder")
+    return source, source / "reports" / "now"
+
+
+ATTACKS = """
+    import json, os, pathlib, sys, tempfile
+    out = pathlib.Path(sys.argv[1])
+    tried = {}
+    def attempt(name, action):
+        try:
+            action()
+            tried[name] = "done"
+        except OSError as exc:
+            tried[name] = type(exc).__name__
+    attempt("append linked big file", lambda: open("big.bin", "a").write("x"))
+    attempt("delete in linked dataset", lambda: os.remove("data/images/0.jpg"))
+    attempt("rotate a dataset file", lambda: os.rename("data/images/1.jpg", "moved.jpg"))
+    attempt("git index", lambda: open(".git/index", "w").write("rewritten"))
+    attempt("write beside the folder", lambda: open("../data/shared.txt", "w").write("x"))
+    attempt("absolute path outside", lambda: open(out / "elsewhere.txt", "w").write("x"))
+    attempt("the log by absolute path", lambda: open(sys.argv[2], "a").write("moved\\n"))
+    attempt("rotate a copied checkpoint", lambda: os.remove("exp/out/ckpt-1001.pt"))
+    attempt("append the copied log", lambda: open("train.log", "a").write("again\\n"))
+    attempt("a temporary file", lambda: tempfile.NamedTemporaryFile().close())
+    attempt("read beside", lambda: open("../data/shared.txt").read())
+    print(json.dumps(tried))
+"""
+
+
+@landlock
+def test_a_confined_run_writes_only_its_copy_and_its_own_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is linked, not copied
+    monkeypatch.setattr(scratch, "DATASET_ENTRIES", 10)  # data/images is a dataset: linked
+    source, out = _user_folder(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "tmp").mkdir()
+    before, beside = tree_hashes(source), tree_hashes(tmp_path / "work" / "data")
+    made = make_scratch(source, out / "cwd", leave_out=out, confined=True)
+    assert (made.root / "data" / "images").is_symlink() and (made.root / "big.bin").is_symlink()
+    assert (made.root / ".git").is_symlink() and not (made.root / "train.log").is_symlink()
+    script = tmp_path / "attacks.py"
+    script.write_text(textwrap.dedent(ATTACKS))
+    env = dict(os.environ)
+    command = confine.child_command(
+        made.command([sys.executable, str(script), str(elsewhere), str(source / "train.log")]),
+        confined_writable(out, tmp_path / "tmp", source, env, []))
+    done = subprocess.run(command, cwd=made.root, env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    tried = json.loads(done.stdout)
+    refused = {name for name, how in tried.items() if how == "PermissionError"}
+    assert refused == {"append linked big file", "delete in linked dataset",
+                       "rotate a dataset file", "git index", "write beside the folder",
+                       "absolute path outside"}
+    assert {name for name, how in tried.items() if how == "done"} == {
+        "rotate a copied checkpoint", "append the copied log", "a temporary file",
+        "read beside", "the log by absolute path"}  # moved into the copy: the copy's log
+    assert tree_hashes(source, leave_out="reports/") == before  # the run folder: gpudiag's
+    assert tree_hashes(tmp_path / "work" / "data") == beside
+    assert not any(elsewhere.iterdir())
+    assert (made.root / "train.log").read_text() == "run start\nmoved\nagain\n"
+
+
+def test_the_copy_sits_where_the_folder_sits_and_takes_its_absolute_paths(
+        tmp_path: Path) -> None:
+    source, out = _user_folder(tmp_path)
+    made = make_scratch(source, out / "cwd", leave_out=out)
+    assert made.root == out / "cwd" / "work" / "proj"
+    assert (made.root / ".." / "data" / "shared.txt").read_text() == "read beside the folder"
+    assert (made.top / tmp_path.name).is_symlink() is False  # the source's own parent: made
+    moved = made.command([sys.executable, str(source / "train.py"), f"--log={source}/train.log",
+                          "--data", str(tmp_path / "work" / "data"), str(source / ".git"),
+                          "relative.txt", "-x"])
+    assert moved == [sys.executable, str(made.root / "train.py"),
+                     f"--log={made.root}/train.log", "--data", str(tmp_path / "work" / "data"),
+                     str(source / ".git"),  # only linked in the copy: the user's path stays
+                     "relative.txt", "-x"]
+    rerun = made.finish("x", out / "parts")
+    assert not (out / "cwd" / "work").exists()  # nothing written: the mirror is gone too
+    assert rerun.cwd == str(made.root)
+
+
+def test_what_the_users_run_wrote_is_copied_before_the_budget_runs_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scratch, "MAX_COPY_FILES", 2)
+    source = tmp_path / "proj"
+    source.mkdir()
+    for n in range(5):
+        (source / f"a{n}.txt").write_text("s")
+    (source / "train.log").write_text("a long log, larger than the small files" * 10)
+    old = time.time() - 3600
+    for path in source.iterdir():
+        os.utime(path, (old, old))
+    since = time.time() - 60
+    os.utime(source / "train.log")  # written by the user's run, just now
+    made = make_scratch(source, tmp_path / "run" / "cwd", leave_out=tmp_path / "run",
+                        written_since=since)
+    assert not (made.root / "train.log").is_symlink()
+    assert sum(not (made.root / f"a{n}.txt").is_symlink() for n in range(5)) == 1
+
+
+def test_a_stop_while_the_copy_is_made_leaves_no_half_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "proj"
+    source.mkdir()
+    for n in range(20):
+        (source / f"{n}.txt").write_text("x")
+    copied = []
+    real_copy = scratch._copy
+
+    def copy_then_stop(original: Path, copy: Path, *, may_copy: bool) -> str | None:
+        copied.append(copy)
+        if len(copied) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # a CI job's timeout, mid-copy
+        return real_copy(original, copy, may_copy=may_copy)
+
+    monkeypatch.setattr(scratch, "_copy", copy_then_stop)
+    top = tmp_path / "run" / "cwd"
+    with pytest.raises(KeyboardInterrupt), stop_on_signals():
+        make_scratch(source, top, leave_out=tmp_path / "run")
+    assert not top.exists() and len(copied) == 5
+    assert sorted(p.name for p in source.iterdir()) == sorted(f"{n}.txt" for n in range(20))
+
+
+def test_names_that_are_not_utf8_are_written_escaped(tmp_path: Path) -> None:
+    source = tmp_path / "proj"
+    source.mkdir()
+    odd = os.fsdecode(b"caf\xe9.bin")
+    (source / odd).write_text("x")
+    made = make_scratch(source, tmp_path / "run" / "cwd", leave_out=tmp_path / "run")
+    (made.root / odd).unlink()
+    made.links[made.root / odd] = str(source / odd)  # as if linked past the budget
+    made.linked[source / odd] = None
+    rerun = made.finish("x", tmp_path / "run" / "parts")
+    assert rerun.linked == ["caf\\xe9.bin/"]
+    "\n".join(reruns_markdown(_run(reruns=[rerun]))).encode("utf-8")  # no UnicodeEncodeError
+
+
+def _run(**fields: Any) -> RunResult:
+    return RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(), **fields)
+
+
+def test_a_fix_that_was_not_measured_is_never_to_be_made_permanent() -> None:
+    from rich.console import Console
+
+    run = _run()
+    run.fixes = [MeasuredFix(remedy="loader", title="DataLoader workers", status="failed",
+                             change="DataLoader(num_workers=8)", note="its runs failed"),
+                 MeasuredFix(remedy="none", title="Sync", status="no-remedy",
+                             change="drop .item()", note="no safe automatic remedy")]
+    console = Console(width=100, record=True)
+    console.print(fixes_table(run))
+    text = console.export_text()
+    assert "make it permanent" not in text and "not recommended: its runs failed" in text
+    assert "num_workers=8" not in text
+
+
+def test_without_landlock_nothing_runs_in_a_copy_unless_the_user_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(confine.ENV_OFF, "1")
+    confine.landlock_abi.cache_clear()
+    try:
+        script = tmp_path / "train.py"
+        script.write_text("print('never runs')\n")
+        with in_folder(tmp_path):
+            done = invoke(["profile", "--try-fixes", "--out", tmp_path / "run", "--",
+                           sys.executable, str(script)])
+        assert done.exit_code == ExitCode.BAD_INPUT, done.output
+        assert "--unconfined-reruns" in done.stderr and "Traceback" not in done.output
+        assert not (tmp_path / "run").exists() and "never runs" not in done.output
+    finally:
+        confine.landlock_abi.cache_clear()
+
+
+def test_the_rerun_record_says_how_it_was_kept() -> None:
+    rerun = Rerun(label="loader", source="/u/proj", cwd="/u/proj/r/cwd/u/proj",
+                  wrote_outside=["/data/out.pt"], confined=True)
+    run = _run(reruns=[rerun])
+    text = "\n".join(reruns_markdown(run))
+    assert "refused outside its copy" in text and "(read-only)" in text
+
+
+def test_a_child_dies_with_the_gpudiag_that_started_it(tmp_path: Path) -> None:
+    """SIGKILL (the out-of-memory killer) to a gpudiag that started a trial, torchrun or a
+    profiled command: the child gets SIGTERM (Linux's parent-death signal) instead of running
+    on orphaned."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import subprocess, sys, time
+            from gpudiag.measure.childexec import child_command
+            child = subprocess.Popen(child_command([sys.executable, "-c",
+                                                    "import time; time.sleep(60)"]))
+            print(child.pid, flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    time.sleep(0.3)  # the child has exec'd its command
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child), "the child outlived the gpudiag that started it"
+
+
+def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie waiting for init to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_run_trials_start_through_the_child_launcher(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.measure import trialrun
+    from gpudiag.model.options import RunOptions
+
+    started: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def record(command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        started.append(command)
+        return real_popen([sys.executable, "-c", "pass"], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", record)
+    with pytest.raises(Exception, match="none of the 1 trials"):
+        trialrun.run_trials(RunOptions(), tmp_path, 1)
+    (command,) = started
+    assert command[3] == confine.__file__ and command[4:6] == ["--parent", str(os.getpid())]
+    assert command[command.index("--") + 1:][1:4] == ["-m", "gpudiag", "run"]
+
+
+WRITES_ITS_OUTPUT_ELSEWHERE = """
+    import sys
+    import gpudiag
+
+    for step in range(12):
+        if step == 1:  # an absolute output path from the script's config
+            with open(sys.argv[1], "w") as out:
+                out.write("x")
+        gpudiag.step()
+"""
+
+
+@landlock
+def test_a_run_in_a_copy_refused_a_write_outside_says_so_and_how_to_allow_it(
+        tmp_path: Path) -> None:
+    script = tmp_path / "proj" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(WRITES_ITS_OUTPUT_ELSEWHERE))
+    target = tmp_path / "outputs" / "metrics.json"
+    target.parent.mkdir()
+    with in_folder(script.parent):
+        done = invoke(["profile", "--no-plots", "--stop-after-window", "--warmup", "1",
+                       "--timed", "2", "--steps", "1", "--host-sample-hz", "0", "--telemetry",
+                       "off", "--out", tmp_path / "run", "--", sys.executable, "train.py",
+                       target])
+    assert done.exit_code == 1, done.output  # the script's own failure
+    said = done.stderr.replace("\n", " ")
+    assert f"refused writing outside its scratch copy ({target}" in said
+    assert "--rerun-writable" in said and not target.exists()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "refused outside its copy" in report and str(target) in report
+
+
+def test_without_landlock_a_short_script_is_not_run_again_unasked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(confine.ENV_OFF, "1")
+    confine.landlock_abi.cache_clear()
+    script = tmp_path / "train.py"
+    script.write_text("import gpudiag\nn = 0\nwhile n < 4:\n    gpudiag.step()\n    n += 1\n")
+    try:
+        with in_folder(tmp_path):
+            done = invoke(["profile", "--no-plots", "--host-sample-hz", "0", "--telemetry",
+                           "off", "--out", tmp_path / "run", "--", sys.executable, "train.py"])
+    finally:
+        confine.landlock_abi.cache_clear()
+    assert done.exit_code == 0, done.output
+    said = done.stderr.replace("\n", " ")
+    assert "it would run once more in a scratch copy" in said and "--unconfined-reruns" in said
+    assert not (tmp_path / "run" / "rerun").exists()
+
+
+def test_a_busy_cpu_under_autogroup_scheduling_is_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.measure.profile.launching import session
+
+    flag = tmp_path / "sched_autogroup_enabled"
+    monkeypatch.setattr(session, "AUTOGROUP", flag)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for enabled, load, said in (("1", 3.0, True), ("1", 0.2, False), ("0", 3.0, False)):
+        flag.write_text(enabled + "\n")
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        note = session.scheduling_note()
+        assert (note is not None and "autogroup" in note and "load 3.0 on 2 CPUs" in note) \
+            if said else note is None
+    flag.unlink()  # not Linux, or no such knob
+    assert session.scheduling_note() is None
