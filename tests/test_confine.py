@@ -351,3 +351,25 @@ def test_a_busy_cpu_under_autogroup_scheduling_is_said(
             if said else note is None
     flag.unlink()  # not Linux, or no such knob
     assert session.scheduling_note() is None
+
+
+def test_a_log_beside_many_data_files_is_copied_not_the_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The red team's 20,100 small files in data/ (shards of 1,500, each under the dataset
+    limit) beside train.log and ckpt.pt: copied smallest first, the log and checkpoint were
+    past the file budget, linked, and the re-run wrote through them. Files of folders that
+    hold few go first."""
+    monkeypatch.setattr(scratch, "MAX_COPY_FILES", 10)
+    source = tmp_path / "proj"
+    for shard in range(3):
+        for n in range(6):
+            (source / "data" / f"part{shard}").mkdir(parents=True, exist_ok=True)
+            (source / "data" / f"part{shard}" / f"{n}.jpg").touch()  # empty: smallest
+    (source / "train.log").write_text("run start\n")
+    (source / "ckpt.pt").write_text("the user's")
+    made = make_scratch(source, tmp_path / "run" / "cwd", leave_out=tmp_path / "run")
+    assert not (made.root / "train.log").is_symlink() and not (made.root / "ckpt.pt").is_symlink()
+    # The data: copied while the budget lasts (ten files, two of them the log and checkpoint),
+    # linked past it.
+    linked = [p for p in (made.root / "data").rglob("*.jpg") if p.is_symlink()]
+    assert len(linked) == 18 - 8

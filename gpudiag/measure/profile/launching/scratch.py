@@ -14,8 +14,9 @@ Regular files are copied, cloned (FICLONE: a reflink, no data copied) where the 
 can. Not copied but linked (a symbolic link to the user's): version control and environment
 folders, folders holding more than DATASET_ENTRIES entries (data is read, outputs are
 written), and what is over the copy budget (MAX_COPY_FILES, MAX_COPY_BYTES really copied,
-small files first; folders past MAX_WALK entries). Files the user's own run wrote since it
-started are copied first, whatever the budget, disk space allowing: those a re-run writes. A
+files of folders holding few first, then small ones; folders past MAX_WALK entries). Files
+the user's own run wrote since it started are copied first, whatever the budget, disk space
+allowing: those a re-run writes. A
 linked file or folder is read-only to the re-run where the kernel confines its writes
 (measure/childexec.py: Landlock); elsewhere the re-run runs only with the user's consent,
 and each linked file's size, time and inode are compared after it. gpudiag's run folders
@@ -32,7 +33,7 @@ import fcntl
 import json
 import os
 import shutil
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,8 +281,13 @@ def _fill(scratch: Scratch, plan: _Plan, written_since: float | None) -> None:
     def written(stat: os.stat_result) -> bool:
         return since_ns is not None and stat.st_mtime_ns >= since_ns
 
+    # Outputs before data: what the user's run wrote, then files of folders with few files (a
+    # log, a checkpoint, a config) before those of folders with many (a dataset's shards), then
+    # the smaller.
+    siblings = Counter(rel.parent for rel, _ in plan.files)
     copied_bytes = 0
-    for rel, stat in sorted(plan.files, key=lambda item: (not written(item[1]), item[1].st_size)):
+    for rel, stat in sorted(plan.files, key=lambda item: (
+            not written(item[1]), siblings[item[0].parent], item[1].st_size)):
         copy = scratch.root / rel
         must = written(stat) and _room_for(scratch.root, stat.st_size)
         if must or len(scratch.copies) < MAX_COPY_FILES:
