@@ -27,10 +27,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpudiag.measure.profile.protocol import (
+    CACHE_VARIABLES,
     ENV_OUT,
     ENV_SCRATCH,
     ENV_TRACE_DIR,
     ENV_WRITABLE,
+    HOME_CACHES,
     WRITES_MORE,
     writes_name,
 )
@@ -48,9 +50,6 @@ _NAME_EVENTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
 }
 _WATCHED = frozenset({"open", "os.truncate", "tempfile.mkstemp", "tempfile.mkdtemp",
                       *_NAME_EVENTS})
-_CACHE_VARIABLES = ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                    "TORCH_HOME", "HF_HOME", "HF_DATASETS_CACHE")
-
 
 class WriteWatch:
     """The paths written outside `allowed` (real paths of folders), reported to `parts`."""
@@ -147,9 +146,8 @@ def install() -> WriteWatch | None:
     temporary = tempfile.gettempdir()
     home = os.path.expanduser("~")
     allowed = [scratch, os.environ.get(ENV_TRACE_DIR) or scratch, os.environ[ENV_OUT],
-               "/dev", "/proc", "/sys", os.path.join(home, ".cache"),
-               os.path.join(home, ".triton"),
-               *(os.environ[v] for v in _CACHE_VARIABLES if os.environ.get(v)),
+               "/dev", "/proc", "/sys", *(os.path.join(home, name) for name in HOME_CACHES),
+               *(os.environ[v] for v in CACHE_VARIABLES if os.environ.get(v)),
                *(p for p in os.environ.get(ENV_WRITABLE, "").split(os.pathsep) if p)]
     WATCH = WriteWatch(os.environ[ENV_OUT], allowed,
                        prefixes=(os.path.join(os.path.realpath(temporary), "torchinductor_"),))

@@ -574,14 +574,6 @@ def _profile_once(out: Path, config: ProfileConfig,
     return output
 
 
-# Caches a confined run may write, as compilers and hubs keep them (their variables, else their
-# defaults under the home folder): a cold cache would time their first steps differently.
-_CACHE_VARIABLES = ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                    "TORCH_HOME", "HF_HOME", "HF_DATASETS_CACHE", "CUDA_CACHE_PATH",
-                    "TORCH_EXTENSIONS_DIR")
-_HOME_CACHES = (".cache", ".triton", ".nv")
-
-
 def confined_writable(out: Path, temporary: Path, source: Path, env: dict[str, str],
                       allowed: Sequence[str]) -> list[str]:
     """Where a confined run may write: its own folder (the copy, its parts and traces), its
@@ -593,8 +585,9 @@ def confined_writable(out: Path, temporary: Path, source: Path, env: dict[str, s
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
     env.update({"TMPDIR": str(temporary), "TEMP": str(temporary), "TMP": str(temporary)})
     home = Path.home()
-    places = [out, temporary, Path("/dev"), Path("/proc"), *(home / name for name in _HOME_CACHES),
-              *(Path(env[v]) for v in _CACHE_VARIABLES if env.get(v)),
+    places = [out, temporary, Path("/dev"), Path("/proc"),
+              *(home / name for name in protocol.HOME_CACHES),
+              *(Path(env[v]) for v in protocol.CACHE_VARIABLES if env.get(v)),
               *(Path(p) for p in allowed)]
     writable = []
     for place in places:
