@@ -204,7 +204,6 @@ def _start(command: Sequence[str], env: dict[str, str],
 # SIGTERM does; it would otherwise end gpudiag and leave the script training on, orphaned.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _STOPPED_RETURNCODES = tuple(code for s in FORWARDED for code in (-s, 128 + s))
-STOP_CODES = tuple(128 + s for s in FORWARDED)  # the exit codes of a stopped command
 
 
 @dataclass
@@ -524,7 +523,8 @@ def _isolated(out: Path, top: Path, label: str, config: ProfileConfig,
     finally:
         rerun = scratch.finish(label, out / PARTS_DIR)
     output.run.reruns.append(rerun)
-    if rerun.confined and rerun.wrote_outside and output.exit_code not in (0, *STOP_CODES):
+    if rerun.confined and rerun.wrote_outside and output.exit_code != 0 \
+            and not output.run.interrupted:
         refused = (f"it was refused writing outside its scratch copy ({rerun.wrote_outside[0]}"
                    f"{' and more' if len(rerun.wrote_outside) > 1 else ''}): a run in a copy "
                    "may write only there, so no file of yours changes. If that folder holds "
