@@ -37,7 +37,15 @@ from gpudiag.measure.gatejob import (
     run_repeated,
     share_into,
 )
-from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
+from gpudiag.measure.interrupts import (
+    HungUp,
+    Terminated,
+    signal_name,
+    signal_of,
+    signals_ignored,
+    stop_deferred,
+    stop_on_signals,
+)
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR
 from gpudiag.measure.profile.launching.session import (
     ProfileOutput,
@@ -108,9 +116,25 @@ _Aborts: tuple[type[BaseException], ...] = tuple(
     {typer.Abort, getattr(_click_errors, "Abort", typer.Abort)})
 
 
+class _StopEscaped(Exception):
+    """A stop (Ctrl-C, SIGTERM, SIGHUP) that left a command before it could write anything.
+    Newer Typers (0.29) turn a KeyboardInterrupt into a silent exit 130 (SIGTERM's too), so the
+    group carries it past Typer in this, which Typer does not catch."""
+
+    def __init__(self, stop: KeyboardInterrupt) -> None:
+        super().__init__(signal_name(signal_of(stop)))
+        self.stop = stop
+
+
 class _OneLineErrors(typer.core.TyperGroup):
     """Turns usage errors, gpudiag's own errors and any other exception (a bug: its traceback
     goes to a file) into one line and a documented exit code."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            raise _StopEscaped(exc) from exc
 
     # windows_expand_args (newer click only) travels in **extra, so older Typers work too.
     def main(self, args: Sequence[str] | None = None,  # type: ignore[override]
@@ -137,8 +161,11 @@ class _OneLineErrors(typer.core.TyperGroup):
             code = ExitCode.OK
         except OSError as exc:  # a path the user gave that cannot be read or written
             code = _path_error(exc) if exc.filename else _internal_error(exc, argv)
-        except _Aborts as exc:  # click's wrapper of KeyboardInterrupt (and of SIGTERM's)
-            code = _stopped_by(exc)
+        except _StopEscaped as exc:
+            typer.echo(f"gpudiag: stopped by {exc}", err=True)
+            code = _stopped_by(exc.stop)
+        except _Aborts as exc:  # older Typers' wrapper of a KeyboardInterrupt while parsing
+            code = _stopped_by(exc.__cause__ or exc.__context__)
         except Exception as exc:  # a bug in gpudiag (typer.Exit's code came back as `code`)
             code = _internal_error(exc, argv)
         if not standalone_mode:
@@ -157,12 +184,11 @@ def _internal_error(exc: Exception, argv: Sequence[str]) -> ExitCode:
     return ExitCode.INTERNAL_ERROR
 
 
-def _stopped_by(exc: BaseException) -> ExitCode:
-    """130, 143 or 129: by the stop click's Abort wraps (gpudiag.measure.interrupts' classes,
-    by name: never imported here)."""
-    cause = type(exc.__cause__ or exc.__context__).__name__
-    return {"Terminated": ExitCode.TERMINATED, "HungUp": ExitCode.HUNG_UP}.get(
-        cause, ExitCode.INTERRUPTED)
+def _stopped_by(stop: BaseException | None) -> ExitCode:
+    """130, 143 or 129, by the stop's class (gpudiag.measure.interrupts)."""
+    if isinstance(stop, HungUp):
+        return ExitCode.HUNG_UP
+    return ExitCode.TERMINATED if isinstance(stop, Terminated) else ExitCode.INTERRUPTED
 
 
 app = typer.Typer(
@@ -319,7 +345,9 @@ def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int,
              save: Callable[[RunOutput], None]) -> RunOutput:
     """The run's stages: in this process (with live progress unless quiet), or `trials` fresh
     processes merged."""
-    from gpudiag.measure.runner import RunOutput, run_stages  # noqa: PLC0415  (torch)
+    # A stop while torch loads (a second) lands in the first stage, which writes the run.
+    with stop_deferred():
+        from gpudiag.measure.runner import RunOutput, run_stages  # noqa: PLC0415  (torch)
 
     if trials > 1:
         from gpudiag.measure.trialrun import run_trials  # noqa: PLC0415  (pandas)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLES, invoke
 
+from gpudiag.measure.interrupts import HungUp, Terminated
 from gpudiag.model.errors import INTERNAL_ERROR_PREFIX, ExitCode
 from gpudiag.present import exit_codes_markdown
 from gpudiag.present.files import RUN_MARKER
@@ -124,6 +125,25 @@ def test_a_ctrl_c_while_gpudiag_loads_or_stops_is_130_in_one_line(where: str) ->
                           check=False)
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert done.stderr == "gpudiag: stopped by SIGINT (Ctrl-C)\n"
+
+
+@pytest.mark.parametrize(("stop", "code", "name"), [
+    (KeyboardInterrupt, 130, "SIGINT"), (Terminated, 143, "SIGTERM"), (HungUp, 129, "SIGHUP")])
+def test_a_stop_that_leaves_a_command_is_its_own_code_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, stop: type[KeyboardInterrupt], code: int,
+        name: str) -> None:
+    """A stop that leaves a command before it wrote anything (torch still loading): Typer
+    0.29 turned every one into a silent 130, a SIGTERM's included (`run --trials`' trial
+    then read as a Ctrl-C)."""
+    import gpudiag.present
+
+    def stopped(*_: object) -> str:
+        raise stop
+
+    monkeypatch.setattr(gpudiag.present, "rules_markdown", stopped)
+    result = invoke(["rules", "--markdown"])
+    assert result.exit_code == code, result.output
+    assert result.stderr == f"gpudiag: stopped by {name}\n"
 
 
 def test_readme_exit_codes_are_generated_from_the_enum() -> None:

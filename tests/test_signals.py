@@ -163,6 +163,23 @@ def test_run_trials_stops_its_child_which_writes_its_part(tmp_path: Path) -> Non
     assert load_run(out).interrupted
 
 
+def test_a_stop_while_run_loads_torch_lands_in_its_first_stage(tmp_path: Path) -> None:
+    """SIGTERM just after `run` made its folder, while torch and triton load (a second or two):
+    the run.json says interrupted, exit 143. It used to leave no run.json and exit 130 in
+    silence (a stop in an import escaped every stage, and Typer took it for a Ctrl-C): the
+    cause of `run --trials`' flaky stop below."""
+    out = tmp_path / "run"
+    process = _start(["run", *TINY, "--stages", "train", "--evidence-steps", "0",
+                      "--iters", "100000", "--out", str(out)], tmp_path)
+    code, stderr, seconds, below = _stop(process, signal.SIGTERM, group=False,
+                                         ready=out.is_dir)
+    _assert_clean_stop(code, stderr, seconds, below, signal.SIGTERM)
+    run = load_run(out)
+    assert run.interrupted
+    stage = run.stage("train")
+    assert stage is not None and stage.interrupted and "SIGTERM" in (stage.error or "")
+
+
 def _script(path: Path) -> Path:
     path.write_text(textwrap.dedent("""
         import torch

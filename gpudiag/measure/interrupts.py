@@ -70,6 +70,7 @@ class Stop:
 
     signum: int | None = None
     first_at: float = 0.0  # monotonic time of the first signal
+    deferring: bool = False  # inside stop_deferred(): the first signal waits
 
     @property
     def exit_code(self) -> int | None:
@@ -101,6 +102,8 @@ def _raise_for(stop: Stop) -> Callable[[int, FrameType | None], None]:
             return  # the same stop arriving twice (the terminal's group and a parent's relay)
         if stop.signum is None:
             stop.signum, stop.first_at = signum, now
+            if stop.deferring:
+                return  # raise_if_stopped() at the first stage raises it
         if _swallows(frame):
             return  # raise_if_stopped() at the next step or stage raises it
         raise stop_error(signum)
@@ -113,6 +116,23 @@ def raise_if_stopped() -> None:
     stop, since the runner stops at the first."""
     if _ACTIVE and _ACTIVE[-1].signum is not None:
         raise stop_error(_ACTIVE[-1].signum)
+
+
+@contextlib.contextmanager
+def stop_deferred() -> Iterator[None]:
+    """Set-up that a stop would cut short with nothing to show for it (torch's import, the
+    sampler's start: a second or two): a first stop while this is open is raised by the next
+    raise_if_stopped(), at the first stage, which marks the run interrupted and writes it. A
+    second signal, later than REPEAT_WINDOW_S, stops at once (a set-up that hangs)."""
+    if not _ACTIVE:
+        yield
+        return
+    stop = _ACTIVE[-1]
+    previous, stop.deferring = stop.deferring, True
+    try:
+        yield
+    finally:
+        stop.deferring = previous
 
 
 # A peer that went away mid-handshake, as multiprocessing's resource_sharer thread (how

@@ -30,7 +30,13 @@ from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence import collect_evidence
 from gpudiag.measure.flops import count_flops
-from gpudiag.measure.interrupts import Stopped, raise_if_stopped, signal_name, signal_of
+from gpudiag.measure.interrupts import (
+    Stopped,
+    raise_if_stopped,
+    signal_name,
+    signal_of,
+    stop_deferred,
+)
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
@@ -66,22 +72,23 @@ def run_stages(
     """Time every stage, then profile each; `trace_dir` keeps each profiler window's trace
     there as profile-<stage>.json.gz."""
     started = time.perf_counter()
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)  # an explicit index for set_device
-        torch.cuda.set_device(device)
-    spec = resolve_model(config.model)
-    uuid, index = device_identity(device) if device.type == "cuda" else (None, 0)
-    sampler = open_sampler(device.type, uuid, index, period_s=config.sample_period_s,
-                           gpm_period_s=config.gpm_period_s, spec=telemetry_spec)
-    run = RunResult(
-        tool_version=__version__,
-        env=collect_env(device, sampler.reader, sampler.unavailable_reason),
-        config=config,
-        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        notes=list(notes or []),
-    )
-    ctx = StageContext(config=config, device=device, spec=spec, phases=PhaseRecorder(device))
+    with stop_deferred():  # nothing to keep yet: a stop lands in the first stage
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)  # an explicit index for set_device
+            torch.cuda.set_device(device)
+        spec = resolve_model(config.model)
+        uuid, index = device_identity(device) if device.type == "cuda" else (None, 0)
+        sampler = open_sampler(device.type, uuid, index, period_s=config.sample_period_s,
+                               gpm_period_s=config.gpm_period_s, spec=telemetry_spec)
+        run = RunResult(
+            tool_version=__version__,
+            env=collect_env(device, sampler.reader, sampler.unavailable_reason),
+            config=config,
+            created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            notes=list(notes or []),
+        )
+        ctx = StageContext(config=config, device=device, spec=spec, phases=PhaseRecorder(device))
 
     def checkpoint() -> None:
         run.duration_s = time.perf_counter() - started
@@ -93,7 +100,8 @@ def run_stages(
 
     session = _Session(run, ctx, sampler, listener, checkpoint)
     with sampler, _collector_sees_only_the_stages():
-        sampler.wait_ready()
+        with stop_deferred():
+            sampler.wait_ready()
         profiled = [result for name in config.stages
                     if (result := session.time_stage(name)) is not None]
         for result in profiled:
