@@ -26,7 +26,6 @@ from rich.table import Table
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
-from gpudiag.measure.childexec import landlock_abi
 from gpudiag.measure.gatejob import (
     Interleaved,
     TrialCommand,
@@ -46,14 +45,17 @@ from gpudiag.measure.interrupts import (
     stop_deferred,
     stop_on_signals,
 )
+from gpudiag.measure.profile.launching.confine import (
+    ConfinementPolicy,
+    confinement_policy,
+    how_kept,
+)
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR
 from gpudiag.measure.profile.launching.session import (
     ProfileOutput,
     ProfileRequest,
-    RerunPolicy,
     check_command,
     profile_command,
-    rerun_policy,
 )
 from gpudiag.measure.profile.launching.tryfixes import SCRATCH_PATTERN, run_fixes
 from gpudiag.model.calibration import (
@@ -72,6 +74,7 @@ from gpudiag.model.errors import (
     internal_error_line,
 )
 from gpudiag.model.options import (
+    ConfineOptions,
     GateOptions,
     OptionsT,
     ProfileOptions,
@@ -389,9 +392,10 @@ def _load_pair(before: Path, after: Path) -> tuple[RunResult, RunResult]:
 
 
 @app.command(context_settings={"ignore_unknown_options": True})
-@_with_options(ProfileOptions)
+@_with_options(ProfileOptions, ConfineOptions)
 def profile(
     options: ProfileOptions,
+    confine: ConfineOptions,
     command: Annotated[list[str], typer.Argument(help="The command to profile, after --: "
                                                  "python train.py ..., torchrun ..., "
                                                  "python -m pkg.train.")],
@@ -411,9 +415,11 @@ def profile(
 
     config = profile_config(options, command)
     check_command(command)
-    policy = rerun_policy(options.rerun_writable, unconfined=options.unconfined_reruns,
-                          isolated=("--try-fixes" if options.try_fixes else
-                                    "--stop-after-window" if config.stop_after_window else None))
+    isolating = ("--try-fixes" if options.try_fixes else
+                 "--stop-after-window" if config.stop_after_window else None)
+    policy = confinement_policy(
+        confine.rerun_writable, unconfined=confine.unconfined_reruns,
+        isolated=isolating and f"{isolating} runs the script in a scratch copy of this folder")
     # Absolute before launch: the script may change directory.
     run_dir = prepare_run_dir(out, default_run_dir("profile"), force=force).resolve()
 
@@ -428,7 +434,8 @@ def profile(
     elif config.stop_after_window:
         stderr.print("gpudiag profile: the script is stopped after its profiler window, so it "
                      f"runs in a scratch copy of this folder ({run_dir / SCRATCH_DIR}"
-                     f"){_confinement(policy)}: your files stay as they are", soft_wrap=True)
+                     f"){how_kept(policy, 'the copy')}: your files stay as they are",
+                     soft_wrap=True)
     with stop_on_signals():  # a SIGTERM while a re-run's copy is made stops it as Ctrl-C does
         output = profile_command(
             ProfileRequest(config, run_dir, rerun=options.rerun, policy=policy),
@@ -454,16 +461,7 @@ def profile(
     raise typer.Exit(output.exit_code)
 
 
-def _confinement(policy: RerunPolicy) -> str:
-    """How a run in a scratch copy is kept to it, for the line that announces one."""
-    if landlock_abi():
-        return ", and the kernel keeps it from writing anywhere else of yours"
-    assert policy.unconfined
-    return ("; this kernel cannot keep it from writing elsewhere (--unconfined-reruns): what "
-            "it writes outside the copy is listed afterwards")
-
-
-def _announce_try_fixes(run_dir: Path, policy: RerunPolicy, *, rerun: bool) -> None:
+def _announce_try_fixes(run_dir: Path, policy: ConfinementPolicy, *, rerun: bool) -> None:
     """Before the first run: how many times the script may run, and where."""
     most = 1 + rerun + len(BASELINE_RUNS) + len(REMEDIES) + 1
     stderr.print(f"try-fixes: the script runs at most {most} times: once for the "
@@ -472,12 +470,12 @@ def _announce_try_fixes(run_dir: Path, policy: RerunPolicy, *, rerun: bool) -> N
                  + f", then {len(BASELINE_RUNS)} times without fixes, once per fix the "
                  f"diagnosis calls for (at most {len(REMEDIES)}) and once with those that pay "
                  "together; each is stopped after its profiler window and runs in a scratch "
-                 f"copy of this folder inside {run_dir}{_confinement(policy)}: your files "
-                 "stay as they are", soft_wrap=True)
+                 f"copy of this folder inside {run_dir}{how_kept(policy, 'the copy')}: your "
+                 "files stay as they are", soft_wrap=True)
 
 
 def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str],
-               policy: RerunPolicy) -> None:
+               policy: ConfinementPolicy) -> None:
     """The remedies the diagnosis calls for (and `forced` ones), measured
     (gpudiag.measure.profile.launching.tryfixes) and assessed (gpudiag.diagnose.tryfix) into
     `first.run.fixes`."""
@@ -610,7 +608,7 @@ def compare(
 
 def _gate_runs(options: RunOptions, gate: GateOptions, command: list[str], out: Path | None,
                force: bool, decide_now: Callable[[RunResult, RunResult], GateDecision],
-               ) -> tuple[RunResult, RunResult, Path, int]:
+               policy: ConfinementPolicy | None) -> tuple[RunResult, RunResult, Path, int]:
     """Base and head measured here, interleaved, with trials added while the gate cannot tell
     (up to --max-trials a side); both sides merged, and the directory holding the trials. A
     user's command runs on both sides in worktrees (gpudiag/measure/gatejob.py)."""
@@ -627,7 +625,7 @@ def _gate_runs(options: RunOptions, gate: GateOptions, command: list[str], out: 
     assert base_ref is not None  # only called with --base-ref
     if command:
         trial = TrialCommand(command=tuple(command), top=repository_top(Path.cwd()),
-                             samples_per_step=gate.samples_per_step)
+                             samples_per_step=gate.samples_per_step, policy=policy)
     else:
         check_run_options(options)  # before anything is checked out or created
         trial = TrialCommand(options=options)
@@ -656,7 +654,8 @@ def _gate_runs(options: RunOptions, gate: GateOptions, command: list[str], out: 
         stderr.print(f"gate: {base_ref} (base) against this checkout (head), {trials} to "
                      f"{max_trials} trials a side, in {out_dir}", soft_wrap=True)
         if command:
-            stderr.print(_command_note(gate.share), soft_wrap=True)
+            assert policy is not None  # a command's trials always have one
+            stderr.print(_command_note(gate.share, policy), soft_wrap=True)
         done = run_interleaved(trial, base=base, head=head, out_dir=out_dir,
                                first=trials, next_count=next_count,
                                on_trial=lambda side, k: stderr.print(f"trial {k}: {side}"))
@@ -677,15 +676,29 @@ def _a_run(path: Path) -> bool:
     return path.is_dir() or (path.suffix == ".json" and path.is_file())
 
 
-def _command_note(shared: tuple[str, ...], *, who: str = "gate: each side runs") -> str:
+def _command_note(shared: tuple[str, ...], policy: ConfinementPolicy, *,
+                  who: str = "gate: each side runs") -> str:
     """What running the user's command does with the user's files, said before it runs."""
     note = (f"{who} in a temporary checkout (this checkout with its uncommitted changes and "
             "untracked files, for the head); what the command writes there is removed with "
-            "it")
-    if shared:
-        note += (f"; {', '.join(shared)} linked into both (--share): what the command writes "
-                 "there reaches your files")
-    return note
+            f"it{how_kept(policy, 'its checkout')}")
+    if not shared:
+        return note
+    return note + (f"; {', '.join(shared)} linked into it read-only (--share)" if policy.confined
+                   else f"; {', '.join(shared)} linked into it (--share): what the command "
+                   "writes there reaches your files")
+
+
+def _trials_policy(confine: ConfineOptions, command: list[str],
+                   who: str) -> ConfinementPolicy | None:
+    """How the trials of the user's `command` may write, checked before any checkout is made;
+    None for gpudiag's own workload (it writes only its run folders)."""
+    if not command:
+        _check_sources(confine == ConfineOptions(), "--rerun-writable and --unconfined-reruns "
+                       "go with a COMMAND")
+        return None
+    return confinement_policy(confine.rerun_writable, unconfined=confine.unconfined_reruns,
+                              isolated=f"{who} runs your command in temporary checkouts")
 
 
 def _calibration_for_gate(path: Path | None) -> Calibration | None:
@@ -715,10 +728,11 @@ def _append_summary(text: str) -> None:
 
 
 @app.command()
-@_with_options(RunOptions, GateOptions)
+@_with_options(RunOptions, GateOptions, ConfineOptions)
 def gate(
     options: RunOptions,
     own: GateOptions,
+    confine: ConfineOptions,
     given: Annotated[list[str] | None, typer.Argument(
         metavar="BASELINE CURRENT | -- COMMAND",
         help="Two runs (run directory, run.json, trial folder, or a saved baseline file: the "
@@ -748,6 +762,7 @@ def gate(
         raise BadInput(f"expected BASELINE and CURRENT, got {len(given)} paths; a command to "
                        "measure goes after --base-ref REF --")
     when_undecided = check_gate_options(own, (baseline, current), options, command)
+    policy = _trials_policy(confine, command, "gate --base-ref")
     rules = GateRules(parse_limits(list(own.max_regression)), own.min_iters,
                       own.allow_mismatch, _calibration_for_gate(own.calibration))
     if markdown is not None:
@@ -757,7 +772,7 @@ def gate(
     if interleaved:
         a, b, trials_dir, per_side = _gate_runs(
             options, own, command, out, force,
-            lambda x, y: judge(x, y, rules, labels=labels, interleaved=True)[0])
+            lambda x, y: judge(x, y, rules, labels=labels, interleaved=True)[0], policy)
         markdown = markdown or trials_dir / "gate.md"
     else:
         assert baseline is not None and current is not None  # check_gate_options saw to it
@@ -775,9 +790,10 @@ def gate(
 
 
 @app.command()
-@_with_options(RunOptions)
+@_with_options(RunOptions, ConfineOptions)
 def calibrate(
     options: RunOptions,
+    confine: ConfineOptions,
     command: Annotated[list[str] | None, typer.Argument(
         metavar="-- COMMAND", help="Your training command, after --, to calibrate a gate of "
         "it (`gate --base-ref REF -- COMMAND`): each trial a gpudiag profile of it, run in a "
@@ -807,13 +823,15 @@ def calibrate(
     _check_sources(not (command and options != RunOptions()), "run options (--model, ...) "
                    "measure gpudiag's workload; a command is profiled with its defaults")
     _check_sources(bool(command) or not share, "--share goes with a COMMAND")
+    policy = _trials_policy(confine, command or [], "calibrate")
     if from_run is None:
         if trials < MIN_CALIBRATION_TRIALS:
             raise BadInput(f"--trials {trials}: a spread needs at least "
                            f"{MIN_CALIBRATION_TRIALS} trials")
         from_run = out or default_run_dir("calibrate")
         if command:
-            _calibrate_command(command, share or [], from_run, trials, force=force)
+            assert policy is not None  # a command's trials always have one
+            _calibrate_command(command, share or [], from_run, trials, policy, force=force)
         else:
             _run(options, out=from_run, as_json=False, trials=trials, quiet=True, force=force)
     else:
@@ -832,17 +850,18 @@ def calibrate(
                "`gpudiag gate` reads it from there)")
 
 
-def _calibrate_command(command: list[str], share: list[str], out: Path, trials: int, *,
-                       force: bool) -> None:
+def _calibrate_command(command: list[str], share: list[str], out: Path, trials: int,
+                       policy: ConfinementPolicy, *, force: bool) -> None:
     """`trials` gpudiag profiles of the user's command, one after another, in a temporary
     checkout of this one (the user's files untouched), into out/trial-K."""
     from gpudiag.present import prepare_run_dir  # noqa: PLC0415  (pandas)
 
-    trial = TrialCommand(command=tuple(command), top=repository_top(Path.cwd(), "calibrate"))
+    trial = TrialCommand(command=tuple(command), top=repository_top(Path.cwd(), "calibrate"),
+                         policy=policy)
     with stop_on_signals() as stop, head_checkout(Path.cwd()) as checkout:
         share_into([Path(p) for p in share], Path.cwd(), [checkout])
         out_dir = prepare_run_dir(out, out, force=force)
-        stderr.print(_command_note(tuple(share), who="calibrate: the trials run"),
+        stderr.print(_command_note(tuple(share), policy, who="calibrate: the trials run"),
                      soft_wrap=True)
         runs = run_repeated(trial, checkout, out_dir, trials,
                             on_trial=lambda k: stderr.print(f"trial {k}/{trials}"))

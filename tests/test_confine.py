@@ -22,9 +22,10 @@ from conftest import in_folder, invoke, tree_hashes
 
 from gpudiag.measure import childexec as confine
 from gpudiag.measure.interrupts import stop_on_signals
+from gpudiag.measure.profile.launching import confine as confinement
 from gpudiag.measure.profile.launching import scratch
+from gpudiag.measure.profile.launching.confine import confined_writable
 from gpudiag.measure.profile.launching.scratch import make_scratch
-from gpudiag.measure.profile.launching.session import confined_writable
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import ExitCode
 from gpudiag.model.results import Env, MeasuredFix, Rerun, RunResult
@@ -95,7 +96,7 @@ def test_a_confined_run_writes_only_its_copy_and_its_own_folder(
     env = dict(os.environ)
     command = confine.child_command(
         made.command([sys.executable, str(script), str(elsewhere), str(source / "train.log")]),
-        confined_writable(out, tmp_path / "tmp", source, env, []))
+        confined_writable([out, tmp_path / "tmp"], source, env, []))
     done = subprocess.run(command, cwd=made.root, env=env, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
@@ -373,3 +374,18 @@ def test_a_log_beside_many_data_files_is_copied_not_the_data(
     # linked past it.
     linked = [p for p in (made.root / "data").rglob("*.jpg") if p.is_symlink()]
     assert len(linked) == 18 - 8
+
+
+@pytest.mark.parametrize(("abi", "said"), [
+    (0, "this kernel cannot keep it from writing elsewhere (--unconfined-reruns)"),
+    (2, "but not a truncate by path, which this kernel's Landlock, ABI 2, cannot refuse"),
+    (7, "the kernel refuses its writes to your files elsewhere")])
+def test_the_announcement_says_how_far_this_kernel_keeps_a_run(
+        monkeypatch: pytest.MonkeyPatch, abi: int, said: str) -> None:
+    """Each kernel's branch, forced: no Landlock (the user consented), one too old to refuse a
+    truncate by path (Linux 5.13-6.1), and one that refuses every write."""
+    monkeypatch.setattr(confinement, "landlock_abi", lambda: abi)
+    policy = confinement.ConfinementPolicy(unconfined=True)
+    text = confinement.how_kept(policy, "the copy")
+    assert said in text
+    assert ("truncate" in text) == (abi == 2)

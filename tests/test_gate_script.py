@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import GIT, git, in_folder, invoke, line_of
 
+from gpudiag.measure import childexec
+
 ROOT = Path(__file__).resolve().parents[1]
 # Its own update and gpudiag.step() (README: a loop without an optimizer): torch.optim's first
 # optimizer imports torch._dynamo, 2.6 s of every process on a 2-core machine.
@@ -46,6 +48,9 @@ SLEEP = "    time.sleep(0.020)\n"
 CALIBRATION = {"schema_version": 1, "records": [{
     "device": "cpu", "gpu_name": None, "workload": {"mode": "profile"},
     "stages": [{"stage": "train.py", "trials": 8, "wall_sd": 0.01}]}]}
+
+
+landlock = pytest.mark.skipif(childexec.landlock_abi() < 1, reason="the kernel has no Landlock")
 
 
 def readme_script_gate() -> list[str]:
@@ -179,6 +184,10 @@ def test_the_command_form_is_checked_before_anything_runs(tmp_path: Path) -> Non
         (["calibrate", "--share", "data"], "--share goes with a COMMAND"),
         (["calibrate", "--stages", "train", "--", sys.executable, "train.py"],
          "a command is profiled with its defaults"),
+        (["gate", "--base-ref", "HEAD", "--rerun-writable", "/tmp"],
+         "--rerun-writable and --unconfined-reruns go with a COMMAND"),
+        (["gate", "--base-ref", "HEAD", "--rerun-writable", "nowhere", "--", sys.executable,
+          "train.py"], "--rerun-writable nowhere: not a folder"),
     ]
     for argv, message in cases:
         with in_folder(repo):
@@ -188,3 +197,63 @@ def test_the_command_form_is_checked_before_anything_runs(tmp_path: Path) -> Non
     assert subprocess.run([*GIT, "worktree", "list"], cwd=repo, capture_output=True,
                           text=True, check=True).stdout.count("\n") == 1
     assert not (repo / "reports").exists()
+
+
+# A script that writes where a gate's trial must not: the user's file outside the repository
+# (an absolute path), and the repository's index (`git status` in its worktree may write only
+# the worktree's own).
+INTRUDER = '''\
+import subprocess
+import sys
+
+try:
+    with open(sys.argv[1], "a") as log:
+        log.write("a trial wrote here\\n")
+    print("outside: written")
+except PermissionError:
+    print("outside: refused")
+subprocess.run(["git", "status", "--porcelain"], check=True, capture_output=True)
+'''
+
+
+@pytest.mark.slow
+@landlock
+def test_a_gated_command_is_confined_to_its_worktree(tmp_path: Path) -> None:
+    """`gate --base-ref -- COMMAND`: each trial runs confined to its worktree, so the script's
+    append to an absolute path of the user's is refused on both sides (it used to land twice),
+    git in the worktree still works, and the gate says so before it runs."""
+    repo = _repo(tmp_path, None)
+    (repo / "train.py").write_text(INTRUDER + SCRIPT.replace("range(40)", "range(12)"))
+    git(repo, "commit", "-qam", "intruder")
+    outside = tmp_path / "mine" / "log.txt"
+    outside.parent.mkdir()
+    outside.write_text("mine\n")
+    with in_folder(repo):
+        done = invoke(["gate", "--base-ref", "HEAD", "--max-trials", "1", "--out",
+                       str(tmp_path / "job"), "--", sys.executable, "train.py", str(outside)])
+    assert done.exit_code == 0, done.output
+    assert "the kernel refuses its writes to your files elsewhere" in done.stderr
+    assert outside.read_text() == "mine\n"
+    logs = sorted((tmp_path / "job").rglob("trial-1.log"))
+    assert len(logs) == 2 and all("outside: refused" in p.read_text() for p in logs), logs
+    assert not git(repo, "status", "--porcelain").strip() and _worktrees(repo) == 1
+
+
+def test_without_landlock_a_gated_command_runs_only_with_consent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel cannot confine the trials, `gate --base-ref -- COMMAND` and
+    `calibrate -- COMMAND` refuse before any worktree or folder exists (the branch forced)."""
+    repo = _repo(tmp_path, None)
+    monkeypatch.setenv(childexec.ENV_OFF, "1")
+    childexec.landlock_abi.cache_clear()
+    try:
+        for argv in (["gate", "--base-ref", "HEAD"], ["calibrate", "--trials", "3"]):
+            with in_folder(repo):
+                done = invoke([*argv, "--out", str(tmp_path / "job"), "--", sys.executable,
+                               "train.py"])
+            assert done.exit_code == 2, done.output
+            assert "--unconfined-reruns" in done.stderr and "Traceback" not in done.output
+            assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+            assert not (tmp_path / "job").exists() and _worktrees(repo) == 1
+    finally:
+        childexec.landlock_abi.cache_clear()

@@ -15,7 +15,7 @@ from conftest import in_folder, invoke, line_of, tree_hashes, write_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.measure.childexec import landlock_abi
-from gpudiag.measure.profile.launching.session import RerunPolicy
+from gpudiag.measure.profile.launching.confine import ConfinementPolicy
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import (
     NO_REMEDY,
@@ -654,7 +654,7 @@ def test_a_stop_keeps_the_measured_runs_and_names_the_fixes_it_left_unmeasured(
     plan = plan_fixes(run, forced=["loader", "no-empty-cache"])
     kept: dict[str, RunResult] = {}
     done = tryfixes.run_fixes(
-        tmp_path, ProfileConfig(), [r.name for r in plan.remedies], policy=RerunPolicy(),
+        tmp_path, ProfileConfig(), [r.name for r in plan.remedies], policy=ConfinementPolicy(),
         paid=lambda _: [], on_start=on_start,
         on_done=lambda out, output: kept.update({out.name: output.run}))
     assert done.interrupted and done.exit_code == 130
@@ -691,7 +691,7 @@ def test_a_sigterm_between_runs_stops_them_with_its_own_exit_code(
 
     monkeypatch.setattr(tryfixes, "profile_command", profile_command)
     done = tryfixes.run_fixes(tmp_path, ProfileConfig(), ["no-empty-cache"],
-                              policy=RerunPolicy(), paid=lambda _: [], on_start=on_start,
+                              policy=ConfinementPolicy(), paid=lambda _: [], on_start=on_start,
                               on_done=lambda out, output: None)
     assert done.interrupted and done.exit_code == 143
     assert set(done.runs) == {"without-fixes-1"} and done.unmeasured == [("no-empty-cache",)]

@@ -21,12 +21,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
+from gpudiag.measure.profile.launching.confine import ConfinementPolicy, confined
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult, load_run
@@ -173,6 +174,9 @@ class TrialCommand:
     command: tuple[str, ...] = ()
     top: Path | None = None  # the user's repository, for the command's absolute paths
     samples_per_step: int | None = None
+    # The user's command runs confined to its checkout (confine.py); None: gpudiag's own
+    # workload (`--model`), which writes only its run folder.
+    policy: ConfinementPolicy | None = None
 
     def argv(self, checkout: Path, out_dir: Path) -> list[str]:
         out = ["--out", str(out_dir.resolve())]
@@ -205,10 +209,14 @@ def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | N
     Raises KeyboardInterrupt after the child (which got the Ctrl-C too) has written its part.
     A profiled command's own output goes to `out_dir`.log; its tail is shown if it fails."""
     log = out_dir.with_name(out_dir.name + ".log") if trial.options is None else None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") if log is not None else nullcontext() as sink:
+    out_dir.mkdir(parents=True, exist_ok=True)  # the trial may write only in it (confined)
+    env = side_env(checkout)
+    with ExitStack() as stack:
+        sink = stack.enter_context(log.open("wb")) if log is not None else None
+        writable = None if trial.policy is None else stack.enter_context(
+            confined([*_own_git(checkout), out_dir], Path.cwd().resolve(), env, trial.policy))
         code, stopped_by = wait_child(subprocess.Popen(
-            child_command(trial.argv(checkout, out_dir)), cwd=checkout, env=side_env(checkout),
+            child_command(trial.argv(checkout, out_dir), writable), cwd=checkout, env=env,
             stdout=sink, stderr=subprocess.STDOUT if sink is not None else None))
     run = load_run(out_dir) if (out_dir / "run.json").is_file() else None
     if child_stopped(code, stopped_by):
@@ -216,8 +224,19 @@ def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | N
     if run is None:
         where = (f"; the end of its output ({log}):\n{_tail(log)}" if log is not None
                  else "; its error is above")
-        raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}){where}")
+        confinement = ("; it ran confined to its checkout: a write elsewhere was refused "
+                       "(--rerun-writable FOLDER allows a folder of yours)"
+                       if writable is not None else "")
+        raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}){confinement}"
+                       f"{where}")
     return run
+
+
+def _own_git(checkout: Path) -> list[Path]:
+    """The temporary worktree holding `checkout`, and its entry in the user's repository
+    (.git/worktrees/<name>: its index and HEAD), which git in the trial writes."""
+    return [Path(_git(checkout, "rev-parse", "--show-toplevel")),
+            Path(_git(checkout, "rev-parse", "--absolute-git-dir"))]
 
 
 TAIL_LINES = 12

@@ -1,13 +1,13 @@
-"""Every option of `gpudiag run`, `gpudiag profile` and `gpudiag gate`, defined once.
+"""Every option of `gpudiag run`, `gpudiag profile`, `gpudiag gate` and `calibrate`, defined once.
 
-`RunOptions`, `ProfileOptions` and `GateOptions` (the gate's own; `gate --base-ref` takes the
-run options too) are what the user asked for, field by field, with the flag, help, range and
-choices beside each. The command line's options are generated from them (gpudiag/cli.py);
-`build_config` validates a RunOptions into a `RunConfig` (gpudiag/measure/plan.py),
-`profile_config` a ProfileOptions into a `ProfileConfig` and `check_gate_options` a gate's; and
-`to_argv(options_of(config))` turns a ladder config back into the arguments that rebuild it,
-for `--trials` children: one spelling of each option, and tests/test_config.py checks the round
-trip.
+`RunOptions`, `ProfileOptions`, `GateOptions` (the gate's own; `gate --base-ref` takes the
+run options too) and `ConfineOptions` (what runs away from the user's folder may write) are
+what the user asked for, field by field, with the flag, help, range and choices beside each.
+The command line's options are generated from them (gpudiag/cli.py); `build_config` validates
+a RunOptions into a `RunConfig` (gpudiag/measure/plan.py), `profile_config` a ProfileOptions
+into a `ProfileConfig` and `check_gate_options` a gate's; and `to_argv(options_of(config))`
+turns a ladder config back into the arguments that rebuild it, for `--trials` children: one
+spelling of each option, and tests/test_config.py checks the round trip.
 """
 
 from __future__ import annotations
@@ -150,14 +150,23 @@ class ProfileOptions:
     fixes: tuple[str, ...] = _option((), "--fix", "With --try-fixes, also try this fix "
                                      "whatever the findings say. Repeat, or separate with "
                                      "commas.", choices=tuple(REMEDIES))
+
+
+@dataclass(frozen=True)
+class ConfineOptions:
+    """Where gpudiag runs the user's command away from its folder (a short script's second
+    run, --try-fixes' runs, the trials of `gate --base-ref REF -- COMMAND` and of
+    `calibrate -- COMMAND`), what those runs may write besides their own place
+    (gpudiag/measure/profile/launching/confine.py)."""
+
     rerun_writable: tuple[str, ...] = _option((), "--rerun-writable", "A folder outside the "
-                                              "working directory that runs in a scratch copy "
-                                              "may write (an absolute output path of the "
-                                              "script's that holds nothing of yours). Repeat.",
-                                              commas=False)
+                                              "working directory that runs gpudiag makes in a "
+                                              "copy or a temporary checkout may write (an "
+                                              "absolute output path of the script's that "
+                                              "holds nothing of yours). Repeat.", commas=False)
     unconfined_reruns: bool = _option(False, "--unconfined-reruns", "Where the kernel cannot "
-                                      "confine a run in a scratch copy to it (no Linux "
-                                      "Landlock), run it anyway: a file of yours it writes "
+                                      "confine those runs to their copy or checkout (no Linux "
+                                      "Landlock), run them anyway: a file of yours they write "
                                       "changes (listed afterwards).")
 
 
@@ -252,8 +261,8 @@ def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileCo
         seed=FIX_SEED if options.try_fixes else None)
 
 
-Options = RunOptions | ProfileOptions | GateOptions
-OptionsT = TypeVar("OptionsT", RunOptions, ProfileOptions, GateOptions)
+Options = RunOptions | ProfileOptions | GateOptions | ConfineOptions
+OptionsT = TypeVar("OptionsT", RunOptions, ProfileOptions, GateOptions, ConfineOptions)
 
 
 def option_fields(cls: type[Options] = RunOptions

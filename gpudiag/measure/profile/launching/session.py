@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import getpass
 import os
 import platform
 import re
@@ -27,7 +26,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,9 +33,15 @@ from pathlib import Path
 from types import FrameType
 
 from gpudiag._version import __version__
-from gpudiag.measure.childexec import child_command, landlock_abi
+from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name, signal_of
 from gpudiag.measure.profile import protocol
+from gpudiag.measure.profile.launching.confine import (
+    DEFAULT_POLICY,
+    ConfinementPolicy,
+    confined,
+    confinement_refusal,
+)
 from gpudiag.measure.profile.launching.jobprocesses import (
     JobProcesses,
     Process,
@@ -380,18 +384,6 @@ def _clear(parts_dir: Path) -> None:
 
 
 @dataclass(frozen=True)
-class RerunPolicy:
-    """How a run in a scratch copy may write: `unconfined`, the user's consent to re-run where
-    the kernel cannot confine a re-run's writes (measure/childexec.py); `writable`, folders of
-    the user's a confined run may write too (--rerun-writable); files the user's own run wrote
-    since `written_since` (time.time()) are copied first (scratch.py)."""
-
-    unconfined: bool = False
-    writable: tuple[str, ...] = ()
-    written_since: float | None = None
-
-
-@dataclass(frozen=True)
 class ProfileRequest:
     config: ProfileConfig  # the command and what the recorder does in it
     out: Path  # the run directory
@@ -399,43 +391,7 @@ class ProfileRequest:
     # A re-run's label (a fix's): run in a scratch copy of the working directory, out/cwd.
     # A diagnosis run gpudiag stops early (--stop-after-window) runs in one too (DIAGNOSIS_RUN).
     isolate: str | None = None
-    policy: RerunPolicy = RerunPolicy()
-
-
-def confinement_refusal(policy: RerunPolicy, what: str) -> str | None:
-    """Why `what` (runs in scratch copies) may not run here: the kernel cannot confine their
-    writes and the user did not consent; None when they may."""
-    if landlock_abi() or policy.unconfined:
-        return None
-    return (f"{what} in a scratch copy of this folder, but this machine cannot keep it from "
-            f"writing to your files (the kernel has no Linux Landlock: {platform.release()}): "
-            "a file of yours it writes through a link, or a path it names outside the copy, "
-            "would change. --unconfined-reruns runs it anyway (what it writes outside the "
-            "copy is listed afterwards)")
-
-
-def rerun_policy(writable: Sequence[str], *, unconfined: bool,
-                 isolated: str | None) -> RerunPolicy:
-    """How runs in scratch copies may write, checked before anything runs: the `writable`
-    folders (--rerun-writable) exist and hold no part of the working directory, and a
-    profile whose every run is in a copy (`isolated` names the option that makes it so) may
-    run here at all. Starts the clock of what the user's run writes."""
-    here = Path.cwd().resolve()
-    for folder in writable:
-        path = Path(folder).resolve()
-        if not path.is_dir():
-            raise BadInput(f"--rerun-writable {folder}: not a folder")
-        if here.is_relative_to(path):
-            raise BadInput(f"--rerun-writable {folder}: it holds the working directory, "
-                           "whose files a run in a copy must not change")
-    policy = RerunPolicy(unconfined=unconfined,
-                         writable=tuple(str(Path(f).resolve()) for f in writable),
-                         written_since=time.time())
-    refused = None if isolated is None else confinement_refusal(
-        policy, f"{isolated} runs the script")
-    if refused is not None:
-        raise BadInput(refused)
-    return policy
+    policy: ConfinementPolicy = DEFAULT_POLICY
 
 
 def profile_command(request: ProfileRequest,
@@ -460,7 +416,8 @@ def profile_command(request: ProfileRequest,
         short = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
                  f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
                  f"profiled {asked.evidence_steps})")
-        refused = confinement_refusal(request.policy, "it would run once more")
+        refused = confinement_refusal(
+            request.policy, "it would run once more in a scratch copy of this folder")
         note = (f"{short}; it is run once more with warm-up {fitted.warmup}, timed "
                 f"{fitted.timed}, profiled {fitted.evidence_steps}, in a scratch copy of its "
                 f"working directory ({RERUN_DIR}/{SCRATCH_DIR} in the run folder; --no-rerun "
@@ -512,12 +469,12 @@ def scheduling_note() -> str | None:
 
 def _isolated(out: Path, top: Path, label: str, config: ProfileConfig,
               on_window: Callable[[ProfileOutput], None] | None,
-              policy: RerunPolicy) -> ProfileOutput:
+              policy: ConfinementPolicy) -> ProfileOutput:
     """A run in a scratch copy of gpudiag's working directory (in `top`), its writes confined
     where the kernel can; the run records it (RunResult.reruns), with what it wrote, or tried
     to write, outside the copy. ScratchError when the copy cannot be made."""
     scratch = make_scratch(Path.cwd(), top, leave_out=out, written_since=policy.written_since,
-                           confined=landlock_abi() > 0)
+                           confined=policy.confined)
     try:
         output = _profile_once(out, config, on_window, scratch, policy)
     finally:
@@ -537,7 +494,7 @@ def _isolated(out: Path, top: Path, label: str, config: ProfileConfig,
 def _profile_once(out: Path, config: ProfileConfig,
                   on_window: Callable[[ProfileOutput], None] | None,
                   scratch: Scratch | None = None,
-                  policy: RerunPolicy = RerunPolicy()) -> ProfileOutput:
+                  policy: ConfinementPolicy = DEFAULT_POLICY) -> ProfileOutput:
     parts_dir = out / PARTS_DIR
     _clear(parts_dir)
     env = child_env(parts_dir, out, config)
@@ -548,13 +505,7 @@ def _profile_once(out: Path, config: ProfileConfig,
             env.update(scratch.env())
             command = scratch.command(command)
             if scratch.confined:
-                # A temporary folder of the run's own, short: a Unix socket's path there
-                # (multiprocessing's) must fit 108 bytes, which the run folder's may not.
-                temporary = cleanup.enter_context(tempfile.TemporaryDirectory(
-                    prefix="gpudiag-", ignore_cleanup_errors=True))
-                writable = confined_writable(out, Path(temporary), scratch.source, env,
-                                             policy.writable)
-                env[protocol.ENV_WRITABLE] = os.pathsep.join(writable)
+                writable = cleanup.enter_context(confined([out], scratch.source, env, policy))
         announced: list[bool] = []
 
         def tick() -> None:
@@ -572,38 +523,6 @@ def _profile_once(out: Path, config: ProfileConfig,
             raise BadInput(f"{failures[0]}: install gpudiag into that interpreter, or run the "
                            "command with the Python gpudiag runs under")
     return output
-
-
-def confined_writable(out: Path, temporary: Path, source: Path, env: dict[str, str],
-                      allowed: Sequence[str]) -> list[str]:
-    """Where a confined run may write: its own folder (the copy, its parts and traces), its
-    `temporary` folder (which `env` now names), the device and process files, the caches,
-    and the folders the user allowed; never a folder holding the working directory.
-    Inductor's cache stays the one the user's runs fill (it lives in the temporary folder)."""
-    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
-    if "TORCHINDUCTOR_CACHE_DIR" not in env and inductor.is_dir():
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
-    env.update({"TMPDIR": str(temporary), "TEMP": str(temporary), "TMP": str(temporary)})
-    home = Path.home()
-    places = [out, temporary, Path("/dev"), Path("/proc"),
-              *(home / name for name in protocol.HOME_CACHES),
-              *(Path(env[v]) for v in protocol.CACHE_VARIABLES if env.get(v)),
-              *(Path(p) for p in allowed)]
-    writable = []
-    for place in places:
-        real = Path(os.path.realpath(place))
-        if real.is_dir() and not source.is_relative_to(real):
-            writable.append(str(real))
-    return writable
-
-
-def _user() -> str:
-    """The user name as Inductor puts it in its cache folder's name (torch/_inductor/
-    runtime/cache_dir_utils.py: getpass.getuser(), path separators dropped)."""
-    try:
-        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    except (KeyError, OSError):
-        return f"uid_{os.getuid()}"
 
 
 def _output(config: ProfileConfig, parts_dir: Path, ended: Ended | None) -> ProfileOutput:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.interrupts import signal_of
+from gpudiag.measure.profile.launching.confine import ConfinementPolicy
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR, ScratchError
 from gpudiag.measure.profile.launching.session import (
     ProfileOutput,
     ProfileRequest,
-    RerunPolicy,
     profile_command,
 )
 from gpudiag.model.config import ProfileConfig
@@ -44,7 +44,7 @@ class FixRuns:
 
 
 def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], *,
-              policy: RerunPolicy,
+              policy: ConfinementPolicy,
               paid: Callable[[dict[str, RunResult]], Sequence[str]],
               on_start: Callable[[str], None],
               on_done: Callable[[Path, ProfileOutput], None]) -> FixRuns:
@@ -54,7 +54,7 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
     scratch copy of the working directory (fixes/<label>/cwd), so every run starts from the
     files the diagnosis run left and none changes the user's. `paid(runs)` names the remedies
     worth combining; `on_done` hears each run's output and its folder. `policy`: how the
-    runs may write (session.RerunPolicy)."""
+    runs may write (confine.ConfinementPolicy)."""
     done = FixRuns()
 
     def measure(names: tuple[str, ...], label: str) -> bool:

@@ -1,0 +1,151 @@
+"""Runs gpudiag makes away from the user's folder, and how they are kept from its files.
+
+gpudiag runs the user's script in a place of its own several times: a short script's second
+run and every --try-fixes run in a scratch copy of the working directory (scratch.py), each
+trial of `gate --base-ref REF -- COMMAND` and of `calibrate -- COMMAND` in a temporary git
+worktree (gpudiag/measure/gatejob.py). Such a run may write only its own place, gpudiag's
+folders for it, a temporary folder of its own, the device files and the caches; the kernel
+refuses the rest (Linux Landlock, set up by gpudiag/measure/childexec.py before the command
+starts). Where the kernel cannot, nothing runs there without the user's consent
+(--unconfined-reruns), asked before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import platform
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpudiag.measure.childexec import landlock_abi
+from gpudiag.measure.profile import protocol
+from gpudiag.model.errors import BadInput
+
+
+@dataclass(frozen=True)
+class ConfinementPolicy:
+    """How a run away from the user's folder may write: `unconfined`, the user's consent to
+    run it where the kernel cannot confine its writes; `writable`, folders of the user's it may
+    write too (--rerun-writable); files the user's own run wrote since `written_since`
+    (time.time()) are copied into a scratch copy first (scratch.py)."""
+
+    unconfined: bool = False
+    writable: tuple[str, ...] = ()
+    written_since: float | None = None
+
+    @property
+    def confined(self) -> bool:
+        return landlock_abi() > 0
+
+
+# Confined, nothing of the user's writable, no consent asked: what a run gets unless told.
+DEFAULT_POLICY = ConfinementPolicy()
+
+
+def confinement_refusal(policy: ConfinementPolicy, what: str) -> str | None:
+    """Why `what` (runs away from the user's folder, and where) may not run here: the kernel
+    cannot confine their writes and the user did not consent; None when they may."""
+    if policy.confined or policy.unconfined:
+        return None
+    return (f"{what}, but this machine cannot keep it from writing to your files (the kernel "
+            f"has no Linux Landlock: {platform.release()}): a file of yours it writes through "
+            "a link, or a path it names outside, would change. --unconfined-reruns runs it "
+            "anyway (what it writes outside is listed afterwards)")
+
+
+# Landlock refuses truncate(2) by path from its ABI 3 (Linux 6.2) on
+# (docs.kernel.org/userspace-api/landlock.html, "File truncation").
+TRUNCATE_ABI = 3
+
+
+def how_kept(policy: ConfinementPolicy, where: str) -> str:
+    """How a run away from the user's folder is kept from its files, as the clause that ends
+    the line announcing it ("... in a scratch copy of this folder{how_kept}")."""
+    if not policy.confined:
+        return ("; this kernel cannot keep it from writing elsewhere (--unconfined-reruns): "
+                f"what it writes outside {where} is listed afterwards")
+    clause = ", and the kernel refuses its writes to your files elsewhere"
+    abi = landlock_abi()
+    if abi < TRUNCATE_ABI:
+        clause += (f" (but not a truncate by path, which this kernel's Landlock, ABI {abi}, "
+                   "cannot refuse: one is listed afterwards)")
+    return clause
+
+
+def confinement_policy(writable: Sequence[str], *, unconfined: bool,
+                       isolated: str | None) -> ConfinementPolicy:
+    """How runs away from the user's folder may write, checked before anything runs: the
+    `writable` folders (--rerun-writable) exist and hold no part of the working directory, and
+    a command whose every run is away from it (`isolated` says which and where) may run here
+    at all. Starts the clock of what the user's own run writes."""
+    here = Path.cwd().resolve()
+    for folder in writable:
+        path = Path(folder).resolve()
+        if not path.is_dir():
+            raise BadInput(f"--rerun-writable {folder}: not a folder")
+        if here.is_relative_to(path):
+            raise BadInput(f"--rerun-writable {folder}: it holds the working directory, "
+                           "whose files a run in a copy must not change")
+    policy = ConfinementPolicy(unconfined=unconfined,
+                               writable=tuple(str(Path(f).resolve()) for f in writable),
+                               written_since=time.time())
+    refused = None if isolated is None else confinement_refusal(policy, isolated)
+    if refused is not None:
+        raise BadInput(refused)
+    return policy
+
+
+@contextlib.contextmanager
+def confined(own: Sequence[Path], source: Path, env: dict[str, str],
+             policy: ConfinementPolicy) -> Iterator[list[str] | None]:
+    """Where a run away from `source` (the user's working directory) may write, for
+    childexec.child_command: the folders gpudiag made for it (`own`: its copy or checkout, its
+    run folder), a temporary folder of its own (which `env` names from now on, removed on
+    exit), the device and process files, the caches, and the folders the user allowed; never
+    a folder holding `source`. None where the kernel cannot confine it (policy.unconfined)."""
+    if not policy.confined:
+        yield None
+        return
+    # Short: a Unix socket's path there (multiprocessing's) must fit 108 bytes, which a run
+    # folder's may not.
+    with tempfile.TemporaryDirectory(prefix="gpudiag-", ignore_cleanup_errors=True) as temporary:
+        writable = confined_writable([*own, Path(temporary)], source, env, policy.writable)
+        env.update({"TMPDIR": temporary, "TEMP": temporary, "TMP": temporary,
+                    protocol.ENV_WRITABLE: os.pathsep.join(writable)})
+        yield writable
+
+
+def confined_writable(own: Sequence[Path], source: Path, env: dict[str, str],
+                      allowed: Sequence[str]) -> list[str]:
+    """The folders of `confined`'s list that exist and hold no part of `source`. Inductor's
+    cache stays the one the user's runs fill (it lives in the temporary folder, which a
+    confined run's TMPDIR replaces)."""
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
+    if "TORCHINDUCTOR_CACHE_DIR" not in env and inductor.is_dir():
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    home = Path.home()
+    places = [*own, Path("/dev"), Path("/proc"),
+              *(home / name for name in protocol.HOME_CACHES),
+              *(Path(env[v]) for v in protocol.CACHE_VARIABLES if env.get(v)),
+              *(Path(p) for p in allowed)]
+    writable = []
+    for place in places:
+        real = Path(os.path.realpath(place))
+        if real.is_dir() and not source.is_relative_to(real):
+            writable.append(str(real))
+    return writable
+
+
+def _user() -> str:
+    """The user name as Inductor puts it in its cache folder's name (torch/_inductor/
+    runtime/cache_dir_utils.py: getpass.getuser(), path separators dropped)."""
+    try:
+        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}"
