@@ -389,3 +389,24 @@ def test_the_announcement_says_how_far_this_kernel_keeps_a_run(
     text = confinement.how_kept(policy, "the copy")
     assert said in text
     assert ("truncate" in text) == (abi == 2)
+
+
+@landlock
+def test_a_cache_a_fresh_machine_lacks_is_made_and_writable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh runner has no ~/.cache yet: a confined run's first download (torch hub, Hugging
+    Face) would be refused making it. The caches are made, empty, before the run."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "TRITON_CACHE_DIR")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton" / "cache")
+    (tmp_path / "own").mkdir()
+    writable = confined_writable([tmp_path / "own"], tmp_path / "work", env, [])
+    assert str(home / ".cache") in writable and (tmp_path / "triton" / "cache").is_dir()
+    assert not any((home / ".cache").iterdir())
+    script = "import os, sys; os.makedirs(sys.argv[1]); open(sys.argv[1] + '/w', 'w').write('x')"
+    done = subprocess.run(confine.child_command(
+        [sys.executable, "-c", script, str(home / ".cache" / "huggingface" / "hub")], writable),
+        env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr

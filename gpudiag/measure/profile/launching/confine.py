@@ -123,17 +123,22 @@ def confined(own: Sequence[Path], source: Path, env: dict[str, str],
 
 def confined_writable(own: Sequence[Path], source: Path, env: dict[str, str],
                       allowed: Sequence[str]) -> list[str]:
-    """The folders of `confined`'s list that exist and hold no part of `source`. Inductor's
+    """The folders of `confined`'s list that exist and hold no part of `source`, the caches
+    made where missing. Inductor's
     cache stays the one the user's runs fill (it lives in the temporary folder, which a
     confined run's TMPDIR replaces)."""
     inductor = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
     if "TORCHINDUCTOR_CACHE_DIR" not in env and inductor.is_dir():
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
     home = Path.home()
-    places = [*own, Path("/dev"), Path("/proc"),
-              *(home / name for name in protocol.HOME_CACHES),
-              *(Path(env[v]) for v in protocol.CACHE_VARIABLES if env.get(v)),
-              *(Path(p) for p in allowed)]
+    caches = [*(home / name for name in protocol.HOME_CACHES),
+              *(Path(env[v]) for v in protocol.CACHE_VARIABLES if env.get(v))]
+    for cache in caches:
+        # One the run would make itself (a fresh machine's first download or compile): made
+        # now, empty, as a folder beneath it could not be allowed before it exists.
+        with contextlib.suppress(OSError):
+            cache.mkdir(parents=True, exist_ok=True)
+    places = [*own, Path("/dev"), Path("/proc"), *caches, *(Path(p) for p in allowed)]
     writable = []
     for place in places:
         real = Path(os.path.realpath(place))
