@@ -138,6 +138,25 @@ def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path)
                           capture_output=True).returncode == 0
 
 
+def test_a_folder_the_base_lacks_is_named_before_any_worktree(tmp_path: Path) -> None:
+    """The gate run from sub/, which the head added: one line naming the folder, no
+    worktree, not a trial failing in a deleted temporary path."""
+    from gpudiag.measure.gatejob import base_checkout
+    from gpudiag.model.errors import BadInput
+
+    repo = _committed(tmp_path / "repo", {"a.txt": "a\n"})
+    (repo / "sub").mkdir()
+    (repo / "sub" / "train.py").write_text("print(1)\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "sub")
+    with (pytest.raises(BadInput, match=r"'HEAD~1' has no sub/, the folder this gate runs"),
+          base_checkout("HEAD~1", repo / "sub")):
+        pass
+    assert len(git(repo, "worktree", "list").strip().splitlines()) == 1
+    with base_checkout("HEAD", repo / "sub") as base:
+        assert (base / "train.py").is_file()
+
+
 def test_the_head_checkout_is_this_checkout_as_it_is(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A script's head runs in a worktree holding this checkout's uncommitted change and its

@@ -83,8 +83,16 @@ def base_checkout(ref: str, cwd: Path) -> Iterator[Path]:
     except BadInput:
         raise BadInput(f"--base-ref {ref!r}: no such commit in {top} (fetch it first, "
                        "e.g. `git fetch origin main`)") from None
-    with _worktree(top, commit, cwd) as (_, place):
-        yield place
+    place = cwd.resolve().relative_to(top.resolve())
+    if place.parts:
+        try:  # before any worktree exists: the trial would start in a missing folder
+            _git(cwd, "cat-file", "-e", f"{commit}:{place.as_posix()}")
+        except BadInput:
+            raise BadInput(f"--base-ref {ref!r} has no {place.as_posix()}/, the folder this "
+                           "gate runs from: run it from a folder both sides have (e.g. the "
+                           "repository's top)") from None
+    with _worktree(top, commit, cwd) as (_, place_in_tree):
+        yield place_in_tree
 
 
 # Untracked files the head's worktree copies: beyond these, they are data or an environment,
