@@ -3,6 +3,7 @@ hand-built runs, and real tiny runs of checkpoint-sync and checkpoint-async."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -167,8 +168,10 @@ def test_quiet_async_saving_is_not_flagged() -> None:
 
 @pytest.mark.slow
 def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
-    """A 2 MB tiny checkpoint every 3 steps of ~20 ms: the blocking save costs ~10%, the
-    asynchronous one a few percent at most, never a warning-level stall."""
+    """A 2 MB tiny checkpoint every 3 steps of ~20 ms: the blocking save holds the step for
+    all of its write, the asynchronous one for its copies only, never a warning-level stall.
+    The blocking save's share of the run is not asserted: on a loaded machine the steps slow
+    more than the page-cache write does (8 ms a save was 4% of 3 steps, under the 5% warning)."""
     out = tmp_path / "run"
     result = invoke([
         "run", "--no-plots", "--device", "cpu", "--preset", "tiny", "--stages",
@@ -183,8 +186,13 @@ def test_real_tiny_checkpoint_stages(tmp_path: Path) -> None:
         assert info is not None and info.mode == mode and info.every == 3
         assert [s.step for s in info.saves] == list(range(2, len(stage.iter_ms), 3))
         assert all((s.bytes or 0) > 1_000_000 and (s.total_ms or 0) > 0 for s in info.saves)
-    sync_stalls = [f for f in run.findings if f.id == "GD701" and f.stage == "checkpoint-sync"]
-    assert sync_stalls and sync_stalls[0].severity in ("warning", "critical")
+    assert [f for f in run.findings if f.id == "GD701" and f.stage == "checkpoint-sync"]
+    sync, both = (stage.facts.checkpoint for stage in run.stages)
+    assert sync is not None and sync.mode == "sync" and both is not None
+    # Blocking: the step waits for the whole save; asynchronous: for a fraction of its own.
+    assert all(s.blocking_ms >= 0.9 * (s.total_ms or 0) for s in sync.saves)
+    assert statistics.median(s.blocking_ms for s in both.saves) < 0.5 * statistics.median(
+        s.blocking_ms for s in sync.saves)
     assert not [f for f in run.findings if f.id == "GD701" and f.stage == "checkpoint-async"
                 and f.severity != "info"]
     assert not (out / "checkpoints").exists()  # removed unless --keep-checkpoints
