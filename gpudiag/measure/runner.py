@@ -18,7 +18,7 @@ import gc
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ import torch
 from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence import collect_evidence
+from gpudiag.measure.evidence.profiler_window import TraceSaves
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.interrupts import (
     Stopped,
@@ -104,12 +105,15 @@ def run_stages(
             sampler.wait_ready()
         profiled = [result for name in config.stages
                     if (result := session.time_stage(name)) is not None]
-        for result in profiled:
-            if run.interrupted:
-                result.facts.evidence_missing = ("the run was interrupted before this stage's "
-                                                 "profiler window")
-                continue
-            session.profile(result, trace_dir)
+        try:
+            for result in profiled:
+                if run.interrupted:
+                    result.facts.evidence_missing = ("the run was interrupted before this "
+                                                     "stage's profiler window")
+                    continue
+                session.profile(result, trace_dir)
+        finally:  # the traces' files are the run's: written before it is
+            run.notes.extend(f"profiler trace {failed}" for failed in session.saves.join())
         samples = sampler.samples()
     run.duration_s = time.perf_counter() - started
     return RunOutput(run, samples)
@@ -124,6 +128,7 @@ class _Session:
     sampler: Sampler
     listener: ProgressListener | None
     checkpoint: Callable[[], None]
+    saves: TraceSaves = field(default_factory=TraceSaves)
 
     def time_stage(self, name: str) -> StageResult | None:
         """Time stage `name` into the run; return its result when it wants a profiler window."""
@@ -160,7 +165,7 @@ class _Session:
         if self.listener is not None:
             self.listener.evidence_started(result.name)
         try:
-            _add_evidence(get_stage(result.name), self.ctx, result, trace_dir)
+            _add_evidence(get_stage(result.name), self.ctx, result, trace_dir, self.saves)
         except KeyboardInterrupt:
             self.run.interrupted = True
         if self.listener is not None:
@@ -169,7 +174,7 @@ class _Session:
 
 
 def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
-                  trace_dir: Path | None = None) -> None:
+                  trace_dir: Path | None = None, saves: TraceSaves | None = None) -> None:
     """Rebuild the stage's workload and record a profiled window of it on `result`. A failure
     here is noted on the stage; its timings stand."""
     workload: Workload | None = None
@@ -189,7 +194,7 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
                                                steps=ctx.config.evidence_steps,
                                                timed_step_ms=result.timing.p25_ms
                                                if result.timing else result.ms_per_iter,
-                                               save_to=trace_file)
+                                               save_to=trace_file, saves=saves)
     except Exception as exc:
         result.facts.evidence_missing = (f"the profiler window failed: {type(exc).__name__}: "
                                          f"{_first_line(str(exc))}")

@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -204,13 +205,47 @@ def save_trace(exported: bytes, path: Path) -> None:
     write_bytes_atomic(path, gzip.compress(exported, compresslevel=6))
 
 
+class TraceSaves:
+    """Closed windows' traces compressed and written in threads, beside whatever comes next:
+    zlib lets go of the GIL, so a 64 MB trace's second of gzip (the dgca full-loop window's on
+    an H100) no longer adds to the run. `join` waits for them all and says which failed (a
+    full disk: the evidence stands without its trace file)."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._failed: list[str] = []
+
+    def save(self, exported: bytes, path: Path) -> None:
+        def run() -> None:
+            try:
+                save_trace(exported, path)
+            except Exception as exc:
+                self._failed.append(f"{path.name} not written: {type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=run, name="gpudiag-trace-save", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def join(self) -> list[str]:
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        failed, self._failed = self._failed, []
+        return failed
+
+
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
-                     timed_step_ms: float | None, save_to: Path | None = None) -> Evidence:
+                     timed_step_ms: float | None, save_to: Path | None = None,
+                     saves: TraceSaves | None = None) -> Evidence:
     """The window's evidence; with `save_to`, its Chrome trace too (gzipped JSON, which
-    ui.perfetto.dev and chrome://tracing open as is)."""
+    ui.perfetto.dev and chrome://tracing open as is), in `saves`' threads when given."""
     window, events = capture_trace(step, device=device, steps=steps)
     if save_to is not None:
-        save_trace(window.trace_json, save_to)
+        if saves is not None:
+            saves.save(window.trace_json, save_to)
+        else:
+            save_trace(window.trace_json, save_to)
+    window.trace_json = b""  # tens of MB: the saver holds its own reference
     evidence = window.evidence(events, timed_step_ms)
     assert evidence is not None  # steps >= 1 closed steps
     return evidence

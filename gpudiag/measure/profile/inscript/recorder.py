@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.measure.env import collect_env, device_identity
-from gpudiag.measure.evidence.profiler_window import ProfilerWindow, save_trace
+from gpudiag.measure.evidence.profiler_window import ProfilerWindow, TraceSaves
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.components import FsdpWatch, LoaderWatch, OptimizerWatch
@@ -115,7 +115,7 @@ class Recorder:
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
         self.evidence: Evidence | None = None
-        self.trace_saver: threading.Thread | None = None
+        self.trace_saves = TraceSaves()
         self.compile_counts: tuple[int | None, int | None] = (None, None)
         self.compile_watch = CompileWatch(self.host_marks)
         self.part_at = self.host_marks[0]  # when this process last wrote its part
@@ -329,18 +329,9 @@ class Recorder:
                 "the graph; `gpudiag profile --compile-lines` charges compiled kernels to "
                 "lines); counts and times per step are exact")
         if self.trace_dir is not None and self.evidence is not None:
-            # Compressed beside the script (zlib lets go of the GIL), not in its step: ~1 s of
-            # a 24,600-kernel window on an H100 (benchmarks/window_cost.py). Joined at exit.
-            self.trace_saver = threading.Thread(
-                target=self._save_trace, name="gpudiag-trace-save", daemon=True,
-                args=(exported, self.trace_dir / f"profile-{_stage_name()}.json.gz"))
-            self.trace_saver.start()
-
-    def _save_trace(self, exported: bytes, path: Path) -> None:
-        try:
-            save_trace(exported, path)
-        except Exception as exc:  # a full disk: the evidence stands without its trace file
-            self.error = self.error or f"the profiler trace: {type(exc).__name__}: {exc}"
+            # Compressed beside the script, not in its step: ~1 s of a 24,600-kernel window on
+            # an H100 (benchmarks/window_cost.py). Joined at exit.
+            self.trace_saves.save(exported, self.trace_dir / f"profile-{_stage_name()}.json.gz")
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
@@ -568,8 +559,8 @@ class Recorder:
             self.error = f"{type(exc).__name__}: {exc}"
         if self.host_sampler is not None:
             self.host = self.host_sampler.stop()
-        if self.trace_saver is not None:
-            self.trace_saver.join()  # the final part says the run is over: its trace too
+        for failed in self.trace_saves.join():  # the final part says the run is over: its
+            self.error = self.error or f"the profiler trace {failed}"  # trace too
         try:
             self.compiles = self.compile_watch.facts()
         except Exception as exc:  # Dynamo's internals moved: the rest of the run stands
