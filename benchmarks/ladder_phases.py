@@ -62,7 +62,8 @@ def _show() -> None:
 
 
 for _name in PHASES:
-    setattr(runner, _name, _timed(_name, getattr(runner, _name)))
+    if hasattr(runner, _name):  # an earlier tree's runner may lack one (--tree comparisons)
+        setattr(runner, _name, _timed(_name, getattr(runner, _name)))
 runner.get_stage = _with_timed_build(runner.get_stage)
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ class RunOptions:
     warmup: int | None = _option(None, "--warmup", "Untimed warm-up steps per stage.",
                                  check="non-negative")
     min_seconds: float | None = _option(None, "--min-seconds", "Keep timing each stage at "
-                                        "least this long.", check="non-negative")
+                                        "least this long (a stage without device work at "
+                                        "most 1 s of it).", check="non-negative")
     amp_dtype: str | None = _option(None, "--amp-dtype", "Mixed-precision dtype (default: "
                                     "fp16 on CUDA; on a CPU bf16 where native, else fp32).",
                                     choices=AMP_DTYPES)

@@ -38,6 +38,10 @@ class Workload:
     description: str
     host_only: bool = False  # no device work: time with the host clock
     facts: StageFacts = field(default_factory=StageFacts)  # bursty steps, precision, loader...
+    # Stages whose steps run the same operators on the same shapes share one FLOP count
+    # (the runner's), whatever their precision or the batch's source: train, train-fp16 and
+    # data-train counted 10,273,092,009,984 each on an H100 (reports/examples/h100-dgca-schema3).
+    flops_key: tuple[str, ...] | None = None
     close: Callable[[], None] = lambda: None
     min_iters: int = 0  # timed steps the stage needs whatever --iters says (e.g. several saves)
     # Called once warm-up is over, and after the timed steps to add what they recorded to the
@@ -52,6 +56,8 @@ class StageContext:
     device: torch.device
     spec: ModelSpec
     phases: PhaseRecorder
+    # FLOPs per step by Workload.flops_key, counted once a run.
+    flops_counted: dict[tuple[str, ...], int] = field(default_factory=dict)
 
     @property
     def options(self) -> ModelOptions:

@@ -93,6 +93,10 @@ def tokens(ctx: StageContext) -> int:
     return ctx.config.batch_size * ctx.config.seq_len
 
 
+# The base model's training step, whatever its precision or data source (Workload.flops_key).
+TRAIN_FLOPS = ("train",)
+
+
 @stage("infer", "forward only (no_grad, fp32)")
 def infer(ctx: StageContext) -> Workload:
     bundle = ctx.bundle()
@@ -114,7 +118,8 @@ def train(ctx: StageContext) -> Workload:
     batch = ctx.batch(bundle)
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=False),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
-                    description=f"{bundle.description}, fp32", facts=fp32_rung())
+                    description=f"{bundle.description}, fp32", facts=fp32_rung(),
+                    flops_key=TRAIN_FLOPS)
 
 
 @stage(REFERENCE_STAGE, "training step with mixed precision (autocast)", role="reference")
@@ -124,7 +129,7 @@ def train_fp16(ctx: StageContext) -> Workload:
     return Workload(step=train_step(ctx, bundle, lambda: batch, amp=True),
                     samples_per_step=ctx.config.batch_size, tokens_per_step=tokens(ctx),
                     description=f"{bundle.description}, {amp_label(ctx)}",
-                    facts=amp_facts(ctx))
+                    facts=amp_facts(ctx), flops_key=TRAIN_FLOPS)
 
 
 def _loader_facts(ctx: StageContext) -> LoaderFacts:
@@ -169,7 +174,7 @@ def data_train(ctx: StageContext) -> Workload:
                     facts=amp_facts(ctx, loader=_loader_facts(ctx)),
                     description=f"{bundle.description}, {amp_label(ctx)}, "
                                 f"{ctx.config.loader_workers} loader workers",
-                    close=lambda: _shutdown(batches))
+                    close=lambda: _shutdown(batches), flops_key=TRAIN_FLOPS)
 
 
 def _full_model(ctx: StageContext, variant: str, counterfactual: str | None = None) -> Workload:
