@@ -172,3 +172,27 @@ def test_calibrate_warns_of_a_noisy_spread_and_refuses_an_implausible_one() -> N
     assert "differ by 20.0%" in warning
     with pytest.raises(BadInput, match="differ by 60%"):
         plausible(record(0.6))
+
+
+def test_calibrating_a_second_script_keeps_the_first() -> None:
+    """Profiled scripts share one workload identity and are told apart by their stage (the
+    script's name): calibrating finetune.py replaced train.py's record. A stage measured
+    again is replaced, each stage found with its own record's date."""
+    from gpudiag.model.calibration import Calibration, CalibrationRecord, StageSpread
+
+    def record(stages: dict[str, float], when: str) -> CalibrationRecord:
+        return CalibrationRecord(device="cuda", gpu_name="H100", workload={"mode": "profile"},
+                                 stages=[StageSpread(stage=n, trials=5, wall_sd=sd)
+                                         for n, sd in stages.items()], created_utc=when)
+
+    calibration = (Calibration()
+                   .with_record(record({"train.py": 0.04}, "2026-11-01"))
+                   .with_record(record({"finetune.py": 0.06}, "2026-11-02"))
+                   .with_record(record({"train.py": 0.03, "eval.py": 0.02}, "2026-11-03")))
+    found = {name: calibration.find("cuda", "H100", {"mode": "profile"}, name)
+             for name in ("train.py", "finetune.py", "eval.py", "other.py")}
+    assert {n: (f[0].created_utc, f[1].wall_sd) for n, f in found.items() if f} == {
+        "train.py": ("2026-11-03", 0.03), "finetune.py": ("2026-11-02", 0.06),
+        "eval.py": ("2026-11-03", 0.02)}
+    assert found["other.py"] is None and len(calibration.records) == 2
+    assert calibration.find("cpu", None, {"mode": "profile"}, "train.py") is None

@@ -64,9 +64,7 @@ def _calibrated(calibration: Calibration | None, run: RunResult, stage: str
                 ) -> tuple[CalibrationRecord, StageSpread] | None:
     if calibration is None:
         return None
-    record = calibration.find(device_kind(run), run.env.gpu_name, _workload(run))
-    spread = next((s for s in record.stages if s.stage == stage), None) if record else None
-    return (record, spread) if record is not None and spread is not None else None
+    return calibration.find(device_kind(run), run.env.gpu_name, _workload(run), stage)
 
 
 def floor_for(runs: tuple[RunResult, RunResult], stage: str, instrument: Instrument,

@@ -2,13 +2,15 @@
 
 `gpudiag calibrate` records it (N fresh-process trials of one workload) into a file the gate
 reads (default `.gpudiag/calibration.json`, meant to be committed beside baselines). One file
-holds a record per (device kind, GPU model, workload); recording again replaces that record
-only. The gate uses a record as its prior for the between-process spread
-(gpudiag/diagnose/noise.py) instead of the built-in floor of the device kind.
+holds records per (device kind, GPU model, workload); recording again replaces the stages it
+measured only (each profiled script is a stage of one workload identity). The gate uses a
+record as its prior for the between-process spread (gpudiag/diagnose/noise.py) instead of the
+built-in floor of the device kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,14 +73,29 @@ class Calibration:
     records: list[CalibrationRecord] = field(default_factory=list)
     schema_version: int = CALIBRATION_SCHEMA
 
-    def find(self, device: str, gpu_name: str | None,
-             workload: dict[str, str | int | None]) -> CalibrationRecord | None:
+    def find(self, device: str, gpu_name: str | None, workload: dict[str, str | int | None],
+             stage: str) -> tuple[CalibrationRecord, StageSpread] | None:
+        """The newest record of this device, GPU and workload that measured `stage`, and its
+        spread there."""
         wanted = (device, gpu_name, tuple(sorted(workload.items())))
-        return next((r for r in self.records if r.key() == wanted), None)
+        for record in reversed(self.records):
+            spread = next((s for s in record.stages if s.stage == stage), None)
+            if record.key() == wanted and spread is not None:
+                return record, spread
+        return None
 
     def with_record(self, record: CalibrationRecord) -> Calibration:
-        """This calibration with `record` added, replacing the one of the same key."""
-        kept = [r for r in self.records if r.key() != record.key()]
+        """This calibration with `record` added: a stage it measured replaces that stage in an
+        earlier record of the same key; that record's other stages stay. Profiled scripts all
+        share one workload identity, their stages named by script: calibrating finetune.py
+        used to drop train.py's record."""
+        measured = {s.stage for s in record.stages}
+        kept = []
+        for earlier in self.records:
+            left = [s for s in earlier.stages
+                    if earlier.key() != record.key() or s.stage not in measured]
+            if left:
+                kept.append(dataclasses.replace(earlier, stages=left))
         return Calibration(records=[*kept, record])
 
 
