@@ -232,7 +232,7 @@ def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | N
     if run is None:
         where = (f"; the end of its output ({log}):\n{_tail(log)}" if log is not None
                  else "; its error is above")
-        confinement = ("; it ran confined to its checkout: a write elsewhere was refused "
+        confinement = ("; it ran confined to its checkout, where a write elsewhere fails "
                        "(--rerun-writable FOLDER allows a folder of yours)"
                        if writable is not None else "")
         raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}){confinement}"
