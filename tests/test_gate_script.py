@@ -217,6 +217,7 @@ subprocess.run(["git", "status", "--porcelain"], check=True, capture_output=True
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @landlock
 def test_a_gated_command_is_confined_to_its_worktree(tmp_path: Path) -> None:
     """`gate --base-ref -- COMMAND`: each trial runs confined to its worktree, so the script's
