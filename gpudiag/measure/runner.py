@@ -57,7 +57,8 @@ class ProgressListener(Protocol):
 
 # --min-seconds is there for the device's energy counter (100 ms refresh: README); a stage
 # with no device work needs only enough steps past its loader's prefetched batches (the
-# dataloader stage: ~550 of 1.8 ms on an H100, where 3 s timed 1,650).
+# dataloader stage: ~440 batches of 2.2 ms on an H100, where 3 s timed 1,150-1,450;
+# reports/examples/benchmarks/h100-ladder-ab-issue39.json).
 HOST_ONLY_MIN_SECONDS = 1.0
 
 
@@ -180,7 +181,7 @@ class _Session:
 
 
 def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
-                  trace_dir: Path | None = None, saves: TraceSaves | None = None) -> None:
+                  trace_dir: Path | None, saves: TraceSaves) -> None:
     """Rebuild the stage's workload and record a profiled window of it on `result`. A failure
     here is noted on the stage; its timings stand."""
     workload: Workload | None = None
@@ -192,15 +193,15 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
             # The rebuilt workload's warm-up is the window's own first step, untraced with the
             # annotator (evidence/profiler_window.py): a plain step before it added a step's
             # time to every stage's pass and changed nothing the window recorded.
-            trace_file = (trace_dir / f"profile-{definition.name}.json.gz"
-                          if trace_dir is not None else None)
+            save = ((saves, trace_dir / f"profile-{definition.name}.json.gz")
+                    if trace_dir is not None else None)
             # The lower quartile is the pace the stage sustains: interference on a shared host
             # only ever adds time, and would otherwise pass for GPU idleness.
             result.evidence = collect_evidence(workload.step, device=ctx.device,
                                                steps=ctx.config.evidence_steps,
                                                timed_step_ms=result.timing.p25_ms
                                                if result.timing else result.ms_per_iter,
-                                               save_to=trace_file, saves=saves)
+                                               save=save)
     except Exception as exc:
         result.facts.evidence_missing = (f"the profiler window failed: {type(exc).__name__}: "
                                          f"{_first_line(str(exc))}")

@@ -235,16 +235,14 @@ class TraceSaves:
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
-                     timed_step_ms: float | None, save_to: Path | None = None,
-                     saves: TraceSaves | None = None) -> Evidence:
-    """The window's evidence; with `save_to`, its Chrome trace too (gzipped JSON, which
-    ui.perfetto.dev and chrome://tracing open as is), in `saves`' threads when given."""
+                     timed_step_ms: float | None,
+                     save: tuple[TraceSaves, Path] | None = None) -> Evidence:
+    """The window's evidence; with `save`, its Chrome trace too (gzipped JSON, which
+    ui.perfetto.dev and chrome://tracing open as is), written at that path in those threads."""
     window, events = capture_trace(step, device=device, steps=steps)
-    if save_to is not None:
-        if saves is not None:
-            saves.save(window.trace_json, save_to)
-        else:
-            save_trace(window.trace_json, save_to)
+    if save is not None:
+        saves, path = save
+        saves.save(window.trace_json, path)
     window.trace_json = b""  # tens of MB: the saver holds its own reference
     evidence = window.evidence(events, timed_step_ms)
     assert evidence is not None  # steps >= 1 closed steps
