@@ -156,6 +156,20 @@ def test_a_head_that_broke_fails_the_gate(tmp_path: Path) -> None:
     assert code == 0 and "ddp: ran on neither side (one GPU)" in output
 
 
+def test_a_command_that_ran_on_neither_side_is_nothing_measured(tmp_path: Path) -> None:
+    """Every stage failed on both sides (a command a confined trial could not run): exit 4
+    with the error, not an inconclusive gate passing under --on-inconclusive pass."""
+    base, head = _run(68.0, seed=1), _run(68.0, seed=2)
+    for run in (base, head):
+        stage = run.stages[0]
+        stage.status, stage.iter_ms, stage.evidence = "error", [], None
+        stage.error = "PermissionError: [Errno 13] Permission denied: '/tmp/out'"
+    code, output = _gate(tmp_path, base, head)
+    assert code == ExitCode.NOTHING_MEASURED == 4, output
+    assert output.startswith("NOTHING MEASURED: no stage ran on either side (exit 4)"), output
+    assert "train: ran on neither side (PermissionError" in output
+
+
 def test_calibrate_records_and_the_gate_reads_it(tmp_path: Path) -> None:
     folder = tmp_path / "trials"
     for k in range(4):

@@ -240,6 +240,26 @@ def test_a_gated_command_is_confined_to_its_worktree(tmp_path: Path) -> None:
     assert not git(repo, "status", "--porcelain").strip() and _worktrees(repo) == 1
 
 
+@pytest.mark.slow
+@landlock
+def test_a_command_that_cannot_run_confined_is_nothing_measured_and_says_why(
+        tmp_path: Path) -> None:
+    """A script that makes its output folder at an absolute path outside the repository (as
+    nanoGPT's `--out_dir=/abs` does): refused on both sides, so the gate measured nothing:
+    exit 4, the error quoted with the option that allows the folder, nothing made there."""
+    repo = _repo(tmp_path, None)
+    (repo / "train.py").write_text("import os, sys\nos.makedirs(sys.argv[1])\n" + SCRIPT)
+    git(repo, "commit", "-qam", "an output folder outside")
+    outside = tmp_path / "mine" / "out"
+    with in_folder(repo):
+        done = invoke(["gate", "--base-ref", "HEAD", "--max-trials", "1", "--out",
+                       str(tmp_path / "job"), "--", sys.executable, "train.py", str(outside)])
+    assert done.exit_code == 4, done.output
+    assert done.stdout.startswith("NOTHING MEASURED"), done.stdout
+    assert "PermissionError" in done.stdout and "--rerun-writable FOLDER" in done.stdout
+    assert not outside.parent.exists() and _worktrees(repo) == 1
+
+
 def test_without_landlock_a_gated_command_runs_only_with_consent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel cannot confine the trials, `gate --base-ref -- COMMAND` and

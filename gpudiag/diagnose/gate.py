@@ -110,10 +110,15 @@ class GateDecision:
     unseen: list[str]  # what the gate could not see, one line each
     priors: list[str] = field(default_factory=list)  # the spreads assumed, and whence
     stopped: list[str] = field(default_factory=list)  # why trials stopped (--base-ref)
+    # No stage ran on either side (a command that fails on both): nothing to be undecided
+    # about, and no exit 0 for it whatever --on-inconclusive says.
+    measured_nothing: bool = False
 
     def exit_code(self, on_inconclusive: OnInconclusive = "pass") -> ExitCode:
         if self.outcome == "failed":
             return ExitCode.HEAD_FAILED
+        if self.measured_nothing:
+            return ExitCode.NOTHING_MEASURED
         if self.outcome == "inconclusive":
             return ExitCode.OK if on_inconclusive == "pass" else ExitCode.INCONCLUSIVE
         return ExitCode.REGRESSION if self.outcome == "regression" else ExitCode.OK
@@ -459,8 +464,11 @@ def decide(comparison: Comparison, limits: GateLimits | None = None, *,
     new = sorted(comparison.findings_new,
                  key=lambda f: (SEVERITY_RANK[f.severity], f.impact), reverse=True)
     changes = [(s.stage, c) for s in comparison.stages for c in s.counter_changes]
+    ran = [side for s in comparison.stages for side in (s.before, s.after)
+           if side is not None and side.ok]
     return GateDecision(outcome=outcome, stages=gates, new_findings=new, changes=changes,
-                        unseen=_unseen(comparison, gates), priors=_priors(comparison))
+                        unseen=_unseen(comparison, gates), priors=_priors(comparison),
+                        measured_nothing=bool(comparison.stages) and not ran)
 
 
 @dataclass(frozen=True)

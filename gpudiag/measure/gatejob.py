@@ -232,12 +232,19 @@ def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | N
     if run is None:
         where = (f"; the end of its output ({log}):\n{_tail(log)}" if log is not None
                  else "; its error is above")
-        confinement = ("; it ran confined to its checkout, where a write elsewhere fails "
-                       "(--rerun-writable FOLDER allows a folder of yours)"
-                       if writable is not None else "")
-        raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code}){confinement}"
-                       f"{where}")
+        raise BadInput(f"a trial of {checkout} wrote no run.json (exit {code})"
+                       f"{CONFINED_HINT if writable is not None else ''}{where}")
+    if writable is not None:
+        for stage in run.stages:  # the gate's summary quotes a failed stage's error
+            if stage.error and any(word in stage.error for word in _REFUSED):
+                stage.error += CONFINED_HINT
     return run
+
+
+# A write the kernel refused, as Python and the C library word it (an EACCES).
+_REFUSED = ("PermissionError", "Permission denied", "[Errno 13]")
+CONFINED_HINT = ("; the trial ran confined to its checkout, where a write elsewhere fails "
+                 "(--rerun-writable FOLDER allows a folder of yours)")
 
 
 def _own_git(checkout: Path) -> list[Path]:

@@ -46,7 +46,8 @@ class ExitCode(IntEnum):
         "and how many trials would tell")
     NOTHING_MEASURED = 4, (
         "`run` measured nothing: every stage failed or was skipped (run.json and report.md say "
-        "why), or no `--trials` trial wrote a run")
+        "why), or no `--trials` trial wrote a run; or a gate none of whose stages ran on either "
+        "side (a command that fails on both: its error is in the summary)")
     HEAD_FAILED = 5, (
         "the gate's head broke: a stage the base ran crashed, was skipped or was interrupted, "
         "or the head's run was interrupted (named in the summary), or the head could not run "

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from gpudiag.diagnose.compare import Comparison, MetricChange, StageComparison
 from gpudiag.diagnose.gate import MAX_PROJECTED, GateDecision, describe_change
+from gpudiag.model.errors import ExitCode
 from gpudiag.model.options import OnInconclusive
 from gpudiag.model.results import Finding
 from gpudiag.present.rows import DASH, fmt
@@ -149,7 +150,10 @@ def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass")
     """The gate's verdict as plain lines: each instrument's verdict per stage, the exact
     counters that changed and where, what the gate could not see, and new findings."""
     lines = [_HEADLINE[decision.outcome]]
-    if decision.outcome == "inconclusive":
+    if decision.measured_nothing:
+        lines[0] = (f"NOTHING MEASURED: no stage ran on either side (exit "
+                    f"{ExitCode.NOTHING_MEASURED.value}); why is below.")
+    elif decision.outcome == "inconclusive":
         lines[0] += (" Passing under --on-inconclusive pass." if on_inconclusive == "pass"
                      else " Failing under --on-inconclusive fail (exit 3).")
     for g in decision.stages:
@@ -196,6 +200,7 @@ def stopped_gate_markdown(exit_code: int, base_trials: int, head_trials: int) ->
 
 def gate_markdown(decision: GateDecision, c: Comparison,
                   on_inconclusive: OnInconclusive = "pass") -> str:
-    out = [f"## gpudiag gate: {decision.outcome.upper()}", "", "```",
+    title = "NOTHING MEASURED" if decision.measured_nothing else decision.outcome.upper()
+    out = [f"## gpudiag gate: {title}", "", "```",
            *gate_lines(decision, on_inconclusive), "```", ""]
     return "\n".join(out) + comparison_markdown(c)
