@@ -681,7 +681,7 @@ def _command_note(shared: tuple[str, ...], policy: ConfinementPolicy, *,
     """What running the user's command does with the user's files, said before it runs."""
     note = (f"{who} in a temporary checkout (this checkout with its uncommitted changes and "
             "untracked files, for the head); what the command writes there is removed with "
-            f"it{how_kept(policy, 'its checkout')}")
+            f"it{how_kept(policy, 'its checkout', watched=False)}")
     if not shared:
         return note
     return note + (f"; {', '.join(shared)} linked into it read-only (--share)" if policy.confined
@@ -697,8 +697,10 @@ def _trials_policy(confine: ConfineOptions, command: list[str],
         _check_sources(confine == ConfineOptions(), "--rerun-writable and --unconfined-reruns "
                        "go with a COMMAND")
         return None
+    # A trial's writes outside its checkout are not watched (a profile's re-runs' are).
     return confinement_policy(confine.rerun_writable, unconfined=confine.unconfined_reruns,
-                              isolated=f"{who} runs your command in temporary checkouts")
+                              isolated=f"{who} runs your command in temporary checkouts",
+                              watched=False)
 
 
 def _calibration_for_gate(path: Path | None) -> Calibration | None:

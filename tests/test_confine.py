@@ -410,3 +410,17 @@ def test_a_cache_a_fresh_machine_lacks_is_made_and_writable(
         [sys.executable, "-c", script, str(home / ".cache" / "huggingface" / "hub")], writable),
         env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_gate_trial_is_not_promised_a_list_of_its_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a profile's scratch copies are watched; a gate's or calibrate's trials are not, so
+    neither their announcement nor their refusal says writes are listed afterwards."""
+    monkeypatch.setattr(confinement, "landlock_abi", lambda: 0)
+    consented = confinement.ConfinementPolicy(unconfined=True)
+    assert "listed" not in confinement.how_kept(consented, "its checkout", watched=False)
+    refusal = confinement.confinement_refusal(confinement.ConfinementPolicy(), "gate",
+                                              watched=False)
+    assert refusal is not None and "--unconfined-reruns" in refusal and "listed" not in refusal
+    monkeypatch.setattr(confinement, "landlock_abi", lambda: 2)
+    assert "listed" not in confinement.how_kept(consented, "its checkout", watched=False)

@@ -168,7 +168,7 @@ class ConfineOptions:
     unconfined_reruns: bool = _option(False, "--unconfined-reruns", "Where the kernel cannot "
                                       "confine those runs to their copy or checkout (no Linux "
                                       "Landlock), run them anyway: a file of yours they write "
-                                      "changes (listed afterwards).")
+                                      "changes (a profile's re-runs list those afterwards).")
 
 
 @dataclass(frozen=True)

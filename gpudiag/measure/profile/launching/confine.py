@@ -44,19 +44,22 @@ class ConfinementPolicy:
         return landlock_abi() > 0
 
 
-# Confined, nothing of the user's writable, no consent asked: what a run gets unless told.
+# Nothing of the user's writable, no consent to run unconfined: what a run gets unless told.
 DEFAULT_POLICY = ConfinementPolicy()
 
 
-def confinement_refusal(policy: ConfinementPolicy, what: str) -> str | None:
+def confinement_refusal(policy: ConfinementPolicy, what: str, *,
+                        watched: bool = True) -> str | None:
     """Why `what` (runs away from the user's folder, and where) may not run here: the kernel
-    cannot confine their writes and the user did not consent; None when they may."""
+    cannot confine their writes and the user did not consent; None when they may. `watched`:
+    the runs' writes outside are listed afterwards (a profile's scratch copies; a gate's trials
+    are not watched)."""
     if policy.confined or policy.unconfined:
         return None
     return (f"{what}, but this machine cannot keep it from writing to your files (the kernel "
             f"has no Linux Landlock: {platform.release()}): a file of yours it writes through "
             "a link, or a path it names outside, would change. --unconfined-reruns runs it "
-            "anyway (what it writes outside is listed afterwards)")
+            "anyway" + (" (what it writes outside is listed afterwards)" if watched else ""))
 
 
 # Landlock refuses truncate(2) by path from its ABI 3 (Linux 6.2) on
@@ -64,22 +67,23 @@ def confinement_refusal(policy: ConfinementPolicy, what: str) -> str | None:
 TRUNCATE_ABI = 3
 
 
-def how_kept(policy: ConfinementPolicy, where: str) -> str:
+def how_kept(policy: ConfinementPolicy, where: str, *, watched: bool = True) -> str:
     """How a run away from the user's folder is kept from its files, as the clause that ends
-    the line announcing it ("... in a scratch copy of this folder{how_kept}")."""
+    the line announcing it ("... in a scratch copy of this folder{how_kept}"); `watched` as
+    for confinement_refusal."""
+    listed = f": what it writes outside {where} is listed afterwards" if watched else ""
     if not policy.confined:
-        return ("; this kernel cannot keep it from writing elsewhere (--unconfined-reruns): "
-                f"what it writes outside {where} is listed afterwards")
+        return f"; this kernel cannot keep it from writing elsewhere (--unconfined-reruns){listed}"
     clause = ", and the kernel refuses its writes to your files elsewhere"
     abi = landlock_abi()
     if abi < TRUNCATE_ABI:
         clause += (f" (but not a truncate by path, which this kernel's Landlock, ABI {abi}, "
-                   "cannot refuse: one is listed afterwards)")
+                   "cannot refuse" + (": one is listed afterwards)" if watched else ")"))
     return clause
 
 
-def confinement_policy(writable: Sequence[str], *, unconfined: bool,
-                       isolated: str | None) -> ConfinementPolicy:
+def confinement_policy(writable: Sequence[str], *, unconfined: bool, isolated: str | None,
+                       watched: bool = True) -> ConfinementPolicy:
     """How runs away from the user's folder may write, checked before anything runs: the
     `writable` folders (--rerun-writable) exist and hold no part of the working directory, and
     a command whose every run is away from it (`isolated` says which and where) may run here
@@ -95,7 +99,8 @@ def confinement_policy(writable: Sequence[str], *, unconfined: bool,
     policy = ConfinementPolicy(unconfined=unconfined,
                                writable=tuple(str(Path(f).resolve()) for f in writable),
                                written_since=time.time())
-    refused = None if isolated is None else confinement_refusal(policy, isolated)
+    refused = None if isolated is None else confinement_refusal(policy, isolated,
+                                                                watched=watched)
     if refused is not None:
         raise BadInput(refused)
     return policy
