@@ -209,6 +209,9 @@ def _profiled(tree: Path, script: list[str], out: Path) -> dict[str, Any]:
     if stage.evidence is not None:
         row["kernels_per_step"] = stage.evidence.kernels_per_step
         row["ops_per_step"] = stage.evidence.ops_per_step
+        row["profiled_steps"] = stage.evidence.steps
+    # What a cheaper window must not change.
+    row["findings"] = sorted(f"{f.id} {f.severity} {f.location}" for f in run.findings)
     if account is not None:
         row["window_ms"] = account.window_ms
         row["run_ms"] = account.wall_ms

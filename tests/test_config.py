@@ -16,7 +16,7 @@ from gpudiag.diagnose.counters import COUNTER_NAMES
 from gpudiag.measure.plan import build_config, cpu_bf16_native
 from gpudiag.measure.profile.protocol import ENV_CONFIG, config_env, config_from_env
 from gpudiag.measure.stages import DEFAULT_LADDER
-from gpudiag.model.config import PRESETS, ProfileConfig, RunConfig
+from gpudiag.model.config import PRESETS, WINDOW_BUDGET_S, ProfileConfig, RunConfig
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import (
     GateOptions,
@@ -144,7 +144,8 @@ def test_every_config_field_is_an_option_or_derived() -> None:
     preset) or fixed by gpudiag (telemetry periods, seed, the dgca candidate count): listed
     here on purpose, so a new setting is either an option or a decision."""
     options = {f.name for f, _, _ in option_fields()}
-    derived = {"shape", "sample_period_s", "gpm_period_s", "seed", "candidates", "mode"}
+    derived = {"shape", "sample_period_s", "gpm_period_s", "seed", "candidates", "mode",
+               "evidence_budget_s"}  # gpudiag's, unless --evidence-steps is given
     assert {f.name for f in dataclasses.fields(RunConfig)} - options == derived
 
 
@@ -154,7 +155,8 @@ def test_profile_options_make_the_profile_config() -> None:
     Where runs in a scratch copy may write is not a measured setting (ConfineOptions)."""
     options = {f.name for f, _, _ in option_fields(ProfileOptions)}
     fields = {f.name for f in dataclasses.fields(ProfileConfig)}
-    assert fields - options == {"command", "remedies", "losses", "seed", "mode"}
+    assert fields - options == {"command", "remedies", "losses", "seed", "mode",
+                                "evidence_budget_s"}
     assert options - fields == {"rerun", "try_fixes", "fixes"}
     config = profile_config(ProfileOptions(warmup=2, timed=6, evidence_steps=1,
                                            telemetry="off", try_fixes=True, fixes=("tf32",)),
@@ -162,6 +164,14 @@ def test_profile_options_make_the_profile_config() -> None:
     assert (config.command, config.warmup, config.timed, config.evidence_steps,
             config.telemetry) == (("python", "train.py"), 2, 6, 1, "off")
     assert config.stop_after_window and config.losses == 2 and config.seed is not None
+    # A number of profiled steps asked for is profiled whole; by default a budget may cut it.
+    assert config.evidence_budget_s is None
+    default = profile_config(ProfileOptions(), ["python", "train.py"])
+    assert (default.evidence_steps, default.evidence_budget_s) == (3, WINDOW_BUDGET_S)
+    ladder, _ = build_config(model="dgca", device="cpu", preset="tiny")
+    assert (ladder.evidence_steps, ladder.evidence_budget_s) == (2, WINDOW_BUDGET_S)
+    asked, _ = build_config(model="dgca", device="cpu", preset="tiny", evidence_steps=2)
+    assert asked.evidence_budget_s is None
     with pytest.raises(BadInput, match="--fix goes with --try-fixes"):
         profile_config(ProfileOptions(fixes=("tf32",)), ["true"])
     with pytest.raises(BadInput, match="--telemetry must be one of full, basic, off"):

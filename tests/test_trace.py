@@ -11,6 +11,7 @@ import inspect
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -697,3 +698,30 @@ def test_the_window_withholds_inductor_only_while_it_starts(
     with _inductor_left_unloaded():  # (vars: torch's own __getattr__ reads _lazy_modules)
         assert "_inductor" not in vars(torch).get("_lazy_modules", set())
     assert vars(torch).get("_lazy_modules") == ({"_dynamo", "_inductor"} if lazy else None)
+
+
+def test_a_window_with_a_budget_profiles_no_step_past_it() -> None:
+    """Up to `steps` steps, none begun once the closed and running ones took the budget (at
+    least one is profiled); without a budget every step asked for (a user's --evidence-steps).
+    The per-step evidence is the same for one step as for several: the counts are means."""
+    weights = torch.randn(ROWS, 8, requires_grad=True)
+
+    def step(pause_s: float) -> Any:
+        def run() -> None:
+            fill_rows(weights, ROWS, 8).sum().backward()
+            time.sleep(pause_s)
+        return run
+
+    long_step, short_step = step(0.3), step(0.0)
+    cut, events = capture_trace(long_step, device=torch.device("cpu"), steps=4, budget_s=0.5)
+    assert len(cut.step_ms) == 2  # 0.3 s: another; 0.6 s: no more
+    one, _ = capture_trace(long_step, device=torch.device("cpu"), steps=3, budget_s=0.1)
+    assert len(one.step_ms) == 1
+    whole, _ = capture_trace(long_step, device=torch.device("cpu"), steps=3, budget_s=None)
+    assert len(whole.step_ms) == 3
+    short, _ = capture_trace(short_step, device=torch.device("cpu"), steps=3, budget_s=0.5)
+    assert len(short.step_ms) == 3
+    ev = analyze(events, steps=2, step_ms=statistics.fmean(cut.step_ms), backend="cpu")
+    assert ev.steps == 2
+    hottest = ev.hottest_source_line()
+    assert hottest is not None and hottest.direct_calls_per_step == ROWS * CALLS_PER_ROW

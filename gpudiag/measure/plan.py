@@ -16,6 +16,7 @@ from gpudiag.measure.stages import DEFAULT_LADDER, stage_names
 from gpudiag.model.config import (
     DEFAULT_EVIDENCE_STEPS,
     PRESETS,
+    WINDOW_BUDGET_S,
     ModelShape,
     RunConfig,
 )
@@ -82,7 +83,9 @@ def build_config(options: RunOptions | None = None, /,
         "warmup": _or(options.warmup, chosen.warmup),
         "min_seconds": _or(options.min_seconds, chosen.min_seconds), "amp_dtype": amp_dtype,
         "loader_workers": _or(options.loader_workers, default_loader_workers()),
-        "evidence_steps": _or(options.evidence_steps, DEFAULT_EVIDENCE_STEPS)})
+        "evidence_steps": _or(options.evidence_steps, DEFAULT_EVIDENCE_STEPS),
+        # A number of steps asked for is profiled whole.
+        "evidence_budget_s": WINDOW_BUDGET_S if options.evidence_steps is None else None})
     return config, notes
 
 

@@ -199,6 +199,7 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
             # only ever adds time, and would otherwise pass for GPU idleness.
             result.evidence = collect_evidence(workload.step, device=ctx.device,
                                                steps=ctx.config.evidence_steps,
+                                               budget_s=ctx.config.evidence_budget_s,
                                                timed_step_ms=result.timing.p25_ms
                                                if result.timing else result.ms_per_iter,
                                                save=save)

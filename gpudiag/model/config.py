@@ -34,6 +34,14 @@ PEAK_STAGE = "peak"
 SAMPLE_PERIOD_S = 0.05
 GPM_PERIOD_S = 0.2
 DEFAULT_EVIDENCE_STEPS = 2  # profiled steps per stage, after all timing (0: no evidence)
+PROFILE_EVIDENCE_STEPS = 3  # a profiled script's window, at most
+# A window profiles no further step once its steps took this long on the host (it profiles at
+# least one). What the rules read are per-step means, which one long step gives as well as
+# three, and a window costs ~5x its steps' host time afterwards (torch's collection and
+# export, the parse and analysis: per-tensor optimizer on an H100, 1.8 s of steps in an 8.7 s
+# window, reports/examples/benchmarks/h100-window-phases-after.json). A number of steps the
+# user asks for is profiled whole (budget None), as every window was before this budget.
+WINDOW_BUDGET_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,8 @@ class RunConfig:
     prompt_length: int = 3
     candidates: int = 16
     evidence_steps: int = DEFAULT_EVIDENCE_STEPS  # profiled steps per stage, after all timing
+    # Fewer steps once they took this long; None (runs from before it): all of them.
+    evidence_budget_s: float | None = None
     sample_period_s: float = SAMPLE_PERIOD_S
     gpm_period_s: float = GPM_PERIOD_S
     seed: int = 0
@@ -165,7 +175,9 @@ class ProfileConfig:
     command: tuple[str, ...] = ()
     warmup: int = 5
     timed: int = 30
-    evidence_steps: int = 3
+    evidence_steps: int = PROFILE_EVIDENCE_STEPS
+    # Fewer steps once they took this long; None (runs from before it): all of them.
+    evidence_budget_s: float | None = None
     telemetry: ProfileTelemetry = "full"
     host_sample_hz: float = HOST_SAMPLE_HZ  # the training thread's stack; 0: not sampled
     compile_lines: bool = False  # Inductor's provenance on: compiled kernels by source line

@@ -25,7 +25,9 @@ from gpudiag.model.config import (
     AMP_DTYPES,
     DDP_NO_SYNC,
     HOST_SAMPLE_HZ,
+    PROFILE_EVIDENCE_STEPS,
     PROFILE_TELEMETRY,
+    WINDOW_BUDGET_S,
     ProfileConfig,
     ProfileTelemetry,
     RunConfig,
@@ -86,7 +88,8 @@ class RunOptions:
     prompt_length: int = _option(3, "--prompt-length", "dgca: prompt slots on each side of "
                                  "the sentence.", check="positive")
     evidence_steps: int | None = _option(None, "--evidence-steps", "Profiled steps per stage, "
-                                         "run after all timing (0: none; default 2).",
+                                         "run after all timing (0: none; default: 2, or 1 "
+                                         "where a profiled step takes over 0.5 s).",
                                          check="non-negative")
     checkpoint_every: int = _option(10, "--checkpoint-every", "Steps between saves in the "
                                     "checkpoint-* stages.", check="positive")
@@ -117,9 +120,10 @@ class ProfileOptions:
     warmup: int = _option(5, "--warmup", "Steps before timing starts.", check="non-negative")
     timed: int = _option(30, "--timed", "Timed steps, before the profiler window.",
                          check="positive")
-    evidence_steps: int = _option(3, "--evidence-steps", "Profiled steps (the evidence "
-                                  "window; 0: none).", aliases=("--steps",),
-                                  check="non-negative")
+    evidence_steps: int | None = _option(None, "--evidence-steps", "Profiled steps (the "
+                                         "evidence window; 0: none; default: 3, fewer once "
+                                         "they took 0.5 s).", aliases=("--steps",),
+                                         check="non-negative")
     telemetry: str = _option("full", "--telemetry", "GPU telemetry in the script: full (NVML "
                              "and GPM), basic (NVML only) or off.", choices=PROFILE_TELEMETRY)
     host_sample_hz: float = _option(HOST_SAMPLE_HZ, "--host-sample-hz", "How often the "
@@ -253,7 +257,9 @@ def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileCo
                        f"{options.host_sample_hz:g}")
     return ProfileConfig(
         command=tuple(command), warmup=options.warmup, timed=options.timed,
-        evidence_steps=options.evidence_steps,
+        evidence_steps=(PROFILE_EVIDENCE_STEPS if options.evidence_steps is None
+                        else options.evidence_steps),
+        evidence_budget_s=WINDOW_BUDGET_S if options.evidence_steps is None else None,
         telemetry=typing.cast(ProfileTelemetry, options.telemetry),  # its choices are checked
         host_sample_hz=options.host_sample_hz, compile_lines=options.compile_lines,
         samples_per_step=options.samples_per_step,
@@ -298,8 +304,13 @@ def _check_choices(spec: OptionSpec, value: Any) -> None:
 
 
 def options_of(config: RunConfig) -> RunOptions:
-    """The options that rebuild `config`: every one pinned to the value it resolved to."""
-    return RunOptions(**{f.name: getattr(config, f.name) for f in dataclasses.fields(RunOptions)})
+    """The options that rebuild `config`: every one pinned to the value it resolved to, but
+    the window's steps where a budget may cut them (pinned, they would be profiled whole)."""
+    options = RunOptions(**{f.name: getattr(config, f.name)
+                            for f in dataclasses.fields(RunOptions)})
+    if config.evidence_budget_s is not None:
+        return dataclasses.replace(options, evidence_steps=None)
+    return options
 
 
 def to_argv(options: RunOptions) -> list[str]:

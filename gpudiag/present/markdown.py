@@ -9,7 +9,7 @@ from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
 from gpudiag.present.fixes import fixes_markdown, reruns_markdown
-from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells
+from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells, window_steps
 from gpudiag.present.tables import markdown_table
 from gpudiag.present.terminal import env_rows
 from gpudiag.present.waterfall import markdown_sections
@@ -132,7 +132,7 @@ def _evidence(run: RunResult) -> list[str]:
             fmt(ev.idle_fraction * 100 if ev.idle_fraction is not None else None, ".0f"),
             (f"`{hot.location}`" + (f" via `{hot.via}`" if hot.via else "")
              + f" ({hot.ops_per_step:,.0f} ops)") if hot else "-",
-            fmt(ev.window_overhead, ".2f", "x"),
+            fmt(ev.window_overhead, ".2f", "x") + _steps_cut(run, ev.steps),
         ])
     if not rows:
         return []
@@ -143,6 +143,14 @@ def _evidence(run: RunResult) -> list[str]:
             "Operators are top-level ATen calls, forward and backward; GPU idle is the share of "
             "the timed step with no kernel or copy running; window cost is the profiled step "
             "time over the timed one (instrumentation overhead, excluded from the timings).", ""]
+
+
+def _steps_cut(run: RunResult, profiled: int) -> str:
+    """', over 1 step' where the window's budget profiled fewer steps than configured."""
+    c = run.config
+    if c.evidence_budget_s is None or profiled >= c.evidence_steps:
+        return ""
+    return f", over {profiled} step" + ("s" if profiled > 1 else "")
 
 
 def _rate(value: float | None) -> str:
@@ -255,6 +263,15 @@ def _problems(run: RunResult) -> list[str]:
     return [*lines, ""]
 
 
+def _window(config: ProfileConfig) -> str:
+    """'a 3-step profiler window', or the same with its budget, where it had one."""
+    if config.evidence_budget_s is None:
+        return f"a {config.evidence_steps}-step profiler window"
+    return (f"a profiler window of {window_steps(config)} steps (no further step once they "
+            f"took {config.evidence_budget_s:g} s on the host: the evidence table says how "
+            "many each stage profiled)")
+
+
 def _method(run: RunResult) -> list[str]:
     c = run.config
     timers = sorted({s.timer for s in run.ok_stages() if s.timer})
@@ -263,8 +280,8 @@ def _method(run: RunResult) -> list[str]:
     sample_period_s, gpm_period_s = SAMPLE_PERIOD_S, GPM_PERIOD_S
     if isinstance(c, ProfileConfig):
         lines.append(f"- The script's own steps, counted at optimizer.step() (or gpudiag.step()):"
-                     f" {c.warmup} warm-up steps, {c.timed} timed steps, then a "
-                     f"{c.evidence_steps}-step profiler window. Every timed step's time "
+                     f" {c.warmup} warm-up steps, {c.timed} timed steps, then "
+                     f"{_window(c)}. Every timed step's time "
                      "is kept in run.json (`iter_ms`); the table shows medians and "
                      "interquartile ranges.")
     else:

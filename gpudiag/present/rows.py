@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
-from gpudiag.model.config import REFERENCE_STAGE, ProfileConfig
+from gpudiag.model.config import REFERENCE_STAGE, ProfileConfig, RunConfig
 from gpudiag.model.results import RunResult, StageResult
 
 # The stage the ladder compares against: the seed's "GPU saturated, fp16" rung.
@@ -124,12 +124,20 @@ def phase_medians(stage: StageResult) -> dict[str, float]:
     return {phase: statistics.median(ms) for phase, ms in stage.phases_ms.items() if ms}
 
 
+def window_steps(config: ProfileConfig | RunConfig) -> str:
+    """The profiler window's steps as configured: '3', or 'up to 3' where a budget may have
+    ended it sooner (each stage's evidence says how many it profiled)."""
+    if config.evidence_budget_s is None:
+        return str(config.evidence_steps)
+    return f"up to {config.evidence_steps}"
+
+
 def run_subject(run: RunResult) -> tuple[str, str]:
     """(what ran, how it was set up) for report headings: a ladder's model and preset, or a
     profiled command."""
     c = run.config
     if isinstance(c, ProfileConfig):
         return (" ".join(c.command), f"profiled: warm-up {c.warmup}, timed {c.timed}, "
-                f"evidence {c.evidence_steps} steps")
+                f"evidence {window_steps(c)} steps")
     return (c.model, f"preset {c.preset}, batch {c.batch_size}, seq {c.seq_len}, "
             f"{c.amp_dtype}")

@@ -36,8 +36,12 @@ class ProfilerWindow:
     to its source line. Steps are marked from outside: `collect_evidence` calls the step
     function itself, `gpudiag profile`'s recorder marks the script's own step boundaries."""
 
-    def __init__(self, device: torch.device, *, annotate: bool = True) -> None:
+    def __init__(self, device: torch.device, *, annotate: bool = True,
+                 budget_s: float | None = None) -> None:
         self.device = device
+        # The host time after which no further step is profiled (at least one is); None: as
+        # many as the caller steps (model/config.py, WINDOW_BUDGET_S).
+        self.budget_s = budget_s
         # Off under torch.compile: the annotator is a TorchFunctionMode, which Dynamo guards on
         # (a recompile when it appears) and cannot trace through (a graph break per call).
         self.annotate = annotate
@@ -91,6 +95,14 @@ class ProfilerWindow:
             self._range.__exit__(None, None, None)
             self._range = None
             self.step_ms.append((time.perf_counter() - self._mark) * 1e3)
+
+    def wants_another_step(self) -> bool:
+        """Whether a further step is worth profiling, asked as the open step ends: no, once
+        the window's steps took its budget on the host. Not synchronised (a sync would be in
+        the trace): a GPU-bound step's host time is its launches, so such steps are profiled
+        to the caller's count, as their trace is small."""
+        spent = sum(self.step_ms) / 1e3 + time.perf_counter() - self._mark
+        return self.budget_s is None or spent < self.budget_s
 
     def next_step(self) -> None:
         """A step ended and the next one begins, inside the window."""
@@ -182,18 +194,20 @@ def _inductor_left_unloaded() -> Iterator[None]:
         lazy.add("_inductor")
 
 
-def capture_trace(step: Callable[[], object], *, device: torch.device,
-                  steps: int) -> tuple[ProfilerWindow, list[dict[str, Any]]]:
-    """Profile `steps` calls of `step`; return the window and its trace events."""
+def capture_trace(step: Callable[[], object], *, device: torch.device, steps: int,
+                  budget_s: float | None = None) -> tuple[ProfilerWindow, list[dict[str, Any]]]:
+    """Profile up to `steps` calls of `step` (fewer once they took `budget_s`); return the
+    window and its trace events."""
     with SourceAnnotator():
         step()  # one untraced step with the annotator: its caches and first-call costs
     synchronize(device)
-    window = ProfilerWindow(device)
+    window = ProfilerWindow(device, budget_s=budget_s)
     window.start()
     for k in range(steps):
         step()
-        if k < steps - 1:
-            window.next_step()
+        if k == steps - 1 or not window.wants_another_step():
+            break
+        window.next_step()
     return window, window.stop()
 
 
@@ -235,11 +249,12 @@ class TraceSaves:
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
-                     timed_step_ms: float | None,
+                     timed_step_ms: float | None, budget_s: float | None = None,
                      save: tuple[TraceSaves, Path] | None = None) -> Evidence:
-    """The window's evidence; with `save`, its Chrome trace too (gzipped JSON, which
-    ui.perfetto.dev and chrome://tracing open as is), written at that path in those threads."""
-    window, events = capture_trace(step, device=device, steps=steps)
+    """The window's evidence over up to `steps` steps (fewer once they took `budget_s`); with
+    `save`, its Chrome trace too (gzipped JSON, which ui.perfetto.dev and chrome://tracing
+    open as is), written at that path in those threads."""
+    window, events = capture_trace(step, device=device, steps=steps, budget_s=budget_s)
     if save is not None:
         saves, path = save
         saves.save(window.trace_json, path)

@@ -277,10 +277,15 @@ class Recorder:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
             if profiled:
-                self.window = ProfilerWindow(self._device(), annotate=not _compiled())
+                # The ranks of a job profile alike, whatever their own steps took: a rank
+                # that stopped early would be waited for by the ones still profiled, which
+                # reads as communication or a straggler.
+                budget = self.config.evidence_budget_s if _rank()[1] == 1 else None
+                self.window = ProfilerWindow(self._device(), annotate=not _compiled(),
+                                             budget_s=budget)
                 self.window.start()
         elif self.window is not None and self.window.open:
-            if done == profiled.stop:
+            if done == profiled.stop or not self.window.wants_another_step():
                 self._stop_profiler(keep=True, at_boundary=True)
                 self._probe_link()
                 self._window_closed()
@@ -519,7 +524,9 @@ class Recorder:
 
     def _timeline(self) -> StepTimeline:
         profiled = self.schedule.profiled_steps
-        window = (profiled.start, profiled.stop) if self.evidence is not None else None
+        # The steps the window profiled: fewer than planned where they took its budget.
+        window = ((profiled.start, profiled.start + self.evidence.steps)
+                  if self.evidence is not None else None)
         timeline = build_timeline(self.host_marks, extra_steps=self.extra_steps,
                                   end_mark=self.end_mark, exit_mark=self.exit_mark,
                                   waits=self.data_wait, calls=self.data_calls,
