@@ -363,8 +363,8 @@ def test_no_steps_says_how_to_mark_them(tmp_path: Path) -> None:
 def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
     """Steps marked by the script; its profiler window (opened at step {WARMUP + 10}) loads
     no Inductor or Dynamo into a script that never compiled (torch.profiler would: 2.7 s of
-    CPU), and leaves torch able to load them later. The window's steps take 0.3 s each: by
-    default it profiles no step past its 0.5 s budget, and says so."""
+    CPU), and leaves torch able to load them later. The window's steps take 0.13 s each:
+    by default it profiles no step past its 0.25 s budget, and says so."""
     code, run, output = profile(tmp_path, sys.executable, _script(tmp_path, f"""
         import sys
         import time
@@ -374,7 +374,7 @@ def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
             with gpudiag.watch():
                 torch.randn(64, 64) @ torch.randn(64, 64)
                 if step >= {WARMUP + 10}:
-                    time.sleep(0.3)
+                    time.sleep(0.13)
         assert "torch._dynamo" not in sys.modules, "the profiler window loaded Dynamo"
         assert "_inductor" in torch._lazy_modules
     """), timed=10)
@@ -383,12 +383,12 @@ def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
     assert script is not None and script.step_clock == "gpudiag.step()"
     assert len(run.stages[0].iter_ms) == 10
     evidence = run.stages[0].evidence
-    assert evidence is not None and evidence.steps == 2  # 0.3 s: one more; 0.6 s: no more
+    assert evidence is not None and evidence.steps == 2  # 0.13 s: one more; 0.26 s: no more
     assert script.timeline is not None
     timeline = script.timeline
     assert (timeline.window_start, timeline.window_end) == (WARMUP + 10, WARMUP + 12)
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "a profiler window of up to 3 steps (no further step once they took 0.5 s" in report
+    assert "a profiler window of up to 3 steps (no further step once they took 0.25 s" in report
     assert ", over 2 steps |" in report
 
 

@@ -89,7 +89,7 @@ class RunOptions:
                                  "the sentence.", check="positive")
     evidence_steps: int | None = _option(None, "--evidence-steps", "Profiled steps per stage, "
                                          "run after all timing (0: none; default: 2, or 1 "
-                                         "where a profiled step takes over 0.5 s).",
+                                         "where a profiled step takes over 0.25 s).",
                                          check="non-negative")
     checkpoint_every: int = _option(10, "--checkpoint-every", "Steps between saves in the "
                                     "checkpoint-* stages.", check="positive")
@@ -122,7 +122,7 @@ class ProfileOptions:
                          check="positive")
     evidence_steps: int | None = _option(None, "--evidence-steps", "Profiled steps (the "
                                          "evidence window; 0: none; default: 3, fewer once "
-                                         "they took 0.5 s).", aliases=("--steps",),
+                                         "they took 0.25 s).", aliases=("--steps",),
                                          check="non-negative")
     telemetry: str = _option("full", "--telemetry", "GPU telemetry in the script: full (NVML "
                              "and GPM), basic (NVML only) or off.", choices=PROFILE_TELEMETRY)
