@@ -335,6 +335,11 @@ def test_without_landlock_a_short_script_is_not_run_again_unasked(
     said = done.stderr.replace("\n", " ")
     assert "it would run once more in a scratch copy" in said and "--unconfined-reruns" in said
     assert not (tmp_path / "run" / "rerun").exists()
+    # Not re-run, it says it could not see, never that all is well.
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "no rule saw a material cost" not in report
+    assert "No evidence for train.py: the stage failed (no timed steps: the script made 4" \
+        in report and "could not see everything" in report
 
 
 def test_a_busy_cpu_under_autogroup_scheduling_is_said(

@@ -109,3 +109,30 @@ def test_traces_are_saved_beside_the_run_and_a_failure_is_said(tmp_path: Path) -
         b'{"traceEvents": []}'
     assert len(failed) == 1 and failed[0].startswith("profile-b.json.gz not written: ")
     assert saves.join() == []
+
+
+def test_a_diagnosis_without_evidence_is_no_clean_bill_of_health() -> None:
+    """"No rule saw a material cost" only where every stage that was to run ran and was seen:
+    a stage without a window, or one that failed (a script too short for a timed step), says
+    the diagnosis could not see it; a stage skipped by design (ddp on one GPU) does not."""
+    from gpudiag.model.config import ProfileConfig
+    from gpudiag.model.results import Env, RunResult, StageResult
+    from gpudiag.present.findings import diagnosis_markdown
+
+    def said(*stages: StageResult) -> str:
+        run = RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
+                        stages=list(stages))
+        return "\n".join(diagnosis_markdown(run))
+
+    seen = StageResult(name="train.py", status="ok", iter_ms=[10.0] * 30)
+    skipped = StageResult(name="ddp", status="skipped", error="needs 2 GPUs")
+    assert "no rule saw a material cost" in said(seen, skipped)
+    unseen = StageResult(name="train.py", status="ok", iter_ms=[10.0] * 30)
+    unseen.facts.evidence_missing = "the script ended after 12 steps, before the window"
+    failed = StageResult(name="train.py", status="error",
+                         error="no timed steps: the script made 4 step(s)")
+    for stage, why in ((unseen, "the script ended after 12 steps"),
+                       (failed, "the stage failed (no timed steps: the script made 4 step(s))")):
+        text = said(stage)
+        assert "no rule saw a material cost" not in text and "not a clean bill" in text
+        assert f"No evidence for train.py: {why}" in text

@@ -73,9 +73,15 @@ def headline(run: RunResult) -> str | None:
 
 
 def blind_spots(run: RunResult) -> list[str]:
-    """Stages the evidence-based rules could not look at, each with why ("stage: reason")."""
-    return [f"{s.name}: {s.facts.evidence_missing}" for s in run.ok_stages()
-            if s.evidence is None and s.facts.evidence_missing]
+    """Stages the evidence-based rules could not look at, each with why ("stage: reason"):
+    one that ran without a window, and one that failed (a script too short for any timed
+    step: no rule judged it, which is no clean bill of health). Stages skipped by design (a
+    ddp stage on one GPU) are listed under "Stages that did not run" instead."""
+    return [f"{s.name}: {s.facts.evidence_missing}" if s.ok else
+            f"{s.name}: the stage failed ({s.error or s.status})"
+            for s in run.stages
+            if (s.ok and s.evidence is None and s.facts.evidence_missing)
+            or s.status == "error"]
 
 
 def diagnosis_markdown(run: RunResult) -> list[str]:
