@@ -129,6 +129,35 @@ def test_wall_time_drift_of_the_same_work_is_not_a_regression() -> None:
     assert next(g for g in more.stages if g.metric == "wall").outcome == "regression"
 
 
+def test_device_time_that_could_not_tell_is_not_called_unchanged() -> None:
+    """Drift needs device time shown within its limit: steps whose device time varies 10x
+    within a trial (a single trial a side) leave an interval of -100% .. +2,900%, which is no
+    evidence that the GPU's work took as long, so a 60% slower wall time stands."""
+    base, loaded = _run(68.0, 90.0, seed=1, jitter=0.8), _run(68.0, 144.0, seed=2, jitter=0.8)
+    decision = decide(compare_runs(base, loaded, alpha=0.01))
+    gates = {g.metric: g for g in decision.stages}
+    assert gates["device"].outcome == "inconclusive"
+    assert gates["wall"].outcome == "regression" and not gates["wall"].drift
+    assert "device time unchanged" not in gates["wall"].reason
+
+
+def test_a_two_rank_job_recorded_apart_is_gated_rank_by_rank(tmp_path: Path) -> None:
+    """Two profiles of examples/tiny_ddp.py on two H200s, NCCL over NVLink and then over
+    sockets (reports/examples/h200x2-ddp-no-sync): the same work, 4.6x slower steps. Each rank
+    is a stage of its own, judged alone; the slowdown is a regression on both, at the line
+    that waits for the all-reduce, with the communication finding that explains it."""
+    examples = Path(__file__).resolve().parents[1] / "reports" / "examples"
+    runs = examples / "h200x2-ddp-no-sync"
+    result = invoke(["gate", str(runs / "nvlink"), str(runs / "sockets"),
+                     "--out", str(tmp_path / "gate")])
+    assert result.exit_code == ExitCode.REGRESSION, result.output
+    said = " ".join(result.output.split())
+    for rank in (0, 1):
+        assert f"regression tiny_ddp.py[rank{rank}] [wall]: -78.3% step rate" in said
+    assert said.count("host time grew most at examples/tiny_ddp.py:50") == 2
+    assert "GD803" in said
+
+
 def _gate(tmp: Path, before: RunResult, after: RunResult, *args: str) -> tuple[int, str]:
     save_run(before, tmp / "a" / "run.json")
     save_run(after, tmp / "b" / "run.json")
