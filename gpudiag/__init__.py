@@ -41,8 +41,9 @@ def step() -> None:
     # Installed by the profile bootstrap (gpudiag/measure/profile/inscript/install.py); looked
     # up, never imported: importing it would load torch into a script that is not profiled.
     installed = sys.modules.get("gpudiag.measure.profile.inscript.install")
-    if installed is not None and installed.RECORDER is not None:
-        installed.RECORDER.manual_step()
+    recorder = installed.recorder_for_a_step() if installed is not None else None
+    if recorder is not None:
+        recorder.manual_step()
 
 
 @contextmanager

@@ -108,7 +108,10 @@ def inductor_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     compile workers Inductor starts otherwise is one more torch process (2.5 s of CPU) for
     the few kernels a test compiles."""
     return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor")),
-            "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            # Scalar C++ kernels: no probe of the CPU's vector extensions (two more builds, 3.5
+            # s here), and the kernels are the same on an AVX2-only CPU and an AVX-512 one.
+            "TORCHINDUCTOR_VEC_ISA_OK": "0"}
 
 
 @dataclass

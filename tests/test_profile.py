@@ -407,16 +407,20 @@ def test_the_parent_never_imports_torch() -> None:
 
 
 def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
-    """TF32 switched on by the script is what the rules see (the parent's default is off).
+    """TF32 switched on by the script is what the rules see (the parent's default is off), and
+    the OMP_NUM_THREADS it sets before importing torch is what torch runs with.
     gpudiag's side of the script imports no pandas, scipy or matplotlib on a CPU (0.4 s of
     start-up each in every profiled process): the script sees its own modules. And kineto's
     "USDT: ... profiler_start/stop" and "STAGE:" lines (and its CUPTI errors on a machine
     without a GPU) are not the user's: the console command, run as a user runs it (no
     KINETO_LOG_LEVEL of the tests'), prints none of them."""
     script = _script(tmp_path, LOOP.format(after="pass").replace(
-        "import gpudiag", "import gpudiag\n    torch.backends.cuda.matmul.allow_tf32 = True") + (
+        "import gpudiag", "import gpudiag\n    torch.backends.cuda.matmul.allow_tf32 = True")
+        .replace("    import torch\n", "    os.environ['OMP_NUM_THREADS'] = '2'\n"
+                 "    import torch\n") + (
         "    print('MODULES', [m for m in ('pandas', 'scipy', 'matplotlib') "
-        "if m in sys.modules])\n"))
+        "if m in sys.modules])\n"
+        "    print('THREADS', torch.get_num_threads())\n"))
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots", "--warmup",
                            str(WARMUP), "--timed", "10", "--out", str(tmp_path / "run"), "--",
@@ -428,6 +432,10 @@ def test_the_environment_is_the_scripts_own(tmp_path: Path) -> None:
     assert not [line for line in output.splitlines()
                 if line.startswith(("USDT:", "STAGE:", "ERROR:"))], output
     assert "MODULES []" in output
+    # What the script sets before its own `import torch` is in effect: gpudiag's recorder
+    # loads with the script's torch, not before it (OpenMP reads its thread count as torch
+    # loads: with the recorder loaded first, the tests' OMP_NUM_THREADS=1 held).
+    assert "THREADS 2" in output
     run = load_run(tmp_path / "run")
     assert run.stages[0].evidence is not None
     assert run.env.tf32_matmul is True and run.env.torch_version

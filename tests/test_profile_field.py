@@ -74,8 +74,14 @@ def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> Non
     planted = next(n for n, text in enumerate(script.read_text().splitlines(), 1)
                    if "the planted per-element loop" in text)
     assert run.findings[0].location == f"short.py:{planted}"
-    # Without the re-run it says it could not see, never that all is well: tests/test_confine.py
-    # (test_without_landlock_a_short_script_is_not_run_again_unasked).
+    # Without the re-run it says it could not see, never that all is well.
+    code, run, output = _profile(tmp_path, script, "--no-rerun")
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert code == 0 and run.stages[0].evidence is None
+    assert "no rule saw a material cost" not in report
+    assert "No evidence for short.py: the script ended after 12 steps" in report
+    assert "--timed" in report and "could not see everything" in report
+    assert "at least None" not in report and "profile-short.py.json.gz" not in report
 
 
 def test_stop_after_window_ends_a_long_script_cleanly(tmp_path: Path) -> None:

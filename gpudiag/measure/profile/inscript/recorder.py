@@ -85,11 +85,13 @@ class Recorder:
     end of warm-up, at the window's close, every PART_EVERY_S after and at exit (lifecycle.py).
     """
 
-    def __init__(self, out: Path, config: ProfileConfig) -> None:
+    def __init__(self, out: Path, config: ProfileConfig, started: float | None = None) -> None:
         self.out, self.config = out, config
         self.schedule = Schedule.of(config)
         self.pid = os.getpid()
-        self.host_marks: list[float] = [time.perf_counter()]
+        # Step 0 runs from the interpreter's start (`started`, before the script imported
+        # torch and with it this recorder) to the first step's end.
+        self.host_marks: list[float] = [time.perf_counter() if started is None else started]
         self.events: list[Any] = []
         self.cuda: bool | None = None  # decided at the first step
         self.clock: int | None = None  # id of the optimizer whose steps are the step clock
