@@ -30,7 +30,8 @@ RECORDER: Recorder | None = None  # one per interpreter, found by gpudiag.step()
 # The hook that records a crash before torch loads, and the one it shadowed.
 _EARLY_HOOK: tuple[Callable[..., None], Callable[..., None]] | None = None
 _STARTING = False  # a recorder is being started (its imports may load torch)
-_STARTED: float | None = None  # when install() ran: step 0 begins there
+# When install() ran, where step 0 begins; None once a start failed (said once, not retried).
+_STARTED: float | None = None
 
 
 def install() -> None:
@@ -41,13 +42,13 @@ def install() -> None:
     launcher, a tokenizer worker) starts none, unless it marks a step (gpudiag.step()) or
     crashes, which are recorded as ever."""
     global _STARTED  # noqa: PLW0603  (the interpreter's start, for step 0)
-    started = _STARTED = time.perf_counter()
+    _STARTED = time.perf_counter()
     writewatch.install()  # a re-run's only; standard library, before anything imports torch
-    when_imported(("torch",), lambda _torch: _start_recorder(started))
-    _record_an_early_crash(started)
+    when_imported(("torch",), lambda _torch: _start_recorder())
+    _record_an_early_crash()
 
 
-def _record_an_early_crash(started: float) -> None:
+def _record_an_early_crash() -> None:
     """A script that fails before it imports torch (a bad argument, a folder it may not make)
     is recorded as one that fails later is: its error, the machine. The recorder is started
     as the exception ends the script (torch loads then) and the exception handed to it. A
@@ -59,7 +60,7 @@ def _record_an_early_crash(started: float) -> None:
         if RECORDER is not None or issubclass(kind, KeyboardInterrupt):
             shadowed(kind, value, trace)
             return
-        _start_recorder(started)
+        _start_recorder()
         if RECORDER is None:  # it could not start (said): the traceback as Python prints it
             shadowed(kind, value, trace)
             return
@@ -73,21 +74,21 @@ def _record_an_early_crash(started: float) -> None:
 def recorder_for_a_step() -> Recorder | None:
     """The recorder `gpudiag.step()` marks a step on: started now where the script marks steps
     before it has imported torch (a loop of its own, torch imported later or by a library)."""
-    if RECORDER is None and _STARTED is not None:
-        _start_recorder(_STARTED)
+    _start_recorder()
     return RECORDER
 
 
-def _start_recorder(started: float) -> None:
+def _start_recorder() -> None:
     """This interpreter's one recorder, started as torch finishes loading: inside the script's
     own `import torch`, which a failure here must not break (it is said, as the bootstrap says
     one, and the script runs on unrecorded)."""
     global _STARTING, _STARTED  # noqa: PLW0603  (one start at a time; one try, said once)
-    if _STARTING:  # started from a crash, this is torch's import within that start
+    # Started already, or failed; or started from a crash, and this is torch's import within.
+    if RECORDER is not None or _STARTED is None or _STARTING:
         return
     _STARTING = True
     try:
-        _recorder(started)
+        _recorder(_STARTED)
     except Exception as exc:
         _STARTED = None  # gpudiag.step() does not try again every step
         print(f"gpudiag profile: instrumentation not installed in {sys.executable} "
@@ -102,10 +103,8 @@ def _start_recorder(started: float) -> None:
         _STARTING = False
 
 
-def _recorder(started: float) -> Recorder:
+def _recorder(started: float) -> None:
     global RECORDER  # noqa: PLW0603  (one recorder per interpreter, found by gpudiag.step())
-    if RECORDER is not None:
-        return RECORDER
     if _EARLY_HOOK is not None and sys.excepthook is _EARLY_HOOK[0]:
         # The recorder's own crash hook goes over the one the early hook shadowed, which it
         # tells apart (Python's own: a Ctrl-C in one line, lifecycle.py).
@@ -124,4 +123,3 @@ def _recorder(started: float) -> Recorder:
     made = RECORDER = recorder.Recorder(Path(os.environ[ENV_OUT]), config, started)
     hooks.install(made)
     lifecycle.install(made)
-    return made
