@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gpudiag.measure.evidence import collect_evidence
+from gpudiag.measure.evidence.profiler_window import collect_evidence
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.stages import StageContext, get_stage

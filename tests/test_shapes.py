@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gpudiag.diagnose.roofline import roofline
-from gpudiag.measure.evidence import analyze
 from gpudiag.measure.evidence.profiler_window import collect_evidence
 from gpudiag.measure.evidence.shapes import bytes_moved, compute_dtype, flops
+from gpudiag.measure.evidence.trace import analyze
 from gpudiag.model.results import LineCount
 from gpudiag.present.markdown import render_markdown
 from tests.test_rules import make_evidence, make_run, make_stage

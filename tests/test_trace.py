@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import gpudiag
-from gpudiag.measure.evidence import analyze, capture_trace
+from gpudiag.measure.evidence.annotation import annotation
 from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
+from gpudiag.measure.evidence.profiler_window import capture_trace
 from gpudiag.measure.evidence.source import (
-    annotation,
     code_role,
     display_path,
     frame_role,
     is_library,
 )
-from gpudiag.measure.evidence.trace import memcpy_kind
+from gpudiag.measure.evidence.trace import analyze, memcpy_kind
 from gpudiag.model.results import Evidence, SourceLine
 
 Event = dict[str, Any]

@@ -1,6 +1,3 @@
-"""Evidence: what a step did, measured in a short profiler window and charged to source lines."""
-
-from gpudiag.measure.evidence.profiler_window import capture_trace, collect_evidence
-from gpudiag.measure.evidence.trace import analyze
-
-__all__ = ["analyze", "capture_trace", "collect_evidence"]
+"""Evidence: what a step did, measured in a short profiler window and charged to source lines.
+Its modules are imported by name: trace.py and annotation.py load no torch, so that gpudiag's
+own process can analyse a script's window (gpudiag/measure/profile/launching/)."""

@@ -9,14 +9,13 @@ name a function's first line, not the line inside it that runs in a loop.
 
 from __future__ import annotations
 
-import ast
 import functools
 import os
 import sys
 import sysconfig
 from pathlib import Path
 from types import CodeType, FrameType
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 
@@ -26,7 +25,8 @@ import torch
 from torch._C._profiler import _RecordFunctionFast
 from torch.overrides import TorchFunctionMode
 
-ANNOTATION_PREFIX = "gpudiag.src|"
+from gpudiag.measure.evidence.annotation import Site, annotation
+
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 # torch frames that only dispatch the call the user made (not library code calling torch).
 _DISPATCH_FILES = ("overrides.py", "functional.py", "_tensor.py")
@@ -42,30 +42,6 @@ _MATMUL_FUNCS = {
 }
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                torch.float64: "fp64"}
-
-
-class Site(NamedTuple):
-    """Where a torch call came from: the user's line, and the library frame it went through."""
-
-    location: str  # "path:line"
-    function: str
-    direct: bool  # the line called torch itself, not through a library
-    dtype: str = ""  # the compute dtype of a matmul-family call, else ""
-    via: str = ""  # "path:line" of the library frame between the user's line and torch
-
-
-def annotation(location: str, function: str, direct: bool, dtype: str = "", via: str = "") -> str:
-    return f"{ANNOTATION_PREFIX}{location}|{function}|{int(direct)}|{dtype}|{via}"
-
-
-@functools.lru_cache(maxsize=2**16)
-def parse_annotation(name: str) -> Site | None:
-    """The site a source annotation names (None for other ranges). Cached: a window holds a
-    few hundred distinct names hundreds of thousands of times."""
-    if not name.startswith(ANNOTATION_PREFIX):
-        return None
-    location, function, direct, dtype, via = name[len(ANNOTATION_PREFIX):].rsplit("|", 4)
-    return Site(location, function, direct == "1", dtype, via)
 
 
 def matmul_dtype(func: Any, args: tuple[Any, ...]) -> str:
@@ -259,32 +235,3 @@ class SourceAnnotator(TorchFunctionMode):
         with _RecordFunctionFast(annotation(site.location, site.function, site.direct,
                                             matmul_dtype(func, args), site.via)):
             return func(*args, **(kwargs or {}))
-
-
-@functools.cache
-def _loop_lines(filename: str) -> frozenset[int]:
-    """Lines of a source file that sit inside a for/while loop or a comprehension."""
-    try:
-        tree = ast.parse(Path(filename).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return frozenset()
-    lines: set[int] = set()
-    loops = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp,
-             ast.GeneratorExp)
-    for node in ast.walk(tree):
-        if isinstance(node, loops):
-            body = node.body if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) else [node]
-            for child in body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return frozenset(lines)
-
-
-def in_loop(location: str, roots: tuple[Path, ...] = ()) -> bool:
-    """Whether `path:line` lies inside a loop in its source file (found from the working
-    directory, sys.path, or `roots`)."""
-    path_text, _, line = location.rpartition(":")
-    for base in (Path.cwd(), *roots, *(Path(p) for p in sys.path if p)):
-        candidate = Path(path_text) if Path(path_text).is_absolute() else base / path_text
-        if candidate.is_file():
-            return int(line) in _loop_lines(str(candidate))
-    return False

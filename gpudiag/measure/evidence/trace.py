@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gpudiag.measure.evidence import shapes
+from gpudiag.measure.evidence.annotation import ANNOTATION_PREFIX, in_loop, parse_annotation
 from gpudiag.measure.evidence.kinds import kernel_kind, op_kind
-from gpudiag.measure.evidence.source import ANNOTATION_PREFIX, in_loop, parse_annotation
 from gpudiag.model.results import MEMORY_BOUND_KINDS, Evidence, LineCount, SourceLine
 
 SHORT_KERNEL_US = 10.0  # kernels shorter than this are dominated by launch overhead

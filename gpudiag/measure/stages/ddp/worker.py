@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from gpudiag.measure.env import device_identity
-from gpudiag.measure.evidence import collect_evidence
+from gpudiag.measure.evidence.profiler_window import collect_evidence
 from gpudiag.measure.evidence.trace import MICROSTEP_RANGE
 from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages.base import StageContext
