@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import invoke
 
-from gpudiag.measure.evidence.profiler_window import TraceSaves
+from gpudiag.measure.evidence.tracefile import TraceSaves
 from gpudiag.model.results import load_run
 from gpudiag.present.files import read_samples
 from gpudiag.present.trace import build_trace

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -142,19 +141,21 @@ def test_the_window_is_held_against_the_timed_steps_pace(
     profiled)."""
     config = ProfileConfig(warmup=3, timed=4, evidence_steps=2)
     recorder = _stepped(tmp_path, config, cuda, monkeypatch)
-    paces: list[float | None] = []
 
     class Window:
         open, annotate = True, True
-        trace_json = b""  # ProfilerWindow's export, which the recorder takes once closed
+        step_ms = (40.0, 42.0)
+        device = torch.device("cpu")
 
-        def stop(self, closing_step: bool) -> list[Any]:
+        def stop(self, closing_step: bool, export_to: Path | None = None) -> None:
             self.open = False
-            return []
-
-        def evidence(self, events: list[Any], pace: float | None, lines: Any) -> None:
-            paces.append(pace)
+            if export_to is not None:
+                export_to.write_text('{"traceEvents": []}')
 
     recorder.window = Window()  # type: ignore[assignment]
     recorder._stop_profiler(keep=True, at_boundary=True)
-    assert paces == [pytest.approx(TimingStats.of([13.0, 14.0, 15.0, 16.0]).p25_ms)]
+    # Left for gpudiag's process to analyse (launching/windows.py), against that pace.
+    trace = recorder.window_trace
+    assert trace is not None and (trace.steps, trace.step_ms) == (2, 41.0)
+    assert trace.timed_step_ms == pytest.approx(TimingStats.of([13.0, 14.0, 15.0, 16.0]).p25_ms)
+    assert (recorder.out / trace.trace).is_file()

@@ -7,6 +7,7 @@ can be worked out on paper; the last ones profile a real CPU workload.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import inspect
 import json
 import statistics
@@ -725,3 +726,36 @@ def test_a_window_with_a_budget_profiles_no_step_past_it() -> None:
     assert ev.steps == 2
     hottest = ev.hottest_source_line()
     assert hottest is not None and hottest.direct_calls_per_step == ROWS * CALLS_PER_ROW
+
+
+def test_a_scripts_window_is_read_in_gpudiags_process(tmp_path: Path) -> None:
+    """The recorder leaves its window's trace in the parts folder; gpudiag's own process
+    (which loads no torch) analyses it to the evidence the script would have made, with the
+    loop test made where the script found its files, keeps the trace gzipped and the evidence
+    beside the part, and reads that back later."""
+    from gpudiag.measure.profile.launching.windows import window_evidence
+    from gpudiag.model.profilepart import WindowTrace
+
+    weights = torch.randn(ROWS, 8, requires_grad=True)
+
+    def step() -> None:
+        fill_rows(weights, ROWS, 8).sum().backward()
+
+    window, events = capture_trace(step, device=torch.device("cpu"), steps=2)
+    here = analyze(events, steps=2, step_ms=statistics.fmean(window.step_ms), backend="cpu")
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "window-7.trace.json").write_bytes(window.trace_json)
+    kept = tmp_path / "profile-train.py.json.gz"
+    trace = WindowTrace(trace="window-7.trace.json", steps=2,
+                        step_ms=statistics.fmean(window.step_ms), backend="cpu",
+                        timed_step_ms=None, roots=[str(Path(__file__).parent)],
+                        attribution_note="a note", save_as=str(kept))
+    there = window_evidence(parts, 7, trace)
+    assert there.attribution_note == "a note"
+    there.attribution_note = None
+    assert there == here
+    assert not (parts / "window-7.trace.json").exists()
+    with gzip.open(kept) as f:
+        assert json.load(f)["traceEvents"]
+    assert window_evidence(parts, 7, trace).line_counts == here.line_counts  # read back

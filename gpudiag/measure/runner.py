@@ -28,7 +28,8 @@ import torch
 
 from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
-from gpudiag.measure.evidence.profiler_window import TraceSaves, collect_evidence
+from gpudiag.measure.evidence.profiler_window import collect_evidence
+from gpudiag.measure.evidence.tracefile import TraceSaves
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.interrupts import (
     Stopped,

@@ -5,9 +5,30 @@ interpreter that could not load the recorder, a bootstrap error."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpudiag.model.results import Count, Env, StageResult
+
+
+@dataclass
+class WindowTrace:
+    """A closed profiler window left to gpudiag's own process to read: parsing and analysing a
+    trace in the script cost it ~40% of its window (reports/examples/benchmarks/
+    h100-window-phases-after.json), while gpudiag's process waits on it anyway. The trace as
+    torch exported it, in the parts folder, and what the analysis needs besides."""
+
+    trace: str  # its file name in the parts folder
+    steps: int  # steps profiled (closed)
+    step_ms: float  # their mean host time
+    backend: str  # "cuda" or "cpu"
+    timed_step_ms: float | None  # the timed steps' pace (lower quartile)
+    # Compiled kernels' source lines (--compile-lines: inscript/compiles.py).
+    kernel_lines: dict[str, list[str]] = field(default_factory=dict)
+    # Where the script found its files (its working directory, then its sys.path): a line's
+    # path is looked up there, as the script would, to tell whether it sits in a loop.
+    roots: list[str] = field(default_factory=list)
+    attribution_note: str | None = None  # how device work is charged to lines, where not fully
+    save_as: str | None = None  # where its gzipped copy is kept (--no-traces: nowhere)
 
 
 @dataclass
@@ -26,6 +47,7 @@ class ProfilePart:
     crash: str | None = None  # an uncaught exception's traceback tail
     stage: StageResult | None = None  # its stage (None before its first step)
     env: Env | None = None  # the machine and settings, as the process saw them
+    window: WindowTrace | None = None  # its closed window, to analyse (the stage's evidence)
 
 
 @dataclass

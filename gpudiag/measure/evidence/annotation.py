@@ -56,10 +56,10 @@ def _loop_lines(filename: str) -> frozenset[int]:
 
 
 def in_loop(location: str, roots: tuple[Path, ...] = ()) -> bool:
-    """Whether `path:line` lies inside a loop in its source file (found from the working
-    directory, sys.path, or `roots`)."""
+    """Whether `path:line` lies inside a loop in its source file (found from `roots`, the
+    working directory or sys.path: the profiled process's own first, where it is another)."""
     path_text, _, line = location.rpartition(":")
-    for base in (Path.cwd(), *roots, *(Path(p) for p in sys.path if p)):
+    for base in (*roots, Path.cwd(), *(Path(p) for p in sys.path if p)):
         candidate = Path(path_text) if Path(path_text).is_absolute() else base / path_text
         if candidate.is_file():
             return int(line) in _loop_lines(str(candidate))

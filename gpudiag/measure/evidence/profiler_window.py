@@ -8,13 +8,9 @@ median is the window's overhead.
 from __future__ import annotations
 
 import contextlib
-import gc
-import gzip
-import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -26,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpudiag.measure.evidence.source import SourceAnnotator
 from gpudiag.measure.evidence.trace import STEP_RANGE, analyze
+from gpudiag.measure.evidence.tracefile import TraceSaves, collector_paused, parse_trace
 from gpudiag.measure.timing import synchronize
-from gpudiag.model.atomic import write_bytes_atomic
 from gpudiag.model.results import Evidence
 
 
@@ -109,11 +105,12 @@ class ProfilerWindow:
         self._close_step()
         self._open_step()
 
-    def stop(self, *, closing_step: bool = True) -> list[dict[str, Any]]:
-        """Close the window (the open step counts when `closing_step`) and return the trace
-        events; the device is synchronised first so that every kernel is in the trace."""
+    def stop(self, *, closing_step: bool = True, export_to: Path | None = None) -> None:
+        """Close the window (the open step counts when `closing_step`) and export its trace:
+        to `export_to`, or into `trace_json`; the device is synchronised first so that every
+        kernel is in the trace."""
         if self._profiler is None:
-            return []
+            return
         synchronize(self.device)  # the last step ends when its device work does
         if closing_step:
             self._close_step()
@@ -128,14 +125,20 @@ class ProfilerWindow:
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         mark = self._phase("collect", mark)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            profiler.export_chrome_trace(str(path))
-            self.trace_json = path.read_bytes()
-        mark = self._phase("export", mark)
-        with _collector_paused():
-            events: list[dict[str, Any]] = json.loads(self.trace_json).get("traceEvents", [])
-        self._phase("parse", mark)
+        if export_to is not None:
+            profiler.export_chrome_trace(str(export_to))
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "trace.json"
+                profiler.export_chrome_trace(str(path))
+                self.trace_json = path.read_bytes()
+        self._phase("export", mark)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The closed window's trace events (from `trace_json`)."""
+        begin = time.perf_counter()
+        events = parse_trace(self.trace_json)
+        self._phase("parse", begin)
         return events
 
     def _phase(self, name: str, since: float) -> float:
@@ -151,29 +154,13 @@ class ProfilerWindow:
         if not self.step_ms:
             return None
         begin = time.perf_counter()
-        with _collector_paused():
+        with collector_paused():
             found = analyze(events, steps=len(self.step_ms),
                             step_ms=statistics.fmean(self.step_ms),
                             backend="cuda" if self.device.type == "cuda" else "cpu",
                             timed_step_ms=timed_step_ms, kernel_lines=kernel_lines)
         self._phase("analyze", begin)
         return found
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a trace is parsed and analysed: a window's
-    hundreds of thousands of event dicts, none of them garbage yet, set off its full
-    collections again and again, each walking all of them (per_tensor_optimizer's 166,000
-    events: 5.9 s to parse with it, 1.1 s without; benchmarks/window_cost.py). The script's
-    own setting is restored."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager
@@ -208,44 +195,8 @@ def capture_trace(step: Callable[[], object], *, device: torch.device, steps: in
         if k == steps - 1 or not window.wants_another_step():
             break
         window.next_step()
-    return window, window.stop()
-
-
-def save_trace(exported: bytes, path: Path) -> None:
-    """A closed window's Chrome trace (its `trace_json`), gzipped (ui.perfetto.dev and
-    chrome://tracing open it): torch's export as it is, never parsed and encoded again, at
-    gzip level 6 (zlib's default; 9 is slower for a few percent). Whole or not at all: it may
-    be written from a thread beside the script (the recorder's), which an exit can cut."""
-    write_bytes_atomic(path, gzip.compress(exported, compresslevel=6))
-
-
-class TraceSaves:
-    """Closed windows' traces compressed and written in threads, beside whatever comes next:
-    zlib lets go of the GIL, so a 64 MB trace's second of gzip (the dgca full-loop window's on
-    an H100) no longer adds to the run. `join` waits for them all and says which failed (a
-    full disk: the evidence stands without its trace file)."""
-
-    def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
-        self._failed: list[str] = []
-
-    def save(self, exported: bytes, path: Path) -> None:
-        def run() -> None:
-            try:
-                save_trace(exported, path)
-            except Exception as exc:
-                self._failed.append(f"{path.name} not written: {type(exc).__name__}: {exc}")
-
-        thread = threading.Thread(target=run, name="gpudiag-trace-save", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def join(self) -> list[str]:
-        for thread in self._threads:
-            thread.join()
-        self._threads.clear()
-        failed, self._failed = self._failed, []
-        return failed
+    window.stop()
+    return window, window.events()
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,

@@ -18,6 +18,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpudiag.measure.evidence import shapes
@@ -668,8 +669,10 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
         key=lambda c: c.location)
 
 
-def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> list[SourceLine]:
-    """The busiest lines (device ops, kernels and copies per step), at most TOP_N."""
+def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float,
+                  roots: tuple[Path, ...]) -> list[SourceLine]:
+    """The busiest lines (device ops, kernels and copies per step), at most TOP_N; `roots`:
+    where their files are looked up first (annotation.in_loop)."""
     step_us = step_ms * 1e3
     found = [
         SourceLine(
@@ -682,7 +685,7 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> 
             sync_idle_ms_per_step=_idle_after(runtime.line_sync_ends[line.location],
                                               w.busy) * per / 1e3,
             share_of_step_time=min(1.0, line.host_us * per / step_us) if step_us else 0.0,
-            in_loop=in_loop(line.location),
+            in_loop=in_loop(line.location, roots),
             via=line.vias.most_common(1)[0][0] if line.vias else None)
         for line in w.lines.values()]
     found.sort(key=lambda s: (s.ops_per_step + s.kernels_per_step + s.memcpys_per_step),
@@ -692,9 +695,12 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float) -> 
 
 def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend: str,
             timed_step_ms: float | None = None,
-            kernel_lines: dict[str, list[str]] | None = None) -> Evidence:
+            kernel_lines: dict[str, list[str]] | None = None,
+            roots: tuple[Path, ...] = ()) -> Evidence:
     """Per-step evidence from the trace events of `steps` profiled steps; `kernel_lines`:
-    compiled kernels' source lines, for kernels no source annotation launched."""
+    compiled kernels' source lines, for kernels no source annotation launched; `roots`: where
+    the profiled process found its files (analysed in another process: its working directory
+    and sys.path)."""
     w = _select(events)
     w.kernel_lines = kernel_lines or {}
     top_ops, cpu_syncs = _count_host(w, backend)
@@ -743,7 +749,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         top_ops_by_count=[{"name": n, "per_step": c * per} for n, c in
                           Counter(o["name"] for o in top_ops).most_common(TOP_N)],
         top_ops_by_time=_top_by_time(device.kernel_time, top_ops, per),
-        source_lines=_source_lines(w, runtime, per, step_ms),
+        source_lines=_source_lines(w, runtime, per, step_ms, roots),
         line_counts=_line_counts(w, runtime, per),
         copy_bytes_per_step={k: v * per for k, v in sorted(device.copy_bytes.items())},
         device_ms_by_step=([us / 1e3 for us in device.step_kernel_us] if backend == "cuda"

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.profilepart import BootstrapError, ProfilePart
-from gpudiag.model.results import RunFileError, from_jsonable, to_jsonable
+from gpudiag.model.results import Evidence, RunFileError, from_jsonable, to_jsonable
 from gpudiag.model.schema import SchemaError, parse_json
 
 T = TypeVar("T")
@@ -42,6 +42,7 @@ ENV_CONFIG = "GPUDIAG_PROFILE_CONFIG"
 PART_GLOB = "part-*.json"
 BOOTSTRAP_ERROR_GLOB = "bootstrap-error-*.json"
 WINDOW_DONE_GLOB = "window-*.done"
+WINDOW_FILES_GLOB = "window-*.*.json"  # a window's trace, and its evidence once analysed
 WRITES_GLOB = "writes-*.jsonl"  # a re-run's writes outside its copy: a JSON string a line
 WRITES_MORE = "..."  # the line after a process's last listed one: it wrote more
 
@@ -52,6 +53,14 @@ def part_name(pid: int) -> str:
 
 def bootstrap_error_name(pid: int) -> str:
     return f"bootstrap-error-{pid}.json"
+
+
+def window_trace_name(pid: int) -> str:
+    return f"window-{pid}.trace.json"
+
+
+def window_evidence_name(pid: int) -> str:
+    return f"window-{pid}.evidence.json"
 
 
 def window_done_name(pid: int) -> str:
@@ -82,6 +91,15 @@ def read_part(path: Path) -> ProfilePart:
     """A process's part, validated like run.json: RunFileError naming the field that does not
     fit, or why the file cannot be read."""
     return _read(ProfilePart, path)
+
+
+def evidence_text(evidence: Evidence) -> str:
+    """A window's evidence, analysed in gpudiag's process and kept for its later reads."""
+    return json.dumps(to_jsonable(evidence))
+
+
+def read_evidence(path: Path) -> Evidence:
+    return _read(Evidence, path)
 
 
 def read_bootstrap_error(path: Path) -> BootstrapError:

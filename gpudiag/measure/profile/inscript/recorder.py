@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gpudiag.measure.env import collect_env, device_identity
-from gpudiag.measure.evidence.profiler_window import ProfilerWindow, TraceSaves
+from gpudiag.measure.evidence.profiler_window import ProfilerWindow
 from gpudiag.measure.evidence.source import call_site, caller_site
 from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.components import FsdpWatch, LoaderWatch, OptimizerWatch
@@ -49,6 +49,7 @@ from gpudiag.measure.profile.protocol import (
     part_name,
     part_text,
     window_done_name,
+    window_trace_name,
 )
 from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
@@ -66,8 +67,8 @@ from gpudiag.model.facts import (
     StageFacts,
     StepTimeline,
 )
-from gpudiag.model.profilepart import ProfilePart
-from gpudiag.model.results import Env, Evidence, StageResult, TimingStats
+from gpudiag.model.profilepart import ProfilePart, WindowTrace
+from gpudiag.model.results import Env, StageResult, TimingStats
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
@@ -116,8 +117,7 @@ class Recorder:
         self.first_stack: list[FrameType] = []  # at the first step's end, to find the loop
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
-        self.evidence: Evidence | None = None
-        self.trace_saves = TraceSaves()
+        self.window_trace: WindowTrace | None = None  # the closed window, for the parent
         self.compile_counts: tuple[int | None, int | None] = (None, None)
         self.compile_watch = CompileWatch(self.host_marks)
         self.part_at = self.host_marks[0]  # when this process last wrote its part
@@ -315,30 +315,30 @@ class Recorder:
         at a step boundary: when the script ends mid-window, that part-step is not a step."""
         if self.window is None or not self.window.open:
             return
-        events = self.window.stop(closing_step=at_boundary)
-        # The export, tens of MB on a GPU, is not held in the script's memory past this.
-        exported, self.window.trace_json = self.window.trace_json, b""
         if not keep:
+            self.window.stop(closing_step=at_boundary)
+            self.window.trace_json = b""
+            return
+        # Exported into the parts folder: gpudiag's own process parses and analyses it
+        # (launching/windows.py), beside the script rather than in it.
+        name = window_trace_name(self.pid)
+        self.window.stop(closing_step=at_boundary, export_to=self.out / name)
+        if not self.window.step_ms:  # no step closed: nothing to read
+            (self.out / name).unlink(missing_ok=True)
             return
         self.compile_counts = _compile_counts()
         timed = self._measured_ms()[2]
         compiled_lines = kernel_lines() if not self.window.annotate else {}
-        self.evidence = self.window.evidence(
-            events, TimingStats.of(timed).p25_ms if timed else None, compiled_lines)
-        if self.evidence is not None and not self.window.annotate:
-            self.evidence.attribution_note = (
-                "the script runs torch.compile'd code: Inductor's fused kernels are charged "
-                "to the source lines of the operators they fused (its provenance, "
-                "--compile-lines); its other device work (library matmuls) and the eager "
-                "code's are not charged to lines" if compiled_lines else
-                "the script runs torch.compile'd code: device work is not charged to source "
-                "lines (gpudiag's per-call annotation would make Dynamo recompile and break "
-                "the graph; `gpudiag profile --compile-lines` charges compiled kernels to "
-                "lines); counts and times per step are exact")
-        if self.trace_dir is not None and self.evidence is not None:
-            # Compressed beside the script, not in its step: ~1 s of a 24,600-kernel window on
-            # an H100 (benchmarks/window_cost.py). Joined at exit.
-            self.trace_saves.save(exported, self.trace_dir / f"profile-{_stage_name()}.json.gz")
+        self.window_trace = WindowTrace(
+            trace=name, steps=len(self.window.step_ms),
+            step_ms=statistics.fmean(self.window.step_ms),
+            backend="cuda" if self.window.device.type == "cuda" else "cpu",
+            timed_step_ms=TimingStats.of(timed).p25_ms if timed else None,
+            kernel_lines=compiled_lines, roots=[str(Path.cwd()), *sys.path],
+            attribution_note=None if self.window.annotate else _compiled_attribution(
+                bool(compiled_lines)),
+            save_as=(str(self.trace_dir / f"profile-{_stage_name()}.json.gz")
+                     if self.trace_dir is not None else None))
 
     # --- DDP: gradient bytes and the link ------------------------------------------------
 
@@ -471,7 +471,7 @@ class Recorder:
         first, warmup_ms, timed = self._measured_ms()
         result = StageResult(name=_stage_name(), status="ok", title=" ".join(sys.argv),
                              workload=f"{' '.join(sys.argv)} (profiled)",
-                             facts=self._facts(len(timed)), evidence=self.evidence)
+                             facts=self._facts(len(timed)))
         if self.crash:
             # The steps before the crash stay measured; the stage says the script failed.
             result.status, result.error = "error", f"the script raised {self.crash[-1]}"
@@ -520,15 +520,15 @@ class Recorder:
         training = [use for use in facts.script.loaders if use.training]
         if training:  # the settings the input rules read, as the ladder's data stages give
             facts.loader = training[0].settings
-        if self.evidence is None:
+        if self.window_trace is None:  # else gpudiag's process reads the window's evidence
             facts.evidence_missing = self._why_no_evidence()
         return facts
 
     def _timeline(self) -> StepTimeline:
         profiled = self.schedule.profiled_steps
         # The steps the window profiled: fewer than planned where they took its budget.
-        window = ((profiled.start, profiled.start + self.evidence.steps)
-                  if self.evidence is not None else None)
+        window = ((profiled.start, profiled.start + self.window_trace.steps)
+                  if self.window_trace is not None else None)
         timeline = build_timeline(self.host_marks, extra_steps=self.extra_steps,
                                   end_mark=self.end_mark, exit_mark=self.exit_mark,
                                   waits=self.data_wait, calls=self.data_calls,
@@ -568,8 +568,6 @@ class Recorder:
             self.error = f"{type(exc).__name__}: {exc}"
         if self.host_sampler is not None:
             self.host = self.host_sampler.stop()
-        for failed in self.trace_saves.join():  # the final part says the run is over: its
-            self.error = self.error or f"the profiler trace {failed}"  # trace too
         try:
             self.compiles = self.compile_watch.facts()
         except Exception as exc:  # Dynamo's internals moved: the rest of the run stands
@@ -611,7 +609,7 @@ class Recorder:
                            rank=_rank()[0], cuda=bool(self.cuda), error=self.error,
                            final=final, crash="".join(self.crash) or None,
                            stage=self.stage() if self.steps else None,
-                           env=self._environment())
+                           env=self._environment(), window=self.window_trace)
         self.out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.out / part_name(os.getpid()), part_text(part))
 
@@ -663,6 +661,20 @@ def _compiled() -> bool:
     counters = dynamo.utils.counters
     return bool(counters.get("frames", {}).get("ok")
                 or counters.get("stats", {}).get("unique_graphs"))
+
+
+def _compiled_attribution(provenance: bool) -> str:
+    """How a torch.compile'd script's device work is charged to lines (the annotator is off
+    under compile), with Inductor's provenance (--compile-lines) or without."""
+    if provenance:
+        return ("the script runs torch.compile'd code: Inductor's fused kernels are charged to "
+                "the source lines of the operators they fused (its provenance, "
+                "--compile-lines); its other device work (library matmuls) and the eager "
+                "code's are not charged to lines")
+    return ("the script runs torch.compile'd code: device work is not charged to source lines "
+            "(gpudiag's per-call annotation would make Dynamo recompile and break the graph; "
+            "`gpudiag profile --compile-lines` charges compiled kernels to lines); counts and "
+            "times per step are exact")
 
 
 def _compile_counts() -> tuple[int | None, int | None]:

@@ -55,8 +55,10 @@ from gpudiag.measure.profile.launching.scratch import (
     ScratchError,
     make_scratch,
 )
+from gpudiag.measure.profile.launching.windows import window_evidence
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import BadInput
+from gpudiag.model.profilepart import WindowTrace
 from gpudiag.model.remedies import DIAGNOSIS_RUN
 from gpudiag.model.results import Env, RunFileError, RunResult, StageResult
 
@@ -349,6 +351,8 @@ def collect(parts_dir: Path) -> Collected:
         if part.error:
             found.messages.append(f"{' '.join(part.argv)}: {part.error}")
         if part.stage is not None:
+            if part.window is not None:
+                _read_window(parts_dir, part.pid, part.window, part.stage)
             found.stages.append(part.stage)
             if not part.final:
                 found.unfinished.append(part.stage)
@@ -361,6 +365,16 @@ def collect(parts_dir: Path) -> Collected:
     found.stages.sort(key=lambda s: s.name)
     found.env = min(envs, key=lambda e: e[0])[1] if envs else None
     return found
+
+
+def _read_window(parts_dir: Path, pid: int, window: WindowTrace, stage: StageResult) -> None:
+    """The stage's evidence from its process's window (windows.py); where it cannot be read,
+    the stage says so, as a failed window in the script said before."""
+    try:
+        stage.evidence = window_evidence(parts_dir, pid, window)
+    except Exception as exc:  # a trace torch wrote wrong, a full disk: the timings stand
+        stage.facts.evidence_missing = (f"the profiler window could not be read: "
+                                        f"{type(exc).__name__}: {exc}")
 
 
 def bootstrap_failures(parts_dir: Path) -> list[str]:
@@ -378,7 +392,8 @@ def bootstrap_failures(parts_dir: Path) -> list[str]:
 def _clear(parts_dir: Path) -> None:
     parts_dir.mkdir(parents=True, exist_ok=True)
     for pattern in (protocol.PART_GLOB, protocol.BOOTSTRAP_ERROR_GLOB,
-                    protocol.WINDOW_DONE_GLOB, protocol.WRITES_GLOB):
+                    protocol.WINDOW_DONE_GLOB, protocol.WINDOW_FILES_GLOB,
+                    protocol.WRITES_GLOB):
         for old in parts_dir.glob(pattern):
             old.unlink()
 
@@ -506,13 +521,18 @@ def _profile_once(out: Path, config: ProfileConfig,
             command = scratch.command(command)
             if scratch.confined:
                 writable = cleanup.enter_context(confined([out], scratch.source, env, policy))
-        announced: list[bool] = []
+        windows_closed = [0]
 
         def tick() -> None:
-            if on_window is not None and not announced and any(
-                    parts_dir.glob(protocol.WINDOW_DONE_GLOB)):
-                announced.append(True)
-                on_window(_output(config, parts_dir, ended=None))
+            # A window that closed is read now, while the script goes on (windows.py); the
+            # first one's early report, when asked for.
+            closed = sum(1 for _ in parts_dir.glob(protocol.WINDOW_DONE_GLOB))
+            if closed == windows_closed[0]:
+                return
+            first, windows_closed[0] = windows_closed[0] == 0, closed
+            output = _output(config, parts_dir, ended=None)
+            if first and on_window is not None:
+                on_window(output)
 
         ended = run_command(child_command(command, writable), env, on_tick=tick,
                             cwd=scratch.root if scratch is not None else None)

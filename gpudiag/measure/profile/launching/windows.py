@@ -1,0 +1,40 @@
+"""A profiled script's closed profiler windows, read in gpudiag's own process: the recorder
+exports each window's trace into the parts folder and goes on with the script; this side
+parses and analyses it (evidence/trace.py, which loads no torch), keeps it gzipped where
+traces are kept, and the evidence beside the part, read again at every later collection.
+Parsing and analysing in the script cost it ~40% of its window (per-tensor optimizer on an
+H100: 3.0 of 7.1 s; reports/examples/benchmarks/h100-window-phases-after.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpudiag.measure.evidence.trace import analyze
+from gpudiag.measure.evidence.tracefile import collector_paused, parse_trace, save_trace
+from gpudiag.measure.profile import protocol
+from gpudiag.model.atomic import write_text_atomic
+from gpudiag.model.profilepart import WindowTrace
+from gpudiag.model.results import Evidence
+
+
+def window_evidence(parts_dir: Path, pid: int, window: WindowTrace) -> Evidence:
+    """Process `pid`'s window's evidence: analysed at the first call, read back after. OSError
+    where the trace is gone or unreadable; a malformed trace raises what its parse raises."""
+    kept = parts_dir / protocol.window_evidence_name(pid)
+    if kept.is_file():
+        return protocol.read_evidence(kept)
+    trace = parts_dir / window.trace
+    exported = trace.read_bytes()
+    events = parse_trace(exported)
+    with collector_paused():
+        evidence = analyze(events, steps=window.steps, step_ms=window.step_ms,
+                           backend=window.backend, timed_step_ms=window.timed_step_ms,
+                           kernel_lines=window.kernel_lines,
+                           roots=tuple(Path(root) for root in window.roots if root))
+    del events
+    evidence.attribution_note = window.attribution_note
+    if window.save_as is not None:
+        save_trace(exported, Path(window.save_as))
+    write_text_atomic(kept, protocol.evidence_text(evidence))
+    trace.unlink()
+    return evidence
