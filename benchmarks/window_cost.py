@@ -125,7 +125,8 @@ def window_phases(name: str, device: torch.device, save_to: Path | None) -> dict
         if k < PROFILED_STEPS - 1:
             window.next_step()
     window.stop()
-    evidence = window.evidence(window.events(), statistics.median(plain))
+    events = window.events()
+    evidence = window.evidence(events, statistics.median(plain))
     with tempfile.TemporaryDirectory() as tmp:
         mark = time.perf_counter()
         saved = (save_to or Path(tmp)) / f"{name.replace(' ', '-')}.json.gz"

@@ -751,11 +751,19 @@ def test_a_scripts_window_is_read_in_gpudiags_process(tmp_path: Path) -> None:
                         step_ms=statistics.fmean(window.step_ms), backend="cpu",
                         timed_step_ms=None, roots=[str(Path(__file__).parent)],
                         attribution_note="a note", save_as=str(kept))
-    there = window_evidence(parts, 7, trace)
-    assert there.attribution_note == "a note"
+    there, not_kept = window_evidence(parts, 7, trace)
+    assert there.attribution_note == "a note" and not_kept is None
     there.attribution_note = None
     assert there == here
     assert not (parts / "window-7.trace.json").exists()
     with gzip.open(kept) as f:
         assert json.load(f)["traceEvents"]
-    assert window_evidence(parts, 7, trace).line_counts == here.line_counts  # read back
+    assert window_evidence(parts, 7, trace)[0].line_counts == here.line_counts  # read back
+    # A trace that cannot be kept (a full disk) is said; the evidence stands, and is read again.
+    (parts / "window-8.trace.json").write_bytes(window.trace_json)
+    unwritable = dataclasses.replace(trace, trace="window-8.trace.json",
+                                     save_as=str(tmp_path / "no-such-folder" / "t.json.gz"))
+    evidence, not_kept = window_evidence(parts, 8, unwritable)
+    assert evidence.line_counts == here.line_counts
+    assert not_kept is not None and not_kept.startswith("t.json.gz not written")
+    assert (window_evidence(parts, 8, unwritable)[1] or "").startswith("t.json.gz not written")

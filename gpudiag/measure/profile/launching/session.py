@@ -352,7 +352,7 @@ def collect(parts_dir: Path) -> Collected:
             found.messages.append(f"{' '.join(part.argv)}: {part.error}")
         if part.stage is not None:
             if part.window is not None:
-                _read_window(parts_dir, part.pid, part.window, part.stage)
+                found.messages += _read_window(parts_dir, part.pid, part.window, part.stage)
             found.stages.append(part.stage)
             if not part.final:
                 found.unfinished.append(part.stage)
@@ -367,14 +367,18 @@ def collect(parts_dir: Path) -> Collected:
     return found
 
 
-def _read_window(parts_dir: Path, pid: int, window: WindowTrace, stage: StageResult) -> None:
+def _read_window(parts_dir: Path, pid: int, window: WindowTrace, stage: StageResult,
+                 ) -> list[str]:
     """The stage's evidence from its process's window (windows.py); where it cannot be read,
-    the stage says so, as a failed window in the script said before."""
+    the stage says so, as a failed window in the script said before. What to tell the user:
+    a trace that could not be kept."""
     try:
-        stage.evidence = window_evidence(parts_dir, pid, window)
+        stage.evidence, not_kept = window_evidence(parts_dir, pid, window)
     except Exception as exc:  # a trace torch wrote wrong, a full disk: the timings stand
         stage.facts.evidence_missing = (f"the profiler window could not be read: "
                                         f"{type(exc).__name__}: {exc}")
+        return []
+    return [f"the profiler trace {not_kept}"] if not_kept else []
 
 
 def bootstrap_failures(parts_dir: Path) -> list[str]:

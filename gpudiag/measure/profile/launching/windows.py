@@ -17,12 +17,15 @@ from gpudiag.model.profilepart import WindowTrace
 from gpudiag.model.results import Evidence
 
 
-def window_evidence(parts_dir: Path, pid: int, window: WindowTrace) -> Evidence:
-    """Process `pid`'s window's evidence: analysed at the first call, read back after. OSError
-    where the trace is gone or unreadable; a malformed trace raises what its parse raises."""
+def window_evidence(parts_dir: Path, pid: int, window: WindowTrace,
+                    ) -> tuple[Evidence, str | None]:
+    """Process `pid`'s window's evidence, analysed at the first call and read back after; and
+    why its gzipped trace was not kept, where it was not (the evidence stands without it).
+    OSError where the trace is gone or unreadable; a malformed trace raises what its parse
+    raises."""
     kept = parts_dir / protocol.window_evidence_name(pid)
     if kept.is_file():
-        return protocol.read_evidence(kept)
+        return protocol.read_evidence(kept), None
     trace = parts_dir / window.trace
     exported = trace.read_bytes()
     events = parse_trace(exported)
@@ -34,7 +37,10 @@ def window_evidence(parts_dir: Path, pid: int, window: WindowTrace) -> Evidence:
     del events
     evidence.attribution_note = window.attribution_note
     if window.save_as is not None:
-        save_trace(exported, Path(window.save_as))
+        try:
+            save_trace(exported, Path(window.save_as))
+        except OSError as exc:  # a full disk: analysed (and said) again at the next read
+            return evidence, f"{Path(window.save_as).name} not written: {exc}"
     write_text_atomic(kept, protocol.evidence_text(evidence))
     trace.unlink()
-    return evidence
+    return evidence, None
