@@ -41,13 +41,6 @@ from gpudiag.model.results import RunResult, load_run
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """One worker more than the cores (at most 4, pyproject's --maxprocesses): a test's
-    processes wait at times (a script's readiness, a signal's delivery, a child's exit), and a
-    third worker on a 2-core machine runs then."""
-    return min(4, (os.cpu_count() or 1) + 1)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The heavy tests (many processes, 20-55 s each) first, then the other slow ones (a real
     process, 5-15 s), then the rest, each group in file order; dealt out like cards among
