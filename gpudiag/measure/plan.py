@@ -16,9 +16,9 @@ from gpudiag.measure.stages import DEFAULT_LADDER, stage_names
 from gpudiag.model.config import (
     DEFAULT_EVIDENCE_STEPS,
     PRESETS,
-    WINDOW_BUDGET_S,
     ModelShape,
     RunConfig,
+    evidence_window,
 )
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import RunOptions, check_ranges
@@ -76,6 +76,7 @@ def build_config(options: RunOptions | None = None, /,
         _check_fits(options.batch_size or chosen.batch_size, seq, chosen.shape, device)
     _check_distributed(options, device)
     given_values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    steps, budget = evidence_window(options.evidence_steps, DEFAULT_EVIDENCE_STEPS)
     config = RunConfig(**{
         **given_values, "preset": preset, "device": device, "stages": _stages(options.stages),
         "shape": chosen.shape, "batch_size": options.batch_size or chosen.batch_size,
@@ -83,9 +84,7 @@ def build_config(options: RunOptions | None = None, /,
         "warmup": _or(options.warmup, chosen.warmup),
         "min_seconds": _or(options.min_seconds, chosen.min_seconds), "amp_dtype": amp_dtype,
         "loader_workers": _or(options.loader_workers, default_loader_workers()),
-        "evidence_steps": _or(options.evidence_steps, DEFAULT_EVIDENCE_STEPS),
-        # A number of steps asked for is profiled whole.
-        "evidence_budget_s": WINDOW_BUDGET_S if options.evidence_steps is None else None})
+        "evidence_steps": steps, "evidence_budget_s": budget})
     return config, notes
 
 

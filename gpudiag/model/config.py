@@ -46,6 +46,12 @@ PROFILE_EVIDENCE_STEPS = 3  # a profiled script's window, at most
 WINDOW_BUDGET_S = 0.25
 
 
+def evidence_window(asked: int | None, default: int) -> tuple[int, float | None]:
+    """A window's steps and budget: the default number, cut by the budget, or the number the
+    user asked for (--evidence-steps), profiled whole."""
+    return (default, WINDOW_BUDGET_S) if asked is None else (asked, None)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Transformer dimensions shared by the built-in models."""

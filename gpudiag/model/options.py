@@ -27,10 +27,10 @@ from gpudiag.model.config import (
     HOST_SAMPLE_HZ,
     PROFILE_EVIDENCE_STEPS,
     PROFILE_TELEMETRY,
-    WINDOW_BUDGET_S,
     ProfileConfig,
     ProfileTelemetry,
     RunConfig,
+    evidence_window,
 )
 from gpudiag.model.errors import BadInput
 from gpudiag.model.remedies import FIX_SEED, REMEDIES
@@ -255,11 +255,10 @@ def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileCo
         raise BadInput(f"--host-sample-hz must be at most {MAX_HOST_SAMPLE_HZ:.0f} (the "
                        f"sampler would cost the script its own time); got "
                        f"{options.host_sample_hz:g}")
+    steps, budget = evidence_window(options.evidence_steps, PROFILE_EVIDENCE_STEPS)
     return ProfileConfig(
         command=tuple(command), warmup=options.warmup, timed=options.timed,
-        evidence_steps=(PROFILE_EVIDENCE_STEPS if options.evidence_steps is None
-                        else options.evidence_steps),
-        evidence_budget_s=WINDOW_BUDGET_S if options.evidence_steps is None else None,
+        evidence_steps=steps, evidence_budget_s=budget,
         telemetry=typing.cast(ProfileTelemetry, options.telemetry),  # its choices are checked
         host_sample_hz=options.host_sample_hz, compile_lines=options.compile_lines,
         samples_per_step=options.samples_per_step,

@@ -43,7 +43,7 @@ def save_trace(exported: bytes, path: Path) -> None:
     """A closed window's Chrome trace (its `trace_json`), gzipped (ui.perfetto.dev and
     chrome://tracing open it): torch's export as it is, never parsed and encoded again, at
     gzip level 6 (zlib's default; 9 is slower for a few percent). Whole or not at all: it may
-    be written from a thread beside the script (the recorder's), which an exit can cut."""
+    be written from a thread (TraceSaves, the ladder's), which an exit can cut."""
     write_bytes_atomic(path, gzip.compress(exported, compresslevel=6))
 
 

@@ -3,7 +3,8 @@ exports each window's trace into the parts folder and goes on with the script; t
 parses and analyses it (evidence/trace.py, which loads no torch), keeps it gzipped where
 traces are kept, and the evidence beside the part, read again at every later collection.
 Parsing and analysing in the script cost it ~40% of its window (per-tensor optimizer on an
-H100: 3.0 of 7.1 s; reports/examples/benchmarks/h100-window-phases-after.json)."""
+H100: 3.0 of 7.8 s, the gzip beside it apart; reports/examples/benchmarks/
+h100-window-phases-after.json)."""
 
 from __future__ import annotations
 
