@@ -22,7 +22,7 @@ from gpudiag.measure.stages import StageDef  # noqa: E402
 
 LOG: list[tuple[str, str, float]] = [("import gpudiag", "", time.perf_counter() - START)]
 PHASES = ("_run_stage", "_add_evidence", "_launch_stage", "count_flops", "collect_evidence",
-          "time_steps", "_release_memory", "measure_window")
+          "record_window", "time_steps", "_release_memory", "measure_window")
 
 
 def _timed(name: str, fn: Any, stage: str | None = None) -> Any:
@@ -65,6 +65,9 @@ for _name in PHASES:
     if hasattr(runner, _name):  # an earlier tree's runner may lack one (--tree comparisons)
         setattr(runner, _name, _timed(_name, getattr(runner, _name)))
 runner.get_stage = _with_timed_build(runner.get_stage)
+if hasattr(runner._Session, "finish_reading"):  # the wait for windows read beside the pass
+    runner._Session.finish_reading = _timed("finish_reading", runner._Session.finish_reading,
+                                            stage="")
 
 if __name__ == "__main__":
     sys.argv = ["gpudiag", *sys.argv[1:]]

@@ -31,6 +31,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpudiag.cli import app
+from gpudiag.measure.evidence import reader
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
@@ -81,10 +82,14 @@ def tiny_ladder(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run
     """The whole default ladder of the dgca model on the CPU, with a fake GPU's telemetry.
     Built once a suite (15 s): under pytest-xdist every worker would build its own, so the
     first builds it and the others read its pickle (xdist's recipe for a session fixture that
-    runs once: a lock in the folder all workers' temporary folders share)."""
+    runs once: a lock in the folder all workers' temporary folders share). Its windows are
+    read by the reader process, as a GPU's larger ones are (their tiny traces would be read in
+    the run's own process otherwise: evidence/reader.py)."""
     def build() -> RunOutput:
         config = tiny_config(stages=list(DEFAULT_LADDER))
-        return run_stages(config, telemetry_spec=fake_spec([(0.0, 250.0)]))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(reader, "READ_HERE_BYTES", 0)
+            return run_stages(config, telemetry_spec=fake_spec([(0.0, 250.0)]))
 
     if worker_id == "master":  # one process: no other to share it with
         return build()

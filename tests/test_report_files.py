@@ -9,7 +9,6 @@ from pathlib import Path
 
 from conftest import invoke
 
-from gpudiag.measure.evidence.tracefile import TraceSaves
 from gpudiag.model.results import load_run
 from gpudiag.present.files import read_samples
 from gpudiag.present.trace import build_trace
@@ -96,19 +95,6 @@ def test_profiler_windows_are_kept_as_traces(tmp_path: Path) -> None:
     assert any(e.get("name") == "gpudiag.step" for e in events)
     assert any(str(e.get("name", "")).startswith("gpudiag.src|") for e in events)
     assert "profile-<stage>.json.gz" in (tmp_path / "report.md").read_text()
-
-
-def test_traces_are_saved_beside_the_run_and_a_failure_is_said(tmp_path: Path) -> None:
-    """A window's trace is compressed in a thread while the run goes on; join waits for every
-    one and names those that could not be written (the evidence stands without them)."""
-    saves = TraceSaves()
-    saves.save(b'{"traceEvents": []}', tmp_path / "profile-a.json.gz")
-    saves.save(b"{}", tmp_path / "missing" / "profile-b.json.gz")
-    failed = saves.join()
-    assert gzip.decompress((tmp_path / "profile-a.json.gz").read_bytes()) == \
-        b'{"traceEvents": []}'
-    assert len(failed) == 1 and failed[0].startswith("profile-b.json.gz not written: ")
-    assert saves.join() == []
 
 
 def test_a_diagnosis_without_evidence_is_no_clean_bill_of_health() -> None:

@@ -767,3 +767,59 @@ def test_a_scripts_window_is_read_in_gpudiags_process(tmp_path: Path) -> None:
     assert evidence.line_counts == here.line_counts
     assert not_kept is not None and not_kept.startswith("t.json.gz not written")
     assert (window_evidence(parts, 8, unwritable)[1] or "").startswith("t.json.gz not written")
+
+
+def test_the_ladders_windows_are_read_in_a_process_beside_it(tmp_path: Path) -> None:
+    """A large window's trace goes to the reader process and comes back as the evidence an
+    analysis here makes (a small one is read here at once); where that process has died, what
+    it did not answer is read here; a stop abandons what it has not answered, saying why."""
+    import os
+    import signal
+
+    from gpudiag.measure.evidence.reader import WindowReader
+    from gpudiag.model.profilepart import WindowTrace
+
+    weights = torch.randn(ROWS, 8, requires_grad=True)
+
+    def step() -> None:
+        fill_rows(weights, ROWS, 8).sum().backward()
+
+    window, events = capture_trace(step, device=torch.device("cpu"), steps=2)
+    here = analyze(events, steps=2, step_ms=statistics.fmean(window.step_ms), backend="cpu")
+    trace = WindowTrace(trace="w.trace.json", steps=2, step_ms=statistics.fmean(window.step_ms),
+                        backend="cpu", timed_step_ms=None,
+                        save_as=str(tmp_path / "profile-w.json.gz"))
+
+    def exported(reader: WindowReader, name: str) -> Path:
+        path = reader.folder / name
+        path.write_bytes(window.trace_json)
+        return path
+
+    reader = WindowReader(read_here_bytes=0)
+    first = reader.read(exported(reader, "a.json"), trace)
+    second = reader.read(exported(reader, "b.json"), trace)
+    assert reader._process is not None and reader._process.pid != os.getpid()
+    assert first.result().evidence == here and second.result().evidence == here
+    with gzip.open(tmp_path / "profile-w.json.gz") as f:
+        assert json.load(f)["traceEvents"]
+    reader._process.kill()  # it dies: the next window is read here
+    reader._process.wait()
+    assert reader.read(exported(reader, "c.json"), trace).result().evidence == here
+    folder = reader.folder
+    reader.close()
+    assert not folder.exists()
+
+    small = WindowReader()  # the default: a tiny trace is read here, no process started
+    assert small.read(exported(small, "d.json"), trace).result().evidence == here
+    assert small._process is None
+    small.close()
+
+    stopped = WindowReader(read_here_bytes=0)
+    stopped.read(exported(stopped, "e.json"), trace)  # starts it
+    assert stopped._process is not None
+    os.kill(stopped._process.pid, signal.SIGSTOP)  # busy elsewhere: this one is not answered
+    waiting = stopped.read(exported(stopped, "f.json"), trace)
+    stopped.abandon("the run was interrupted")
+    read = waiting.result()
+    assert read.evidence is None and read.error == "the run was interrupted"
+    assert stopped._process.returncode is not None

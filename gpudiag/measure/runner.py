@@ -28,8 +28,8 @@ import torch
 
 from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
-from gpudiag.measure.evidence.profiler_window import collect_evidence
-from gpudiag.measure.evidence.tracefile import TraceSaves
+from gpudiag.measure.evidence.profiler_window import record_window
+from gpudiag.measure.evidence.reader import Reading, WindowReader
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.interrupts import (
     Stopped,
@@ -120,7 +120,7 @@ def run_stages(
                     continue
                 session.profile(result, trace_dir)
         finally:  # the traces' files are the run's: written before it is
-            run.notes.extend(f"profiler trace {failed}" for failed in session.saves.join())
+            session.finish_reading()
         samples = sampler.samples()
     run.duration_s = time.perf_counter() - started
     return RunOutput(run, samples)
@@ -135,7 +135,10 @@ class _Session:
     sampler: Sampler
     listener: ProgressListener | None
     checkpoint: Callable[[], None]
-    saves: TraceSaves = field(default_factory=TraceSaves)
+    # Each window's trace read beside the next window (evidence/reader.py); the readings not
+    # yet put on their stage.
+    reader: WindowReader = field(default_factory=WindowReader)
+    readings: list[tuple[StageResult, Reading]] = field(default_factory=list)
 
     def time_stage(self, name: str) -> StageResult | None:
         """Time stage `name` into the run; return its result when it wants a profiler window."""
@@ -172,18 +175,46 @@ class _Session:
         if self.listener is not None:
             self.listener.evidence_started(result.name)
         try:
-            _add_evidence(get_stage(result.name), self.ctx, result, trace_dir, self.saves)
+            reading = _add_evidence(get_stage(result.name), self.ctx, result, trace_dir,
+                                    self.reader)
+            if reading is not None:
+                self.readings.append((result, reading))
         except KeyboardInterrupt:
             self.run.interrupted = True
         if self.listener is not None:
             self.listener.evidence_finished(result.name)
+        self._take_read(wait=False)
         self.checkpoint()
+
+    def finish_reading(self) -> None:
+        """Every window read and put on its stage; after a stop, those not read yet say so."""
+        try:
+            if not self.run.interrupted:
+                self._take_read(wait=True)
+        except KeyboardInterrupt:
+            self.run.interrupted = True
+        if self.run.interrupted:
+            self.reader.abandon("the run was interrupted before its trace was read")
+        else:
+            self.reader.close()
+        self._take_read(wait=True)
+
+    def _take_read(self, *, wait: bool) -> None:
+        while self.readings and (wait or self.readings[0][1].done()):
+            result, reading = self.readings.pop(0)
+            read = reading.result()
+            if read.evidence is not None:
+                result.evidence = read.evidence
+            else:
+                result.facts.evidence_missing = f"the profiler window failed: {read.error}"
+            if read.not_kept is not None:
+                self.run.notes.append(f"profiler trace {read.not_kept}")
 
 
 def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
-                  trace_dir: Path | None, saves: TraceSaves) -> None:
-    """Rebuild the stage's workload and record a profiled window of it on `result`. A failure
-    here is noted on the stage; its timings stand."""
+                  trace_dir: Path | None, reader: WindowReader) -> Reading | None:
+    """Rebuild the stage's workload and record a profiled window of it, handed to `reader`
+    for its evidence. A failure here is noted on the stage; its timings stand."""
     workload: Workload | None = None
     try:
         with nvtx.annotate(f"evidence {definition.name}", domain="gpudiag"):
@@ -193,19 +224,20 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
             # The rebuilt workload's warm-up is the window's own first step, untraced with the
             # annotator (evidence/profiler_window.py): a plain step before it added a step's
             # time to every stage's pass and changed nothing the window recorded.
-            save = ((saves, trace_dir / f"profile-{definition.name}.json.gz")
-                    if trace_dir is not None else None)
             # The lower quartile is the pace the stage sustains: interference on a shared host
             # only ever adds time, and would otherwise pass for GPU idleness.
-            result.evidence = collect_evidence(workload.step, device=ctx.device,
-                                               steps=ctx.config.evidence_steps,
-                                               budget_s=ctx.config.evidence_budget_s,
-                                               timed_step_ms=result.timing.p25_ms
-                                               if result.timing else result.ms_per_iter,
-                                               save=save)
+            return record_window(workload.step, device=ctx.device,
+                                 steps=ctx.config.evidence_steps,
+                                 budget_s=ctx.config.evidence_budget_s,
+                                 timed_step_ms=result.timing.p25_ms
+                                 if result.timing else result.ms_per_iter,
+                                 reader=reader, name=definition.name,
+                                 save_as=None if trace_dir is None else
+                                 trace_dir / f"profile-{definition.name}.json.gz")
     except Exception as exc:
         result.facts.evidence_missing = (f"the profiler window failed: {type(exc).__name__}: "
                                          f"{_first_line(str(exc))}")
+        return None
     finally:
         ctx.phases.clear()
         if workload is not None:

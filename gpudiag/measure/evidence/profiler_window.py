@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from gpudiag.measure.evidence.reader import Reading, WindowReader
 from gpudiag.measure.evidence.source import SourceAnnotator
 from gpudiag.measure.evidence.trace import STEP_RANGE, analyze
-from gpudiag.measure.evidence.tracefile import TraceSaves, collector_paused, parse_trace
+from gpudiag.measure.evidence.tracefile import collector_paused, parse_trace
 from gpudiag.measure.timing import synchronize
+from gpudiag.model.profilepart import WindowTrace
 from gpudiag.model.results import Evidence
 
 
@@ -181,12 +183,13 @@ def _inductor_left_unloaded() -> Iterator[None]:
         lazy.add("_inductor")
 
 
-def capture_trace(step: Callable[[], object], *, device: torch.device, steps: int,
-                  budget_s: float | None = None) -> tuple[ProfilerWindow, list[dict[str, Any]]]:
-    """Profile up to `steps` calls of `step` (fewer once they took `budget_s`); return the
-    window and its trace events."""
+def _profiled(step: Callable[[], object], *, device: torch.device, steps: int,
+              budget_s: float | None, export_to: Path | None = None) -> ProfilerWindow:
+    """Up to `steps` calls of `step` profiled (fewer once they took `budget_s`), after one
+    untraced call with the annotator (its caches and first-call costs); the closed window, its
+    trace exported to `export_to` or kept in `trace_json`."""
     with SourceAnnotator():
-        step()  # one untraced step with the annotator: its caches and first-call costs
+        step()
     synchronize(device)
     window = ProfilerWindow(device, budget_s=budget_s)
     window.start()
@@ -195,21 +198,41 @@ def capture_trace(step: Callable[[], object], *, device: torch.device, steps: in
         if k == steps - 1 or not window.wants_another_step():
             break
         window.next_step()
-    window.stop()
+    window.stop(export_to=export_to)
+    return window
+
+
+def capture_trace(step: Callable[[], object], *, device: torch.device, steps: int,
+                  budget_s: float | None = None) -> tuple[ProfilerWindow, list[dict[str, Any]]]:
+    """Profile up to `steps` calls of `step` (fewer once they took `budget_s`); return the
+    window and its trace events."""
+    window = _profiled(step, device=device, steps=steps, budget_s=budget_s)
     return window, window.events()
 
 
 def collect_evidence(step: Callable[[], object], *, device: torch.device, steps: int,
-                     timed_step_ms: float | None, budget_s: float | None = None,
-                     save: tuple[TraceSaves, Path] | None = None) -> Evidence:
-    """The window's evidence over up to `steps` steps (fewer once they took `budget_s`); with
-    `save`, its Chrome trace too (gzipped JSON, which ui.perfetto.dev and chrome://tracing
-    open as is), written at that path in those threads."""
+                     timed_step_ms: float | None, budget_s: float | None = None) -> Evidence:
+    """The window's evidence over up to `steps` steps (fewer once they took `budget_s`),
+    analysed here."""
     window, events = capture_trace(step, device=device, steps=steps, budget_s=budget_s)
-    if save is not None:
-        saves, path = save
-        saves.save(window.trace_json, path)
-    window.trace_json = b""  # tens of MB: the saver holds its own reference
+    window.trace_json = b""
     evidence = window.evidence(events, timed_step_ms)
     assert evidence is not None  # steps >= 1 closed steps
     return evidence
+
+
+def record_window(step: Callable[[], object], *, device: torch.device, steps: int,
+                  timed_step_ms: float | None, budget_s: float | None, reader: WindowReader,
+                  name: str, save_as: Path | None) -> Reading:
+    """Profile as `collect_evidence` does and hand the exported trace to `reader`: a large
+    one is parsed and analysed in its process while the caller records what comes next. With
+    `save_as`, the trace is kept there gzipped (ui.perfetto.dev and chrome://tracing open it
+    as is)."""
+    exported = reader.folder / f"{name}.trace.json"
+    window = _profiled(step, device=device, steps=steps, budget_s=budget_s, export_to=exported)
+    trace = WindowTrace(trace=exported.name, steps=len(window.step_ms),
+                        step_ms=statistics.fmean(window.step_ms),
+                        backend="cuda" if device.type == "cuda" else "cpu",
+                        timed_step_ms=timed_step_ms,
+                        save_as=None if save_as is None else str(save_as))
+    return reader.read(exported, trace)

@@ -1,6 +1,5 @@
-"""A closed profiler window's Chrome trace as torch exported it: parsed, saved gzipped (beside
-whatever comes next, in threads). Without torch: gpudiag profile's own process reads and keeps
-a script's window (gpudiag/measure/profile/launching/windows.py) as the ladder keeps its own."""
+"""A closed profiler window's Chrome trace as torch exported it: parsed, saved gzipped. Without
+torch: windows are read away from the process that profiles them (evidence/reader.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import contextlib
 import gc
 import gzip
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,35 +40,6 @@ def parse_trace(exported: bytes) -> list[dict[str, Any]]:
 def save_trace(exported: bytes, path: Path) -> None:
     """A closed window's Chrome trace (its `trace_json`), gzipped (ui.perfetto.dev and
     chrome://tracing open it): torch's export as it is, never parsed and encoded again, at
-    gzip level 6 (zlib's default; 9 is slower for a few percent). Whole or not at all: it may
-    be written from a thread (TraceSaves, the ladder's), which an exit can cut."""
+    gzip level 6 (zlib's default; 9 is slower for a few percent). Whole or not at all: a stop
+    can cut its writer."""
     write_bytes_atomic(path, gzip.compress(exported, compresslevel=6))
-
-
-class TraceSaves:
-    """Closed windows' traces compressed and written in threads, beside whatever comes next:
-    zlib lets go of the GIL, so a 64 MB trace's second of gzip (the dgca full-loop window's on
-    an H100) no longer adds to the run. `join` waits for them all and says which failed (a
-    full disk: the evidence stands without its trace file)."""
-
-    def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
-        self._failed: list[str] = []
-
-    def save(self, exported: bytes, path: Path) -> None:
-        def run() -> None:
-            try:
-                save_trace(exported, path)
-            except Exception as exc:
-                self._failed.append(f"{path.name} not written: {type(exc).__name__}: {exc}")
-
-        thread = threading.Thread(target=run, name="gpudiag-trace-save", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def join(self) -> list[str]:
-        for thread in self._threads:
-            thread.join()
-        self._threads.clear()
-        failed, self._failed = self._failed, []
-        return failed

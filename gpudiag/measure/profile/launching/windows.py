@@ -1,6 +1,6 @@
 """A profiled script's closed profiler windows, read in gpudiag's own process: the recorder
 exports each window's trace into the parts folder and goes on with the script; this side
-parses and analyses it (evidence/trace.py, which loads no torch), keeps it gzipped where
+parses and analyses it (evidence/reader.py, which loads no torch), keeps it gzipped where
 traces are kept, and the evidence beside the part, read again at every later collection.
 Parsing and analysing in the script cost it ~40% of its window (per-tensor optimizer on an
 H100: 3.0 of 7.8 s, the gzip beside it apart; reports/examples/benchmarks/
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpudiag.measure.evidence.trace import analyze
-from gpudiag.measure.evidence.tracefile import collector_paused, parse_trace, save_trace
+from gpudiag.measure.evidence.reader import read_window
 from gpudiag.measure.profile import protocol
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.profilepart import WindowTrace
@@ -28,20 +27,9 @@ def window_evidence(parts_dir: Path, pid: int, window: WindowTrace,
     if kept.is_file():
         return protocol.read_evidence(kept), None
     trace = parts_dir / window.trace
-    exported = trace.read_bytes()
-    events = parse_trace(exported)
-    with collector_paused():
-        evidence = analyze(events, steps=window.steps, step_ms=window.step_ms,
-                           backend=window.backend, timed_step_ms=window.timed_step_ms,
-                           kernel_lines=window.kernel_lines,
-                           roots=tuple(Path(root) for root in window.roots if root))
-    del events
-    evidence.attribution_note = window.attribution_note
-    if window.save_as is not None:
-        try:
-            save_trace(exported, Path(window.save_as))
-        except OSError as exc:  # a full disk: analysed (and said) again at the next read
-            return evidence, f"{Path(window.save_as).name} not written: {exc}"
+    evidence, not_kept = read_window(trace, window)
+    if not_kept is not None:  # a full disk: analysed (and said) again at the next read
+        return evidence, not_kept
     write_text_atomic(kept, protocol.evidence_text(evidence))
     trace.unlink()
     return evidence, None
