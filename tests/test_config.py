@@ -16,7 +16,13 @@ from gpudiag.diagnose.counters import COUNTER_NAMES
 from gpudiag.measure.plan import build_config, cpu_bf16_native
 from gpudiag.measure.profile.protocol import ENV_CONFIG, config_env, config_from_env
 from gpudiag.measure.stages import DEFAULT_LADDER
-from gpudiag.model.config import PRESETS, WINDOW_BUDGET_S, ProfileConfig, RunConfig
+from gpudiag.model.config import (
+    PRESETS,
+    TIMED_PRECISION,
+    WINDOW_BUDGET_S,
+    ProfileConfig,
+    RunConfig,
+)
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import (
     GateOptions,
@@ -145,7 +151,8 @@ def test_every_config_field_is_an_option_or_derived() -> None:
     here on purpose, so a new setting is either an option or a decision."""
     options = {f.name for f, _, _ in option_fields()}
     derived = {"shape", "sample_period_s", "gpm_period_s", "seed", "candidates", "mode",
-               "evidence_budget_s"}  # gpudiag's, unless --evidence-steps is given
+               "evidence_budget_s",  # gpudiag's, unless --evidence-steps is given
+               "timed_precision"}  # gpudiag's, unless --iters is given
     assert {f.name for f in dataclasses.fields(RunConfig)} - options == derived
 
 
@@ -172,6 +179,13 @@ def test_profile_options_make_the_profile_config() -> None:
     assert (ladder.evidence_steps, ladder.evidence_budget_s) == (2, WINDOW_BUDGET_S)
     asked, _ = build_config(model="dgca", device="cpu", preset="tiny", evidence_steps=2)
     assert asked.evidence_budget_s is None
+    # Timed steps alike: the preset's count, which a precise median may end early, or the
+    # user's, timed whole; a trial's argv keeps the difference.
+    full, _ = build_config(model="dgca", device="cpu", preset="full")
+    assert (full.iters, full.timed_precision) == (30, TIMED_PRECISION)
+    assert "--iters" not in to_argv(options_of(full))
+    pinned, _ = build_config(model="dgca", device="cpu", preset="full", iters=30)
+    assert pinned.timed_precision is None and "--iters" in to_argv(options_of(pinned))
     with pytest.raises(BadInput, match="--fix goes with --try-fixes"):
         profile_config(ProfileOptions(fixes=("tf32",)), ["true"])
     with pytest.raises(BadInput, match="--telemetry must be one of full, basic, off"):

@@ -19,6 +19,7 @@ from gpudiag.model.config import (
     ModelShape,
     RunConfig,
     evidence_window,
+    timed_steps,
 )
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import RunOptions, check_ranges
@@ -77,10 +78,11 @@ def build_config(options: RunOptions | None = None, /,
     _check_distributed(options, device)
     given_values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     steps, budget = evidence_window(options.evidence_steps, DEFAULT_EVIDENCE_STEPS)
+    iters, precision = timed_steps(options.iters, chosen.iters)
     config = RunConfig(**{
         **given_values, "preset": preset, "device": device, "stages": _stages(options.stages),
         "shape": chosen.shape, "batch_size": options.batch_size or chosen.batch_size,
-        "seq_len": seq, "iters": options.iters or chosen.iters,
+        "seq_len": seq, "iters": iters, "timed_precision": precision,
         "warmup": _or(options.warmup, chosen.warmup),
         "min_seconds": _or(options.min_seconds, chosen.min_seconds), "amp_dtype": amp_dtype,
         "loader_workers": _or(options.loader_workers, default_loader_workers()),

@@ -42,8 +42,8 @@ from gpudiag.measure.models import resolve_model
 from gpudiag.measure.stages import StageContext, StageDef, StageSkipped, Workload, get_stage
 from gpudiag.measure.telemetry import Sampler, open_sampler
 from gpudiag.measure.timed_window import Window, fill_timed, measure_window
-from gpudiag.measure.timing import PhaseRecorder, synchronize
-from gpudiag.model.config import RunConfig
+from gpudiag.measure.timing import EarlyEnd, PhaseRecorder, synchronize
+from gpudiag.model.config import PRECISE_AFTER_STEPS, RunConfig
 from gpudiag.model.results import RunResult, StageResult
 
 
@@ -310,6 +310,9 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
                 iters=max(config.iters, workload.min_iters),
                 min_seconds=(min(config.min_seconds, HOST_ONLY_MIN_SECONDS)
                              if workload.host_only else config.min_seconds),
+                early=(None if config.timed_precision is None else
+                       EarlyEnd(after=max(PRECISE_AFTER_STEPS, workload.min_iters),
+                                precision=config.timed_precision)),
                 host_only=workload.host_only,
                 on_step=(None if listener is None else
                          lambda d: listener.step_done(name, d + counted)),

@@ -17,7 +17,7 @@ import torch
 
 from gpudiag.measure.interrupts import Stopped
 from gpudiag.measure.telemetry import Sampler
-from gpudiag.measure.timing import PhaseRecorder, synchronize, time_steps
+from gpudiag.measure.timing import EarlyEnd, PhaseRecorder, synchronize, time_steps
 from gpudiag.model.results import MemoryStats, StageResult, TelemetrySummary
 
 _MIB = 2**20
@@ -47,12 +47,14 @@ def measure_window(
     warmup: int,
     iters: int | Callable[[list[float]], int],
     min_seconds: float = 0.0,
+    early: EarlyEnd | None = None,
     host_only: bool = False,
     on_step: Callable[[int], None] | None = None,
     on_timed_start: Callable[[], None] = lambda: None,
 ) -> Window:
     """Warm up, then time at least `iters` steps (a callable decides from the warm-up times:
-    the ddp ranks agree on one count) and `min_seconds`, under `sampler`'s telemetry window.
+    the ddp ranks agree on one count) and `min_seconds`, fewer once `early` allows it, under
+    `sampler`'s telemetry window.
     `on_step` hears the running count, warm-up included. Peak memory covers both."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -67,7 +69,8 @@ def measure_window(
     stopped: Stopped | None = None
     try:
         timed = time_steps(
-            step, device=device, iters=count, min_seconds=min_seconds, host_only=host_only,
+            step, device=device, iters=count, min_seconds=min_seconds, early=early,
+            host_only=host_only,
             label=label, on_step=None if on_step is None else lambda d: on_step(warmup + d))
     except Stopped as exc:
         stopped, timed = exc, exc.partial

@@ -10,6 +10,8 @@ Elsewhere (CPU, or host-only work such as a DataLoader) a monotonic host clock i
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,21 +34,45 @@ class StepTimes:
     timer: str  # "cuda-events" or "host-clock"
 
 
+@dataclass(frozen=True)
+class EarlyEnd:
+    """Timed steps may end before their count, from `after` steps on, once their median is
+    known within +-`precision` (a fraction of it)."""
+
+    after: int
+    precision: float
+
+
 def time_steps(
     step: Callable[[], object],
     *,
     device: torch.device,
     iters: int,
     min_seconds: float = 0.0,
+    early: EarlyEnd | None = None,
     host_only: bool = False,
     label: str = "step",
     on_step: Callable[[int], None] | None = None,
 ) -> StepTimes:
-    """Run `step` at least `iters` times (and for at least `min_seconds`); time every call."""
+    """Run `step` at least `iters` times (and for at least `min_seconds`); time every call.
+    With `early`, fewer than `iters` once the times already known pin the median down (on
+    CUDA, those of the steps the device has finished: no synchronisation is added)."""
     use_events = device.type == "cuda" and not host_only
     max_iters = max(iters, iters * MAX_ITERS_FACTOR)
     marks: list[torch.cuda.Event] = []
     host_marks: list[float] = []
+    known: list[float] = []  # step times known so far, for `early`
+
+    def enough(done: int) -> bool:
+        if time.perf_counter() - start < min_seconds and done < max_iters:
+            return False
+        if done >= iters:
+            return True
+        if early is None or done < early.after:
+            return False
+        _known_so_far(known, marks, host_marks)
+        return len(known) >= early.after and median_within(known, early.precision)
+
     if use_events:
         torch.cuda.synchronize(device)
         marks.append(torch.cuda.Event(enable_timing=True))
@@ -55,7 +81,7 @@ def time_steps(
     host_marks.append(start)
     done = 0
     try:
-        while done < iters or (time.perf_counter() - start < min_seconds and done < max_iters):
+        while not enough(done):
             with nvtx.annotate(f"{label} {done}", domain="gpudiag"):
                 step()
             if use_events:
@@ -71,6 +97,33 @@ def time_steps(
     except KeyboardInterrupt as exc:  # the steps that finished are measurements: keep them
         raise Stopped(signal_of(exc), _step_times(marks, host_marks, start, device)) from exc
     return _step_times(marks, host_marks, start, device)
+
+
+def _known_so_far(known: list[float], marks: list[torch.cuda.Event],
+                  host_marks: list[float]) -> None:
+    """`known` extended by the step times now known: on CUDA, of the steps whose end event
+    the device has passed (a query, not a synchronisation)."""
+    if marks:
+        while len(known) + 1 < len(marks) and marks[len(known) + 1].query():
+            known.append(marks[len(known)].elapsed_time(marks[len(known) + 1]))
+    else:
+        known[:] = [(b - a) * 1e3 for a, b in itertools.pairwise(host_marks)]
+
+
+def median_within(times: list[float], precision: float, z: float = 1.96) -> bool:
+    """Whether the median of `times` is known within +-`precision` of it: the distribution-free
+    interval between the order statistics n/2 -+ z*sqrt(n)/2 (the binomial's normal
+    approximation; Conover, Practical Nonparametric Statistics, 3rd ed., section 3.2): at
+    z = 1.96, 15 steps give (x4, x12), the exact binomial's 96.5% interval."""
+    n = len(times)
+    if n < 6:  # fewer order statistics than a 95% interval needs
+        return False
+    ordered = sorted(times)
+    half = z * math.sqrt(n) / 2
+    low = ordered[max(0, math.floor(n / 2 - half))]  # 0-based: x(r), r = floor(n/2 - h) + 1
+    high = ordered[min(n - 1, math.ceil(n / 2 + half) - 1)]  # x(s), s = ceil(n/2 + h)
+    median = statistics.median(ordered)
+    return median > 0 and (high - low) / 2 <= precision * median
 
 
 def _step_times(marks: list[torch.cuda.Event], host_marks: list[float], start: float,

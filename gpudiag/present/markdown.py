@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.roofline import roofline
-from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
+from gpudiag.model.config import (
+    GPM_PERIOD_S,
+    PRECISE_AFTER_STEPS,
+    SAMPLE_PERIOD_S,
+    ProfileConfig,
+)
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
@@ -289,6 +294,8 @@ def _method(run: RunResult) -> list[str]:
         lines.append(
             f"- Each stage builds its workload, runs {c.warmup} warm-up steps, then at "
             f"least {c.iters} timed steps"
+            + (f" (or, from {PRECISE_AFTER_STEPS} on, as many as pin their median down within "
+               f"±{c.timed_precision:.1%} at 95%)" if c.timed_precision is not None else "")
             + (f" and at least {c.min_seconds:g} s" if c.min_seconds else "")
             + ". Every timed step's time is kept in run.json (`iter_ms`); the table shows "
               "medians and interquartile ranges.")
