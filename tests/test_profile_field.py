@@ -85,13 +85,17 @@ def test_a_12_step_script_is_diagnosed_not_called_healthy(tmp_path: Path) -> Non
 
 
 def test_stop_after_window_ends_a_long_script_cleanly(tmp_path: Path) -> None:
+    """Ended once its window closed, which its budget closed after one long step (0.3 s on
+    the host): the schedule was met, so the script is not run again for "too few steps"."""
     script = write_script(tmp_path / "long.py", """
+        import time
         import torch
         model = torch.nn.Linear(32, 32)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         try:
             for step in range(1_000_000):
                 model(torch.randn(8, 32)).sum().backward()
+                time.sleep(0.3 if step >= 25 else 0.0)  # the window's steps: past its budget
                 opt.step()
                 opt.zero_grad()
         finally:
@@ -102,7 +106,9 @@ def test_stop_after_window_ends_a_long_script_cleanly(tmp_path: Path) -> None:
     assert code == 0, output
     assert time.monotonic() - started < 120
     assert "ending the script (--stop-after-window)" in output and "cleanup ran" in output
-    assert run.stages[0].evidence is not None and len(run.stages[0].iter_ms) == 20
+    evidence = run.stages[0].evidence
+    assert evidence is not None and evidence.steps == 1 and len(run.stages[0].iter_ms) == 20
+    assert [r.label for r in run.reruns] == ["diagnosis"] and "run once more" not in output
     # The window's trace as torch exported it: the analysis's links between events (which
     # once made a 3-step trace 97 MB) are not in it.
     with gzip.open(tmp_path / "run" / "profile-long.py.json.gz", "rt") as f:

@@ -236,6 +236,9 @@ class StepTimeline:
     planned_steps: Annotated[int, Field(ge=1)] | None = None
     planned_from: str | None = None
     cut_short: bool = False  # gpudiag ended the script after its window (--stop-after-window)
+    # The window closed on its own, its steps profiled or its budget spent, not at the
+    # script's end: the schedule was met, however few steps the script made.
+    window_whole: bool = False
 
 
 # What the training thread was doing in a host sample

@@ -130,6 +130,7 @@ class Recorder:
         self.fsdp = FsdpWatch()
         self.planned: tuple[int, str] | None = None  # (steps the script means to make, from)
         self.cut_short = False  # gpudiag ended the script after its window
+        self.window_whole = False  # the window closed on its own, not at the script's end
         self.fitted_to_plan = False  # the schedule was shrunk to the steps the script plans
         self.backward_site: str | None = None
         self.backward_seen = False
@@ -288,6 +289,7 @@ class Recorder:
                 self.window.start()
         elif self.window is not None and self.window.open:
             if done == profiled.stop or not self.window.wants_another_step():
+                self.window_whole = True
                 self._stop_profiler(keep=True, at_boundary=True)
                 self._probe_link()
                 self._window_closed()
@@ -535,7 +537,7 @@ class Recorder:
                                   sites=self.loop_sites, saves=self.saves, window=window)
         if self.planned is not None and self.planned[0] > 0:
             timeline.planned_steps, timeline.planned_from = self.planned
-        timeline.cut_short = self.cut_short
+        timeline.cut_short, timeline.window_whole = self.cut_short, self.window_whole
         return timeline
 
     def _why_no_evidence(self) -> str:

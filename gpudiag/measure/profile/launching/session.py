@@ -430,7 +430,11 @@ def profile_command(request: ProfileRequest,
     fitted = asked.fitted(made)
     ran = output.run.config  # the asked schedule, or the one fitted to the script's plan
     assert isinstance(ran, ProfileConfig)
-    if (request.rerun and output.exit_code == 0 and made
+    # A window its budget closed after fewer steps than asked met the schedule: the script
+    # (or --stop-after-window) ending soon after is no reason to run it again.
+    met = any(s.facts.script.timeline.window_whole for s in output.run.stages
+              if s.facts.script and s.facts.script.timeline)
+    if (request.rerun and output.exit_code == 0 and made and not met
             and made < ran.steps_needed and fitted is not None):
         short = (f"the script made {made} steps, fewer than the {asked.steps_needed} "
                  f"gpudiag's schedule needs (warm-up {asked.warmup}, timed {asked.timed}, "
