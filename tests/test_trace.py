@@ -813,6 +813,10 @@ def test_the_ladders_windows_are_read_in_a_process_beside_it(tmp_path: Path) -> 
     assert small.read(exported(small, "d.json"), trace).result().evidence == here
     assert small._process is None
     small.close()
+    alone = WindowReader(read_here_bytes=0)  # the last window: nothing after it to overlap
+    assert alone.read(exported(alone, "g.json"), trace, last=True).result().evidence == here
+    assert alone._process is None  # a one-stage run starts no reader
+    alone.close()
 
     stopped = WindowReader(read_here_bytes=0)
     stopped.read(exported(stopped, "e.json"), trace)  # starts it

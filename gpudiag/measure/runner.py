@@ -113,12 +113,12 @@ def run_stages(
         profiled = [result for name in config.stages
                     if (result := session.time_stage(name)) is not None]
         try:
-            for result in profiled:
+            for k, result in enumerate(profiled, 1):
                 if run.interrupted:
                     result.facts.evidence_missing = ("the run was interrupted before this "
                                                      "stage's profiler window")
                     continue
-                session.profile(result, trace_dir)
+                session.profile(result, trace_dir, last=k == len(profiled))
         finally:  # the traces' files are the run's: written before it is
             session.finish_reading()
         samples = sampler.samples()
@@ -171,12 +171,12 @@ class _Session:
             return None
         return result
 
-    def profile(self, result: StageResult, trace_dir: Path | None) -> None:
+    def profile(self, result: StageResult, trace_dir: Path | None, *, last: bool) -> None:
         if self.listener is not None:
             self.listener.evidence_started(result.name)
         try:
             reading = _add_evidence(get_stage(result.name), self.ctx, result, trace_dir,
-                                    self.reader)
+                                    self.reader, last=last)
             if reading is not None:
                 self.readings.append((result, reading))
         except KeyboardInterrupt:
@@ -212,7 +212,8 @@ class _Session:
 
 
 def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
-                  trace_dir: Path | None, reader: WindowReader) -> Reading | None:
+                  trace_dir: Path | None, reader: WindowReader, *, last: bool = False,
+                  ) -> Reading | None:
     """Rebuild the stage's workload and record a profiled window of it, handed to `reader`
     for its evidence. A failure here is noted on the stage; its timings stand."""
     workload: Workload | None = None
@@ -231,7 +232,7 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
                                  budget_s=ctx.config.evidence_budget_s,
                                  timed_step_ms=result.timing.p25_ms
                                  if result.timing else result.ms_per_iter,
-                                 reader=reader, name=definition.name,
+                                 reader=reader, name=definition.name, last=last,
                                  save_as=None if trace_dir is None else
                                  trace_dir / f"profile-{definition.name}.json.gz")
     except Exception as exc:

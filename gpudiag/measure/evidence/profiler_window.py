@@ -223,11 +223,11 @@ def collect_evidence(step: Callable[[], object], *, device: torch.device, steps:
 
 def record_window(step: Callable[[], object], *, device: torch.device, steps: int,
                   timed_step_ms: float | None, budget_s: float | None, reader: WindowReader,
-                  name: str, save_as: Path | None) -> Reading:
+                  name: str, save_as: Path | None, last: bool = False) -> Reading:
     """Profile as `collect_evidence` does and hand the exported trace to `reader`: a large
     one is parsed and analysed in its process while the caller records what comes next. With
     `save_as`, the trace is kept there gzipped (ui.perfetto.dev and chrome://tracing open it
-    as is)."""
+    as is). The `last` window is read here (WindowReader.read)."""
     exported = reader.folder / f"{name}.trace.json"
     window = _profiled(step, device=device, steps=steps, budget_s=budget_s, export_to=exported)
     trace = WindowTrace(trace=exported.name, steps=len(window.step_ms),
@@ -235,4 +235,4 @@ def record_window(step: Callable[[], object], *, device: torch.device, steps: in
                         backend="cuda" if device.type == "cuda" else "cpu",
                         timed_step_ms=timed_step_ms,
                         save_as=None if save_as is None else str(save_as))
-    return reader.read(exported, trace)
+    return reader.read(exported, trace, last=last)

@@ -97,9 +97,9 @@ class Reading:
 
 class WindowReader:
     """Windows read in the order they closed: a large trace by the reader process (started at
-    the first one), a small one at once, here. Where the reader process cannot start or dies,
-    what it had not answered is read here. `close` waits for every reading; `abandon` (a
-    stop) does not: what was not read says so."""
+    the first one), a small one, or the last, at once, here. Where the reader process cannot
+    start or dies, what it had not answered is read here. `close` waits for every reading;
+    `abandon` (a stop) does not: what was not read says so."""
 
     def __init__(self, read_here_bytes: int | None = None) -> None:
         self.read_here_bytes = READ_HERE_BYTES if read_here_bytes is None else read_here_bytes
@@ -111,9 +111,11 @@ class WindowReader:
         self._lock = threading.Lock()
         self._answers: threading.Thread | None = None
 
-    def read(self, trace: Path, window: WindowTrace) -> Reading:
+    def read(self, trace: Path, window: WindowTrace, *, last: bool = False) -> Reading:
+        """The window's reading; the `last` one is read here: nothing comes after it to
+        overlap with (a one-stage run starts no reader), and the reader may be busy."""
         future: Future[WindowRead | bytes] = Future()
-        if trace.stat().st_size >= self.read_here_bytes and self._started():
+        if not last and trace.stat().st_size >= self.read_here_bytes and self._started():
             assert self._process is not None and self._process.stdin is not None
             request = json.dumps({"trace": str(trace), "window": to_jsonable(window)})
             with self._lock:
