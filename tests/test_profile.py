@@ -111,15 +111,19 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
 
 def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) -> None:
     """Two micro-steps per optimizer step, each all-reducing (no model.no_sync()): named at
-    the script's backward() line with the knob, ahead of the communication it causes."""
+    the script's backward() line with the knob, ahead of the communication it causes. The
+    window's budget applies, and both ranks profile the same steps (inscript/ranksagree.py)."""
+    steps = ProfileConfig(warmup=WARMUP, timed=TORCHRUN_TIMED).steps_needed + 2
     code, run, output = profile(tmp_path, sys.executable, "-m", "torch.distributed.run",
                                 "--standalone", "--nproc-per-node", "2",
-                                str(EXAMPLES / "tiny_ddp.py"), TORCHRUN_STEPS, "2",
-                                timed=TORCHRUN_TIMED,
-                                options=("--evidence-steps", str(TORCHRUN_WINDOW)))
+                                str(EXAMPLES / "tiny_ddp.py"), str(steps), "2",
+                                timed=TORCHRUN_TIMED)
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
+    profiled = {s.evidence.steps for s in run.stages if s.evidence is not None}
+    timelines = [s.facts.script.timeline for s in run.stages if s.facts.script]
+    assert len(profiled) == 1 and all(t is not None and t.window_whole for t in timelines)
     # On two shared CPU cores the all-reduce holds 35-50% of the step (gloo's time on the rank
     # that waits least): the measurement is asserted, and the ranking when a rule fires.
     held = min(s.evidence.collective_wall_ms_per_step for s in run.stages if s.evidence)

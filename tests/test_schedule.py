@@ -159,3 +159,24 @@ def test_the_window_is_held_against_the_timed_steps_pace(
     assert trace is not None and (trace.steps, trace.step_ms) == (2, 41.0)
     assert trace.timed_step_ms == pytest.approx(TimingStats.of([13.0, 14.0, 15.0, 16.0]).p25_ms)
     assert (recorder.out / trace.trace).is_file()
+
+
+def test_the_ranks_of_a_job_close_their_windows_together(tmp_path: Path) -> None:
+    """Each rank votes at the end of a profiled step; the window goes on only where every
+    rank wants it to, the same answer for all; a vote that never comes (a rank on another
+    machine) gives every rank None after the same wait: all then profile whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
+
+    def vote(step: int, wants: list[bool], world: int | None = None,
+             timeout_s: float = 10.0) -> list[bool | None]:
+        with ThreadPoolExecutor(len(wants)) as pool:
+            return list(pool.map(lambda r: window_goes_on(
+                tmp_path, step, r, world or len(wants), wants[r], timeout_s=timeout_s),
+                range(len(wants))))
+
+    assert vote(10, [True, True]) == [True, True]
+    assert vote(11, [True, False]) == [False, False]  # one rank's budget is spent: all close
+    assert vote(12, [False, False, False]) == [False, False, False]
+    assert vote(13, [True], world=2, timeout_s=0.05) == [None]  # rank 1 never votes

@@ -107,6 +107,13 @@ class ProfilerWindow:
         self._close_step()
         self._open_step()
 
+    def end_step(self) -> None:
+        """The open step ended; what follows until `begin_step` (or `stop`) is no step's."""
+        self._close_step()
+
+    def begin_step(self) -> None:
+        self._open_step()
+
     def stop(self, *, closing_step: bool = True, export_to: Path | None = None) -> None:
         """Close the window (the open step counts when `closing_step`) and export its trace:
         to `export_to`, or into `trace_json`; the device is synchronised first so that every

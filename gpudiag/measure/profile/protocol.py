@@ -67,6 +67,12 @@ def window_done_name(pid: int) -> str:
     return f"window-{pid}.done"
 
 
+def window_vote_name(step: int, rank: int) -> str:
+    """A rank's vote at the end of profiled step `step`: another profiled step, or not (the
+    ranks of a job between themselves: inscript/ranksagree.py)."""
+    return f"window-vote-{step}-{rank}"
+
+
 def writes_name(pid: int) -> str:
     return f"writes-{pid}.jsonl"
 

@@ -35,6 +35,7 @@ from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
 from gpudiag.measure.profile.inscript.components import FsdpWatch, LoaderWatch, OptimizerWatch
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.planned import planned_steps
+from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
 from gpudiag.measure.profile.inscript.timeline import (
@@ -280,21 +281,36 @@ class Recorder:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
             if profiled:
-                # The ranks of a job profile alike, whatever their own steps took: a rank
-                # that stopped early would be waited for by the ones still profiled, which
-                # reads as communication or a straggler.
-                budget = self.config.evidence_budget_s if _rank()[1] == 1 else None
                 self.window = ProfilerWindow(self._device(), annotate=not _compiled(),
-                                             budget_s=budget)
+                                             budget_s=self.config.evidence_budget_s)
                 self.window.start()
         elif self.window is not None and self.window.open:
-            if done == profiled.stop or not self.window.wants_another_step():
-                self.window_whole = True
-                self._stop_profiler(keep=True, at_boundary=True)
-                self._probe_link()
-                self._window_closed()
-            else:
+            if done != profiled.stop and self._window_goes_on(done):
+                return
+            self.window_whole = True
+            self._stop_profiler(keep=True, at_boundary=True)
+            self._probe_link()
+            self._window_closed()
+
+    def _window_goes_on(self, done: int) -> bool:
+        """At the end of profiled step `done` (not the last planned): whether the window
+        profiles another, the next step then open. The ranks of a job decide together
+        (ranksagree.py): a rank closing its window a step before another would be waited for
+        by it, which reads as communication or a straggler."""
+        assert self.window is not None
+        wants = self.window.wants_another_step()
+        rank, world = _rank()
+        if world == 1 or self.window.budget_s is None:
+            if wants:
                 self.window.next_step()
+            return wants
+        self.window.end_step()  # the wait for the others' votes is no step's time
+        agreed = window_goes_on(self.out, done, rank or 0, world, wants)
+        if agreed is None:  # a vote did not come: every rank waited alike, all go on whole
+            self.window.budget_s = None
+        if agreed is not False:
+            self.window.begin_step()
+        return agreed is not False
 
     def _window_closed(self) -> None:
         """The diagnosis can be made now: write the part (the parent renders an early report),
