@@ -187,6 +187,9 @@ def _scripts(scratch: Path, ddp: bool) -> dict[str, list[str]]:
         scripts["DDP, 8 micro-steps, 2 GPUs"] = [
             "-m", "torch.distributed.run", "--nproc-per-node", "2",
             str(repo / "tiny_ddp.py"), "30", "8"]
+        scripts["DDP BERT-base, batch 64, 2 GPUs"] = [
+            "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            str(repo / "ddp_bert.py"), "--steps", "30"]
     return scripts
 
 
@@ -247,7 +250,8 @@ def runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                           f"(plain {plain:5.1f} s)  window "
                           f"{row.get('window_ms', float('nan')) / 1e3:6.1f} s "
                           f"({row.get('window_share', float('nan')):.0%})  kernels/step "
-                          f"{row.get('kernels_per_step', float('nan')):,.0f}", flush=True)
+                          f"{row.get('kernels_per_step', float('nan')):,.0f}  profiled steps "
+                          f"{row.get('profiled_steps')}", flush=True)
     return rows
 
 
