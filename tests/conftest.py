@@ -43,7 +43,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The heavy tests (many processes, 20-55 s each) first, then the other slow ones (a real
+    """The heavy tests (many processes, or long ones: 15-55 s each) first, then the other slow ones (a real
     process, 5-15 s), then the rest, each group in file order; dealt out like cards among
     pytest-xdist's workers, since its worksteal scheduler hands each worker a block of the list
     in order (xdist/scheduler/worksteal.py, `_send_tests`) and a worker that runs out steals

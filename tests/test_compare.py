@@ -268,6 +268,7 @@ def test_energy_and_memory_limits(tmp_path: Path) -> None:
     assert memory.exit_code == 3 and "no memory counter measured" in memory.stdout
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_run_trials_merges_fresh_processes(tmp_path: Path) -> None:
     """`run --trials 2` runs two child processes, keeps each one's folder, and merges them into

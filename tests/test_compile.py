@@ -45,6 +45,7 @@ def _profile(tmp_path: Path, body: str) -> tuple[RunResult, str, Path]:
     return profiled.ok(), profiled.output, script
 
 
+@pytest.mark.heavy
 def test_recompilations_are_named_with_the_guard_and_the_calls_line(tmp_path: Path) -> None:
     run, output, script = _profile(tmp_path, RECOMPILING.replace("{dynamic}", "False"))
     by_code = {f.id: f for f in run.findings}
@@ -97,6 +98,7 @@ BREAK_AND_DYNAMIC_SHAPES = """
 """
 
 
+@pytest.mark.heavy
 def test_a_graph_break_is_named_and_automatic_dynamic_shapes_are_not_a_finding(
         tmp_path: Path) -> None:
     run, _, script = _profile(tmp_path, BREAK_AND_DYNAMIC_SHAPES)

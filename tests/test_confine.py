@@ -298,6 +298,7 @@ WRITES_ITS_OUTPUT_ELSEWHERE = """
 """
 
 
+@pytest.mark.slow
 @landlock
 def test_a_run_in_a_copy_refused_a_write_outside_says_so_and_how_to_allow_it(
         tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ def _gpudiag(cwd: Path, *args: str, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
 
 
+@pytest.mark.heavy
 def test_a_head_that_cannot_import_its_model_is_the_heads_failure(tmp_path: Path) -> None:
     """The head commit leaves a SyntaxError in the model file the gate runs: the base's trial
     ran, the head's wrote nothing. Exit 5 (the head broke), not 2 (bad input), in one line

@@ -359,6 +359,7 @@ def test_the_rate_is_fitted_to_short_steps_and_never_lowered() -> None:
     assert fitted(500.0, 30) == 0.02  # 75 ms wanted: the asked-for 50 Hz stays
 
 
+@pytest.mark.slow
 def test_numpy_augmentation_on_the_training_thread_is_named_with_ms_per_step(
         tmp_path: Path) -> None:
     script = write_script(tmp_path / "aug.py", AUGMENT_SCRIPT)

@@ -93,6 +93,7 @@ def test_per_step_item_reads_are_named(tmp_path: Path) -> None:
     assert top.id == "GD103" and (top.location or "").endswith(f"item_sync.py:{item_line}")
 
 
+@pytest.mark.heavy
 def test_clean_script_has_no_warning(tmp_path: Path) -> None:
     # With its plots (the tests' helper leaves them out): a profile's run, drawn and linked.
     code, run, output = profile(tmp_path, sys.executable, str(EXAMPLES / "clean.py"),
@@ -109,6 +110,7 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
     assert stage.facts.script is not None and stage.facts.script.compiles is None
 
 
+@pytest.mark.heavy
 def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) -> None:
     """Two micro-steps per optimizer step, each all-reducing (no model.no_sync()): named at
     the script's backward() line with the knob, ahead of the communication it causes. The

@@ -231,6 +231,7 @@ def test_hf_trainer_one_checkpoint_is_one_save(tmp_path: Path) -> None:
     assert host.loop.startswith("transformers/trainer.py:"), host.loop
 
 
+@pytest.mark.heavy
 def test_torch_compile_is_not_recompiled_or_broken_by_gpudiag(tmp_path: Path) -> None:
     script = write_script(tmp_path / "compiled.py", """
         import json, sys
@@ -303,6 +304,7 @@ def test_an_interpreter_that_cannot_load_gpudiag_fails_loudly(tmp_path: Path) ->
     assert "nvtx is broken" in output
 
 
+@pytest.mark.heavy
 def test_lightning_busiest_line_is_the_users_not_gpudiags(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     script = write_script(tmp_path / "lit.py", """

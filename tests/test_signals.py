@@ -272,6 +272,7 @@ def test_sigterm_to_a_gate_stops_its_trial_and_removes_its_worktree(tmp_path: Pa
     assert "after 0 base and 0 head trial(s)" in text and "no verdict (exit 143)" in text
 
 
+@pytest.mark.heavy
 def test_ddp_stage_stops_its_ranks(tmp_path: Path) -> None:
     """Ctrl-C to `run --stages ddp` on a CPU (two gloo ranks under torchrun): the launcher and
     both ranks are gone within seconds, and the stage is marked interrupted."""

@@ -152,6 +152,7 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     assert not list(tmp_path.glob("seen-*.json"))  # nothing of it in the user's folder
 
 
+@pytest.mark.slow
 def test_fsdp_units_keep_their_parameters_gathered_under_the_remedy(tmp_path: Path) -> None:
     """fsdp-keep-gathered in a one-rank FSDP2 job: each unit fully_shard made (2 layers; the
     root has no parameters of its own) keeps its parameters gathered after forward, the record
