@@ -43,12 +43,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The heavy tests (many processes, or long ones: 15-55 s each) first, then the other slow ones (a real
-    process, 5-15 s), then the rest, each group in file order; dealt out like cards among
-    pytest-xdist's workers, since its worksteal scheduler hands each worker a block of the list
-    in order (xdist/scheduler/worksteal.py, `_send_tests`) and a worker that runs out steals
-    from the end of another's: each block then starts with its heavy tests and ends with fast
-    ones, and no 15 s test starts last while the other core idles."""
+    """The heavy tests (many processes, or long ones: 15-55 s each) first, then the other slow
+    ones (a real process, 5-15 s), then the rest, each group in file order; dealt out among
+    pytest-xdist's workers like cards, since its worksteal scheduler hands each worker a block
+    of the list in order (xdist/scheduler/worksteal.py, `_send_tests`) and a worker that runs
+    out steals from the end of another's: each block then starts with its heavy tests and ends
+    with fast ones, and no 15 s test starts last while the other core idles."""
     items.sort(key=lambda item: (item.get_closest_marker("heavy") is None,
                                  item.get_closest_marker("slow") is None))
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
