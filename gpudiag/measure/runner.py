@@ -201,8 +201,9 @@ class _Session:
 
     def _take_read(self, *, wait: bool) -> None:
         while self.readings and (wait or self.readings[0][1].done()):
-            result, reading = self.readings.pop(0)
-            read = reading.result()
+            result, reading = self.readings[0]
+            read = reading.result()  # a stop while it waits leaves the reading listed
+            self.readings.pop(0)
             if read.evidence is not None:
                 result.evidence = read.evidence
             else:

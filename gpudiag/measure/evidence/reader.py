@@ -103,13 +103,20 @@ class WindowReader:
 
     def __init__(self, read_here_bytes: int | None = None) -> None:
         self.read_here_bytes = READ_HERE_BYTES if read_here_bytes is None else read_here_bytes
-        self.folder = Path(tempfile.mkdtemp(prefix="gpudiag-windows-"))  # the exported traces
+        self._folder: Path | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._broken = False  # the process could not start, or died: read here from now on
         self._waiting: collections.deque[tuple[Future[WindowRead | bytes], Path, WindowTrace]] = (
             collections.deque())
         self._lock = threading.Lock()
         self._answers: threading.Thread | None = None
+
+    @property
+    def folder(self) -> Path:
+        """Where the windows' traces are exported to be read (made at the first one)."""
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="gpudiag-windows-"))
+        return self._folder
 
     def read(self, trace: Path, window: WindowTrace, *, last: bool = False) -> Reading:
         """The window's reading; the `last` one is read here: nothing comes after it to
@@ -174,7 +181,7 @@ class WindowReader:
             if self._answers is not None:
                 self._answers.join()
             self._process.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self._remove_folder()
 
     def abandon(self, why: str) -> None:
         """A stop: the reader process ends now; each window it had not answered says `why`."""
@@ -185,7 +192,12 @@ class WindowReader:
         if self._process is not None:
             self._process.kill()
             self._process.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self._remove_folder()
+
+    def _remove_folder(self) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
 
 def _answer(data: dict[str, Any]) -> WindowRead:
