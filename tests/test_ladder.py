@@ -169,3 +169,35 @@ def test_unavailable_telemetry_does_not_stop_the_run() -> None:
     assert stage.ok and not stage.telemetry.available
     assert stage.telemetry.reason == "no NVIDIA driver"
     assert output.run.env.nvml == "unavailable: no NVIDIA driver"
+
+
+def test_a_stop_while_the_run_waits_for_a_window_says_so_on_its_stage() -> None:
+    """A Ctrl-C while the run waits for a window's reading: the run is interrupted, the reader
+    abandoned, and that stage says its trace was not read (it does not lose the reading)."""
+    from gpudiag.measure.evidence.reader import WindowRead, WindowReader
+    from gpudiag.measure.runner import _Session
+    from gpudiag.model.results import Env, RunResult, StageResult
+
+    class Interrupted:
+        """A reading whose first wait is cut by a stop; then the reader's abandoned answer."""
+
+        waits = 0
+
+        def done(self) -> bool:
+            return False
+
+        def result(self) -> WindowRead:
+            Interrupted.waits += 1
+            if Interrupted.waits == 1:
+                raise KeyboardInterrupt
+            return WindowRead(None, error="the run was interrupted before its trace was read")
+
+    run = RunResult(tool_version="t", env=Env(device="cpu"), config=tiny_config())
+    stage = StageResult(name="train", status="ok", iter_ms=[1.0] * 4)
+    session = _Session(run, None, None, None, lambda: None,  # type: ignore[arg-type]
+                       reader=WindowReader())
+    session.readings.append((stage, Interrupted()))  # type: ignore[arg-type]
+    session.finish_reading()
+    assert run.interrupted and not session.readings and stage.evidence is None
+    assert stage.facts.evidence_missing == ("the profiler window failed: the run was "
+                                            "interrupted before its trace was read")
