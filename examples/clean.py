@@ -12,7 +12,7 @@ def main() -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Sized for the device: a GPU gets enough work per step to stay busy.
-    width, layers, batch, seq = (768, 6, 128, 128) if device == "cuda" else (128, 2, 32, 64)
+    width, layers, batch, seq = (768, 6, 128, 128) if device == "cuda" else (64, 2, 32, 32)
     data = TensorDataset(torch.randint(0, 1000, (4096, seq)), torch.randint(0, 2, (4096,)))
     loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True,
                         pin_memory=device == "cuda")
