@@ -1,5 +1,5 @@
 """Why the ladder's DataLoader-alone stage reads 1.6-2.4 ms a batch on an H100 where the
-reference ladder (../shared/REFERENCE.md, stage 4) read 0.99 ms: the statistic, the data, or
+independent reference ladder (its stage 4) read 0.99 ms: the statistic, the data, or
 the loader?
 
 Three loaders, each timed two ways, interleaved, several rounds:
