@@ -29,7 +29,7 @@ import torch
 from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import record_window
-from gpudiag.measure.evidence.reader import Reading, WindowReader
+from gpudiag.measure.evidence.reader import Reading, WindowReader, first_line
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.interrupts import (
     Stopped,
@@ -238,7 +238,7 @@ def _add_evidence(definition: StageDef, ctx: StageContext, result: StageResult,
                                  trace_dir / f"profile-{definition.name}.json.gz")
     except Exception as exc:
         result.facts.evidence_missing = (f"the profiler window failed: {type(exc).__name__}: "
-                                         f"{_first_line(str(exc))}")
+                                         f"{first_line(str(exc))}")
         return None
     finally:
         ctx.phases.clear()
@@ -284,7 +284,7 @@ def _launch_stage(definition: StageDef, ctx: StageContext,
                            error=str(exc))
     except Exception as exc:
         return StageResult(name=definition.name, status="error", title=definition.title,
-                           error=f"{type(exc).__name__}: {_first_line(str(exc))}",
+                           error=f"{type(exc).__name__}: {first_line(str(exc))}",
                            advice="the full traceback is in run.json (stages[].traceback)",
                            traceback=traceback.format_exc())
 
@@ -335,7 +335,7 @@ def _run_stage(definition: StageDef, ctx: StageContext, sampler: Sampler,
         result.traceback = traceback.format_exc()
     except Exception as exc:
         result.status = "error"
-        result.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        result.error = f"{type(exc).__name__}: {first_line(str(exc))}"
         result.advice = "the full traceback is in run.json (stages[].traceback)"
         result.traceback = traceback.format_exc()
     finally:
@@ -385,10 +385,6 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "(no message)"
-
-
 def _first_sentences(text: str, limit: int = 2) -> str:
-    sentences = _first_line(text).split(". ")
+    sentences = first_line(text).split(". ")
     return ". ".join(sentences[:limit]).rstrip(".")

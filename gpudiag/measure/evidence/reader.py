@@ -70,7 +70,7 @@ def _read_safely(trace: Path, window: WindowTrace) -> WindowRead:
     try:
         evidence, not_kept = read_window(trace, window)
     except Exception as exc:
-        return WindowRead(None, error=f"{type(exc).__name__}: {_first_line(str(exc))}")
+        return WindowRead(None, error=f"{type(exc).__name__}: {first_line(str(exc))}")
     return WindowRead(evidence, not_kept=not_kept)
 
 
@@ -206,7 +206,8 @@ def _answer(data: dict[str, Any]) -> WindowRead:
                       error=data.get("error"), not_kept=data.get("not_kept"))
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
+    """An error message's first line, for a stage's one-line error."""
     return text.strip().splitlines()[0] if text.strip() else "(no message)"
 
 
