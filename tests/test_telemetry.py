@@ -10,6 +10,8 @@ shortest and longest spans the window edges could have covered.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -425,3 +427,25 @@ def test_samples_stay_readable_after_close() -> None:
         sampler.end()
     frame = sampler.samples()
     assert len(frame) >= 1 and "a" in set(frame["stage"])
+
+
+def test_a_worker_that_never_writes_is_waited_for_once(tmp_path: Any) -> None:
+    """measure_window asks before every stage's timed steps: a worker that came up is not
+    waited for again, and one that hangs costs its timeout once, not once a stage."""
+    sampler = Sampler(None, None)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"")
+    sampler._rows_path = rows
+    sampler._worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        assert not sampler.wait_ready(timeout_s=0.5)
+        first = time.monotonic() - start
+        start = time.monotonic()
+        assert not sampler.wait_ready(timeout_s=0.5)
+        again = time.monotonic() - start
+    finally:
+        sampler._worker.kill()
+        sampler._worker.wait()
+    assert first >= 0.5
+    assert again < 0.25  # a margin a loaded machine keeps: nothing is waited for

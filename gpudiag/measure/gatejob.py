@@ -25,6 +25,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.measure.profile.launching.confine import ConfinementPolicy, confined
@@ -269,6 +270,7 @@ class Interleaved:
     interrupted: bool = False
 
 
+@shared_bytecode()  # its processes compile their modules once, not each
 def run_interleaved(trial: TrialCommand, *, base: Path, head: Path, out_dir: Path, first: int,
                     next_count: Callable[[Interleaved], int],
                     on_trial: Callable[[str, int], None] = lambda side, k: None,
@@ -300,6 +302,7 @@ def run_interleaved(trial: TrialCommand, *, base: Path, head: Path, out_dir: Pat
     return done
 
 
+@shared_bytecode()  # its processes compile their modules once, not each
 def run_repeated(trial: TrialCommand, checkout: Path, out_dir: Path, count: int,
                  on_trial: Callable[[int], None] = lambda k: None) -> list[RunResult]:
     """`count` fresh processes of one side, one after another, into out_dir/trial-K (a

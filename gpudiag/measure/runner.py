@@ -108,8 +108,6 @@ def run_stages(
 
     session = _Session(run, ctx, sampler, listener, checkpoint)
     with sampler, _collector_sees_only_the_stages():
-        with stop_deferred():
-            sampler.wait_ready()
         profiled = [result for name in config.stages
                     if (result := session.time_stage(name)) is not None]
         try:

@@ -65,6 +65,7 @@ def measure_window(
     synchronize(device)
     phases.clear()
     on_timed_start()
+    sampler.wait_ready()  # its worker came up while the stage was built and warmed up
     sampler.begin(label)
     stopped: Stopped | None = None
     try:

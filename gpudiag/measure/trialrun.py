@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import NothingMeasured
@@ -30,6 +31,7 @@ class TrialsOutput:
     interrupted: bool
 
 
+@shared_bytecode()  # its processes compile their modules once, not each
 def run_trials(options: RunOptions, out_dir: Path, trials: int,
                on_trial: Callable[[int, int], None] | None = None) -> TrialsOutput:
     """Run `gpudiag run` with `options` `trials` times, each in a fresh process. The caller

@@ -33,7 +33,7 @@ ENV_WRITABLE = "GPUDIAG_PROFILE_WRITABLE"
 # defaults under the home folder. A cold cache would time a re-run's first steps differently.
 CACHE_VARIABLES = ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                    "TORCH_HOME", "HF_HOME", "HF_DATASETS_CACHE", "CUDA_CACHE_PATH",
-                   "TORCH_EXTENSIONS_DIR")
+                   "TORCH_EXTENSIONS_DIR", "PYTHONPYCACHEPREFIX")
 HOME_CACHES = (".cache", ".triton", ".nv")
 # The run's ProfileConfig (gpudiag/model/config.py) as JSON: the schedule, telemetry, and what
 # --try-fixes applies (remedies, losses to record, the seed).

@@ -82,6 +82,7 @@ class Sampler:
         self._windows: list[_Window] = []
         self._open: _Window | None = None
         self._worker: subprocess.Popen[bytes] | None = None
+        self._waited = False  # wait_ready waits once: a worker that never writes costs 15 s once
         self._rows_path: Path | None = None
         self._errors_path: Path | None = None
         self._offset = 0
@@ -120,13 +121,16 @@ class Sampler:
 
     def wait_ready(self, timeout_s: float = 15.0) -> bool:
         """Block until the worker has written its first sample (or died, or time ran out), so
-        that its start-up (imports, NVML init) never overlaps a measurement."""
+        that its start-up (imports, NVML init) never overlaps a measurement; called before each
+        window, it waits only the first time (the worker started with the run and came up
+        meanwhile, while the first stage was built and warmed up)."""
         deadline = time.monotonic() + timeout_s
-        while self._worker is not None and time.monotonic() < deadline:
+        while self._worker is not None and not self._waited and time.monotonic() < deadline:
             self._collect()
             if self._rows or self._worker.poll() is not None:
                 break
             time.sleep(0.02)
+        self._waited = True
         return bool(self._rows)
 
     def close(self) -> None:

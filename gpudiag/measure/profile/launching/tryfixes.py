@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.interrupts import signal_of
 from gpudiag.measure.profile.launching.confine import ConfinementPolicy
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR, ScratchError
@@ -43,6 +44,7 @@ class FixRuns:
     error: str | None = None
 
 
+@shared_bytecode()  # its processes compile their modules once, not each
 def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], *,
               policy: ConfinementPolicy,
               paid: Callable[[dict[str, RunResult]], Sequence[str]],
