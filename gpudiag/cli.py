@@ -835,7 +835,8 @@ def calibrate(
             assert policy is not None  # a command's trials always have one
             _calibrate_command(command, share or [], from_run, trials, policy, force=force)
         else:
-            _run(options, out=from_run, as_json=False, trials=trials, quiet=True, force=force)
+            _run(options, out=from_run, as_json=False, trials=trials, quiet=True, force=force,
+                 plots=False)  # the trials are the calibration's evidence, not a report
     else:
         _check_sources(options == RunOptions() and out is None and not command,
                        "run options, a command and --out only apply without --from")
