@@ -6,7 +6,10 @@ logging per parameter) run plainly, then under gpudiag's ProfilerWindow, whose o
 the window into start, profiled steps (profiler, shapes and the source annotator at work),
 kineto's collection, the Chrome export, parsing, gpudiag's analysis; the trace's gzip is
 timed beside them. Per phase: seconds, and the whole per recorded kernel (per operator on a
-CPU, where there are no kernels).
+CPU, where there are no kernels). Beside it, the floor: torch.profiler alone over the same
+steps (CPU and CUDA activities, no shapes, no stacks, no annotator) and its Chrome export, and
+what each costs the script beyond its plain steps (in `gpudiag profile` parsing, analysis and
+the gzip run in gpudiag's own process, beside the script).
 
 `runs`: whole `gpudiag profile` runs of example scripts, with one or more gpudiag source trees
 (`--tree DIR`, e.g. a worktree of an earlier commit, and `.`), alternated script by script and
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
@@ -136,7 +140,16 @@ def window_phases(name: str, device: torch.device, save_to: Path | None) -> dict
     whole = time.perf_counter() - begin
     assert evidence is not None
     recorded = evidence.kernels_per_step if device.type == "cuda" else evidence.ops_per_step
+    in_script = sum(window.phase_s.get(k, 0.0) for k in ("start", "steps", "collect", "export"))
+    plain_steps = statistics.median(plain) * PROFILED_STEPS / 1e3
+    bare = bare_window(step, device)
     return {"step": name, "plain_step_ms": statistics.median(plain),
+            "in_script_s": in_script,
+            "beyond_plain_steps_ms_per_recorded": (in_script - plain_steps) * 1e3
+            / max(1.0, recorded * PROFILED_STEPS),
+            "bare_profiler": {**bare, "beyond_plain_steps_ms_per_recorded":
+                              (bare["window_s"] - plain_steps) * 1e3
+                              / max(1.0, recorded * PROFILED_STEPS)},
             "profiled_step_ms": statistics.fmean(window.step_ms),
             "recorded_per_step": recorded,
             "recorded": "kernels" if device.type == "cuda" else "operators",
@@ -144,6 +157,25 @@ def window_phases(name: str, device: torch.device, save_to: Path | None) -> dict
             "window_s": whole, "phase_s": window.phase_s,
             "ms_per_recorded": whole * 1e3 / max(1.0, recorded * PROFILED_STEPS),
             "window_in_plain_steps": whole * 1e3 / statistics.median(plain)}
+
+
+def bare_window(step: Callable[[], None], device: torch.device) -> dict[str, float]:
+    """The same steps under torch.profiler alone and its Chrome export: the floor of any window
+    that records kernels with torch's profiler."""
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda"
+                                          else [])]
+    begin = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        synchronize(device)
+        stepped = time.perf_counter()
+    collected = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+    exported = time.perf_counter()
+    return {"steps_s": stepped - begin, "collect_s": collected - stepped,
+            "export_s": exported - collected, "window_s": exported - begin}
 
 
 def phases(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -155,7 +187,11 @@ def phases(args: argparse.Namespace) -> list[dict[str, Any]]:
         parts = "  ".join(f"{k} {v:.2f}" for k, v in row["phase_s"].items())
         print(f"{name:22s} {row['recorded_per_step']:8,.0f} {row['recorded']}/step  plain "
               f"{row['plain_step_ms']:7.1f} ms  window {row['window_s']:6.2f} s "
-              f"({row['ms_per_recorded']:.3f} ms per recorded)  [{parts}]", flush=True)
+              f"({row['ms_per_recorded']:.3f} ms per recorded)  [{parts}]; in the script "
+              f"{row['in_script_s']:.2f} s, beyond its plain steps "
+              f"{row['beyond_plain_steps_ms_per_recorded']:.3f} ms per recorded; torch.profiler "
+              f"alone {row['bare_profiler']['window_s']:.2f} s, "
+              f"{row['bare_profiler']['beyond_plain_steps_ms_per_recorded']:.3f} ms", flush=True)
     return rows
 
 
@@ -190,6 +226,10 @@ def _scripts(scratch: Path, ddp: bool) -> dict[str, list[str]]:
         scripts["DDP BERT-base, batch 64, 2 GPUs"] = [
             "-m", "torch.distributed.run", "--nproc-per-node", "2",
             str(repo / "ddp_bert.py"), "--steps", "30"]
+        # The issue's DDP row: ~9,900 kernels and ~0.3 s a step in 8 micro-steps.
+        scripts["DDP BERT-base, 8 micro-steps of 32, 2 GPUs"] = [
+            "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            str(repo / "ddp_bert.py"), "--steps", "30", "--batch", "32", "--accum", "8"]
     return scripts
 
 

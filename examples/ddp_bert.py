@@ -4,6 +4,9 @@ Small per-GPU batches with small gradient buckets make every step wait on the al
 large batches with the default buckets hide it behind the backward pass. Run with e.g.
   torchrun --nproc-per-node 2 examples/ddp_bert.py --batch 2 --bucket-mb 1
   torchrun --nproc-per-node 2 examples/ddp_bert.py --batch 64
+  torchrun --nproc-per-node 2 examples/ddp_bert.py --batch 32 --accum 8   # 8 micro-steps
+With --accum N each optimizer step takes N micro-steps, every backward all-reducing (no
+`model.no_sync()`, as many accumulation loops are written).
 """
 
 import argparse
@@ -21,6 +24,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -36,9 +40,10 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)
     ids = torch.randint(1000, 21128, (args.batch, args.seq), device=device)
     for _ in range(args.steps):
-        with torch.autocast(device.type, dtype=torch.float16 if cuda else torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        scaler.scale(loss).backward()
+        for _ in range(args.accum):
+            with torch.autocast(device.type, dtype=torch.float16 if cuda else torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            scaler.scale(loss / args.accum).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
