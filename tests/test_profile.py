@@ -126,6 +126,7 @@ def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) ->
     profiled = {s.evidence.steps for s in run.stages if s.evidence is not None}
     timelines = [s.facts.script.timeline for s in run.stages if s.facts.script]
     assert len(profiled) == 1 and all(t is not None and t.window_whole for t in timelines)
+    assert not list(tmp_path.rglob("window-vote-*"))  # served while the ranks ran, then gone
     # On two shared CPU cores the all-reduce holds 35-50% of the step (gloo's time on the rank
     # that waits least): the measurement is asserted, and the ranking when a rule fires.
     held = min(s.evidence.collective_wall_ms_per_step for s in run.stages if s.evidence)

@@ -168,6 +168,7 @@ def test_the_ranks_of_a_job_close_their_windows_together(tmp_path: Path) -> None
     from concurrent.futures import ThreadPoolExecutor
 
     from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
+    from gpudiag.measure.profile.launching.session import _clear
 
     def vote(step: int, wants: list[bool], world: int | None = None,
              timeout_s: float = 10.0) -> list[bool | None]:
@@ -180,3 +181,8 @@ def test_the_ranks_of_a_job_close_their_windows_together(tmp_path: Path) -> None
     assert vote(11, [True, False]) == [False, False]  # one rank's budget is spent: all close
     assert vote(12, [False, False, False]) == [False, False, False]
     assert vote(13, [True], world=2, timeout_s=0.05) == [None]  # rank 1 never votes
+    # A later run in the same parts folder (--force) starts without them: a stale vote of
+    # rank 1 at step 10 would be read as this run's.
+    assert list(tmp_path.glob("window-vote-*"))
+    _clear(tmp_path)
+    assert not list(tmp_path.glob("window-vote-*"))

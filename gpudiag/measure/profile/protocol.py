@@ -44,6 +44,7 @@ BOOTSTRAP_ERROR_GLOB = "bootstrap-error-*.json"
 WINDOW_DONE_GLOB = "window-*.done"
 WINDOW_FILES_GLOB = "window-*.*.json"  # a window's trace, and its evidence once analysed
 WRITES_GLOB = "writes-*.jsonl"  # a re-run's writes outside its copy: a JSON string a line
+WINDOW_VOTE_GLOB = "window-vote-*"  # the ranks' votes (window_vote_name)
 WRITES_MORE = "..."  # the line after a process's last listed one: it wrote more
 
 

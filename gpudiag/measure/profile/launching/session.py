@@ -397,7 +397,7 @@ def _clear(parts_dir: Path) -> None:
     parts_dir.mkdir(parents=True, exist_ok=True)
     for pattern in (protocol.PART_GLOB, protocol.BOOTSTRAP_ERROR_GLOB,
                     protocol.WINDOW_DONE_GLOB, protocol.WINDOW_FILES_GLOB,
-                    protocol.WRITES_GLOB):
+                    protocol.WRITES_GLOB, protocol.WINDOW_VOTE_GLOB):
         for old in parts_dir.glob(pattern):
             old.unlink()
 
@@ -544,6 +544,10 @@ def _profile_once(out: Path, config: ProfileConfig,
 
         ended = run_command(child_command(command, writable), env, on_tick=tick,
                             cwd=scratch.root if scratch is not None else None)
+    # The ranks' votes served while they ran; a stale one would be read as a rank's by a
+    # later run in this folder (--force): same steps, same ranks.
+    for vote in parts_dir.glob(protocol.WINDOW_VOTE_GLOB):
+        vote.unlink(missing_ok=True)
     output = _output(config, parts_dir, ended=ended)
     if not any(s.facts.script for s in output.run.stages):  # no process recorded a step
         failures = bootstrap_failures(parts_dir)
