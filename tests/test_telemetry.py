@@ -430,7 +430,7 @@ def test_samples_stay_readable_after_close() -> None:
 
 
 def test_a_worker_that_never_writes_is_waited_for_once(tmp_path: Any) -> None:
-    """measure_window asks before every stage's timed steps: a worker that came up is not
+    """measure_window asks before every stage's warm-up: a worker that came up is not
     waited for again, and one that hangs costs its timeout once, not once a stage."""
     sampler = Sampler(None, None)
     rows = tmp_path / "rows.jsonl"

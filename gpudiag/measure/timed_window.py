@@ -56,6 +56,9 @@ def measure_window(
     the ddp ranks agree on one count) and `min_seconds`, fewer once `early` allows it, under
     `sampler`'s telemetry window.
     `on_step` hears the running count, warm-up included. Peak memory covers both."""
+    # Its worker came up while the stage was built; the warm-up after it brings the device
+    # back from any idle the wait left.
+    sampler.wait_ready()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases.clear()
@@ -65,7 +68,6 @@ def measure_window(
     synchronize(device)
     phases.clear()
     on_timed_start()
-    sampler.wait_ready()  # its worker came up while the stage was built and warmed up
     sampler.begin(label)
     stopped: Stopped | None = None
     try:

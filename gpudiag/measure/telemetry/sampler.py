@@ -122,8 +122,8 @@ class Sampler:
     def wait_ready(self, timeout_s: float = 15.0) -> bool:
         """Block until the worker has written its first sample (or died, or time ran out), so
         that its start-up (imports, NVML init) never overlaps a measurement; called before each
-        window, it waits only the first time (the worker started with the run and came up
-        meanwhile, while the first stage was built and warmed up)."""
+        window's warm-up, it waits only the first time (the worker started with the run and
+        came up meanwhile, while the first stage was built)."""
         deadline = time.monotonic() + timeout_s
         while self._worker is not None and not self._waited and time.monotonic() < deadline:
             self._collect()

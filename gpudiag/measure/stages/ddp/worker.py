@@ -195,6 +195,7 @@ def run_rank(config: RunConfig, out: Path) -> None:
         "gpu_name": torch.cuda.get_device_name(device) if cuda else None,
     }
     with sampler:
+        sampler.wait_ready()
         if rank == 0:
             part["single"] = time_single(ctx, sampler)
             _release(device)
