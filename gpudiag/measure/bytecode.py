@@ -5,7 +5,8 @@ same code several times. Each process compiles every module whose bytecode is no
 the environment says not to write it (PYTHONDONTWRITEBYTECODE, set in many container images)
 and the packages were installed without it (uv's default, `pip --no-compile`), every trial
 compiles torch again: 6.3 s of an 18 s calibration trial on an H100 host, `import torch` alone
-4.5-5.4 s a process (reports/examples/benchmarks/h100-calibrate-cost.json).
+4.3-4.6 s a process, 1.7 s with its bytecode kept
+(reports/examples/benchmarks/h100-calibrate-cost.json).
 
 Such a job's processes then write their bytecode into a folder of gpudiag's own, named by
 PYTHONPYCACHEPREFIX (https://docs.python.org/3/using/cmdline.html#envvar-PYTHONPYCACHEPREFIX:
