@@ -12,8 +12,10 @@ Such a job's processes then write their bytecode into a folder of gpudiag's own,
 PYTHONPYCACHEPREFIX (https://docs.python.org/3/using/cmdline.html#envvar-PYTHONPYCACHEPREFIX:
 bytecode is read and written only beneath it, never beside the sources), removed when the job
 ends: the first compiles, the others read. Where torch's bytecode is cached already or will be,
-nothing changes (a prefix would make the first process compile everything again). What a
-process measures is unaffected: imports are never inside a timed step.
+nothing changes (a prefix would make the first process compile everything again). That is
+judged by the interpreter gpudiag runs under: a command run by another one, whose bytecode is
+kept, compiles once into the folder. What a process measures is unaffected: imports are never
+inside a timed step.
 """
 
 from __future__ import annotations
