@@ -1,5 +1,6 @@
 """Every run committed under reports/examples/ stays readable by today's gpudiag: it loads,
-compares with itself, and re-renders to the committed report.md (the renderers are pure)."""
+compares with itself, re-renders to the committed report.md (the renderers are pure), and
+today's rules find on it what it recorded, but where a rule named below changed since."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import invoke
 
+from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.compare import compare_runs
-from gpudiag.model.results import load_run
+from gpudiag.model.results import Finding, load_run
 from gpudiag.present.markdown import PLOT_CAPTIONS, render_markdown
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
@@ -37,6 +39,53 @@ def test_example_loads_and_compares_with_itself(run_dir: Path) -> None:
 def test_example_report_re_renders_as_committed(run_dir: Path) -> None:
     plots = [p for p in PLOT_CAPTIONS if (run_dir / p).is_file()]
     assert render_markdown(load_run(run_dir), plots) == (run_dir / "report.md").read_text()
+
+
+# Runs recorded before a rule changed: (findings recorded, today's rules no longer find them;
+# findings today's rules add), as "ID severity location". Any other difference fails: a change
+# to a rule, the window or its analysis that moves a committed run's finding says so here.
+RULES_CHANGED_SINCE: dict[str, tuple[list[str], list[str]]] = {
+    # Recorded 2026-11-23; info-level GD501 and GD601 from what today's rules read of it.
+    "h100-dgca-earlier-commit": ([], ["GD501 info None", "GD601 info None"]),
+    # Periodic work named by its line (aa33ab6); its findings' severity since raised.
+    "h100-periodic/eval10-save7": (["GD201 critical None", "GD701 warning None"],
+                                   ["GD201 critical periodic_eval.py:56", "GD701 critical None"]),
+    "h100-periodic/eval10-tensor": (
+        ["GD201 critical None", "GD703 warning periodic_eval.py:69"],
+        ["GD201 critical periodic_eval.py:56", "GD703 critical periodic_eval.py:69"]),
+    "h100-periodic/eval20": (["GD201 critical None", "GD703 warning periodic_eval.py:69"],
+                             ["GD201 critical periodic_eval.py:56",
+                              "GD703 critical periodic_eval.py:69"]),
+    "h100-two-processes/blocking_save-try-fixes": (["GD701 warning None"],
+                                                   ["GD701 critical None"]),
+    # GD304 at information level from a tenth of the step (e71e766).
+    "h200-memory-bound-compile/nanogpt-gpt2-small": ([], ["GD304 info model.py:27"]),
+    "h200-memory-bound-compile/nanogpt-gpt2-small/fixes/without-fixes-1": (
+        [], ["GD304 info model.py:27"]),
+    "h200-memory-bound-compile/nanogpt-gpt2-small/fixes/without-fixes-2": (
+        [], ["GD304 info model.py:27"]),
+    # fp32 matmuls without autocast named on a rank of a profiled job (after 875f23e).
+    "h200x2-knobs/ddp": ([], ["GD301 warning None"]),
+    "h200x2-knobs/ddp/fixes/ddp-no-sync": ([], ["GD301 warning None"]),
+    "h200x2-knobs/ddp/fixes/without-fixes-1": ([], ["GD301 warning None"]),
+    "h200x2-knobs/ddp/fixes/without-fixes-2": ([], ["GD301 warning None"]),
+}
+
+
+def _said(findings: list[Finding]) -> set[str]:
+    return {f"{f.id} {f.severity} {f.location}" for f in findings}
+
+
+@pytest.mark.parametrize("run_dir", RUNS, ids=_id)
+def test_todays_rules_find_what_the_example_recorded(run_dir: Path) -> None:
+    run = load_run(run_dir)
+    recorded, today = _said(run.findings), _said(evaluate(run))
+    gone, added = RULES_CHANGED_SINCE.get(_id(run_dir), ([], []))
+    assert (sorted(recorded - today), sorted(today - recorded)) == (gone, added)
+
+
+def test_the_rule_changes_listed_are_committed_runs() -> None:
+    assert set(RULES_CHANGED_SINCE) <= {_id(r) for r in RUNS}
 
 
 def test_gpudiag_report_re_renders_a_committed_run(tmp_path: Path) -> None:
