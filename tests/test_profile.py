@@ -86,11 +86,14 @@ def test_blocking_save_is_a_checkpoint_stall(tmp_path: Path) -> None:
 
 
 def test_per_step_item_reads_are_named(tmp_path: Path) -> None:
-    """On a CPU nothing idles, so it is information; the line is the script's."""
-    top = example(tmp_path, "item_sync").findings[0]
+    """On a CPU nothing idles, so it is information; the line is the script's. (Not asserted
+    first: on a loaded 2-core machine a periodic stall GD703 finds at the backward, 8 ms every
+    12 steps, ranked above it once.)"""
+    reads = next(f for f in example(tmp_path, "item_sync").findings if f.id == "GD103")
     lines = (EXAMPLES / "item_sync.py").read_text().splitlines()
     item_line = next(n for n, text in enumerate(lines, 1) if "history.append(" in text)
-    assert top.id == "GD103" and (top.location or "").endswith(f"item_sync.py:{item_line}")
+    assert reads.severity == "info"
+    assert (reads.location or "").endswith(f"item_sync.py:{item_line}")
 
 
 @pytest.mark.heavy
