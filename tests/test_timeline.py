@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gpudiag.diagnose.timeline import account
+from gpudiag.diagnose.timeline import RunAccount, account
 from gpudiag.model.facts import OtherLoop, SaveRecord, StepTimeline
 
 STEP_MS = 23.0
@@ -139,6 +139,36 @@ def test_an_evaluation_too_rare_for_a_period_beside_saves_is_named_at_its_line()
     assert evaluation.line_text == "losses = estimate_loss()"
     assert whole.irregular_ms == pytest.approx(60.0, rel=0.2)  # the lone spike
     _parts_add_up(timeline)
+
+
+def test_steps_the_machine_slowed_are_no_lines_work() -> None:
+    """Another process on the CPU stretches a step's every line alike: its extra sits most at
+    the busiest line (the backward), in the share that line always holds. Two such steps are
+    irregular, not work at that line; where the same extra sits at a line ordinary steps barely
+    visit, it is that line's work (item_sync.py under load once read "Work at
+    item_sync.py:25 (`per_sample.mean().backward()`): 8 ms every 12 steps")."""
+    from gpudiag.model.facts import HostSamples, HostStep
+
+    def stretched(extra_at: dict[str, float]) -> RunAccount | None:
+        timeline = _timeline(n=40, jitter=0.02)
+        for s in (14, 26):
+            timeline.step_ms[s] += 2.5 * STEP_MS
+        timeline.total_ms = sum(timeline.step_ms)
+        steady = {"train.py:25": 7.0, "train.py:24": 3.0}
+        slow = [HostStep(step=s, ms=timeline.step_ms[s],
+                         loop_ms={k: v + extra_at.get(k, 0.0) for k, v in steady.items()})
+                for s in (14, 26)]
+        host = HostSamples(period_ms=1.0, samples=400, steady_steps=30,
+                           steady_wall_ms=30 * STEP_MS, sampled_ms=30 * STEP_MS,
+                           loop="train.py:20", loop_ms={k: 30 * v for k, v in steady.items()},
+                           slow_steps=slow)
+        return account(timeline, host)
+
+    load = stretched({"train.py:25": 2.5 * 7.0, "train.py:24": 2.5 * 3.0})
+    assert load is not None and not [w for w in load.works if w.line is not None]
+    work = stretched({"train.py:24": 2.5 * 10.0})  # ordinarily 30% of the loop
+    assert work is not None
+    assert [(w.line, w.steps) for w in work.works] == [("train.py:24", [14, 26])]
 
 
 def test_a_run_cut_short_is_projected_to_the_steps_it_means_to_make() -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from gpudiag.diagnose.spikes import PERIODIC_SHARE, find_spikes
-from gpudiag.model.facts import CompileFacts, HostSamples, OtherLoop, StepTimeline
+from gpudiag.model.facts import CompileFacts, HostSamples, HostStep, OtherLoop, StepTimeline
 from gpudiag.model.results import StageResult
 
 WorkKind = Literal["compile", "save", "data", "loop", "other"]
@@ -41,6 +41,10 @@ ALIKE = 0.25  # an occurrence is at least this share of the typical one
 MIN_PERIOD_HITS = 4  # occurrences a period needs: three fall on one phase by chance too often
 FALSE_PERIOD = 0.01  # chance of a period found in jitter alone, at most
 LINE_HOLDS = 0.5  # of a slow step's sampled extra, at one line: that line's work
+# ... unless the step's other lines grew too, by at least this share of that line's own growth
+# (each against its ordinary time): a step the machine slowed (another process on the CPU)
+# stretches every line alike, and its extra then sits most at the busiest line.
+STRETCHED_ALIKE = 0.5
 
 
 @dataclass
@@ -253,6 +257,18 @@ def _attribute(work: PeriodicWork, host: HostSamples) -> None:
     work.line_share, work.sampled_steps = positive[line] / sum(positive.values()), len(covered)
 
 
+def _stretched(step: HostStep, line: str, host: HostSamples) -> bool:
+    """Whether the step's other lines grew alike with `line` (STRETCHED_ALIKE), each against
+    its ordinary time: the machine slowed the whole step. False where nothing else ran."""
+    def growth(lines: Collection[str]) -> float:
+        usual = sum(host.per_step(host.loop_ms.get(k, 0.0)) for k in lines)
+        return (sum(step.loop_ms.get(k, 0.0) for k in lines) - usual) / usual if usual else 0.0
+
+    others = (set(host.loop_ms) | set(step.loop_ms)) - {line}
+    own = growth([line])
+    return own > 0 and growth(others) >= STRETCHED_ALIKE * own
+
+
 class PeriodGroup(NamedTuple):
     period: int
     steps: list[int]  # the work's occurrences
@@ -345,14 +361,17 @@ def _works_by_line(other: dict[int, float], host: HostSamples,
     """Slow steps too few for a period (an evaluation every 20 steps of a 60-step run) that
     the host samples put at one line of the training loop: one work per line, run at least
     MIN_OCCURRENCES times, each at least doubling the step, the line holding most of each
-    one's extra. Taken out of `other` (what stays there is irregular)."""
+    one's extra while the step's other lines kept their time (not `_stretched`). Taken out of
+    `other` (what stays there is irregular)."""
     by_line: dict[str, list[int]] = defaultdict(list)
+    slow = {s.step: s for s in host.slow_steps}
     for step, extra in other.items():
         if extra < step_ms:
             continue
         probe = PeriodicWork("other", [step], extra)
         _attribute(probe, host)
-        if probe.line is not None and (probe.line_share or 0.0) >= LINE_HOLDS:
+        if (probe.line is not None and (probe.line_share or 0.0) >= LINE_HOLDS
+                and not _stretched(slow[step], probe.line, host)):
             by_line[probe.line].append(step)
     works = []
     for steps in by_line.values():
