@@ -9,7 +9,8 @@ timed beside them. Per phase: seconds, and the whole per recorded kernel (per op
 CPU, where there are no kernels). Beside it, the floor: torch.profiler alone over the same
 steps (CPU and CUDA activities, no shapes, no stacks, no annotator) and its Chrome export, and
 what each costs the script beyond its plain steps (in `gpudiag profile` parsing, analysis and
-the gzip run in gpudiag's own process, beside the script).
+the gzip run in gpudiag's own process, beside the script); and torch.profiler with input shapes
+alone, and with gpudiag's source annotator alone, to tell the two apart.
 
 `runs`: whole `gpudiag profile` runs of example scripts, with one or more gpudiag source trees
 (`--tree DIR`, e.g. a worktree of an earlier commit, and `.`), alternated script by script and
@@ -24,6 +25,7 @@ share of it as the run's own account reads it ("Where the run's time went"), and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -43,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
+from gpudiag.measure.evidence.source import SourceAnnotator
 from gpudiag.measure.timing import synchronize
 from gpudiag.model.results import load_run
 
@@ -150,6 +153,8 @@ def window_phases(name: str, device: torch.device, save_to: Path | None) -> dict
             "bare_profiler": {**bare, "beyond_plain_steps_ms_per_recorded":
                               (bare["window_s"] - plain_steps) * 1e3
                               / max(1.0, recorded * PROFILED_STEPS)},
+            "profiler_with_shapes": bare_window(step, device, shapes=True),
+            "profiler_with_annotator": bare_window(step, device, annotate=True),
             "profiled_step_ms": statistics.fmean(window.step_ms),
             "recorded_per_step": recorded,
             "recorded": "kernels" if device.type == "cuda" else "operators",
@@ -159,15 +164,18 @@ def window_phases(name: str, device: torch.device, save_to: Path | None) -> dict
             "window_in_plain_steps": whole * 1e3 / statistics.median(plain)}
 
 
-def bare_window(step: Callable[[], None], device: torch.device) -> dict[str, float]:
+def bare_window(step: Callable[[], None], device: torch.device, *, shapes: bool = False,
+                annotate: bool = False) -> dict[str, float]:
     """The same steps under torch.profiler alone and its Chrome export: the floor of any window
-    that records kernels with torch's profiler."""
+    that records kernels with torch's profiler; with `shapes` or `annotate`, one of the two
+    things gpudiag's window adds to it, to tell their costs apart."""
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda"
                                           else [])]
     begin = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(PROFILED_STEPS):
-            step()
+    with profile(activities=activities, record_shapes=shapes) as prof:
+        with SourceAnnotator() if annotate else contextlib.nullcontext():
+            for _ in range(PROFILED_STEPS):
+                step()
         synchronize(device)
         stepped = time.perf_counter()
     collected = time.perf_counter()
