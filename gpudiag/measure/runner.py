@@ -29,7 +29,7 @@ import torch
 from gpudiag._version import __version__
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import record_window
-from gpudiag.measure.evidence.reader import Reading, WindowReader, first_line
+from gpudiag.measure.evidence.reader import Reading, WindowReader
 from gpudiag.measure.flops import count_flops
 from gpudiag.measure.interrupts import (
     Stopped,
@@ -44,6 +44,7 @@ from gpudiag.measure.telemetry import Sampler, open_sampler
 from gpudiag.measure.timed_window import Window, fill_timed, measure_window
 from gpudiag.measure.timing import EarlyEnd, PhaseRecorder, synchronize
 from gpudiag.model.config import PRECISE_AFTER_STEPS, RunConfig
+from gpudiag.model.errors import first_line
 from gpudiag.model.results import RunResult, StageResult
 
 

@@ -107,7 +107,8 @@ def _known_so_far(known: list[float], marks: list[torch.cuda.Event],
         while len(known) + 1 < len(marks) and marks[len(known) + 1].query():
             known.append(marks[len(known)].elapsed_time(marks[len(known) + 1]))
     else:
-        known[:] = [(b - a) * 1e3 for a, b in itertools.pairwise(host_marks)]
+        known.extend((b - a) * 1e3
+                     for a, b in itertools.pairwise(host_marks[len(known):]))
 
 
 def median_within(times: list[float], precision: float, z: float = 1.96) -> bool:

@@ -85,6 +85,11 @@ class BadInput(GpudiagError):
     """An unknown name, an impossible size, a device that is not there, an unusable path."""
 
 
+def first_line(text: str) -> str:
+    """An error message's first line, for a stage's or a window's one-line error."""
+    return text.strip().splitlines()[0] if text.strip() else "(no message)"
+
+
 def internal_error_line(exc: BaseException, argv: Sequence[str]) -> str:
     """The one line an unexpected exception (a bug in gpudiag) ends a command with: the
     exception, and the new file its traceback went to, or why none could be written."""

@@ -25,8 +25,10 @@ from gpudiag.model.config import (
     AMP_DTYPES,
     DDP_NO_SYNC,
     HOST_SAMPLE_HZ,
+    PRECISE_AFTER_STEPS,
     PROFILE_EVIDENCE_STEPS,
     PROFILE_TELEMETRY,
+    TIMED_PRECISION,
     ProfileConfig,
     ProfileTelemetry,
     RunConfig,
@@ -74,8 +76,9 @@ class RunOptions:
                                      check="positive")
     seq_len: int | None = _option(None, "--seq-len", "Tokens per sample.", check="positive")
     iters: int | None = _option(None, "--iters", "Timed steps per stage (at least), every "
-                                "one timed; by default the preset's, ending from 15 once "
-                                "their median is known within +-0.5%.", check="positive")
+                                "one timed; by default the preset's, ending from "
+                                f"{PRECISE_AFTER_STEPS} once their median is known within "
+                                f"+-{TIMED_PRECISION:.1%}.", check="positive")
     warmup: int | None = _option(None, "--warmup", "Untimed warm-up steps per stage.",
                                  check="non-negative")
     min_seconds: float | None = _option(None, "--min-seconds", "Keep timing each stage at "

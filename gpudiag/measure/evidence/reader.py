@@ -27,6 +27,7 @@ from typing import Any
 
 from gpudiag.measure.evidence.trace import analyze
 from gpudiag.measure.evidence.tracefile import collector_paused, parse_trace, save_trace
+from gpudiag.model.errors import first_line
 from gpudiag.model.profilepart import WindowTrace
 from gpudiag.model.results import Evidence, from_jsonable, to_jsonable
 
@@ -204,11 +205,6 @@ def _answer(data: dict[str, Any]) -> WindowRead:
     evidence = data.get("evidence")
     return WindowRead(None if evidence is None else from_jsonable(Evidence, evidence),
                       error=data.get("error"), not_kept=data.get("not_kept"))
-
-
-def first_line(text: str) -> str:
-    """An error message's first line, for a stage's one-line error."""
-    return text.strip().splitlines()[0] if text.strip() else "(no message)"
 
 
 def main() -> int:
