@@ -20,7 +20,8 @@ from pathlib import Path
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import RunAccount, stage_account
 from gpudiag.measure.profile.inscript.hostsampler import SLOW_STEP, SLOW_STEP_MIN_EXTRA_MS
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 WARMUP = 10  # the script's first steps are left out of its own medians
 ITER = re.compile(r"^iter (\d+): .* time ([\d.]+)ms")

@@ -24,7 +24,8 @@ from pathlib import Path
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.gate import GATE_ALPHA, GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 SLOWDOWNS = (0.02, 0.03, 0.05, 0.08, 0.10, 0.15, 0.20, 0.25)
 DETECTION_RATE = 0.9

@@ -40,7 +40,8 @@ from gpudiag.diagnose.gate import GATE_ALPHA, GateDecision, decide, parse_limits
 from gpudiag.diagnose.trials import merge_trials
 from gpudiag.measure.gatejob import run_one
 from gpudiag.model.options import RunOptions
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILE = Path("gpudiag/measure/models/dgca.py")

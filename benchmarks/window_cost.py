@@ -47,7 +47,7 @@ from gpudiag.diagnose.timeline import stage_account
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
 from gpudiag.measure.evidence.source import SourceAnnotator
 from gpudiag.measure.timing import synchronize
-from gpudiag.model.results import load_run
+from gpudiag.model.runfile import load_run
 
 PROFILED_STEPS = 3  # gpudiag profile's default evidence window
 

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpudiag._version import __version__
-from gpudiag.model.results import Finding, RunResult, StageResult, load_run, save_run
+from gpudiag.model.results import Finding, RunResult, StageResult
+from gpudiag.model.runfile import load_run, save_run
 
 if TYPE_CHECKING:
     from gpudiag.measure.models import ModelBundle, ModelOptions, ModelSpec, register_model

@@ -85,14 +85,8 @@ from gpudiag.model.options import (
     profile_config,
 )
 from gpudiag.model.remedies import BASELINE_RUNS, REMEDIES
-from gpudiag.model.results import (
-    Rerun,
-    RunResult,
-    load_run,
-    run_json_text,
-    save_run,
-    to_jsonable,
-)
+from gpudiag.model.results import Rerun, RunResult
+from gpudiag.model.runfile import load_run, run_json_text, save_run, to_jsonable
 
 if TYPE_CHECKING:
     from gpudiag.diagnose.gate import GateDecision
@@ -335,7 +329,7 @@ def _run(options: RunOptions, *, out: Path | None, as_json: bool, trials: int, q
 
 def _show_run(run: RunResult, run_dir: Path, *, as_json: bool) -> None:
     if as_json:
-        stdout.print_json(json.dumps(run.to_dict()))
+        stdout.print_json(json.dumps(to_jsonable(run)))
     else:
         _print_run(run)
     stderr.print(f"Report: {run_dir / 'report.md'}  (run.json, samples.csv beside it)",

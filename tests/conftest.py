@@ -37,7 +37,8 @@ from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.measure.telemetry.fake import fake_spec
 from gpudiag.model.config import PRESETS, RunConfig
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 

@@ -14,7 +14,8 @@ from gpudiag.measure.flops import count_flops
 from gpudiag.measure.plan import cpu_bf16_native
 from gpudiag.model.facts import PeakFacts, StageFacts
 from gpudiag.model.hardware import datasheet_tflops
-from gpudiag.model.results import Env, RunResult, StageResult, load_run
+from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.runfile import load_run
 
 
 def test_flops_of_a_linear_layer_by_hand() -> None:

@@ -13,7 +13,8 @@ from conftest import invoke, ladder_config
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
 from gpudiag.model.facts import CheckpointFacts, SaveRecord
-from gpudiag.model.results import Env, RunResult, StageResult, load_run
+from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.runfile import load_run
 
 
 def _series(n: int = 120, base: float = 50.0, noise: float = 0.02, seed: int = 0) -> np.ndarray:

@@ -14,15 +14,8 @@ from tiny_mlp import MODEL as TINY_MLP
 from gpudiag.diagnose.compare import compare_runs, match_findings
 from gpudiag.diagnose.gate import GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials, steady_state
-from gpudiag.model.results import (
-    Env,
-    Finding,
-    RunResult,
-    StageResult,
-    TelemetrySummary,
-    load_run,
-    save_run,
-)
+from gpudiag.model.results import Env, Finding, RunResult, StageResult, TelemetrySummary
+from gpudiag.model.runfile import load_run, save_run
 from gpudiag.present.compare import gate_lines
 
 BATCH = 128

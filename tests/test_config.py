@@ -34,7 +34,7 @@ from gpudiag.model.options import (
     profile_config,
     to_argv,
 )
-from gpudiag.model.results import RunFileError
+from gpudiag.model.runfile import RunFileError
 
 
 def test_cpu_defaults_to_tiny_and_says_so() -> None:

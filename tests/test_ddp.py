@@ -26,7 +26,8 @@ from gpudiag.model.facts import (
     StageFacts,
     Straggler,
 )
-from gpudiag.model.results import Env, Evidence, RunResult, StageResult, load_run
+from gpudiag.model.results import Env, Evidence, RunResult, StageResult
+from gpudiag.model.runfile import load_run
 
 PARTS = Path(__file__).resolve().parent / "data" / "ddp-cpu-parts.json"
 

@@ -12,7 +12,8 @@ from conftest import invoke
 
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.compare import compare_runs
-from gpudiag.model.results import Finding, load_run
+from gpudiag.model.results import Finding
+from gpudiag.model.runfile import load_run
 from gpudiag.present.markdown import PLOT_CAPTIONS, render_markdown
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"

@@ -20,15 +20,8 @@ from gpudiag.diagnose.noise import DEVICE_FLOOR, calibration_record
 from gpudiag.diagnose.trials import merge_trials
 from gpudiag.model.calibration import Calibration
 from gpudiag.model.errors import BadInput, ExitCode
-from gpudiag.model.results import (
-    Env,
-    Evidence,
-    LineCount,
-    RunResult,
-    StageResult,
-    TelemetrySummary,
-    save_run,
-)
+from gpudiag.model.results import Env, Evidence, LineCount, RunResult, StageResult, TelemetrySummary
+from gpudiag.model.runfile import save_run
 
 
 def _run(device_ms: float, wall_ms: float = 90.0, *, seed: int = 0, jitter: float = 2e-4,

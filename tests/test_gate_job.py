@@ -94,7 +94,7 @@ def test_base_ref_errors_are_one_line(tmp_path: Path) -> None:
 
 
 def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
-    from gpudiag.model.results import load_run, save_run
+    from gpudiag.model.runfile import load_run, save_run
 
     run = load_run(ROOT / "tests" / "data" / "h100-dgca-run.json")
     save_run(run, tmp_path / "a" / "run.json")

@@ -23,7 +23,8 @@ import pytest
 from conftest import invoke, ladder_config
 
 from gpudiag.model.errors import ExitCode
-from gpudiag.model.results import Env, RunResult, StageResult, save_run
+from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.runfile import save_run, to_jsonable
 
 Setup = Callable[[Path], None]
 
@@ -40,7 +41,7 @@ def _valid_run(model: str = "dgca", batch: int = 8, device: str = "cpu",
 
 
 def _valid_dict() -> dict[str, Any]:
-    return _valid_run().to_dict()
+    return to_jsonable(_valid_run())
 
 
 def _write_json(relative: str, mutate: Callable[[dict[str, Any]], Any]) -> Setup:
@@ -325,7 +326,7 @@ def _trials_of(relative: str, second: Callable[[dict[str, Any]], None]) -> Setup
     """Two trials, the second another measurement edited by `second`."""
     def setup(ws: Path) -> None:
         save_run(_valid_run(), ws / relative / "trial-1" / "run.json")
-        data = _valid_run(shift=2).to_dict()
+        data = to_jsonable(_valid_run(shift=2))
         second(data)
         (ws / relative / "trial-2").mkdir(parents=True)
         (ws / relative / "trial-2" / "run.json").write_text(json.dumps(data))

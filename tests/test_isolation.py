@@ -20,7 +20,7 @@ from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.inscript.writewatch import MAX_PATHS, WriteWatch
 from gpudiag.measure.profile.launching import scratch
 from gpudiag.measure.profile.launching.scratch import make_scratch, outside_writes
-from gpudiag.model.results import RUN_MARKER
+from gpudiag.model.runfile import RUN_MARKER
 
 
 def _project(root: Path, elsewhere: Path) -> Path:

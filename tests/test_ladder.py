@@ -14,7 +14,7 @@ from conftest import EXAMPLES, tiny_config
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.measure.telemetry.fake import fake_spec
-from gpudiag.model.results import load_run
+from gpudiag.model.runfile import load_run
 from gpudiag.present import render_markdown, write_run_dir
 
 TRAINING_STAGES = ("train", "train-fp16", "data-train", "full-loop", "full-vectorized")

@@ -16,16 +16,8 @@ from gpudiag.diagnose.ledger import SYMPTOMS, ledger, wall_shares
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import (
-    Env,
-    Evidence,
-    FindingAccount,
-    RunFileError,
-    RunResult,
-    StageResult,
-    load_run,
-    save_run,
-)
+from gpudiag.model.results import Env, Evidence, FindingAccount, RunResult, StageResult
+from gpudiag.model.runfile import RunFileError, load_run, save_run
 from gpudiag.present.waterfall import markdown_sections
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"

@@ -15,7 +15,8 @@ import pytest
 from conftest import invoke, line_of, profile_command
 
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.results import RunResult, StageResult, load_run
+from gpudiag.model.results import RunResult, StageResult
+from gpudiag.model.runfile import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -276,7 +277,7 @@ def test_a_process_that_dies_without_shutdown_is_reported_so(tmp_path: Path) -> 
 
 def test_a_damaged_part_is_named_and_the_others_are_read(tmp_path: Path) -> None:
     from gpudiag.measure.profile.launching.session import collect
-    from gpudiag.model.results import to_jsonable
+    from gpudiag.model.runfile import to_jsonable
 
     good = {"pid": 1, "rank": None, "steps": 5, "argv": ["t.py"], "error": None, "final": True,
             "stage": to_jsonable(_stage("t.py")), "env": {"device": "cpu"}}
@@ -292,7 +293,7 @@ def test_a_part_with_a_wrong_typed_field_is_left_out_naming_the_field(tmp_path: 
     the wrong type, at the top or inside the stage, leaves that part out with one line naming
     the field; the others are read."""
     from gpudiag.measure.profile.launching.session import collect
-    from gpudiag.model.results import to_jsonable
+    from gpudiag.model.runfile import to_jsonable
 
     good = {"pid": 1, "rank": None, "steps": 5, "argv": ["t.py"], "error": None, "final": True,
             "stage": to_jsonable(_stage("t.py")), "env": {"device": "cpu"}}

@@ -17,7 +17,8 @@ import pytest
 from conftest import in_folder, invoke, line_of, profile_script, write_script
 
 from gpudiag.model.config import ProfileConfig
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import invoke
 
-from gpudiag.model.results import load_run
+from gpudiag.model.runfile import load_run
 from gpudiag.present.files import read_samples
 from gpudiag.present.trace import build_trace
 

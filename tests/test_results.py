@@ -15,14 +15,12 @@ from gpudiag.model.results import (
     Env,
     Finding,
     MemoryStats,
-    RunFileError,
     RunResult,
     StageResult,
     TelemetrySummary,
     TimingStats,
-    load_run,
-    save_run,
 )
+from gpudiag.model.runfile import RunFileError, load_run, save_run, to_jsonable
 
 
 def _run() -> RunResult:
@@ -75,7 +73,7 @@ def test_non_finite_numbers_become_null(tmp_path: Path) -> None:
 
 
 def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
-    data = _run().to_dict()
+    data = to_jsonable(_run())
     data["stages"][0]["a_future_field"] = 1
     (tmp_path / "run.json").write_text(json.dumps(data))
     assert load_run(tmp_path).stages[0].name == "train-fp16"
@@ -144,7 +142,7 @@ def test_derived_figures_in_a_file_are_written_and_not_read(tmp_path: Path) -> N
     """run.json holds ms_per_iter, samples_per_s and timing for its readers; gpudiag derives
     them again from the steps, so a file whose figures disagree with its steps cannot mislead
     it (before, such a file was refused)."""
-    data = _run().to_dict()
+    data = to_jsonable(_run())
     stage = data["stages"][0]
     assert stage["ms_per_iter"] == 50.5 and stage["samples_per_s"] == pytest.approx(128 / 0.0505)
     stage.update(ms_per_iter=30.0, samples_per_s=1.0, timing={"n": 1})
@@ -154,7 +152,7 @@ def test_derived_figures_in_a_file_are_written_and_not_read(tmp_path: Path) -> N
 
 
 def test_a_schema_3_trial_takes_its_samples_per_step_from_its_stage(tmp_path: Path) -> None:
-    data = _run().to_dict()
+    data = to_jsonable(_run())
     data["schema_version"] = 3
     data["stages"][0]["trials"] = [{"samples_per_s": 128 / 0.0505, "ms_per_iter": 50.5,
                                     "iters": 5, "device_ms": None}]

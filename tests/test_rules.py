@@ -46,8 +46,8 @@ from gpudiag.model.results import (
     SourceLine,
     StageResult,
     TelemetrySummary,
-    load_run,
 )
+from gpudiag.model.runfile import load_run
 from gpudiag.present.findings import diagnosis_markdown
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ import torch
 from conftest import git, gpudiag_repo, profile_script
 from tiny_mlp import MODEL as TINY_MLP
 
-from gpudiag.model.results import load_run
+from gpudiag.model.runfile import load_run
 
 pytestmark = pytest.mark.slow
 STOP_WITHIN_S = 10.0

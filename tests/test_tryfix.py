@@ -31,7 +31,8 @@ from gpudiag.model.remedies import (
     Tf32Record,
     field_of,
 )
-from gpudiag.model.results import Env, Finding, MeasuredFix, RunResult, load_run
+from gpudiag.model.results import Env, Finding, MeasuredFix, RunResult
+from gpudiag.model.runfile import load_run
 from gpudiag.present.fixes import fixes_markdown
 
 # A plain training loop that reports what it sees of its own objects: the DataLoader's worker
@@ -414,7 +415,7 @@ def test_a_remedys_record_is_typed_and_a_wrong_field_is_refused_naming_it(
     """What a remedy saw in the script is a typed record, read from a schema-3 file (keyed by
     the remedy's name) as from a new one; a record with a field of the wrong type is refused
     like any other run.json field: one line naming it."""
-    from gpudiag.model.results import RunFileError, save_run
+    from gpudiag.model.runfile import RunFileError, save_run
 
     run = load_run(EXAMPLES / "blocking_save")
     saved = next(f for f in run.fixes if f.remedy == "async-save").evidence.async_save

@@ -14,14 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.diagnose.counters import read_counters
-from gpudiag.model.results import (
-    Finding,
-    RunFileError,
-    RunResult,
-    StageResult,
-    Trial,
-    load_run,
-)
+from gpudiag.model.results import Finding, RunResult, StageResult, Trial
+from gpudiag.model.runfile import RunFileError, load_run
 
 SETTLE_REL = 0.02  # a step within 2% (or 3 MADs) of the steady median counts as settled
 SETTLE_RUN = 3  # ... for this many steps in a row

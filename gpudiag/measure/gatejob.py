@@ -31,7 +31,8 @@ from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.measure.profile.launching.confine import ConfinementPolicy, confined
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import RunOptions, to_argv
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 
 def _git(cwd: Path, *args: str) -> str:

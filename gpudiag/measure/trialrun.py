@@ -21,7 +21,8 @@ from gpudiag.measure.childexec import child_command
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import NothingMeasured
 from gpudiag.model.options import RunOptions, to_argv
-from gpudiag.model.results import RunResult, load_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import load_run
 
 
 @dataclass

@@ -20,12 +20,7 @@ from pydantic import Field
 
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.errors import BadInput
-from gpudiag.model.results import (
-    RunFileError,
-    from_jsonable,
-    read_json_file,
-    to_jsonable,
-)
+from gpudiag.model.runfile import RunFileError, from_jsonable, read_json_file, to_jsonable
 
 CALIBRATION_SCHEMA = 1
 DEFAULT_CALIBRATION = Path(".gpudiag/calibration.json")

@@ -6,13 +6,9 @@ gate that scores a run from numbers the run's own steps contradict decides nothi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gpudiag.model.config import RunConfig
+from gpudiag.model.results import Evidence, RunResult, StageResult, Trial
 from gpudiag.model.schema import SchemaError
-
-if TYPE_CHECKING:  # results.py calls check_run on every run it reads
-    from gpudiag.model.results import Evidence, RunResult, StageResult, Trial
 
 # Relative slack for a trial's time per step against the stage's steps (float rounding).
 DERIVED_REL = 1e-6

@@ -12,7 +12,8 @@ import pandas as pd
 
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.errors import BadInput
-from gpudiag.model.results import RUN_MARKER, RunResult, save_run
+from gpudiag.model.results import RunResult
+from gpudiag.model.runfile import RUN_MARKER, save_run
 from gpudiag.present.markdown import render_markdown
 from gpudiag.present.plots import write_plots
 from gpudiag.present.trace import TRACE_FILE, write_trace

@@ -29,7 +29,8 @@ from gpudiag.measure.evidence.trace import analyze
 from gpudiag.measure.evidence.tracefile import collector_paused, parse_trace, save_trace
 from gpudiag.model.errors import first_line
 from gpudiag.model.profilepart import WindowTrace
-from gpudiag.model.results import Evidence, from_jsonable, to_jsonable
+from gpudiag.model.results import Evidence
+from gpudiag.model.runfile import from_jsonable, to_jsonable
 
 # A smaller trace is read where it was recorded: ~0.3 s at most of parsing and analysis (the
 # dgca windows on an H100: ~13 MB a second), less than the reader process takes to start.

@@ -14,7 +14,8 @@ from typing import TypeVar
 
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.profilepart import BootstrapError, ProfilePart
-from gpudiag.model.results import Evidence, RunFileError, from_jsonable, to_jsonable
+from gpudiag.model.results import Evidence
+from gpudiag.model.runfile import RunFileError, from_jsonable, to_jsonable
 from gpudiag.model.schema import SchemaError, parse_json
 
 T = TypeVar("T")

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.profile import protocol
-from gpudiag.model.results import RUN_MARKER, Rerun
+from gpudiag.model.results import Rerun
+from gpudiag.model.runfile import RUN_MARKER
 
 SCRATCH_DIR = "cwd"  # in the re-run's own folder: the mirrored parents, the copy inside
 VIEW_LEVELS = 2  # parent folders mirrored around the copy (`../data`, `../../datasets`)

@@ -60,7 +60,8 @@ from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import BadInput
 from gpudiag.model.profilepart import WindowTrace
 from gpudiag.model.remedies import DIAGNOSIS_RUN
-from gpudiag.model.results import Env, RunFileError, RunResult, StageResult
+from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.runfile import RunFileError
 
 # The folder whose sitecustomize.py installs the recorder in every Python process the command
 # starts: the script's side's (a path only; this side never imports that code).

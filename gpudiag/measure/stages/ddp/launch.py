@@ -39,13 +39,8 @@ from gpudiag.model.facts import (
     StageFacts,
     Straggler,
 )
-from gpudiag.model.results import (
-    Evidence,
-    StageResult,
-    TelemetrySummary,
-    from_jsonable,
-    to_jsonable,
-)
+from gpudiag.model.results import Evidence, StageResult, TelemetrySummary
+from gpudiag.model.runfile import from_jsonable, to_jsonable
 
 CPU_DEFAULT_NPROC = 2
 

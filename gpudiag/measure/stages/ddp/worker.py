@@ -42,7 +42,8 @@ from gpudiag.measure.timed_window import measure_window
 from gpudiag.measure.timing import PhaseRecorder
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import DdpVariant
-from gpudiag.model.results import TimingStats, from_jsonable, to_jsonable
+from gpudiag.model.results import TimingStats
+from gpudiag.model.runfile import from_jsonable, to_jsonable
 
 PARTS_FILE = "parts.json"
 TIMEOUT = dt.timedelta(minutes=10)
