@@ -26,6 +26,11 @@ from rich.table import Table
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.diagnose.trials import baseline_of, load_run_set, merge_trials
+from gpudiag.measure.confine import (
+    ConfinementPolicy,
+    confinement_policy,
+    how_kept,
+)
 from gpudiag.measure.gatejob import (
     Interleaved,
     TrialCommand,
@@ -44,11 +49,6 @@ from gpudiag.measure.interrupts import (
     signals_ignored,
     stop_deferred,
     stop_on_signals,
-)
-from gpudiag.measure.profile.launching.confine import (
-    ConfinementPolicy,
-    confinement_policy,
-    how_kept,
 )
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR
 from gpudiag.measure.profile.launching.session import (

@@ -21,10 +21,10 @@ import pytest
 from conftest import in_folder, invoke, tree_hashes
 
 from gpudiag.measure import childexec as confine
+from gpudiag.measure import confine as confinement
+from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
-from gpudiag.measure.profile.launching import confine as confinement
 from gpudiag.measure.profile.launching import scratch
-from gpudiag.measure.profile.launching.confine import confined_writable
 from gpudiag.measure.profile.launching.scratch import make_scratch
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import ExitCode

@@ -15,7 +15,7 @@ from conftest import in_folder, invoke, line_of, tree_hashes, write_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.measure.childexec import landlock_abi
-from gpudiag.measure.profile.launching.confine import ConfinementPolicy
+from gpudiag.measure.confine import ConfinementPolicy
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import (
     NO_REMEDY,

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
+from gpudiag.measure.confine import ConfinementPolicy, confined
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
-from gpudiag.measure.profile.launching.confine import ConfinementPolicy, confined
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import RunOptions, to_argv
 from gpudiag.model.results import RunResult

@@ -166,7 +166,7 @@ class ConfineOptions:
     """Where gpudiag runs the user's command away from its folder (a short script's second
     run, --try-fixes' runs, the trials of `gate --base-ref REF -- COMMAND` and of
     `calibrate -- COMMAND`), what those runs may write besides their own place
-    (gpudiag/measure/profile/launching/confine.py)."""
+    (gpudiag/measure/confine.py)."""
 
     rerun_writable: tuple[str, ...] = _option((), "--rerun-writable", "A folder outside the "
                                               "working directory that runs gpudiag makes in a "

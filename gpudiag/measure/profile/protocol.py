@@ -26,16 +26,6 @@ ENV_TRACE_DIR = "GPUDIAG_PROFILE_TRACE_DIR"  # where each window's trace is kept
 # Set for a re-run only: the scratch copy of the working directory it runs in (absolute); the
 # recorder then lists what the process writes outside it (writewatch.py).
 ENV_SCRATCH = "GPUDIAG_PROFILE_SCRATCH"
-# ... and, where its writes are confined (gpudiag/measure/childexec.py), the folders it may write
-# (os.pathsep between them): what it writes there is not listed.
-ENV_WRITABLE = "GPUDIAG_PROFILE_WRITABLE"
-# The caches compilers and hubs keep, which a re-run may write (the launching side confines
-# it to them, the write watch leaves them out): the folders these variables name, else their
-# defaults under the home folder. A cold cache would time a re-run's first steps differently.
-CACHE_VARIABLES = ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                   "TORCH_HOME", "HF_HOME", "HF_DATASETS_CACHE", "CUDA_CACHE_PATH",
-                   "TORCH_EXTENSIONS_DIR", "PYTHONPYCACHEPREFIX")
-HOME_CACHES = (".cache", ".triton", ".nv")
 # The run's ProfileConfig (gpudiag/model/config.py) as JSON: the schedule, telemetry, and what
 # --try-fixes applies (remedies, losses to record, the seed).
 ENV_CONFIG = "GPUDIAG_PROFILE_CONFIG"

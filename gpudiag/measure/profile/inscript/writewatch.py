@@ -26,13 +26,11 @@ import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+from gpudiag.measure.confine import CACHE_VARIABLES, ENV_WRITABLE, HOME_CACHES
 from gpudiag.measure.profile.protocol import (
-    CACHE_VARIABLES,
     ENV_OUT,
     ENV_SCRATCH,
     ENV_TRACE_DIR,
-    ENV_WRITABLE,
-    HOME_CACHES,
     WRITES_MORE,
     writes_name,
 )

@@ -34,14 +34,14 @@ from types import FrameType
 
 from gpudiag._version import __version__
 from gpudiag.measure.childexec import child_command
-from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name, signal_of
-from gpudiag.measure.profile import protocol
-from gpudiag.measure.profile.launching.confine import (
+from gpudiag.measure.confine import (
     DEFAULT_POLICY,
     ConfinementPolicy,
     confined,
     confinement_refusal,
 )
+from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name, signal_of
+from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.launching.jobprocesses import (
     JobProcesses,
     Process,

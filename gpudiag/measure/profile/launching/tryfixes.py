@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.bytecode import shared_bytecode
+from gpudiag.measure.confine import ConfinementPolicy
 from gpudiag.measure.interrupts import signal_of
-from gpudiag.measure.profile.launching.confine import ConfinementPolicy
 from gpudiag.measure.profile.launching.scratch import SCRATCH_DIR, ScratchError
 from gpudiag.measure.profile.launching.session import (
     ProfileOutput,

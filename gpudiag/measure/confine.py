@@ -24,8 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.measure.childexec import landlock_abi
-from gpudiag.measure.profile import protocol
 from gpudiag.model.errors import BadInput
+
+# A confined run's folders it may write (os.pathsep between them), as its environment names
+# them: a re-run's write watch (profile/inscript/writewatch.py) does not list writes there.
+ENV_WRITABLE = "GPUDIAG_PROFILE_WRITABLE"
+# The caches compilers and hubs keep, which a re-run may write (the launching side confines
+# it to them, the write watch leaves them out): the folders these variables name, else their
+# defaults under the home folder. A cold cache would time a re-run's first steps differently.
+CACHE_VARIABLES = ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                   "TORCH_HOME", "HF_HOME", "HF_DATASETS_CACHE", "CUDA_CACHE_PATH",
+                   "TORCH_EXTENSIONS_DIR", "PYTHONPYCACHEPREFIX")
+HOME_CACHES = (".cache", ".triton", ".nv")
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ def confined(own: Sequence[Path], source: Path, env: dict[str, str],
     with tempfile.TemporaryDirectory(prefix="gpudiag-", ignore_cleanup_errors=True) as temporary:
         writable = confined_writable([*own, Path(temporary)], source, env, policy.writable)
         env.update({"TMPDIR": temporary, "TEMP": temporary, "TMP": temporary,
-                    protocol.ENV_WRITABLE: os.pathsep.join(writable)})
+                    ENV_WRITABLE: os.pathsep.join(writable)})
         yield writable
 
 
@@ -136,8 +146,8 @@ def confined_writable(own: Sequence[Path], source: Path, env: dict[str, str],
     if "TORCHINDUCTOR_CACHE_DIR" not in env and inductor.is_dir():
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
     home = Path.home()
-    caches = [*(home / name for name in protocol.HOME_CACHES),
-              *(Path(env[v]) for v in protocol.CACHE_VARIABLES if env.get(v))]
+    caches = [*(home / name for name in HOME_CACHES),
+              *(Path(env[v]) for v in CACHE_VARIABLES if env.get(v))]
     for cache in caches:
         # One the run would make itself (a fresh machine's first download or compile): made
         # now, empty, as a folder beneath it could not be allowed before it exists.
