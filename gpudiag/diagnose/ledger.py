@@ -81,8 +81,8 @@ class LoopParts:
 
 @dataclass(frozen=True)
 class Symptom:
-    """A symptom of a cause one of `causes` names: that finding prices the time, this one no
-    part of it (not counted twice)."""
+    """A symptom whose cause a finding of one of the rules `causes` names and prices: this one
+    prices no part of its own (the time is not counted twice)."""
 
     causes: tuple[str, ...]
 
