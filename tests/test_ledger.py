@@ -1,18 +1,28 @@
 """One accounting per profiled stage (gpudiag/diagnose/ledger.py): every finding that prices time
 prices a part of the same whole, says its share of the run's wall time, and the findings of a
 stage add up to at most all of it; the waterfalls name the findings beside the parts they
-price."""
+price; a rule says where it is declared what it prices, so none is left out of them."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_rules import CASES
 from test_timeline import _timeline
 
-from gpudiag.diagnose import evaluate
-from gpudiag.diagnose.ledger import SYMPTOMS, ledger, wall_shares
+from gpudiag.diagnose import all_rules, evaluate, find_rule, registry
+from gpudiag.diagnose.ledger import (
+    LoopParts,
+    NoPart,
+    StepPart,
+    Symptom,
+    ledger,
+    wall_shares,
+)
+from gpudiag.diagnose.registry import Draft, rule
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
@@ -21,6 +31,8 @@ from gpudiag.model.runfile import RunFileError, load_run, save_run
 from gpudiag.present.waterfall import markdown_sections
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
+RECORDED = sorted([*EXAMPLES.rglob("run.json"),
+                   Path(__file__).resolve().parent / "data" / "h100-dgca-run.json"])
 PROFILED = sorted(p.parent for p in EXAMPLES.rglob("run.json")
                   if '"timeline"' in p.read_text() or '"host"' in p.read_text())
 
@@ -99,7 +111,7 @@ def test_the_findings_of_a_recorded_stage_add_up_to_at_most_its_wall(run_dir: Pa
         books = ledger(stage)
         for finding in run.findings:
             account = finding.account
-            if finding.stage != stage.name or account is None or finding.id in SYMPTOMS:
+            if finding.stage != stage.name or account is None:
                 continue
             assert books is not None
             if account.whole == "step" and books.steps_share is not None:
@@ -167,3 +179,91 @@ def test_a_frameworks_evaluation_is_named_with_its_knob(
         assert knob in evaluation.fix
     if framework == "transformers":
         assert "at train.py:12" in evaluation.fix
+
+
+def _unpriced(run: RunResult) -> list[str]:
+    """The findings that price time on a stage with an account yet sit in no part of it,
+    though their rule does not declare that it prices no part (a symptom, or no part, with
+    why); and those whose account is not the whole their rule declares."""
+    wrong = []
+    for finding in run.findings:
+        stage = run.stage(finding.stage) if finding.stage is not None else None
+        if finding.impact <= 0 or stage is None or ledger(stage) is None:
+            continue
+        found = find_rule(finding.id)
+        assert found is not None
+        declared = found.prices
+        whole = declared.whole if isinstance(declared, (StepPart, LoopParts)) else None
+        account = finding.account
+        if (account.whole if account is not None else None) != whole:
+            wrong.append(f"{finding.id} on {stage.name}: {declared} -> {account}")
+    return wrong
+
+
+def _every_run() -> Iterator[RunResult]:
+    """Every rule's firing case and near misses (tests/test_rules.py), and every recorded run."""
+    for case in CASES.values():
+        yield from (make() for make in (case.fires, *case.near_misses))
+    yield from (load_run(path) for path in RECORDED)
+
+
+def test_every_finding_that_prices_time_is_in_the_waterfall_or_says_why_not() -> None:
+    """A rule that prices time on a profiled stage is in that stage's waterfall, through its
+    declaration alone, unless it declares that it prices no part of it (and why)."""
+    wrong, priced = [], set()
+    for run in _every_run():
+        run.findings = evaluate(run)
+        wrong += _unpriced(run)
+        priced |= {f.id for f in run.findings if f.account is not None}
+    assert not wrong, "\n".join(wrong)
+    # Not vacuous: every rule that declares a part was seen pricing it.
+    declaring = {r.code for r in all_rules() if isinstance(r.prices, (StepPart, LoopParts))}
+    assert declaring <= priced, declaring - priced
+
+
+def test_a_symptoms_causes_are_rules_that_price_a_part() -> None:
+    for r in all_rules():
+        if isinstance(r.prices, Symptom):
+            for cause in r.prices.causes:
+                found = find_rule(cause)
+                assert found is not None and isinstance(found.prices, (StepPart, LoopParts)), (
+                    r.code, cause)
+
+
+def _throwaway(*, share: float) -> Iterator[Draft]:
+    """A throwaway rule's check: host-only work at one line, `share` of the step."""
+    yield Draft(severity="warning", stage="train.py", title="throwaway", evidence={},
+                impact=share, fix="-", location="train.py:40")
+
+
+def test_a_rule_declared_without_what_it_prices_is_refused() -> None:
+    with pytest.raises(TypeError, match="prices"):
+        rule("GD198", "throwaway", concern="launch",  # type: ignore[call-arg]
+             summary="A throwaway rule.", why="a test", fix="none")
+    with pytest.raises(ValueError, match="says why"):
+        NoPart(" ")
+    with pytest.raises(ValueError, match="names the work"):
+        LoopParts(())
+    assert find_rule("GD198") is None
+
+
+def test_a_new_rule_is_in_the_waterfall_by_its_declaration_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No list to add it to: a rule registered with `prices=StepPart("python")` is named beside
+    the step's Python part, and priced on the run's wall."""
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+    rule("GD198", "throwaway", concern="launch", summary="A throwaway rule.", why="a test",
+         fix="none", prices=StepPart("python"))(lambda run: _throwaway(share=0.3))
+    steps, step_ms = 150, 23.0
+    host = HostSamples(period_ms=10.0, samples=300, steady_steps=steps,
+                       steady_wall_ms=steps * step_ms, sampled_ms=steps * step_ms,
+                       kind_ms={"python": 0.4 * steps * step_ms, "torch": 0.6 * steps * step_ms},
+                       lines=[HostLine("train.py:40", "<module>", "python",
+                                       0.4 * steps * step_ms)])
+    run = _run(_script_stage(host, eval_every=20, eval_ms=300.0))
+    (found,) = [f for f in run.findings if f.id == "GD198"]
+    assert found.account is not None and found.account.part == "python"
+    assert found.account.share_of_wall is not None and not _unpriced(run)
+    python_row = next(line for line in "\n".join(markdown_sections(run)).splitlines()
+                      if line.startswith("| Python"))
+    assert "GD198" in python_row.rsplit("|", 2)[-2]

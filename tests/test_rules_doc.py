@@ -14,7 +14,8 @@ from gpudiag.model.errors import ExitCode
 from gpudiag.present import rules_markdown
 
 RULES_MD = Path(__file__).resolve().parent.parent / "docs" / "rules.md"
-SECTIONS = ("What it detects", "Thresholds", "Why it matters", "How to fix")
+SECTIONS = ("What it detects", "Thresholds", "What it prices", "Why it matters",
+            "How to fix")
 
 
 def test_docs_rules_md_is_generated_from_the_registry() -> None:

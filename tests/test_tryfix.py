@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,18 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    CompileModelRecord,
+    DdpNoSyncRecord,
+    FsdpKeepGatheredRecord,
+    FusedOptimizerRecord,
     LoaderRecord,
     LoaderSeen,
     LoaderSettings,
     NoEmptyCacheRecord,
+    OptimizerSeen,
     PinnedRecord,
     RemedyEvidence,
+    RemedyRecord,
     Tf32Record,
     field_of,
 )
@@ -446,13 +453,78 @@ def test_a_remedys_record_is_typed_and_a_wrong_field_is_refused_naming_it(
 def test_a_fix_that_changed_nothing_says_so() -> None:
     """HF Trainer's loaders already had workers and pinned memory (seen on the CPU with
     examples/hf_trainer.py): the row then measures noise, and says so."""
-    from gpudiag.diagnose.tryfix import _no_effect
-
     same = LoaderSettings(num_workers=2, pin_memory=True)
-    assert "had these settings already" in _no_effect(RemedyEvidence(loader=LoaderRecord(
-        [LoaderSeen(site="t.py:3", before=same, after=same)])))
-    assert "nothing was changed" in _no_effect(RemedyEvidence(async_save=AsyncSaveRecord()))
-    assert _no_effect(RemedyEvidence(async_save=AsyncSaveRecord(saves=3))) == ""
+    assert "had these settings already" in (RemedyEvidence(loader=LoaderRecord(
+        [LoaderSeen(site="t.py:3", before=same, after=same)])).unchanged(["loader"]) or "")
+    assert "nothing was changed" in (RemedyEvidence(async_save=AsyncSaveRecord())
+                                     .unchanged(["async-save"]) or "")
+    assert RemedyEvidence(async_save=AsyncSaveRecord(saves=3)).unchanged(["async-save"]) is None
+
+
+def test_a_fix_acted_at_the_line_of_the_first_remedy_that_names_one() -> None:
+    seen = RemedyEvidence(no_empty_cache=NoEmptyCacheRecord(calls_skipped=3),
+                          async_save=AsyncSaveRecord(saves=2, site="t.py:30"),
+                          loader=LoaderRecord([LoaderSeen(site="t.py:12")]))
+    assert seen.site(["no-empty-cache", "async-save", "loader"]) == "t.py:30"
+    assert seen.site(["loader", "async-save"]) == "t.py:12"
+    assert seen.site(["no-empty-cache", "tf32"]) is None
+
+
+def _changed(before: str, after: str) -> list[LoaderSeen]:
+    return [LoaderSeen(site="t.py:12", before=LoaderSettings(num_workers=0, pin_memory=False),
+                       after=LoaderSettings(num_workers=int(after), pin_memory=bool(before)))]
+
+
+# Each remedy's record: as a run where the remedy found nothing to change fills it in (None:
+# the remedy acts whatever the script does), and as one where it changed something.
+RECORDS: dict[type[RemedyRecord], tuple[RemedyRecord | None, RemedyRecord]] = {
+    Tf32Record: (None, Tf32Record(matmul_precision="high", cudnn_allow_tf32=True)),
+    Bf16AutocastRecord: (Bf16AutocastRecord(device="cuda"),
+                         Bf16AutocastRecord(device="cuda", forwards=3, module="GPT")),
+    LoaderRecord: (LoaderRecord([LoaderSeen(site="t.py:12", kept="an IterableDataset")]),
+                   LoaderRecord(_changed("", "8"))),
+    PinnedRecord: (PinnedRecord(), PinnedRecord(non_blocking_copies=4)),
+    NoEmptyCacheRecord: (NoEmptyCacheRecord(), NoEmptyCacheRecord(calls_skipped=2)),
+    FusedOptimizerRecord: (
+        FusedOptimizerRecord([OptimizerSeen("t.py:9", "LBFGS", "default", kept="no fused")]),
+        FusedOptimizerRecord([OptimizerSeen("t.py:9", "AdamW", "default", "fused=True")])),
+    AsyncSaveRecord: (AsyncSaveRecord(kept_blocking=2), AsyncSaveRecord(saves=3, site="t.py:20")),
+    FsdpKeepGatheredRecord: (FsdpKeepGatheredRecord(kept=4),
+                             FsdpKeepGatheredRecord(units=4, site="t.py:15")),
+    CompileModelRecord: (CompileModelRecord(), CompileModelRecord(["GPT"], site="t.py:30")),
+    DdpNoSyncRecord: (DdpNoSyncRecord(models=1),
+                      DdpNoSyncRecord(models=1, deferred_forwards=6, reductions=2,
+                                      site="t.py:40")),
+}
+
+
+def test_every_remedy_has_a_record_that_answers_for_itself() -> None:
+    """Every remedy has its field in RemedyEvidence, whose type is a RemedyRecord (each of its
+    abstract methods implemented, or it cannot be built) and has its cases above."""
+    fields = typing.get_type_hints(RemedyEvidence)
+    assert set(fields) == {field_of(name) for name in REMEDIES}
+    for name in REMEDIES:
+        (kind,) = [t for t in typing.get_args(fields[field_of(name)]) if t is not type(None)]
+        assert issubclass(kind, RemedyRecord) and kind in RECORDS, name
+        assert isinstance(kind(), RemedyRecord)
+
+
+@pytest.mark.parametrize("kind", RECORDS, ids=lambda kind: kind.__name__)
+def test_a_record_says_whether_its_remedy_changed_anything(kind: type[RemedyRecord]) -> None:
+    saw_nothing, changed = RECORDS[kind]
+    assert changed.unchanged() is None
+    if saw_nothing is None:  # acts whatever the script does
+        assert kind().unchanged() is None
+        return
+    for empty in (saw_nothing, kind()):
+        why = empty.unchanged()
+        assert why and why.startswith("the script"), why
+        assert empty.site is None or empty.site.startswith("t.py")
+    fields = typing.get_type_hints(RemedyEvidence)
+    name = next(n for n in REMEDIES if kind in typing.get_args(fields[field_of(n)]))
+    seen = RemedyEvidence()
+    setattr(seen, field_of(name), saw_nothing)
+    assert seen.unchanged([name]) == f"{saw_nothing.unchanged()}: nothing was changed"
 
 
 def test_report_table_says_what_to_change_and_what_not_to_trust() -> None:

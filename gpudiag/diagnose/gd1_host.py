@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from gpudiag.diagnose.common import on_gpu, pct
 from gpudiag.diagnose.host import HostLineTime, StepAccount, step_account
+from gpudiag.diagnose.ledger import StepPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import HostKind
 from gpudiag.model.results import RunResult, Severity, StageResult
@@ -36,6 +37,7 @@ HOST_THRESHOLDS = (
     fix=("Move per-sample preparation into a Dataset and load it with DataLoader(num_workers=N) "
          "so workers do it beside the step, or do it on the whole batch with torch ops; compute "
          "metrics on the device and log them every N steps."),
+    prices=StepPart("python"),
     thresholds=HOST_THRESHOLDS,
     references=("gpudiag/measure/profile/inscript/hostsampler.py (how host time is sampled)",),
 )

@@ -14,6 +14,7 @@ from gpudiag.diagnose.gd1_optimizer import (
     slow_optimizer,
 )
 from gpudiag.diagnose.host import SHORT_KIND, step_account
+from gpudiag.diagnose.ledger import StepPart, Symptom, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import OptimizerFacts
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine, StageResult
@@ -78,6 +79,7 @@ def loop_line(stage: StageResult) -> SourceLine | None:
     fix=("Replace the loop with one indexed op over the whole batch (masked_scatter, "
          "index_put/advanced indexing with index tensors, scatter_, masked_fill); where shapes "
          "are static, torch.compile or CUDA graphs remove the remaining launch overhead."),
+    prices=StepPart("torch"),
     thresholds=LOOP_RULE_THRESHOLDS,
     references=("docs/field-cases.md#case-1 (DGCA-ReLM _apply_prompt)",
                 "https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs"),
@@ -234,6 +236,7 @@ STARVED_THRESHOLDS = (
     fix=("Remove host work from the step: the finding names the lines whose torch calls and "
          "syncs take the host's time (or says none does); batch small ops, avoid per-step "
          ".item()/.cpu(), use CUDA graphs or torch.compile."),
+    prices=Symptom(("GD101", "GD105", "GD106")),
     thresholds=STARVED_THRESHOLDS,
     references=("docs/field-cases.md#case-1 (stage 6 vs stage 3)",
                 "reports/examples/h100-dgca (the ladder on an H100)"),
@@ -370,6 +373,7 @@ SYNC_THRESHOLDS = (
     fix=("Keep values on the device (accumulate losses and metrics as tensors, read them every "
          "N steps); replace data-dependent Python control flow with torch.where / masked ops; "
          "avoid .nonzero() and boolean indexing in the step."),
+    prices=StepPart("sync"),
     thresholds=SYNC_THRESHOLDS,
     references=("https://pytorch.org/docs/stable/generated/torch.cuda.set_sync_debug_mode.html",),
 )
@@ -468,6 +472,7 @@ SMALL_WORK_THRESHOLDS = (
          "most of the chip idle even when NVML says 'utilized'."),
     fix=("Raise the work per kernel: larger batch (or gradient accumulation over a larger "
          "micro-batch), fused ops, torch.compile, CUDA graphs for static shapes."),
+    prices=device_time("the GPU idle between short kernels, or underfilled by small ones"),
     thresholds=SMALL_WORK_THRESHOLDS,
 )
 def small_work_per_launch(run: RunResult) -> Iterator[Draft]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.host import step_account
+from gpudiag.diagnose.ledger import StepPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import OptimizerFacts
 from gpudiag.model.results import RunResult, Severity, StageResult
@@ -41,6 +42,7 @@ THRESHOLDS = (
     fix=("Build the optimizer with fused=True (foreach=True where fused is not offered), at the "
          "line that constructs it; transformers' Trainer: TrainingArguments(optim="
          "\"adamw_torch_fused\")."),
+    prices=StepPart("torch"),
     thresholds=THRESHOLDS,
     references=("https://pytorch.org/docs/stable/optim.html#algorithms "
                 "(foreach and fused implementations)",

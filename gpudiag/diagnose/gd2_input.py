@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gpudiag.diagnose.common import data_wait_share, on_gpu, pct
 from gpudiag.diagnose.host import HostLineTime, step_account
+from gpudiag.diagnose.ledger import LoopParts, StepPart, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.facts import LoaderUse
@@ -102,6 +103,7 @@ def _loader_line(use: LoaderUse) -> str:
     fix=("DataLoader(..., persistent_workers=True) where the loader is built (transformers: "
          "TrainingArguments(dataloader_persistent_workers=True)); the workers then live for the "
          "whole run and only reset between passes."),
+    prices=LoopParts(("data",)),
     thresholds=(Threshold("min_passes", MIN_PASSES, "a loader passed over once restarts never"),
                 Threshold("info_share", RESTART_INFO, "of the training loop, reported at all"),
                 Threshold("warning_share", WAIT_WARNING, "a tenth of the loop"),
@@ -173,6 +175,7 @@ def _data_line(stage: StageResult) -> HostLineTime | None:
     fix=("More DataLoader workers, pin_memory=True, prefetch_factor, persistent_workers=True; "
          "precompute or cache per-sample work the dataset repeats every epoch; move "
          "per-sample CPU work to the GPU as batched tensor ops."),
+    prices=StepPart("data"),
     thresholds=(Threshold("warning_share", WAIT_WARNING, "a tenth of the step waiting for data"),
                 Threshold("critical_share", WAIT_CRITICAL, "the loader sets the pace"),
                 Threshold("line_share", DATA_LINE_SHARE,
@@ -237,6 +240,7 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
          "asynchronously: non_blocking=True has no effect, and the host waits for it."),
     fix="pin_memory=True in the DataLoader (or tensor.pin_memory()), then .to(device, "
         "non_blocking=True).",
+    prices=device_time("the copies from pageable memory, as the profiler window times them"),
     thresholds=(Threshold("warning_share", PAGEABLE_WARNING, "2% of the step in pageable copies"),
                 Threshold("critical_share", WAIT_CRITICAL, "the copies set the pace")),
 )
@@ -269,6 +273,7 @@ def pageable_copies(run: RunResult) -> Iterator[Draft]:
          "moves the next batch. Pinned memory plus a separate copy stream hides the copy."),
     fix=("Prefetch batch N+1 on a side CUDA stream (pinned memory, non_blocking=True) while "
          "batch N computes, and make the compute stream wait on an event."),
+    prices=device_time("the copies no kernel overlaps"),
     thresholds=(Threshold("min_copy_share", COPY_MIN_SHARE, "copies take 5% of the step"),
                 Threshold("critical_share", WAIT_CRITICAL, "exposed copies set the pace"),
                 Threshold("max_overlap", COPY_MIN_OVERLAP,

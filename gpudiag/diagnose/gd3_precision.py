@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.ledger import NoPart, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import MEMORY_BOUND_KINDS, RunResult, StageResult
 
@@ -45,6 +46,7 @@ def _tensor_core_gpu(run: RunResult) -> bool:
     fix=("torch.backends.cuda.matmul.allow_tf32 = True (or "
          "torch.set_float32_matmul_precision('high')) and torch.backends.cudnn.allow_tf32 = "
          "True; better, train under torch.autocast with bf16 or fp16."),
+    prices=device_time("what TF32 or autocast would win of the fp32 matmuls' kernel time"),
     thresholds=(Threshold("min_fp32_matmul_share", FP32_MIN_SHARE,
                           "fp32 matmuls take at least 30% of kernel time"),
                 Threshold("warning_impact", FP32_WARNING,
@@ -96,6 +98,7 @@ def fp32_matmul(run: RunResult) -> Iterator[Draft]:
          "units' rate."),
     fix=("Find the fp32 matmuls (the profiler's top ops) and run them inside the autocast "
          "region, or cast their inputs explicitly."),
+    prices=device_time("what 16-bit operands would win of the fp32 matmuls' kernel time"),
     thresholds=(Threshold("min_fp32_share_of_matmul", FALLBACK_MIN_SHARE,
                           "a tenth of matmul time left in fp32"),
                 Threshold("warning_kernel_share", FALLBACK_WARNING,
@@ -133,6 +136,7 @@ def autocast_fp32_fallback(run: RunResult) -> Iterator[Draft]:
     why=("GPM's tensor-pipe activity says how much of the time the matrix units worked; when "
          "matmuls dominate the kernels but this stays low, they are too small or memory-bound."),
     fix="Larger matmuls (batch, hidden sizes multiple of 64), fused attention, fewer reshapes.",
+    prices=NoPart("its findings are information and price no time"),
     thresholds=(Threshold("max_tensor_active_pct", TENSOR_MAX_PCT,
                           "tensor pipes busy under 10% of the time"),
                 Threshold("min_matmul_share", TENSOR_MIN_MATMUL, "matmuls are 30%+ of kernel time"),
@@ -317,6 +321,7 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
          "such intermediates on chip."),
     fix=("Use fused kernels: F.scaled_dot_product_attention for attention, torch.compile for "
          "chains of norms and elementwise ops, fused=True/foreach=True optimizers."),
+    prices=device_time("what fusing the memory-bound kernels would save"),
     thresholds=MEMORY_THRESHOLDS,
     references=("https://pytorch.org/docs/stable/generated/"
                 "torch.nn.functional.scaled_dot_product_attention.html",),
@@ -433,6 +438,8 @@ def _island_fix(ms_by_kind: dict[str, float]) -> str:
          "and memory-bound kernels take their time from bytes."),
     fix=("Keep tensors mixed into activations in the activations' dtype; use fused kernels "
          "for the operations autocast keeps in fp32."),
+    prices=device_time("what 16-bit operands would save of memory-bound kernels (a part of "
+                       "GD304's)"),
     thresholds=ISLAND_THRESHOLDS,
     references=("https://pytorch.org/docs/stable/amp.html#ops-that-can-autocast-to-float32",),
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
 from gpudiag.model.results import RunResult
 
@@ -21,6 +22,7 @@ MIN_FREES = 0.5
          "vocabulary-sized tensors, gradient checkpointing, or a smaller micro-batch with "
          "gradient accumulation; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
          "fragmentation."),
+    prices=NoPart("a risk of running out of memory, not time"),
     thresholds=(Threshold("warning_reserved_share", RESERVED_WARNING,
                           "90% of device memory reserved"),
                 Threshold("fragmentation_share", FRAGMENTATION,
@@ -59,6 +61,8 @@ def memory_near_capacity(run: RunResult) -> Iterator[Draft]:
          "the device; the next step allocates them again with cudaMalloc."),
     fix="Remove torch.cuda.empty_cache() from the training loop (keep it, at most, between "
         "phases such as training and evaluation).",
+    prices=NoPart("cudaFree's time as the profiler window saw it; the step's host account has "
+                  "it among the torch calls, not apart"),
     thresholds=(Threshold("min_frees_per_step", MIN_FREES,
                           "blocks freed in at least every other step"),),
     references=("docs/field-cases.md#case-3", "docs/field-cases.md#case-5",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.results import RunResult
 
@@ -22,6 +23,7 @@ THROTTLED_SLOWDOWN = 0.2
     fix=("Thermal: check cooling and airflow, and do not compare timings across throttled runs. "
          "Power cap: the GPU is saturated; only less work (lower precision, smaller model) "
          "makes it faster."),
+    prices=NoPart("throttled clocks slow every part of the step alike"),
     thresholds=(Threshold("thermal_share", THERMAL_WARNING, "thermal reasons in 10% of samples"),
                 Threshold("power_cap_share", POWER_CAP_INFO, "power cap in half of the samples"),
                 Threshold("critical_thermal_share", THERMAL_CRITICAL,

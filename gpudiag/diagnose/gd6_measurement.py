@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator
 
+from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
 from gpudiag.model.results import RunResult, StageResult
 
@@ -21,6 +22,7 @@ MIN_STEPS_FOR_SHIFT = 20
          "steps. Medians and ratios from such a stage describe that too."),
     fix=("Rerun on a quiet machine, or with --trials N so that comparisons rest on several "
          "fresh processes; look for other jobs on the host (nvidia-smi, top)."),
+    prices=NoPart("its findings are about the measurement and price no time"),
     thresholds=(Threshold("max_block_shift", SHIFT_LIMIT,
                           "the slowest block of 5 steps' median over the fastest's"),
                 Threshold("min_steps", MIN_STEPS_FOR_SHIFT, "enough steps to form blocks")),

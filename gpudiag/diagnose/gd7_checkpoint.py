@@ -13,6 +13,7 @@ from typing import Any
 
 from gpudiag.diagnose.common import pct, reference_stage
 from gpudiag.diagnose.gd2_input import worker_restarts
+from gpudiag.diagnose.ledger import LoopParts, NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.diagnose.spikes import (
     MIN_SPIKE_EXCESS,
@@ -152,6 +153,7 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
          "a background thread or process (torch.distributed.checkpoint.async_save), with one "
          "save in flight; save on one rank (or sharded with DCP); and space saves so that the "
          "overhead stays within 3-5%."),
+    prices=LoopParts(("save",)),
     thresholds=(*PERIODIC_STALL_THRESHOLDS,
                 Threshold("target_overhead", TARGET_OVERHEAD,
                           "overhead the advised save interval aims for"),
@@ -285,6 +287,8 @@ def _in_flight_steps(times: list[float], saves: list[SaveRecord]) -> set[int]:
          "write cheaper (a faster local disk, several writer threads with DCP) or move it out of "
          "the training process; give the writer spare cores or fewer intra-op threads to "
          "training."),
+    prices=NoPart("a background save slows whatever the steps it overlaps do, no one part of "
+                  "them"),
     thresholds=(Threshold("slowdown", CONTENTION_SLOWDOWN,
                           "steps during a write slower than steps without one"),
                 Threshold("min_steps", MIN_STEPS, "timed steps needed"),
@@ -391,6 +395,7 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     fix=("Run the periodic work less often, on fewer batches, or off the training process "
          "(another rank, a separate evaluation job on saved checkpoints); keep its DataLoader "
          "persistent so it does not restart workers each time."),
+    prices=LoopParts(("loop", "other")),
     thresholds=PERIODIC_STALL_THRESHOLDS,
     references=("docs/field-cases.md#case-4 (stalls that were not the save)",),
 )

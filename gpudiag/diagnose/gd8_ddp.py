@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.diagnose.common import pct, pct_above_zero
+from gpudiag.diagnose.ledger import NoPart, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import (
@@ -136,6 +137,8 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
     fix=("Fix the measured cause: fewer bytes per sample (larger per-device batch, "
          "accumulation under no_sync, fp16 gradient compression), a faster interconnect, or "
          "the straggler's problem."),
+    prices=NoPart("the throughput DDP loses against one device, a comparison of two of "
+                  "`gpudiag run`'s stages, not a part of one stage's time"),
     thresholds=(Threshold("poor_efficiency", POOR_EFFICIENCY, "scaling efficiency: warning"),
                 Threshold("critical_efficiency", CRITICAL_EFFICIENCY,
                           "scaling efficiency: critical"),
@@ -194,6 +197,7 @@ def ddp_poor_scaling(run: RunResult) -> Iterator[Draft]:
     fix=("Put forward and backward of every micro-step but the last inside model.no_sync(): "
          "`ctx = model.no_sync() if not last else nullcontext(); with ctx: loss = ...; "
          "loss.backward()`."),
+    prices=device_time("the extra all-reduce rounds' share of the collectives' time"),
     thresholds=(Threshold("max_rounds_per_update", 1, "all-reduce rounds per optimizer step"),
                 Threshold("unpriced_share", UNPRICED_ROUND_SHARE,
                           "impact per extra round when the link was not probed (no transfer "
@@ -477,6 +481,7 @@ def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
     fix=("Find what the slow rank does more: rank-0-only work (logging, evaluation, checkpoint "
          "saves) moved off the step or spread over ranks, its GPU's clocks and neighbours "
          "(nvidia-smi), its data loading."),
+    prices=device_time("the other ranks' wait in their collectives for the slow rank"),
     thresholds=(Threshold("straggler_ratio", STRAGGLER_RATIO,
                           "slowest rank's device work over the fastest's"),
                 Threshold("explains", COMM_EXPLAINS,
@@ -557,6 +562,7 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
     fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
          "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables). "
          "FSDP: prefetch all-gathers, reshard_after_forward=False, fewer larger units."),
+    prices=device_time("the collectives' exposed time"),
     thresholds=(Threshold("share", COMM_BOUND_SHARE,
                           "exposed collective time over the timed step: warning"),
                 Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),

@@ -14,6 +14,7 @@ from gpudiag.diagnose.gd8_ddp import (
     profiled_jobs,
     regathers,
 )
+from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import FsdpFacts, FsdpUnits
 from gpudiag.model.results import RunResult
@@ -43,6 +44,8 @@ def _knob_site(fsdp: FsdpFacts | None) -> FsdpUnits | None:
     fix=("fully_shard(module, reshard_after_forward=False) at the line that shards each unit "
          "(or module.set_reshard_after_forward(False)); for a model that fits one device, DDP "
          "instead of FSDP."),
+    prices=NoPart("the larger of the re-gathers' exposed collective time (the device's) and "
+                  "FSDP's pre-backward host time, no one part of either account"),
     thresholds=(Threshold("info_share", INFO_SHARE, "the re-gathers' share of the step"),
                 Threshold("warning_share", WARNING_SHARE, "... warning"),
                 Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),

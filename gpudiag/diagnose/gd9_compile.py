@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.ledger import LoopParts, NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.facts import CompileEvent, CompileFacts
@@ -98,6 +99,7 @@ def _dynamic_fix(reasons: list[str], site: str) -> str:
     fix=("Mark the changing dimension dynamic (torch._dynamo.mark_dynamic, or "
          "torch.compile(dynamic=True)), or pad to a few bucket sizes; keep Python values the "
          "function branches on constant."),
+    prices=LoopParts(("compile",)),
     thresholds=RECOMPILE_THRESHOLDS,
     references=("https://docs.pytorch.org/docs/stable/torch.compiler_troubleshooting.html",),
 )
@@ -161,6 +163,7 @@ def _gave_up(event: CompileEvent) -> bool:
          "never see: the run is neither compiled nor free of the compile time already spent."),
     fix=("Remove the recompilations (compile-recompiles' fix); raising "
          "torch._dynamo.config.recompile_limit only spends more time compiling."),
+    prices=NoPart("a risk whose cost is not measured"),
     references=("https://docs.pytorch.org/docs/stable/torch.compiler_troubleshooting.html",),
 )
 def compile_limit_fallback(run: RunResult) -> Iterator[Draft]:
@@ -203,6 +206,7 @@ def compile_limit_fallback(run: RunResult) -> Iterator[Draft]:
     fix=("Remove the break's cause (printing, .item(), data-dependent Python control flow, an "
          "unsupported call) or move it out of the compiled region; "
          "torch._dynamo.explain or TORCH_LOGS=graph_breaks lists each."),
+    prices=NoPart("information: what a break costs is not measured"),
     references=("https://docs.pytorch.org/docs/stable/torch.compiler_troubleshooting.html",),
 )
 def compile_graph_breaks(run: RunResult) -> Iterator[Draft]:

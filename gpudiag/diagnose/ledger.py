@@ -7,38 +7,115 @@ can save, start-up apart), and each is also a share of the run's wall (times the
 steps', or the loop's, share of it), so every finding of a stage carries its share of the
 same wall, and those of different parts add up to at most all of it.
 
-A finding that names a symptom of another's cause (GD102's idle GPU, explained by a Python
-loop or host-only work) prices the same part as its cause: it is not counted twice.
+Each rule declares what it prices where it is declared (`@rule(..., prices=...)`): a part of
+the step, a part of the training loop, nothing as the symptom of a cause another finding prices
+(GD102's idle GPU, explained by a Python loop or host-only work: not counted twice), or no
+part, saying why (the device's time, which the step's host account does not split; a risk).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from gpudiag.diagnose.host import StepAccount, step_account
-from gpudiag.diagnose.timeline import RunAccount, describe, stage_account
+from gpudiag.diagnose.host import KIND_LABELS, StepAccount, step_account
+from gpudiag.diagnose.timeline import (
+    WORK_LABELS,
+    RunAccount,
+    WorkKind,
+    describe,
+    stage_account,
+)
 from gpudiag.model.facts import HostKind
 from gpudiag.model.results import SEVERITY_RANK, Finding, FindingAccount, RunResult, StageResult
 
 Whole = Literal["step", "loop"]
 
-# The part of its stage's account each time-pricing rule's impact is a share of.
-STEP_PARTS: dict[str, HostKind] = {
-    "GD101": "torch",  # a Python loop's launches
-    "GD103": "sync",  # device syncs
-    "GD105": "python",  # host-only work by line
-    "GD106": "torch",  # the optimizer's per-tensor step (its own line: not a loop's)
-    "GD201": "data",  # waiting for the DataLoader
-}
-RUN_PARTS: dict[str, tuple[str, ...]] = {
-    "GD204": ("data",),  # the training DataLoader's stalls: its workers restarting
-    "GD701": ("save",),  # checkpoint saves
-    "GD703": ("loop", "other"),  # periodic work that is not a save
-    "GD901": ("compile",),  # torch.compile's recompilations
-}
-SYMPTOMS = frozenset({"GD102"})  # priced by the cause its finding names
+
+# What a rule prices, declared on the rule itself (`@rule(..., prices=...)`,
+# gpudiag/diagnose/registry.py): the ledger reads each finding's declaration, so a new rule
+# cannot be left out of the waterfalls by a list kept here.
+
+@dataclass(frozen=True)
+class StepPart:
+    """Its impact is a share of the steady step: the step account's host work of `kind`."""
+
+    kind: HostKind
+    whole: ClassVar[Whole] = "step"
+
+    def part(self, books: Ledger, finding: Finding) -> str:
+        return self.kind
+
+    def says(self) -> str:
+        return (f"A share of a profiled script's steady step, its part "
+                f"{KIND_LABELS[self.kind]!r} in the step's waterfall; through the steady "
+                "steps' share of the run, also a share of the run's wall time.")
+
+
+@dataclass(frozen=True)
+class LoopParts:
+    """Its impact is a share of the training loop: the run account's periodic work of one of
+    `kinds` (the one at the finding's location, where several are)."""
+
+    kinds: tuple[WorkKind, ...]
+    whole: ClassVar[Whole] = "loop"
+
+    def __post_init__(self) -> None:
+        if not self.kinds:
+            raise ValueError("a share of the training loop names the work it prices")
+
+    def part(self, books: Ledger, finding: Finding) -> str:
+        """The run account's part a run-priced finding names: its work's description."""
+        works = books.whole.works if books.whole is not None else []
+        candidates = [describe(w) for w in works if w.kind in self.kinds]
+        named = [c for c in candidates if finding.location is not None and finding.location in c]
+        return (named or candidates or [self.kinds[0]])[0]
+
+    def says(self) -> str:
+        work = " or ".join(WORK_LABELS[kind] for kind in self.kinds)
+        return (f"A share of a profiled script's training loop, its part for {work} in the "
+                "waterfall of the run's wall time (and so a share of that wall time).")
+
+
+@dataclass(frozen=True)
+class Symptom:
+    """A symptom whose cause a finding of one of the rules `causes` names and prices: this one
+    prices no part of its own (the time is not counted twice)."""
+
+    causes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.causes:
+            raise ValueError("a symptom names the rules that price its cause")
+
+    def says(self) -> str:
+        return (f"No part of its own: a symptom, priced by the cause it names "
+                f"({', '.join(self.causes)}), so never counted twice.")
+
+
+@dataclass(frozen=True)
+class NoPart:
+    """Its impact is no part of a profiled stage's accounts, for the reason `why`."""
+
+    why: str
+
+    def __post_init__(self) -> None:
+        if not self.why.strip():
+            raise ValueError("a rule that prices no part of the accounts says why")
+
+    def says(self) -> str:
+        return f"No part of a profiled script's waterfalls: {self.why}."
+
+
+Prices = StepPart | LoopParts | Symptom | NoPart
+
+
+def device_time(what: str) -> NoPart:
+    """A price in the device's time, which the steady step's account (what the host's
+    training thread did) does not split."""
+    return NoPart(f"{what}, device time the step's account of host work does not split")
 
 
 @dataclass
@@ -68,28 +145,30 @@ def ledger(stage: StageResult) -> Ledger | None:
     return None if step is None and whole is None else Ledger(step, whole)
 
 
-def account_findings(run: RunResult, findings: list[Finding]) -> None:
-    """Each finding that prices a part of its stage's account says which, and its share of
-    the step and of the run's wall time (`Finding.account`)."""
+def account_findings(run: RunResult, findings: list[Finding],
+                     prices: Mapping[str, Prices]) -> None:
+    """Each finding that prices a part of its stage's account (its rule's declaration, by code
+    in `prices`) says which, and its share of the step and of the run's wall time
+    (`Finding.account`)."""
     ledgers: dict[str, Ledger | None] = {}
     for finding in findings:
-        whole: Whole | None = ("step" if finding.id in STEP_PARTS else
-                               "loop" if finding.id in RUN_PARTS else None)
+        declared = prices[finding.id]
         stage = run.stage(finding.stage) if finding.stage is not None else None
-        if whole is None or stage is None or finding.impact <= 0:
+        if not isinstance(declared, (StepPart, LoopParts)) or stage is None \
+                or finding.impact <= 0:
             continue
         if stage.name not in ledgers:
             ledgers[stage.name] = ledger(stage)
         books = ledgers[stage.name]
         if books is None:
             continue
-        wall = books.wall_share(whole, finding.impact)
+        wall = books.wall_share(declared.whole, finding.impact)
         finding.account = FindingAccount(
-            part=STEP_PARTS[finding.id] if whole == "step" else _run_part(books, finding),
-            whole=whole, share=round(finding.impact, 4),
+            part=declared.part(books, finding), whole=declared.whole,
+            share=round(finding.impact, 4),
             share_of_wall=None if wall is None else round(wall, 4),
             ms_per_step=round(finding.impact * books.step.step_ms, 2)
-            if whole == "step" and books.step is not None else None)
+            if declared.whole == "step" and books.step is not None else None)
 
 
 def rank(run: RunResult, findings: list[Finding]) -> None:
@@ -113,15 +192,6 @@ def rank(run: RunResult, findings: list[Finding]) -> None:
     findings.sort(key=lambda f: (SEVERITY_RANK[f.severity], of_wall(f)), reverse=True)
 
 
-def _run_part(books: Ledger, finding: Finding) -> str:
-    """The run account's part a run-priced finding names: its work's description."""
-    works = books.whole.works if books.whole is not None else []
-    kinds = RUN_PARTS[finding.id]
-    candidates = [describe(w) for w in works if w.kind in kinds]
-    named = [c for c in candidates if finding.location is not None and finding.location in c]
-    return (named or candidates or [kinds[0]])[0]
-
-
 def findings_by_part(run: RunResult, stage: StageResult) -> dict[str, list[str]]:
     """Part -> the codes of the findings that price it (step parts by host kind, run parts by
     their description), for the waterfalls."""
@@ -135,12 +205,12 @@ def findings_by_part(run: RunResult, stage: StageResult) -> dict[str, list[str]]
 
 
 def wall_shares(run: RunResult, stage: StageResult) -> dict[str, float]:
-    """Finding code -> its share of the stage's run wall time (symptoms left out: their
+    """Finding code -> its share of the stage's run wall time (a symptom has no account: its
     cause carries the price); the parts these price are disjoint, so they add up to <= 1."""
     shares: dict[str, float] = {}
     for finding in run.findings:
         entry = finding.account
-        if finding.stage != stage.name or finding.id in SYMPTOMS or entry is None:
+        if finding.stage != stage.name or entry is None:
             continue
         if entry.share_of_wall is not None:
             shares[finding.id] = shares.get(finding.id, 0.0) + entry.share_of_wall

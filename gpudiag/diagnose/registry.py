@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.diagnose.ledger import account_findings, rank
+from gpudiag.diagnose.ledger import Prices, account_findings, rank
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult, Severity
 
 Check = Callable[[RunResult], Iterator["Draft"]]
@@ -29,6 +29,7 @@ class Rule:
     summary: str  # one line: what it detects
     why: str  # why it matters
     fix: str  # the general remedy; findings carry the specific one
+    prices: Prices  # which part of a profiled stage's accounts its impact is a share of
     thresholds: tuple[Threshold, ...]
     references: tuple[str, ...]
     check: Check
@@ -54,13 +55,18 @@ _RULES: dict[str, Rule] = {}
 
 
 def rule(code: str, name: str, *, concern: str, summary: str, why: str, fix: str,
-         thresholds: tuple[Threshold, ...] = (),
+         prices: Prices, thresholds: tuple[Threshold, ...] = (),
          references: tuple[str, ...] = ()) -> Callable[[Check], Check]:
+    """Register a check as rule `code`. `prices` has no default: a rule says which part of a
+    profiled stage's accounts its findings price (gpudiag/diagnose/ledger.py), or why none,
+    so no rule that prices time is left out of the waterfalls unseen."""
+
     def register(check: Check) -> Check:
         if code in _RULES or any(r.name == name for r in _RULES.values()):
             raise ValueError(f"rule {code} {name} registered twice")
         _RULES[code] = Rule(code=code, name=name, concern=concern, summary=summary, why=why,
-                            fix=fix, thresholds=thresholds, references=references, check=check)
+                            fix=fix, prices=prices, thresholds=thresholds,
+                            references=references, check=check)
         return check
 
     return register
@@ -83,7 +89,7 @@ def evaluate(run: RunResult) -> list[Finding]:
         for draft in r.check(run):
             findings.append(Finding(id=r.code, rule=r.name, **dataclasses.asdict(draft)))
     findings.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.impact), reverse=True)
-    account_findings(run, findings)
+    account_findings(run, findings, {r.code: r.prices for r in _RULES.values()})
     rank(run, findings)
     return findings
 

@@ -31,6 +31,10 @@ from gpudiag.model.results import StageResult
 WorkKind = Literal["compile", "save", "data", "loop", "other"]
 # The order extra is charged in: a step that compiled spent its extra compiling.
 KINDS: tuple[WorkKind, ...] = ("compile", "save", "data", "loop", "other")
+WORK_LABELS: dict[WorkKind, str] = {
+    "compile": "torch.compile compiling", "save": "checkpoint saves",
+    "data": "the training DataLoader's stalls", "loop": "another DataLoader loop (an evaluation)",
+    "other": "other periodic work"}
 MIN_TIMELINE_STEPS = 20  # fewer steps than this show no period
 MIN_OCCURRENCES = 2  # a part recurring fewer times has no period
 # Each occurrence of a period's work holds this many times the extra of the average other

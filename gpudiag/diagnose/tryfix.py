@@ -24,17 +24,10 @@ from gpudiag.model.remedies import (
     COMBINED_RUN,
     NO_REMEDY,
     REMEDIES,
-    AsyncSaveRecord,
-    CompileModelRecord,
-    DdpNoSyncRecord,
-    FsdpKeepGatheredRecord,
-    FusedOptimizerRecord,
     LoaderRecord,
     Numerics,
-    PinnedRecord,
     Remedy,
     RemedyEvidence,
-    Tf32Record,
     remedies_for,
 )
 from gpudiag.model.results import Equivalence, Finding, MeasuredFix, RunResult, StageResult
@@ -105,7 +98,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
         fix.note = _why_not_measured(after, b)
         return fix
     fix.evidence = b.facts.script.remedies if b.facts.script else RemedyEvidence()
-    fix.location = _site_seen(fix.evidence, names) or fix.location
+    fix.location = fix.evidence.site(names) or fix.location
     # The mean step: what a run's length is made of. A median would not see a save every N
     # steps, the very cost a background save removes.
     fix.before_ms = statistics.fmean(steady_state(a.iter_ms))
@@ -118,8 +111,8 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.before_j_per_step, fix.after_j_per_step = _energy_per_step(a), _energy_per_step(b)
     if (fix.before_j_per_step is None) != (fix.after_j_per_step is None):
         fix.before_j_per_step = fix.after_j_per_step = None
-    no_effect = _no_effect(fix.evidence)
-    fix.changed_nothing = bool(no_effect) and remedy is not None  # one remedy, not several
+    no_effect = fix.evidence.unchanged(names)
+    fix.changed_nothing = no_effect is not None and remedy is not None  # one, not several
     fix.note = no_effect or _queued_saves(fix.evidence)
     fix.change = _switched_off(fix.evidence) or fix.change
     _measured_loader_change(fix)
@@ -325,31 +318,6 @@ def _measured_loader_change(fix: MeasuredFix) -> None:
         fix.change, fix.location = recorded.change, recorded.location or fix.location
 
 
-def _no_effect(evidence: RemedyEvidence) -> str:
-    """A remedy that found nothing to change in this script: its row measures noise."""
-    for record in (evidence.loader, evidence.persistent_workers):
-        loaders = record.loaders if record is not None else None
-        if loaders is not None and not loaders:
-            return "the script built no DataLoader while it ran: nothing was changed"
-        if loaders is not None and all(n.before == n.after for n in loaders):
-            return "the script's DataLoaders had these settings already: nothing was changed"
-    optimizers = evidence.fused_optimizer.optimizers if evidence.fused_optimizer else None
-    untouched = (
-        (evidence.async_save is not None and evidence.async_save.saves == 0,
-         "the script called torch.save on no path while it ran"),
-        (evidence.no_empty_cache is not None and evidence.no_empty_cache.calls_skipped == 0,
-         "the script never called torch.cuda.empty_cache()"),
-        (evidence.fsdp_keep_gathered is not None and evidence.fsdp_keep_gathered.units == 0,
-         "the script built no FSDP2 unit that reshards after forward"),
-        (evidence.compile_model is not None and not evidence.compile_model.modules,
-         "the script called no module with parameters that was not compiled already"),
-        (evidence.ddp_no_sync is not None and evidence.ddp_no_sync.deferred_forwards == 0,
-         "the script ran no DistributedDataParallel forward outside no_sync()"),
-        (optimizers is not None and not any(o.after for o in optimizers),
-         "the script built no torch.optim optimizer that could step fused or foreach"))
-    return next((f"{why}: nothing was changed" for found, why in untouched if found), "")
-
-
 QUEUED_SAVE_MS = 10.0  # a background save that waits this long for the previous one queues
 
 
@@ -363,22 +331,6 @@ def _queued_saves(evidence: RemedyEvidence) -> str:
     return (f"each save waited {waited / count:.0f} ms on average for the one before it: "
             "saves start faster than they are written, so save less often (see "
             "checkpoint-async-contention)")
-
-
-def _site_seen(evidence: RemedyEvidence, names: Sequence[str]) -> str | None:
-    """The script's line one of remedies `names` acted on, the first that did (a DataLoader
-    built, a torch.save called, TF32 switched off)."""
-    for name in names:
-        record = evidence.record(name)
-        loaders = record.loaders if isinstance(record, (LoaderRecord, PinnedRecord)) else []
-        if loaders:
-            return loaders[0].site
-        site = (record.site if isinstance(record, (Tf32Record, AsyncSaveRecord,
-                                                   FusedOptimizerRecord, FsdpKeepGatheredRecord,
-                                                   DdpNoSyncRecord, CompileModelRecord)) else None)
-        if site is not None:
-            return site
-    return None
 
 
 def _why_not_measured(after: RunResult, stage: StageResult | None) -> str:

@@ -6,13 +6,15 @@ whether it keeps the script's numerics, and the code change that makes it perman
 with no safe automatic remedy keep their written advice (NO_REMEDY says why). What each one saw
 in the script when applied (a record per remedy, together a `RemedyEvidence`) is declared here
 too: the applier fills it in, run.json keeps it (validated on load like the rest), diagnose
-reads it.
+reads it. Each record answers for itself (`RemedyRecord`) whether its remedy changed anything
+and where it acted, so no list elsewhere names the records.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -192,6 +194,21 @@ class LoaderSeen:
                    hook=origin.get("hook"), rebuilt_by=origin.get("rebuilt_by"))
 
 
+class RemedyRecord(ABC):
+    """What a remedy saw in the script, answering for itself whether it changed anything and
+    where it acted: methods only, so run.json keeps its fields as they were."""
+
+    @abstractmethod
+    def unchanged(self) -> str | None:
+        """Why the remedy changed nothing in the script (its run then measures noise); None
+        where it changed something."""
+
+    @property
+    @abstractmethod
+    def site(self) -> str | None:
+        """The script's line the remedy acted on first: where its permanent change goes."""
+
+
 @dataclass
 class Tf32Overruled:
     """The script switching TF32 off, overruled for the run: its line, and what it set."""
@@ -201,10 +218,15 @@ class Tf32Overruled:
 
 
 @dataclass
-class Tf32Record:
+class Tf32Record(RemedyRecord):
     kept_on: list[Tf32Overruled] = field(default_factory=list)
     matmul_precision: str | None = None  # at the end of the run
     cudnn_allow_tf32: bool | None = None
+
+    def unchanged(self) -> str | None:
+        # Switched on at start-up, whatever the script does (what it had before is not
+        # recorded): a change, always.
+        return None
 
     @property
     def site(self) -> str | None:
@@ -213,35 +235,81 @@ class Tf32Record:
 
 
 @dataclass
-class Bf16AutocastRecord:
+class Bf16AutocastRecord(RemedyRecord):
     device: str | None = None
     forwards: Count = 0  # outermost module calls run under autocast
     module: str | None = None  # the first one's class
 
+    def unchanged(self) -> str | None:
+        return None if self.forwards else "the script called no module's forward"
+
+    @property
+    def site(self) -> str | None:
+        return None  # not recorded: the change wraps the forward, wherever it is called
+
+
+def _loaders_unchanged(loaders: list[LoaderSeen]) -> str | None:
+    """Why a loader remedy changed no DataLoader's settings, or None where it changed one."""
+    if not loaders:
+        return "the script built no DataLoader while it ran"
+    if all(n.before == n.after for n in loaders):
+        return "the script's DataLoaders had these settings already"
+    return None
+
 
 @dataclass
-class LoaderRecord:
+class LoaderRecord(RemedyRecord):
     loaders: list[LoaderSeen] = field(default_factory=list)
 
+    def unchanged(self) -> str | None:
+        return _loaders_unchanged(self.loaders)
+
+    @property
+    def site(self) -> str | None:
+        """The first DataLoader's line."""
+        return self.loaders[0].site if self.loaders else None
+
 
 @dataclass
-class PinnedRecord:
+class PinnedRecord(RemedyRecord):
     loaders: list[LoaderSeen] = field(default_factory=list)
     non_blocking_copies: Count = 0  # .to()/.cuda() of pinned tensors made non_blocking
 
+    def unchanged(self) -> str | None:
+        loaders = _loaders_unchanged(self.loaders)
+        if loaders is None or self.non_blocking_copies:
+            return None
+        return f"{loaders}, and it copied no pinned tensor without non_blocking"
+
+    @property
+    def site(self) -> str | None:
+        """The first DataLoader's line."""
+        return self.loaders[0].site if self.loaders else None
+
 
 @dataclass
-class NoEmptyCacheRecord:
+class NoEmptyCacheRecord(RemedyRecord):
     calls_skipped: Count = 0
 
+    def unchanged(self) -> str | None:
+        return None if self.calls_skipped else \
+            "the script never called torch.cuda.empty_cache()"
+
+    @property
+    def site(self) -> str | None:
+        return None  # not recorded: the calls are skipped wherever they are
+
 
 @dataclass
-class AsyncSaveRecord:
+class AsyncSaveRecord(RemedyRecord):
     saves: Count = 0  # written in the background
     kept_blocking: Count = 0  # to a buffer, not a path: left as they were
     waited_ms: Annotated[float, Field(ge=0)] = 0.0  # a save waiting for the one before
     errors: list[str] = field(default_factory=list)
     site: str | None = None  # the first save's line
+
+    def unchanged(self) -> str | None:
+        return None if self.saves else "the script called torch.save on no path while it ran"
 
 
 @dataclass
@@ -258,8 +326,12 @@ class OptimizerSeen:
 
 
 @dataclass
-class FusedOptimizerRecord:
+class FusedOptimizerRecord(RemedyRecord):
     optimizers: list[OptimizerSeen] = field(default_factory=list)
+
+    def unchanged(self) -> str | None:
+        return None if any(o.after for o in self.optimizers) else \
+            "the script built no torch.optim optimizer that could step fused or foreach"
 
     @property
     def site(self) -> str | None:
@@ -268,29 +340,36 @@ class FusedOptimizerRecord:
 
 
 @dataclass
-class FsdpKeepGatheredRecord:
+class FsdpKeepGatheredRecord(RemedyRecord):
     units: Count = 0  # FSDP2 units made to keep their parameters gathered
     kept: Count = 0  # units that kept them already (reshard_after_forward=False)
     site: str | None = None  # the script's first fully_shard(...) line the remedy changed
 
+    def unchanged(self) -> str | None:
+        return None if self.units else \
+            "the script built no FSDP2 unit that reshards after forward"
+
 
 @dataclass
-class CompileModelRecord:
+class CompileModelRecord(RemedyRecord):
     modules: list[str] = field(default_factory=list)  # the classes compiled, in order
     site: str | None = None  # the script's line that first called one: the model's forward
 
+    def unchanged(self) -> str | None:
+        return None if self.modules else \
+            "the script called no module with parameters that was not compiled already"
+
 
 @dataclass
-class DdpNoSyncRecord:
+class DdpNoSyncRecord(RemedyRecord):
     models: Count = 0  # DistributedDataParallel models whose forwards were deferred
     deferred_forwards: Count = 0  # forwards that would have all-reduced in their backward
     reductions: Count = 0  # the remedy's own all-reduce rounds (one per optimizer step)
     site: str | None = None  # the script's first DDP forward line: the micro-step to wrap
 
-
-RemedyRecord = (Tf32Record | Bf16AutocastRecord | LoaderRecord | PinnedRecord
-                | NoEmptyCacheRecord | FusedOptimizerRecord | AsyncSaveRecord
-                | FsdpKeepGatheredRecord | DdpNoSyncRecord | CompileModelRecord)
+    def unchanged(self) -> str | None:
+        return None if self.deferred_forwards else \
+            "the script ran no DistributedDataParallel forward outside no_sync()"
 
 
 @dataclass
@@ -321,6 +400,21 @@ class RemedyEvidence:
     def applied(self) -> list[str]:
         """The names of the remedies recorded, in REMEDIES' order."""
         return [name for name in REMEDIES if self.record(name) is not None]
+
+    def records(self, names: Iterable[str]) -> list[RemedyRecord]:
+        """The records of remedies `names` that were applied, in that order."""
+        return [r for r in map(self.record, names) if r is not None]
+
+    def unchanged(self, names: Iterable[str]) -> str | None:
+        """Why remedies `names` changed nothing in the script, the first of them that did not
+        (a run that measures noise); None where each changed something."""
+        return next((f"{why}: nothing was changed" for r in self.records(names)
+                     if (why := r.unchanged()) is not None), None)
+
+    def site(self, names: Iterable[str]) -> str | None:
+        """The script's line the first of remedies `names` that names one acted on (a
+        DataLoader built, a torch.save called, TF32 switched off)."""
+        return next((r.site for r in self.records(names) if r.site is not None), None)
 
 
 def field_of(name: str) -> str:

@@ -159,7 +159,8 @@ def rule_sections(r: Rule) -> list[tuple[str, str]]:
     thresholds = "\n".join(f"- {t.name} = {t.value:g}: {t.why}" for t in r.thresholds)
     detects = " ".join((r.check.__doc__ or r.summary).split())
     sections = [("What it detects", detects), ("Thresholds", thresholds or "-"),
-                ("Why it matters", r.why), ("How to fix", r.fix)]
+                ("What it prices", r.prices.says()), ("Why it matters", r.why),
+                ("How to fix", r.fix)]
     if r.references:
         sections.append(("References", "\n".join(f"- {ref}" for ref in r.references)))
     return sections
