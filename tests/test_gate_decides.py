@@ -23,6 +23,7 @@ from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.options import GateOptions
 from gpudiag.model.results import Env, Evidence, LineCount, RunResult, StageResult, TelemetrySummary
 from gpudiag.model.runfile import save_run
+from gpudiag.present.compare import gate_round_line
 
 
 def _run(device_ms: float, wall_ms: float = 90.0, *, seed: int = 0, jitter: float = 2e-4,
@@ -256,3 +257,7 @@ def test_interleaved_trials_are_judged_merged_and_say_why_they_stopped() -> None
     assert (len(stage.before.trials), len(stage.after.trials)) == (3, 2)
     # The fewer side's count: the trials a side both have.
     assert "train device time: decided (regression) with 2 trial(s) a side" in decision.stopped
+    # What the gate says after each round, and whether it goes on.
+    assert gate_round_line(decision, 2, 0) == ("gate: 2 a side: train wall time inconclusive, "
+                                               "train device time regression; stopping")
+    assert gate_round_line(decision, 2, 4).endswith("regression; going to 4")
