@@ -16,7 +16,7 @@ from typing import Any
 
 START = time.perf_counter()
 
-from gpudiag.cli import main  # noqa: E402
+from gpudiag.cli.program import main  # noqa: E402
 from gpudiag.measure import runner  # noqa: E402 (timed: the import is a phase)
 from gpudiag.measure.stages import StageDef  # noqa: E402
 

@@ -16,7 +16,7 @@ STOPPED = {"KeyboardInterrupt": (130, "SIGINT (Ctrl-C)"), "Terminated": (143, "S
 
 def main() -> None:
     try:
-        from gpudiag.cli import main as cli_main  # noqa: PLC0415  (the import is what is guarded)
+        from gpudiag.cli.program import main as cli_main  # noqa: PLC0415  (the import is what is guarded)
 
         cli_main()
     except KeyboardInterrupt as exc:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from gpudiag.cli import app
+from gpudiag.cli.program import app
 from gpudiag.measure.evidence import reader
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.runner import RunOutput, run_stages

@@ -19,6 +19,7 @@ from gpudiag.diagnose import all_rules
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gpudiag"
 MAX_FUNCTION_LINES = 80
+MAX_CLI_MODULE_LINES = 300
 
 
 def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
@@ -30,6 +31,16 @@ def test_no_function_is_longer_than_80_lines() -> None:
     long = [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1})"
             for path in sorted(PACKAGE.rglob("*.py")) for fn in _functions(path)
             if (fn.end_lineno or fn.lineno) - fn.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def test_no_module_of_the_command_line_is_longer_than_300_lines() -> None:
+    """The command line parses and renders, a family of commands per module: a module that
+    grows past this is deciding something that belongs below it (docs/architecture.md)."""
+    modules = sorted((PACKAGE / "cli").rglob("*.py"))
+    assert modules, "gpudiag/cli/ has moved: point this test at the command line"
+    long = [f"{path.relative_to(ROOT)} ({lines})" for path in modules
+            if (lines := len(path.read_text().splitlines())) > MAX_CLI_MODULE_LINES]
     assert not long, long
 
 

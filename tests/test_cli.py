@@ -95,7 +95,7 @@ def test_no_arguments_shows_help() -> None:
 def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
     """The commands' imports of torch (measure), scipy (statistics) and pandas (reports) wait
     until a command runs: help is instant, and reading runs needs no torch."""
-    code = ("import sys\nfrom gpudiag.cli import app\n"
+    code = ("import sys\nfrom gpudiag.cli.program import app\n"
             f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
             "print('imported:', [m for m in ('torch', 'scipy', 'pandas') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -115,10 +115,10 @@ def test_a_ctrl_c_while_gpudiag_loads_or_stops_is_130_in_one_line(where: str) ->
                    "        if name == 'gpudiag.cli':\n"
                    "            raise KeyboardInterrupt\n"
                    "sys.meta_path.insert(0, Stop())\n"),
-        "command": ("import gpudiag.cli\n"
+        "command": ("import gpudiag.cli.program\n"
                     "def app():\n"
                     "    raise KeyboardInterrupt\n"
-                    "gpudiag.cli.app = app\n"),
+                    "gpudiag.cli.program.app = app\n"),
     }[where]
     code = f"import sys\n{raising}from gpudiag.launch import main\nmain()\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from gpudiag.cli import app, options_from_params
+from gpudiag.cli.flags import options_from_params
+from gpudiag.cli.program import app
 from gpudiag.diagnose.counters import COUNTER_NAMES
 from gpudiag.measure.plan import build_config, cpu_bf16_native
 from gpudiag.measure.profile.protocol import ENV_CONFIG, config_env, config_from_env
@@ -25,9 +27,12 @@ from gpudiag.model.config import (
 )
 from gpudiag.model.errors import BadInput
 from gpudiag.model.options import (
+    ConfineOptions,
     GateOptions,
+    GateRequest,
     ProfileOptions,
     RunOptions,
+    check_calibrate_options,
     check_gate_options,
     option_fields,
     options_of,
@@ -225,25 +230,80 @@ def test_gate_limit_help_names_every_counter() -> None:
     assert f"({', '.join(COUNTER_NAMES)}; 0 = no increase)" in spec.help
 
 
-@pytest.mark.parametrize(("own", "runs", "run", "message"), [
-    (GateOptions(on_inconclusive="maybe"), ("a", "b"), RunOptions(),
+@pytest.mark.parametrize(("own", "given", "run", "confine", "message"), [
+    (GateOptions(on_inconclusive="maybe"), ["a", "b"], RunOptions(), ConfineOptions(),
      "--on-inconclusive 'maybe': expected pass or fail"),
-    (GateOptions(min_iters=0), ("a", "b"), RunOptions(), "--min-iters must be positive"),
-    (GateOptions(base_ref="x", trials=3, max_trials=2), (None, None), RunOptions(),
+    (GateOptions(min_iters=0), ["a", "b"], RunOptions(), ConfineOptions(),
+     "--min-iters must be positive"),
+    (GateOptions(base_ref="x", trials=3, max_trials=2), [], RunOptions(), ConfineOptions(),
      "--trials 3 and --max-trials 2: need 1 <= trials <= max-trials"),
-    (GateOptions(trials=0), ("a", "b"), RunOptions(), "need 1 <= trials"),
-    (GateOptions(base_ref="x"), ("a", None), RunOptions(), "not both"),
-    (GateOptions(), ("a", None), RunOptions(), "give BASELINE and CURRENT"),
-    (GateOptions(), ("a", "b"), RunOptions(iters=5), "only apply with --base-ref"),
+    (GateOptions(trials=0), ["a", "b"], RunOptions(), ConfineOptions(), "need 1 <= trials"),
+    (GateOptions(), ["a"], RunOptions(), ConfineOptions(), "give BASELINE and CURRENT"),
+    (GateOptions(), ["a", "b", "c"], RunOptions(), ConfineOptions(),
+     "expected BASELINE and CURRENT, got 3 paths"),
+    (GateOptions(), ["a", "b"], RunOptions(iters=5), ConfineOptions(),
+     "only apply with --base-ref"),
+    (GateOptions(base_ref="x"), ["python", "t.py"], RunOptions(iters=5), ConfineOptions(),
+     "a command after -- is measured with gpudiag profile's defaults"),
+    (GateOptions(base_ref="x", share=("data",)), [], RunOptions(), ConfineOptions(),
+     "--share and --samples-per-step go with --base-ref REF -- COMMAND"),
+    (GateOptions(), ["a", "b"], RunOptions(), ConfineOptions(unconfined_reruns=True),
+     "--rerun-writable and --unconfined-reruns go with a COMMAND"),
 ])
-def test_gate_options_are_checked_in_one_place(own: GateOptions, runs: tuple[str | None, ...],
-                                               run: RunOptions, message: str) -> None:
-    with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_gate_options(own, runs, run)
-    assert check_gate_options(GateOptions(on_inconclusive="fail"), ("a", "b"),
-                              RunOptions()) == "fail"
-    assert check_gate_options(GateOptions(base_ref="x"), (None, None),
-                              RunOptions(model="bert")) == "pass"
+def test_gate_options_are_checked_in_one_place(own: GateOptions, given: list[str],
+                                               run: RunOptions, confine: ConfineOptions,
+                                               message: str) -> None:
+    with pytest.raises(BadInput, match=re.escape(message)):
+        check_gate_options(own, given, run, confine)
+
+
+def test_a_checked_gate_says_what_it_compares(tmp_path: Path) -> None:
+    """Two runs, or with --base-ref gpudiag's workload or the user's command; two runs given
+    with --base-ref are a mistake, not a command."""
+    runs = check_gate_options(GateOptions(on_inconclusive="fail"), ["a/", "b"])
+    assert runs == GateRequest((Path("a"), Path("b")), None, (), "fail")
+    assert runs.labels == ("a", "b")
+    workload = check_gate_options(GateOptions(base_ref="x"), [], RunOptions(model="bert"))
+    assert workload == GateRequest(None, "x", (), "pass")
+    assert workload.labels == ("x", "this checkout")
+    command = check_gate_options(GateOptions(base_ref="x", share=("data",)),
+                                 ["python", "t.py"], RunOptions(),
+                                 ConfineOptions(unconfined_reruns=True))
+    assert command.command == ("python", "t.py") and command.runs is None
+    (tmp_path / "before").mkdir()
+    (tmp_path / "after.json").write_text("{}")
+    with pytest.raises(BadInput, match=re.escape("not both (a command to measure goes after "
+                                                 "--)")):
+        check_gate_options(GateOptions(base_ref="x"),
+                           [str(tmp_path / "before"), str(tmp_path / "after.json")])
+
+
+@pytest.mark.parametrize(("run", "confine", "command", "kwargs", "message"), [
+    (RunOptions(iters=5), ConfineOptions(), ["python", "t.py"], {},
+     "a command is profiled with its defaults"),
+    (RunOptions(), ConfineOptions(), [], {"share": ["data"]}, "--share goes with a COMMAND"),
+    (RunOptions(), ConfineOptions(rerun_writable=("/tmp",)), [], {},
+     "--rerun-writable and --unconfined-reruns go with a COMMAND"),
+    (RunOptions(), ConfineOptions(), [], {"trials": 2},
+     "--trials 2: a spread needs at least 3 trials"),
+    (RunOptions(), ConfineOptions(), [], {"from_run": Path("r"), "out": Path("o")},
+     "run options, a command and --out only apply without --from"),
+    (RunOptions(), ConfineOptions(), ["python", "t.py"], {"from_run": Path("r")},
+     "run options, a command and --out only apply without --from"),
+])
+def test_calibrate_options_are_checked_in_one_place(run: RunOptions, confine: ConfineOptions,
+                                                    command: list[str], kwargs: dict[str, Any],
+                                                    message: str) -> None:
+    asked: dict[str, Any] = {"share": [], "trials": 8, "from_run": None, "out": None, **kwargs}
+    with pytest.raises(BadInput, match=re.escape(message)):
+        check_calibrate_options(run, confine, command, **asked)
+    check_calibrate_options(RunOptions(model="bert"), ConfineOptions(), [], share=[],
+                            trials=3, from_run=None, out=Path("o"))
+    check_calibrate_options(RunOptions(), ConfineOptions(unconfined_reruns=True),
+                            ["python", "t.py"], share=["data"], trials=3, from_run=None,
+                            out=None)
+    check_calibrate_options(RunOptions(), ConfineOptions(), [], share=[], trials=1,
+                            from_run=Path("r"), out=None)
 
 
 def test_profile_config_round_trips_through_run_json_and_the_child_env() -> None:

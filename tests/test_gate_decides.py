@@ -15,13 +15,15 @@ import pytest
 from conftest import invoke, ladder_config
 
 from gpudiag.diagnose.compare import compare_runs
-from gpudiag.diagnose.gate import GateRules, decide, judge, parse_limits
+from gpudiag.diagnose.gate import GateRules, decide, gate_rules, judge, judge_trials, parse_limits
 from gpudiag.diagnose.noise import DEVICE_FLOOR, calibration_record
 from gpudiag.diagnose.trials import merge_trials
-from gpudiag.model.calibration import Calibration
+from gpudiag.model.calibration import DEFAULT_CALIBRATION, Calibration, save_calibration
 from gpudiag.model.errors import BadInput, ExitCode
+from gpudiag.model.options import GateOptions
 from gpudiag.model.results import Env, Evidence, LineCount, RunResult, StageResult, TelemetrySummary
 from gpudiag.model.runfile import save_run
+from gpudiag.present.compare import gate_round_line
 
 
 def _run(device_ms: float, wall_ms: float = 90.0, *, seed: int = 0, jitter: float = 2e-4,
@@ -222,3 +224,40 @@ def test_judge_refuses_runs_of_other_software() -> None:
     with pytest.raises(BadInput, match=re.escape("driver: '570.2' vs '580.1'")):
         judge(base, head, GateRules())
     judge(base, head, GateRules(allow_mismatch=True))
+
+
+def test_the_gate_rules_are_its_options_with_the_repositorys_calibration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--calibration's file, else .gpudiag/calibration.json where the repository has one, else
+    none (the built-in floors)."""
+    monkeypatch.chdir(tmp_path)
+    rules = gate_rules(GateOptions(max_regression=("train=3",), min_iters=5,
+                                   allow_mismatch=True))
+    assert rules.limits.get("train", "wall") == pytest.approx(0.03)
+    assert (rules.min_iters, rules.allow_mismatch, rules.calibration) == (5, True, None)
+    repository, mine = _calibration(0.001), _calibration(0.002)
+    save_calibration(repository, DEFAULT_CALIBRATION)
+    save_calibration(mine, tmp_path / "mine.json")
+    assert gate_rules(GateOptions()).calibration == repository
+    assert gate_rules(GateOptions(calibration=tmp_path / "mine.json")).calibration == mine
+    with pytest.raises(BadInput, match="warp"):
+        gate_rules(GateOptions(max_regression=("warp:5",)))
+
+
+def test_interleaved_trials_are_judged_merged_and_say_why_they_stopped() -> None:
+    """Each side's trials merged, judged as interleaved, and each timed instrument's reason
+    for stopping at the trials a side it reached."""
+    base = [_run(68.0, seed=k) for k in range(3)]
+    head = [_run(68.0 * 1.2, seed=10 + k) for k in range(2)]
+    decision, comparison = judge_trials(base, head, GateRules(), labels=("main", "here"),
+                                        max_trials=5)
+    assert decision.outcome == "regression", decision
+    stage = comparison.stages[0]
+    assert stage.before is not None and stage.after is not None
+    assert (len(stage.before.trials), len(stage.after.trials)) == (3, 2)
+    # The fewer side's count: the trials a side both have.
+    assert "train device time: decided (regression) with 2 trial(s) a side" in decision.stopped
+    # What the gate says after each round, and whether it goes on.
+    assert gate_round_line(decision, 2, 0) == ("gate: 2 a side: train wall time inconclusive, "
+                                               "train device time regression; stopping")
+    assert gate_round_line(decision, 2, 4).endswith("regression; going to 4")

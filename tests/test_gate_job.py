@@ -225,3 +225,63 @@ def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path:
         *_, script, data = trial.argv(base, tmp_path / "out")
         assert script == str(base / "train.py") and Path(script).is_file()
         assert data == outside
+
+
+def _worktrees(repo: Path) -> list[Path]:
+    listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=repo,
+                            capture_output=True, text=True, check=True).stdout
+    return [Path(line.split(" ", 1)[1]) for line in listed.splitlines()
+            if line.startswith("worktree ")]
+
+
+def test_a_gate_job_checks_out_both_sides_before_its_run_folder(tmp_path: Path) -> None:
+    """A bad ref makes no run folder; a user's command gets both sides checked out, --share
+    linked into each, before the folder is made and the trials start; none is left after."""
+    from gpudiag.measure.gatejob import Interleaved, TrialCommand, gate_job
+    from gpudiag.model.errors import BadInput
+
+    repo = _committed(tmp_path / "repo", {"train.py": "steps = 1\n", ".gitignore": "data/\n"})
+    (repo / "data").mkdir()
+    (repo / "data" / "x").write_text("1")
+    trial = TrialCommand(command=("python", "train.py"), top=repo)
+    made: list[Path] = []
+    shared: list[bool] = []
+
+    def out_dir() -> Path:
+        made.append(tmp_path / "out")
+        return made[-1]
+
+    def started(out: Path) -> None:
+        shared.extend((tree / "data" / "x").is_file() and (tree / "data").is_symlink()
+                      for tree in _worktrees(repo) if tree != repo)
+
+    def no_trials(done: Interleaved) -> int:
+        return 0
+
+    with pytest.raises(BadInput, match="no such commit"):
+        gate_job(trial, "nope", repo, share=[], first=1, out_dir=out_dir, next_count=no_trials)
+    assert not made
+    done = gate_job(trial, "HEAD", repo, share=["data"], first=0, out_dir=out_dir,
+                    next_count=no_trials, on_start=started)
+    assert done == Interleaved(tmp_path / "out")
+    assert shared == [True, True]  # base and head, each with data/ linked in
+    assert _worktrees(repo) == [repo]
+
+
+def test_only_a_users_command_has_a_trials_policy_and_a_note_before_it_runs() -> None:
+    """gpudiag's workload writes only its run folders: no policy. A user's command is said to
+    run in a temporary checkout before it does, with what --share links into it."""
+    from gpudiag.measure.confine import ConfinementPolicy
+    from gpudiag.measure.gatejob import command_note, trials_policy
+    from gpudiag.model.options import ConfineOptions
+
+    assert trials_policy(ConfineOptions(), [], "gate --base-ref") is None
+    policy = trials_policy(ConfineOptions(unconfined_reruns=True), ["python", "t.py"],
+                           "gate --base-ref")
+    assert policy is not None and policy.unconfined
+    note = command_note(["data"], ConfinementPolicy(unconfined=True),
+                        who="calibrate: the trials run")
+    assert note.startswith("calibrate: the trials run in a temporary checkout (this checkout "
+                           "with its uncommitted changes"), note
+    assert "data linked into it" in note
+    assert "--share" not in command_note([], ConfinementPolicy(unconfined=True))

@@ -211,7 +211,7 @@ def test_a_model_file_is_imported_once_per_run(tmp_path: Path) -> None:
     download, a log line) must see them once."""
     from typer.testing import CliRunner
 
-    from gpudiag.cli import app
+    from gpudiag.cli.program import app
 
     path = tmp_path / "counted.py"
     path.write_text(f"with open({str(tmp_path / 'imports')!r}, 'a') as f:\n    f.write('x')\n"

@@ -412,8 +412,8 @@ def test_missing_command_is_a_one_line_error(tmp_path: Path) -> None:
 def test_the_parent_never_imports_torch() -> None:
     """gpudiag profile starts the script at once: its own side imports no torch (the recorder
     in the script reports the machine instead)."""
-    code = ("import sys, gpudiag.cli, gpudiag.measure.profile.launching.session, gpudiag.present; "
-            "sys.exit('torch' in sys.modules)")
+    code = ("import sys, gpudiag.cli.program, gpudiag.measure.profile.launching.session, "
+            "gpudiag.present; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

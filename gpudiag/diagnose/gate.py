@@ -23,10 +23,10 @@ from gpudiag.diagnose.counters import COUNTER_NAMES, CounterChange
 from gpudiag.diagnose.gd1_launch import IDLE_WARNING as STARVED_IDLE
 from gpudiag.diagnose.hostdiff import describe as describe_host_line
 from gpudiag.diagnose.hostdiff import localized_growth
-from gpudiag.diagnose.trials import rate_name
-from gpudiag.model.calibration import Calibration
+from gpudiag.diagnose.trials import merge_trials, rate_name
+from gpudiag.model.calibration import DEFAULT_CALIBRATION, Calibration, load_calibration
 from gpudiag.model.errors import BadInput, ExitCode
-from gpudiag.model.options import OnInconclusive
+from gpudiag.model.options import GateOptions, OnInconclusive
 from gpudiag.model.results import SEVERITY_RANK, Finding, RunResult
 from gpudiag.model.validity import trial_key
 
@@ -484,6 +484,17 @@ class GateRules:
     calibration: Calibration | None = None
 
 
+def gate_rules(options: GateOptions) -> GateRules:
+    """The rules a gate's options ask for: the limits parsed, and the between-process spread
+    it starts from: --calibration's file, else the repository's default one where it exists."""
+    limits = parse_limits(list(options.max_regression))
+    path = options.calibration
+    if path is None and DEFAULT_CALIBRATION.is_file():
+        path = DEFAULT_CALIBRATION
+    return GateRules(limits, options.min_iters, options.allow_mismatch,
+                     None if path is None else load_calibration(path))
+
+
 def _same_measurement(before: RunResult, after: RunResult) -> str | None:
     """The stage whose steps both runs share (one run given twice, or copied), if any."""
     for a in before.stages:
@@ -524,4 +535,14 @@ def judge(before: RunResult, after: RunResult, rules: GateRules, *,
         decision.outcome = "failed"
         decision.stages.insert(0, StageGate("(run)", "wall", "failed", 0.0, None,
                                             "the head's run was interrupted"))
+    return decision, comparison
+
+
+def judge_trials(base: list[RunResult], head: list[RunResult], rules: GateRules, *,
+                 labels: tuple[str, str], max_trials: int) -> tuple[GateDecision, Comparison]:
+    """`gate --base-ref`'s interleaved trials judged, each side's merged (so far: the gate asks
+    after every round whether to go on), and why its trials stopped where they did."""
+    decision, comparison = judge(merge_trials(base), merge_trials(head), rules, labels=labels,
+                                 interleaved=True)
+    decision.stopped = decision.why_stopped(min(len(base), len(head)), max_trials)
     return decision, comparison

@@ -10,7 +10,8 @@ A user's command runs the head in a worktree too (this checkout's tracked change
 untracked files copied in), so that what the script writes never lands on the user's files.
 Trials alternate base/head, head/base, ... (ABBA), so a slow drift over the job weighs on
 both sides alike. How many trials to run is the caller's decision (`next_count`), made after
-each round from the runs so far.
+each round from the runs so far. `calibrate -- COMMAND`'s trials run the same way, of one side:
+this checkout as it is, in a worktree, one after another.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
-from gpudiag.measure.confine import ConfinementPolicy, confined
+from gpudiag.measure.confine import ConfinementPolicy, confined, confinement_policy, how_kept
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
 from gpudiag.model.errors import BadInput, HeadBroke
-from gpudiag.model.options import RunOptions, to_argv
+from gpudiag.model.options import ConfineOptions, GateOptions, RunOptions, to_argv
 from gpudiag.model.results import RunResult
 from gpudiag.model.runfile import load_run
 
@@ -266,6 +267,7 @@ def _tail(log: Path) -> str:
 
 @dataclass
 class Interleaved:
+    out_dir: Path  # holding base/trial-K and head/trial-K
     base: list[RunResult] = field(default_factory=list)
     head: list[RunResult] = field(default_factory=list)
     interrupted: bool = False
@@ -279,7 +281,7 @@ def run_interleaved(trial: TrialCommand, *, base: Path, head: Path, out_dir: Pat
     """Trials of both sides into out_dir/base/trial-K and out_dir/head/trial-K, in ABBA order:
     `first` a side, then one round at a time while `next_count`, asked after every round from
     the first's on, wants more than have run (so a gate stops as soon as it is decided)."""
-    done = Interleaved()
+    done = Interleaved(out_dir)
     target, k = first, 0
     try:
         while k < target:
@@ -319,3 +321,74 @@ def run_repeated(trial: TrialCommand, checkout: Path, out_dir: Path, count: int,
         if not runs:
             raise
     return runs
+
+
+def trials_policy(confine: ConfineOptions, command: Sequence[str],
+                  who: str) -> ConfinementPolicy | None:
+    """How the trials of the user's `command` may write, checked before any checkout is made;
+    None for gpudiag's own workload (it writes only its run folders)."""
+    if not command:
+        return None
+    # A trial's writes outside its checkout are not watched (a profile's re-runs' are).
+    return confinement_policy(confine.rerun_writable, unconfined=confine.unconfined_reruns,
+                              isolated=f"{who} runs your command in temporary checkouts",
+                              watched=False)
+
+
+def command_note(shared: Sequence[str], policy: ConfinementPolicy, *,
+                 who: str = "gate: each side runs") -> str:
+    """What running the user's command does with the user's files, said before it runs."""
+    note = (f"{who} in a temporary checkout (this checkout with its uncommitted changes and "
+            "untracked files, for the head); what the command writes there is removed with "
+            f"it{how_kept(policy, 'its checkout', watched=False)}")
+    if not shared:
+        return note
+    return note + (f"; {', '.join(shared)} linked into it read-only (--share)" if policy.confined
+                   else f"; {', '.join(shared)} linked into it (--share): what the command "
+                   "writes there reaches your files")
+
+
+def gate_trial(options: RunOptions, gate: GateOptions, command: Sequence[str],
+               policy: ConfinementPolicy | None, cwd: Path) -> TrialCommand:
+    """What each of `gate --base-ref`'s trials runs, checked before anything is checked out
+    or created: gpudiag's workload with `options`, or the user's `command`."""
+    if command:
+        return TrialCommand(command=tuple(command), top=repository_top(cwd),
+                            samples_per_step=gate.samples_per_step, policy=policy)
+    from gpudiag.measure.plan import check_run_options  # noqa: PLC0415  (torch)
+
+    check_run_options(options)
+    return TrialCommand(options=options)
+
+
+def gate_job(trial: TrialCommand, base_ref: str, cwd: Path, *, share: Sequence[str],
+             first: int, out_dir: Callable[[], Path], next_count: Callable[[Interleaved], int],
+             on_start: Callable[[Path], None] = lambda out: None,
+             on_trial: Callable[[str, int], None] = lambda side, k: None) -> Interleaved:
+    """`gate --base-ref`'s job: `base_ref` checked out (and for a user's command the head too,
+    `share` linked into both), then the run folder made (`out_dir`: only once the base exists,
+    so a bad ref leaves no empty one behind) and the trials run into it, interleaved
+    (`run_interleaved`). The checkouts are removed whatever happens."""
+    with ExitStack() as checkouts:
+        base = checkouts.enter_context(base_checkout(base_ref, cwd))
+        head = checkouts.enter_context(head_checkout(cwd)) if trial.command else cwd
+        if trial.command:
+            share_into([Path(p) for p in share], cwd, [base, head])
+        where = out_dir()
+        on_start(where)
+        return run_interleaved(trial, base=base, head=head, out_dir=where, first=first,
+                               next_count=next_count, on_trial=on_trial)
+
+
+def calibration_job(trial: TrialCommand, cwd: Path, count: int, *, share: Sequence[str],
+                    out_dir: Callable[[], Path],
+                    on_start: Callable[[Path], None] = lambda out: None,
+                    on_trial: Callable[[int], None] = lambda k: None) -> list[RunResult]:
+    """`calibrate -- COMMAND`'s job: `count` trials of the user's command one after another
+    (`run_repeated`), in a temporary checkout of this one (the user's files untouched, `share`
+    linked in), into the run folder `out_dir` makes once the checkout exists."""
+    with head_checkout(cwd) as checkout:
+        share_into([Path(p) for p in share], cwd, [checkout])
+        where = out_dir()
+        on_start(where)
+        return run_repeated(trial, checkout, where, count, on_trial=on_trial)

@@ -3,9 +3,10 @@
 `RunOptions`, `ProfileOptions`, `GateOptions` (the gate's own; `gate --base-ref` takes the
 run options too) and `ConfineOptions` (what runs away from the user's folder may write) are
 what the user asked for, field by field, with the flag, help, range and choices beside each.
-The command line's options are generated from them (gpudiag/cli.py); `build_config` validates
-a RunOptions into a `RunConfig` (gpudiag/measure/plan.py), `profile_config` a ProfileOptions
-into a `ProfileConfig` and `check_gate_options` a gate's; and `to_argv(options_of(config))`
+The command line's options are generated from them (gpudiag/cli/flags.py); `build_config`
+validates a RunOptions into a `RunConfig` (gpudiag/measure/plan.py), `profile_config` a
+ProfileOptions into a `ProfileConfig`, `check_gate_options` a gate's options and arguments into
+a `GateRequest` and `check_calibrate_options` a calibration's; and `to_argv(options_of(config))`
 turns a ladder config back into the arguments that rebuild it, for `--trials` children: one
 spelling of each option, and tests/test_config.py checks the round trip.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from gpudiag.model.calibration import DEFAULT_CALIBRATION
+from gpudiag.model.calibration import DEFAULT_CALIBRATION, MIN_CALIBRATION_TRIALS
 from gpudiag.model.config import (
     AMP_DTYPES,
     DDP_NO_SYNC,
@@ -221,32 +222,97 @@ class GateOptions:
         "floors.")
 
 
-def check_gate_options(options: GateOptions, runs: Sequence[object | None],
-                       run_options: RunOptions, command: Sequence[str] = ()) -> OnInconclusive:
-    """A gate's options checked, each error one line naming its flag: their ranges, and what
-    it compares (`runs`, the BASELINE and CURRENT given, or --base-ref with `run_options` or
-    the user's `command`).
-    Returns what an undecided gate exits with. (The limits' grammar is checked where the
-    metrics are known: gpudiag.diagnose.gate.parse_limits.)"""
+@dataclass(frozen=True)
+class GateRequest:
+    """What a checked `gpudiag gate` compares, and what it exits with undecided: two recorded
+    runs (BASELINE and CURRENT), or, with --base-ref, trials of both sides measured here
+    (gpudiag's workload, or the user's command)."""
+
+    runs: tuple[Path, Path] | None  # BASELINE and CURRENT; None with --base-ref
+    base_ref: str | None
+    command: tuple[str, ...]  # with --base-ref: the user's command; () for gpudiag's workload
+    on_inconclusive: OnInconclusive
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """The two sides as the gate's output names them."""
+        if self.runs is None:
+            return str(self.base_ref), "this checkout"
+        return str(self.runs[0]), str(self.runs[1])
+
+
+def check_gate_options(options: GateOptions, given: Sequence[str],
+                       run_options: RunOptions = RunOptions(),
+                       confine: ConfineOptions = ConfineOptions()) -> GateRequest:
+    """A gate's options and arguments checked, each error one line naming its flag: what it
+    compares (`given`: BASELINE and CURRENT, or with --base-ref the user's command, none for
+    gpudiag's workload with `run_options`), the options' ranges, and the options that go with
+    one of those alone. (The limits' grammar is checked where the metrics are known:
+    gpudiag.diagnose.gate.parse_limits.)"""
+    _check_gate_arguments(options.base_ref, given)
     if options.on_inconclusive not in ON_INCONCLUSIVE:
         raise BadInput(f"--on-inconclusive {options.on_inconclusive!r}: expected pass or fail")
     check_ranges(options)
     if not 1 <= options.trials <= options.max_trials:
         raise BadInput(f"--trials {options.trials} and --max-trials {options.max_trials}: need "
                        "1 <= trials <= max-trials")
-    given = sum(run is not None for run in runs)
-    if options.base_ref is not None and given:
-        raise BadInput("give either BASELINE and CURRENT or --base-ref, not both")
-    if options.base_ref is None and given < len(runs):
-        raise BadInput("give BASELINE and CURRENT (two runs), or --base-ref REF to measure both")
-    if options.base_ref is None and run_options != RunOptions():
-        raise BadInput("run options (--model, --stages, ...) only apply with --base-ref")
+    runs = None
+    if options.base_ref is None:
+        if len(given) < 2:
+            raise BadInput("give BASELINE and CURRENT (two runs), or --base-ref REF to measure "
+                           "both")
+        if run_options != RunOptions():
+            raise BadInput("run options (--model, --stages, ...) only apply with --base-ref")
+        runs = (Path(given[0]), Path(given[1]))
+    command = tuple(given) if options.base_ref is not None else ()
     if command and run_options != RunOptions():
         raise BadInput("run options (--model, --stages, ...) measure gpudiag's workload; a "
                        "command after -- is measured with gpudiag profile's defaults")
     if not command and (options.share or options.samples_per_step is not None):
         raise BadInput("--share and --samples-per-step go with --base-ref REF -- COMMAND")
-    return "pass" if options.on_inconclusive == "pass" else "fail"
+    check_confine_options(confine, command)
+    return GateRequest(runs, options.base_ref, command,
+                       "pass" if options.on_inconclusive == "pass" else "fail")
+
+
+def _check_gate_arguments(base_ref: str | None, given: Sequence[str]) -> None:
+    """A gate's arguments are two runs, or with --base-ref a command: neither both nor more."""
+    if base_ref is not None and len(given) == 2 and all(_a_run(Path(g)) for g in given):
+        raise BadInput("give either BASELINE and CURRENT or --base-ref, not both (a command "
+                       "to measure goes after --)")
+    if base_ref is None and len(given) > 2:
+        raise BadInput(f"expected BASELINE and CURRENT, got {len(given)} paths; a command to "
+                       "measure goes after --base-ref REF --")
+
+
+def _a_run(path: Path) -> bool:
+    """Whether a gate's argument names a run (a directory or a .json file), not a command."""
+    return path.is_dir() or (path.suffix == ".json" and path.is_file())
+
+
+def check_confine_options(confine: ConfineOptions, command: Sequence[str]) -> None:
+    """What runs of the user's command may write is said only where there is a command."""
+    if not command and confine != ConfineOptions():
+        raise BadInput("--rerun-writable and --unconfined-reruns go with a COMMAND")
+
+
+def check_calibrate_options(run_options: RunOptions, confine: ConfineOptions,
+                            command: Sequence[str], *, share: Sequence[str], trials: int,
+                            from_run: Path | None, out: Path | None) -> None:
+    """`gpudiag calibrate`'s arguments checked, each error one line: what it measures
+    (gpudiag's workload with `run_options`, the user's `command`, or nothing: the trials of an
+    earlier run, `from_run`) and the options that go with each."""
+    if command and run_options != RunOptions():
+        raise BadInput("run options (--model, ...) measure gpudiag's workload; a command is "
+                       "profiled with its defaults")
+    if share and not command:
+        raise BadInput("--share goes with a COMMAND")
+    check_confine_options(confine, command)
+    if from_run is None and trials < MIN_CALIBRATION_TRIALS:
+        raise BadInput(f"--trials {trials}: a spread needs at least {MIN_CALIBRATION_TRIALS} "
+                       "trials")
+    if from_run is not None and (run_options != RunOptions() or out is not None or command):
+        raise BadInput("run options, a command and --out only apply without --from")
 
 
 def profile_config(options: ProfileOptions, command: Sequence[str]) -> ProfileConfig:

@@ -6,7 +6,7 @@ from rich import box
 from rich.table import Table
 
 from gpudiag.diagnose.compare import Comparison, MetricChange, StageComparison
-from gpudiag.diagnose.gate import MAX_PROJECTED, GateDecision, describe_change
+from gpudiag.diagnose.gate import MAX_PROJECTED, TIME_METRICS, GateDecision, describe_change
 from gpudiag.model.errors import ExitCode
 from gpudiag.model.options import OnInconclusive
 from gpudiag.model.results import Finding
@@ -184,6 +184,15 @@ def gate_lines(decision: GateDecision, on_inconclusive: OnInconclusive = "pass")
         lines += [f"  {f.severity} {f.id} {f.stage}: {f.title}"
                   + (f" at {f.location}" if f.location else "") for f in decision.new_findings]
     return lines
+
+
+def gate_round_line(decision: GateDecision, per_side: int, wanted: int) -> str:
+    """`gate --base-ref`'s progress after a round: each timed instrument's verdict so far, and
+    whether it goes on."""
+    states = ", ".join(f"{g.stage} {g.metric} time {g.outcome}" for g in decision.stages
+                       if g.metric in TIME_METRICS)
+    return (f"gate: {per_side} a side: {states}"
+            + (f"; going to {wanted}" if wanted > per_side else "; stopping"))
 
 
 STOPPED_BY = {129: "SIGHUP (the terminal or connection closed)", 130: "SIGINT (Ctrl-C)",
