@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny CPU configs, one recorded tiny ladder run, a fake GPU, and the tests'
-two doors to the tool: `invoke(argv)` runs a command in this process (typer's CliRunner),
-`profile_script(...)` runs `gpudiag profile` on a script as a user does: gpudiag's side in this
-process, the script in processes of its own (the recorder lives in the script's interpreter;
-its exit code and output are the real ones). Tests of signals start `gpudiag` itself."""
+"""Shared fixtures: tiny CPU configs, runs and stages built in a test, one recorded tiny ladder
+run, a fake GPU, and the tests' two doors to the tool: `invoke(argv)` runs a command in this
+process (typer's CliRunner), `profile_script(...)` runs `gpudiag profile` on a script as a user
+does: gpudiag's side in this process, the script in processes of its own (the recorder lives in
+the script's interpreter; its exit code and output are the real ones). Tests of signals start
+`gpudiag` itself."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from gpudiag.measure.plan import build_config
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.measure.telemetry.fake import fake_spec
-from gpudiag.model.config import PRESETS, RunConfig
-from gpudiag.model.results import RunResult
+from gpudiag.model.config import PRESETS, ProfileConfig, RunConfig
+from gpudiag.model.facts import ScriptFacts, StageFacts
+from gpudiag.model.results import Env, Evidence, RunResult, StageResult
 from gpudiag.model.runfile import load_run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
@@ -76,6 +78,34 @@ def ladder_config(**fields: Any) -> RunConfig:
         "batch_size": tiny.batch_size, "seq_len": tiny.seq_len, "iters": tiny.iters,
         "warmup": tiny.warmup, "min_seconds": tiny.min_seconds}
     return RunConfig(**{**values, **fields})
+
+
+def ladder_run(*stages: StageResult, device: str = "cuda", gpu: str | None = None,
+               env: Env | None = None, config: RunConfig | None = None,
+               **fields: Any) -> RunResult:
+    """A recorded `gpudiag run` of `stages`, built in the test: on `device` (a GPU named `gpu`;
+    `env`: a whole machine instead), with `ladder_config()` unless `config` is given; `fields`:
+    RunResult's others (findings, created_utc, ...)."""
+    return RunResult(tool_version="t", env=env or Env(device=device, gpu_name=gpu),
+                     config=config or ladder_config(), stages=list(stages), **fields)
+
+
+def script_run(*stages: StageResult, device: str = "cpu", config: ProfileConfig | None = None,
+               **fields: Any) -> RunResult:
+    """A recorded `gpudiag profile` of a script, built in the test: on `device`, with a default
+    ProfileConfig unless `config` is given; `fields`: RunResult's others."""
+    return RunResult(tool_version="t", env=Env(device=device), config=config or ProfileConfig(),
+                     stages=list(stages), **fields)
+
+
+def script_stage(iter_ms: Sequence[float], *, evidence: Evidence | None = None,
+                 **script: Any) -> StageResult:
+    """A profiled script's stage (train.py) that timed `iter_ms`: its script ran 100 steps, 5 of
+    warm-up and 30 timed, each ended by optimizer.step(); `script`: ScriptFacts' fields to
+    replace or add (host samples, compiles, remedies)."""
+    facts = {"steps": 100, "warmup": 5, "timed": 30, "step_clock": "optimizer.step()", **script}
+    return StageResult(name="train.py", status="ok", iter_ms=list(iter_ms), evidence=evidence,
+                       facts=StageFacts(script=ScriptFacts(**facts)))
 
 
 @pytest.fixture(scope="session")

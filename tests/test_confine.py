@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import in_folder, invoke, tree_hashes
+from conftest import in_folder, invoke, script_run, tree_hashes
 
 from gpudiag.measure import childexec as confine
 from gpudiag.measure import confine as confinement
@@ -26,9 +26,8 @@ from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
 from gpudiag.measure.profile.launching import scratch
 from gpudiag.measure.profile.launching.scratch import make_scratch
-from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import ExitCode
-from gpudiag.model.results import Env, MeasuredFix, Rerun, RunResult
+from gpudiag.model.results import MeasuredFix, Rerun
 from gpudiag.present.fixes import fixes_table, reruns_markdown
 
 landlock = pytest.mark.skipif(confine.landlock_abi() < 1, reason="the kernel has no Landlock")
@@ -186,17 +185,13 @@ def test_names_that_are_not_utf8_are_written_escaped(tmp_path: Path) -> None:
     made.linked[source / odd] = None
     rerun = made.finish("x", tmp_path / "run" / "parts")
     assert rerun.linked == ["caf\\xe9.bin/"]
-    "\n".join(reruns_markdown(_run(reruns=[rerun]))).encode("utf-8")  # no UnicodeEncodeError
-
-
-def _run(**fields: Any) -> RunResult:
-    return RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(), **fields)
+    "\n".join(reruns_markdown(script_run(reruns=[rerun]))).encode("utf-8")  # no UnicodeEncodeError
 
 
 def test_a_fix_that_was_not_measured_is_never_to_be_made_permanent() -> None:
     from rich.console import Console
 
-    run = _run()
+    run = script_run()
     run.fixes = [MeasuredFix(remedy="loader", title="DataLoader workers", status="failed",
                              change="DataLoader(num_workers=8)", note="its runs failed"),
                  MeasuredFix(remedy="none", title="Sync", status="no-remedy",
@@ -228,7 +223,7 @@ def test_without_landlock_nothing_runs_in_a_copy_unless_the_user_says_so(
 def test_the_rerun_record_says_how_it_was_kept() -> None:
     rerun = Rerun(label="loader", source="/u/proj", cwd="/u/proj/r/cwd/u/proj",
                   wrote_outside=["/data/out.pt"], confined=True)
-    run = _run(reruns=[rerun])
+    run = script_run(reruns=[rerun])
     text = "\n".join(reruns_markdown(run))
     assert "refused outside its copy" in text and "(read-only)" in text
 

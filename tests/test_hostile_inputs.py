@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_config, ladder_run
 
 from gpudiag.model.errors import ExitCode
-from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.results import RunResult, StageResult
 from gpudiag.model.runfile import save_run, to_jsonable
 
 Setup = Callable[[Path], None]
@@ -35,9 +35,9 @@ def _valid_run(model: str = "dgca", batch: int = 8, device: str = "cpu",
     times = [10.0 + 0.01 * ((i + shift) % 7) for i in range(40)]
     stage = StageResult(name="train-fp16", status="ok", title="t", iter_ms=times,
                         samples_per_step=batch)
-    return RunResult(tool_version="0.1.0", env=Env(device=device, gpu_name=gpu),
-                     config=ladder_config(model=model, batch_size=batch, seq_len=64,
-                                          device=device), stages=[stage])
+    return ladder_run(stage, device=device, gpu=gpu,
+                      config=ladder_config(model=model, batch_size=batch, seq_len=64,
+                                           device=device))
 
 
 def _valid_dict() -> dict[str, Any]:
