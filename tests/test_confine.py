@@ -78,6 +78,7 @@ ATTACKS = """
 
 
 @landlock
+@pytest.mark.slow
 def test_a_confined_run_writes_only_its_copy_and_its_own_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is linked, not copied
@@ -228,6 +229,7 @@ def test_the_rerun_record_says_how_it_was_kept() -> None:
     assert "refused outside its copy" in text and "(read-only)" in text
 
 
+@pytest.mark.slow
 def test_a_child_dies_with_the_gpudiag_that_started_it(tmp_path: Path) -> None:
     """SIGKILL (the out-of-memory killer) to a gpudiag that started a trial, torchrun or a
     profiled command: the child gets SIGTERM (Linux's parent-death signal) instead of running
@@ -261,6 +263,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.slow
 def test_run_trials_start_through_the_child_launcher(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gpudiag.measure import trialrun
@@ -315,6 +318,7 @@ def test_a_run_in_a_copy_refused_a_write_outside_says_so_and_how_to_allow_it(
     assert "refused outside its copy" in report and str(target) in report
 
 
+@pytest.mark.slow
 def test_without_landlock_a_short_script_is_not_run_again_unasked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(confine.ENV_OFF, "1")
@@ -393,6 +397,7 @@ def test_the_announcement_says_how_far_this_kernel_keeps_a_run(
 
 
 @landlock
+@pytest.mark.slow
 def test_a_cache_a_fresh_machine_lacks_is_made_and_writable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh runner has no ~/.cache yet: a confined run's first download (torch hub, Hugging

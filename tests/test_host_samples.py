@@ -500,6 +500,7 @@ def test_without_host_samples_periodic_work_says_it_has_no_line(tmp_path: Path) 
     assert "Where each step's time went" not in (tmp_path / "run" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_sample_rate_the_script_would_pay_for_is_refused(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots",
                            "--host-sample-hz", "5000", "--out", str(tmp_path / "run"), "--",

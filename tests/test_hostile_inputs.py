@@ -135,6 +135,7 @@ class Case:
     message: str  # a part of the one line the command must print
     setup: list[Setup] = field(default_factory=list)
     code: int = ExitCode.BAD_INPUT
+    slow: bool = False  # it runs git: a real subprocess
 
 
 DEEP = "[" * 200_000 + "]" * 200_000
@@ -294,9 +295,10 @@ GATE_CASES = [
          "exists; pass --force"),
     Case("gate-ref-unknown-stage", ["gate", "--base-ref", "HEAD", "--device", "cpu", "--stages",
                                     "nosuch"], "unknown stage 'nosuch'"),  # before any checkout
-    Case("gate-ref-outside-git", ["gate", "--base-ref", "HEAD"], "not inside a git repository"),
+    Case("gate-ref-outside-git", ["gate", "--base-ref", "HEAD"], "not inside a git repository",
+         slow=True),
     Case("gate-bad-ref", ["gate", "--base-ref", "no-such-ref-xyz"], "no-such-ref-xyz",
-         [_git_repository]),
+         [_git_repository], slow=True),
 ]
 
 def _evidence(**fields: Any) -> Callable[[dict[str, Any]], None]:
@@ -463,7 +465,8 @@ def test_there_are_enough_cases() -> None:
     assert len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=pytest.mark.slow if c.slow else ())
+                                  for c in CASES])
 def test_hostile_input_is_refused_cleanly(case: Case, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     ws = _workspace(tmp_path)

@@ -104,6 +104,7 @@ def test_a_trainer_subclass_that_builds_its_own_loader_is_told_its_hook(
         "in your OwnLoader.get_train_dataloader(): DataLoader(..., num_workers=")
 
 
+@pytest.mark.slow
 def test_lightning_loader_is_set_in_the_datamodules_hook(loader_remedy: list[LoaderSeen]) -> None:
     lightning = pytest.importorskip("lightning")
 
