@@ -20,7 +20,7 @@ def test_every_door_to_a_process_refuses_in_an_unmarked_test() -> None:
         "subprocess": lambda: subprocess.run(["true"], check=False),
         "multiprocessing": lambda: multiprocessing.get_context("spawn").Process().start(),
         "multiprocessing's helper": lambda: multiprocessing.util.spawnv_passfds(
-            sys.executable, [sys.executable, "-c", "pass"], ()),
+            os.fsencode(sys.executable), [sys.executable, "-c", "pass"], ()),
         "os.fork": lambda: os.fork(),  # noqa: PLW0108  (looked up once patched, not before)
         "os.posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], {}),
         "os.system": lambda: os.system("true"),
