@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny CPU configs, one recorded tiny ladder run, a fake GPU, and the tests'
-two doors to the tool: `invoke(argv)` runs a command in this process (typer's CliRunner),
-`profile_script(...)` runs `gpudiag profile` on a script as a user does: gpudiag's side in this
-process, the script in processes of its own (the recorder lives in the script's interpreter;
-its exit code and output are the real ones). Tests of signals start `gpudiag` itself."""
+"""Shared fixtures: tiny CPU configs, runs and stages built in a test, one recorded tiny ladder
+run, a fake GPU, and the tests' two doors to the tool: `invoke(argv)` runs a command in this
+process (typer's CliRunner), `profile_script(...)` runs `gpudiag profile` on a script as a user
+does: gpudiag's side in this process, the script in processes of its own (the recorder lives in
+the script's interpreter; its exit code and output are the real ones). Tests of signals start
+`gpudiag` itself."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import contextlib
 import fcntl
 import hashlib
+import multiprocessing.process
+import multiprocessing.util
 import pickle
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,24 +40,97 @@ from gpudiag.measure.plan import build_config
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
 from gpudiag.measure.telemetry.fake import fake_spec
-from gpudiag.model.config import PRESETS, RunConfig
-from gpudiag.model.results import RunResult
+from gpudiag.model.config import PRESETS, ProfileConfig, RunConfig
+from gpudiag.model.facts import ScriptFacts, StageFacts
+from gpudiag.model.results import Env, Evidence, RunResult, StageResult
 from gpudiag.model.runfile import load_run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "reports" / "examples"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The heavy tests (many processes, or long ones: 15-55 s each) first, then the other slow
-    ones (a real process, 5-15 s), then the rest, each group in file order; dealt out among
-    pytest-xdist's workers like cards, since its worksteal scheduler hands each worker a block
-    of the list in order (xdist/scheduler/worksteal.py, `_send_tests`) and a worker that runs
-    out steals from the end of another's: each block then starts with its heavy tests and ends
-    with fast ones, and no 15 s test starts last while the other core idles."""
+    """A test that reads `tiny_ladder` is slow, marked here once for all of them: the first of
+    a process builds a whole ladder (15 s, processes of its own). The heavy tests (many
+    processes, or long ones: 15-55 s each) first, then the other slow ones (a real process,
+    5-15 s), then the rest, each group in file order; dealt out among pytest-xdist's workers
+    like cards, since its worksteal scheduler hands each worker a block of the list in order
+    (xdist/scheduler/worksteal.py, `_send_tests`) and a worker that runs out steals from the
+    end of another's: each block then starts with its heavy tests and ends with fast ones, and
+    no 15 s test starts last while the other core idles."""
+    for item in items:
+        if "tiny_ladder" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: (item.get_closest_marker("heavy") is None,
                                  item.get_closest_marker("slow") is None))
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     items[:] = [item for first in range(workers) for item in items[first::workers]]
+
+
+# The fast tier, `-m "not slow and not heavy"`, is a developer's loop of seconds: a test that
+# starts a process (a second interpreter costs 1-5 s on a loaded 2-core machine) must say so
+# with its mark. Held by what it does, not by a timer: every door to a new process refuses
+# while an unmarked test, or a fixture set up for one, runs.
+FAST_TIER_MESSAGE = ("started a process ({door}) in a test marked neither slow nor heavy: mark "
+                     "it @pytest.mark.slow (heavy: many processes, or 15 s or more), which keeps "
+                     "it out of the fast tier, -m \"not slow and not heavy\"")
+
+
+# Python's own one-off `uname -p`, run once a process and cached (platform.uname().processor,
+# which platform.platform() reads too: gpudiag's environment and bug reports do), run here before
+# any test, so that no test of the fast tier is held to have started it.
+platform.uname().processor  # noqa: B018  (run for its cache)
+
+
+_POPEN = subprocess.Popen  # the class, whatever a test puts in its place meanwhile
+
+
+def _in_fast_tier(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slow") is None and item.get_closest_marker("heavy") is None
+
+
+def refuse_processes(patch: pytest.MonkeyPatch, started: list[str]) -> None:
+    """subprocess (os.popen too), multiprocessing's processes (DataLoader workers, pools) and
+    its helpers (resource tracker, forkserver), and os's own forks and spawns, each recorded in
+    `started` as it refuses, in case the code under test catches the failure and goes on."""
+    def refuser(door: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            started.append(door)
+            pytest.fail(FAST_TIER_MESSAGE.format(door=door))
+        return refuse
+
+    patch.setattr(_POPEN, "_execute_child", refuser("subprocess"))
+    patch.setattr(multiprocessing.process.BaseProcess, "start", refuser("multiprocessing"))
+    patch.setattr(multiprocessing.util, "spawnv_passfds", refuser("multiprocessing's helper"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        patch.setattr(os, name, refuser(f"os.{name}"))
+
+
+def _fast_tier_guard(item: pytest.Item) -> Generator[None, object, object]:
+    if not _in_fast_tier(item):
+        return (yield)
+    started: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        refuse_processes(patch, started)
+        result = yield
+    if started:  # refused, caught by the code under test, and the test went on
+        pytest.fail(FAST_TIER_MESSAGE.format(door=", ".join(started)))
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _fast_tier_guard(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _fast_tier_guard(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _fast_tier_guard(item))
 
 
 def tiny_config(model: str = "dgca", **overrides: Any) -> RunConfig:
@@ -76,6 +153,34 @@ def ladder_config(**fields: Any) -> RunConfig:
         "batch_size": tiny.batch_size, "seq_len": tiny.seq_len, "iters": tiny.iters,
         "warmup": tiny.warmup, "min_seconds": tiny.min_seconds}
     return RunConfig(**{**values, **fields})
+
+
+def ladder_run(*stages: StageResult, device: str = "cuda", gpu: str | None = None,
+               env: Env | None = None, config: RunConfig | None = None,
+               **fields: Any) -> RunResult:
+    """A recorded `gpudiag run` of `stages`, built in the test: on `device` (a GPU named `gpu`;
+    `env`: a whole machine instead), with `ladder_config()` unless `config` is given; `fields`:
+    RunResult's others (findings, created_utc, ...)."""
+    return RunResult(tool_version="t", env=env or Env(device=device, gpu_name=gpu),
+                     config=config or ladder_config(), stages=list(stages), **fields)
+
+
+def script_run(*stages: StageResult, device: str = "cpu", config: ProfileConfig | None = None,
+               **fields: Any) -> RunResult:
+    """A recorded `gpudiag profile` of a script, built in the test: on `device`, with a default
+    ProfileConfig unless `config` is given; `fields`: RunResult's others."""
+    return RunResult(tool_version="t", env=Env(device=device), config=config or ProfileConfig(),
+                     stages=list(stages), **fields)
+
+
+def script_stage(iter_ms: Sequence[float], *, evidence: Evidence | None = None,
+                 **script: Any) -> StageResult:
+    """A profiled script's stage (train.py) that timed `iter_ms`: its script ran 100 steps, 5 of
+    warm-up and 30 timed, each ended by optimizer.step(); `script`: ScriptFacts' fields to
+    replace or add (host samples, compiles, remedies)."""
+    facts = {"steps": 100, "warmup": 5, "timed": 30, "step_clock": "optimizer.step()", **script}
+    return StageResult(name="train.py", status="ok", iter_ms=list(iter_ms), evidence=evidence,
+                       facts=StageFacts(script=ScriptFacts(**facts)))
 
 
 @pytest.fixture(scope="session")

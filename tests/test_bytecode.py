@@ -27,6 +27,7 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return source
 
 
+@pytest.mark.slow
 def test_bytecode_is_kept_where_cached_writable_or_elsewhere(package: Path) -> None:
     env: dict[str, str] = {}
     assert bytecode_is_kept(env, "probepkg")  # not cached, but the next process writes it
@@ -45,6 +46,7 @@ def test_bytecode_is_not_kept_where_its_folder_cannot_be_written(
     assert not bytecode_is_kept({}, "probepkg")
 
 
+@pytest.mark.slow
 def test_the_jobs_processes_compile_once_beneath_its_folder(package: Path,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:

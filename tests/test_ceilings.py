@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_run
 
 from gpudiag.diagnose.ceilings import compute_dtype, utilisation
 from gpudiag.measure.flops import count_flops
@@ -49,8 +49,7 @@ def _run(gpu: str | None, flops: float, ms: float, precision: str,
         stages.append(StageResult(name="peak", status="ok", role="ceiling",
                                   facts=StageFacts(peak=PeakFacts(
             matmul_n=8192, matmul_tflops=peak, copy_gbps=3000.0, copy_bytes=2**30))))
-    return RunResult(tool_version="t", env=Env(device="cuda", gpu_name=gpu, tf32_matmul=False),
-                     config=ladder_config(), created_utc="2026-11-23T00:00:00+00:00", stages=stages)
+    return ladder_run(*stages, env=Env(device="cuda", gpu_name=gpu, tf32_matmul=False))
 
 
 def test_mfu_against_measured_then_datasheet_peaks() -> None:

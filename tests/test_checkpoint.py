@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_run
 
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.spikes import detect_period, find_spikes, lost_share
 from gpudiag.model.facts import CheckpointFacts, SaveRecord
-from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.results import RunResult, StageResult
 from gpudiag.model.runfile import load_run
 
 
@@ -78,18 +78,13 @@ def _stage(name: str, times: list[float], checkpoint: CheckpointFacts | None = N
     return stage
 
 
-def _run(*stages: StageResult) -> RunResult:
-    return RunResult(tool_version="test", env=Env(device="cuda"), config=ladder_config(),
-                     created_utc="2026-11-23T00:00:00+00:00", stages=list(stages))
-
-
 def _findings(run: RunResult, code: str) -> list:
     return [f for f in evaluate(run) if f.id == code]
 
 
 def test_stall_rule_from_step_times_alone() -> None:
     """No save records (any run, e.g. a profiled script): found from the period alone."""
-    found = _findings(_run(_stage("train", _periodic(10, stall=60.0))), "GD701")
+    found = _findings(ladder_run(_stage("train", _periodic(10, stall=60.0))), "GD701")
     assert len(found) == 1
     f = found[0]
     assert f.severity == "warning" and f.evidence["source"] == "step times alone"
@@ -105,8 +100,8 @@ def test_random_spikes_and_steady_steps_are_not_stalls() -> None:
     rng = np.random.default_rng(3)
     times = _series()
     times[rng.choice(120, size=8, replace=False)] += 60.0
-    assert not _findings(_run(_stage("train", times.tolist())), "GD701")
-    assert not _findings(_run(_stage("train", _series().tolist())), "GD701")
+    assert not _findings(ladder_run(_stage("train", times.tolist())), "GD701")
+    assert not _findings(ladder_run(_stage("train", _series().tolist())), "GD701")
 
 
 def _records(times: list[float], every: int, blocking: float, total: float, mode: str,
@@ -120,7 +115,7 @@ def _records(times: list[float], every: int, blocking: float, total: float, mode
 def test_sync_stage_priced_from_its_save_records() -> None:
     times = _periodic(10, stall=400.0)
     stage = _stage("checkpoint-sync", times, _records(times, 10, 400.0, 400.0, "sync"))
-    f = _findings(_run(stage), "GD701")[0]
+    f = _findings(ladder_run(stage), "GD701")[0]
     assert f.severity == "critical" and f.evidence["source"] == "save records"
     assert f.evidence["stall_ms_per_save"] == pytest.approx(400.0, rel=0.05)
     assert f.evidence["lost_share"] == pytest.approx(400 / 500, rel=0.05)
@@ -133,7 +128,7 @@ def test_async_saves_that_queue_are_flagged() -> None:
     times[9::10] += 400.0
     stage = _stage("checkpoint-async", times.tolist(),
                    _records(times.tolist(), 10, 402.0, 900.0, "async", waited=400.0))
-    found = _findings(_run(stage), "GD702")
+    found = _findings(ladder_run(stage), "GD702")
     assert len(found) == 1 and found[0].severity == "warning"
     assert found[0].evidence["saves_waited"] == 12
     assert "save every >= 19 steps" in found[0].fix
@@ -146,7 +141,7 @@ def test_async_writes_that_slow_training_are_flagged() -> None:
         times[start:start + 2] *= 1.4
     stage = _stage("checkpoint-async", times.tolist(),
                    _records(times.tolist(), 10, 1.0, 90.0, "async"))
-    found = _findings(_run(stage), "GD702")
+    found = _findings(ladder_run(stage), "GD702")
     assert len(found) == 1
     f = found[0]
     assert f.evidence["saves_waited"] == 0 and f.evidence["steps_during_write"] == 12 + 22
@@ -159,7 +154,7 @@ def test_async_writes_that_slow_training_are_flagged() -> None:
 def test_quiet_async_saving_is_not_flagged() -> None:
     times = _series().tolist()
     stage = _stage("checkpoint-async", times, _records(times, 10, 1.0, 90.0, "async"))
-    run = _run(stage)
+    run = ladder_run(stage)
     assert not _findings(run, "GD702")
     assert not _findings(run, "GD701")
 

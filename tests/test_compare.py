@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_config, ladder_run
 from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.diagnose.compare import compare_runs, match_findings
 from gpudiag.diagnose.gate import GateLimits, decide
 from gpudiag.diagnose.trials import merge_trials, steady_state
-from gpudiag.model.results import Env, Finding, RunResult, StageResult, TelemetrySummary
+from gpudiag.model.results import Finding, RunResult, StageResult, TelemetrySummary
 from gpudiag.model.runfile import load_run, save_run
 from gpudiag.present.compare import gate_lines
 
@@ -36,9 +36,9 @@ def _run(mean_ms: float, *, rng: np.random.Generator, steps: int = 40, step_nois
     times = _ar1_steps(mean_ms, steps, step_noise, rho, rng)
     stage = StageResult(name="train-fp16", status="ok", iter_ms=times, samples_per_step=BATCH,
                         telemetry=TelemetrySummary(available=True))
-    return RunResult(tool_version="test", env=Env(device=device, gpu_name="H100"),
-                     config=ladder_config(model=model, preset="full", batch_size=BATCH,
-                                          seq_len=128), stages=[stage])
+    return ladder_run(stage, device=device, gpu="H100",
+                      config=ladder_config(model=model, preset="full", batch_size=BATCH,
+                                           seq_len=128))
 
 
 def _side(mean_ms: float, trials: int, trial_noise: float, seed: int, **kw: object) -> RunResult:

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import profile_script, script_line, write_script
+from conftest import profile_script, script_line, script_run, script_stage, write_script
 
 from gpudiag.diagnose.timeline import stage_account
 from gpudiag.model.results import RunResult
@@ -159,21 +159,15 @@ def test_compiled_kernels_are_charged_to_the_lines_they_fused(
 
 def test_a_shift_from_compiling_on_timed_steps_is_not_blamed_on_interference() -> None:
     from gpudiag.diagnose import evaluate
-    from gpudiag.model.config import ProfileConfig
-    from gpudiag.model.facts import CompileEvent, CompileFacts, ScriptFacts, StageFacts
-    from gpudiag.model.results import Env, StageResult
+    from gpudiag.model.facts import CompileEvent, CompileFacts
 
     def stage(compiled_at: int | None) -> RunResult:
         events = [CompileEvent("forward", "model.py:10", 2.0, step=s, compile_id=f"0/{i}")
                   for i, s in enumerate([0] + ([compiled_at] if compiled_at else []))]
-        script = ScriptFacts(steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
-                             compiles=CompileFacts(events=events, seconds=2.0 * len(events)))
         times = [10.0] * 30
         times[2:7] = [40.0] * 5  # a slow block: steps 7-11
-        one = StageResult(name="train.py", status="ok", iter_ms=times,
-                          facts=StageFacts(script=script))
-        run = RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
-                        stages=[one])
+        run = script_run(script_stage(times, compiles=CompileFacts(
+            events=events, seconds=2.0 * len(events))))
         run.findings = evaluate(run)
         return run
 

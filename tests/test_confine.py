@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import in_folder, invoke, tree_hashes
+from conftest import in_folder, invoke, script_run, tree_hashes
 
 from gpudiag.measure import childexec as confine
 from gpudiag.measure import confine as confinement
@@ -26,9 +26,8 @@ from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
 from gpudiag.measure.profile.launching import scratch
 from gpudiag.measure.profile.launching.scratch import make_scratch
-from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import ExitCode
-from gpudiag.model.results import Env, MeasuredFix, Rerun, RunResult
+from gpudiag.model.results import MeasuredFix, Rerun
 from gpudiag.present.fixes import fixes_table, reruns_markdown
 
 landlock = pytest.mark.skipif(confine.landlock_abi() < 1, reason="the kernel has no Landlock")
@@ -79,6 +78,7 @@ ATTACKS = """
 
 
 @landlock
+@pytest.mark.slow
 def test_a_confined_run_writes_only_its_copy_and_its_own_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is linked, not copied
@@ -186,17 +186,13 @@ def test_names_that_are_not_utf8_are_written_escaped(tmp_path: Path) -> None:
     made.linked[source / odd] = None
     rerun = made.finish("x", tmp_path / "run" / "parts")
     assert rerun.linked == ["caf\\xe9.bin/"]
-    "\n".join(reruns_markdown(_run(reruns=[rerun]))).encode("utf-8")  # no UnicodeEncodeError
-
-
-def _run(**fields: Any) -> RunResult:
-    return RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(), **fields)
+    "\n".join(reruns_markdown(script_run(reruns=[rerun]))).encode("utf-8")  # no UnicodeEncodeError
 
 
 def test_a_fix_that_was_not_measured_is_never_to_be_made_permanent() -> None:
     from rich.console import Console
 
-    run = _run()
+    run = script_run()
     run.fixes = [MeasuredFix(remedy="loader", title="DataLoader workers", status="failed",
                              change="DataLoader(num_workers=8)", note="its runs failed"),
                  MeasuredFix(remedy="none", title="Sync", status="no-remedy",
@@ -228,11 +224,12 @@ def test_without_landlock_nothing_runs_in_a_copy_unless_the_user_says_so(
 def test_the_rerun_record_says_how_it_was_kept() -> None:
     rerun = Rerun(label="loader", source="/u/proj", cwd="/u/proj/r/cwd/u/proj",
                   wrote_outside=["/data/out.pt"], confined=True)
-    run = _run(reruns=[rerun])
+    run = script_run(reruns=[rerun])
     text = "\n".join(reruns_markdown(run))
     assert "refused outside its copy" in text and "(read-only)" in text
 
 
+@pytest.mark.slow
 def test_a_child_dies_with_the_gpudiag_that_started_it(tmp_path: Path) -> None:
     """SIGKILL (the out-of-memory killer) to a gpudiag that started a trial, torchrun or a
     profiled command: the child gets SIGTERM (Linux's parent-death signal) instead of running
@@ -266,6 +263,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.slow
 def test_run_trials_start_through_the_child_launcher(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gpudiag.measure import trialrun
@@ -320,6 +318,7 @@ def test_a_run_in_a_copy_refused_a_write_outside_says_so_and_how_to_allow_it(
     assert "refused outside its copy" in report and str(target) in report
 
 
+@pytest.mark.slow
 def test_without_landlock_a_short_script_is_not_run_again_unasked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(confine.ENV_OFF, "1")
@@ -398,6 +397,7 @@ def test_the_announcement_says_how_far_this_kernel_keeps_a_run(
 
 
 @landlock
+@pytest.mark.slow
 def test_a_cache_a_fresh_machine_lacks_is_made_and_writable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh runner has no ~/.cache yet: a confined run's first download (torch hub, Hugging

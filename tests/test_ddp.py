@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_run, script_run
 from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.plan import build_config
 from gpudiag.measure.stages.ddp.launch import _failure_line, launch_command, merge_parts
-from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import (
     DdpFacts,
     DdpJobFacts,
@@ -26,7 +25,7 @@ from gpudiag.model.facts import (
     StageFacts,
     Straggler,
 )
-from gpudiag.model.results import Env, Evidence, RunResult, StageResult
+from gpudiag.model.results import Evidence, RunResult, StageResult
 from gpudiag.model.runfile import load_run
 
 PARTS = Path(__file__).resolve().parent / "data" / "ddp-cpu-parts.json"
@@ -79,8 +78,7 @@ def test_straggler_is_the_rank_with_slow_compute() -> None:
     straggler = _info(merge_parts(slow, _config(), "ddp", "t")).straggler
     assert straggler is not None and straggler.rank == 1 and straggler.ratio >= 1.8
     # ... and GD801 names it: the rule's own threshold decides, not a flag in the facts.
-    run = RunResult(tool_version="t", env=Env(device="cpu"), config=ladder_config(),
-                    stages=[merge_parts(slow, _config(), "ddp", "t")])
+    run = ladder_run(merge_parts(slow, _config(), "ddp", "t"), device="cpu")
     run.stages[0].facts.ddp.scaling_efficiency = 0.5  # type: ignore[union-attr]
     assert _one(run, "GD801")[0].evidence["cause"] == "a straggler"
 
@@ -105,10 +103,11 @@ def test_failure_line_names_the_rank_error() -> None:
 # --- Rules on hand-built per-rank evidence -------------------------------------------------
 
 
-def _stage(*, step: float, single: float, efficiency: float, transfer: float | None = None,
-           exposed: float | None = None, overlap: float | None = None,
-           straggler_ratio: float = 1.0, sweep: list[dict[str, Any]] | None = None,
-           evidence: Evidence | None = None) -> RunResult:
+def _ddp_run(*, step: float, single: float, efficiency: float, transfer: float | None = None,
+             exposed: float | None = None, overlap: float | None = None,
+             straggler_ratio: float = 1.0, sweep: list[dict[str, Any]] | None = None,
+             evidence: Evidence | None = None) -> RunResult:
+    """A recorded run of a DDP stage on GPUs with these figures."""
     info = DdpFacts(
         world_size=2, per_device_batch=64, accum=1, no_sync="correct",
         grad_bytes_per_round=440_000_000, scaling_efficiency=efficiency,
@@ -121,8 +120,7 @@ def _stage(*, step: float, single: float, efficiency: float, transfer: float | N
         sweep=[DdpVariant(**row) for row in sweep or []])
     stage = StageResult(name="ddp", status="ok", samples_per_step=128,
                         iter_ms=[step] * 10, facts=StageFacts(ddp=info), evidence=evidence)
-    return RunResult(tool_version="t", env=Env(device="cuda"), config=ladder_config(),
-                     created_utc="2026-11-23T00:00:00+00:00", stages=[stage])
+    return ladder_run(stage)
 
 
 def _one(run: RunResult, code: str) -> list:
@@ -132,10 +130,10 @@ def _one(run: RunResult, code: str) -> list:
 def test_sockets_like_run_is_communication_bound() -> None:
     """BERT-base over sockets, hand-built: 33 ms steps become ~133 ms; 0.44 GB of gradients at
     3.8 GB/s take ~116 ms (reports/examples/h200x2-ddp/sockets measured the dgca case)."""
-    run = _stage(step=133.0, single=33.3, efficiency=0.25, transfer=116.0, exposed=98.0,
-                 overlap=0.2, sweep=[{"name": "default", "scaling_efficiency": 0.25},
-                                     {"name": "accumulate x4 (no_sync)",
-                                      "scaling_efficiency": 0.6}])
+    run = _ddp_run(step=133.0, single=33.3, efficiency=0.25, transfer=116.0, exposed=98.0,
+                   overlap=0.2, sweep=[{"name": "default", "scaling_efficiency": 0.25},
+                                       {"name": "accumulate x4 (no_sync)",
+                                        "scaling_efficiency": 0.6}])
     (f,) = _one(run, "GD801")
     assert f.severity == "critical" and f.evidence["cause"] == "communication"
     assert f.evidence["exposed_comm_share"] == pytest.approx(98 / 133, abs=0.01)
@@ -146,21 +144,21 @@ def test_sockets_like_run_is_communication_bound() -> None:
 
 
 def test_straggler_outranks_communication() -> None:
-    run = _stage(step=60.0, single=33.0, efficiency=0.55, transfer=40.0, straggler_ratio=1.3)
+    run = _ddp_run(step=60.0, single=33.0, efficiency=0.55, transfer=40.0, straggler_ratio=1.3)
     (f,) = _one(run, "GD801")
     assert f.evidence["cause"] == "a straggler" and "rank 1" in f.fix
 
 
 def test_small_batch_and_unexplained_causes() -> None:
-    small = _stage(step=20.0, single=12.0, efficiency=0.6, transfer=1.0)
+    small = _ddp_run(step=20.0, single=12.0, efficiency=0.6, transfer=1.0)
     assert _one(small, "GD801")[0].evidence["cause"] == "per-device batch too small"
-    unexplained = _stage(step=60.0, single=40.0, efficiency=0.67, transfer=2.0)
+    unexplained = _ddp_run(step=60.0, single=40.0, efficiency=0.67, transfer=2.0)
     assert _one(unexplained, "GD801")[0].evidence["cause"] == "unexplained overhead"
 
 
 def test_good_scaling_and_one_rank_are_quiet() -> None:
-    assert not _one(_stage(step=36.0, single=33.0, efficiency=0.91, transfer=1.0), "GD801")
-    run = _stage(step=36.0, single=33.0, efficiency=0.5, transfer=1.0)
+    assert not _one(_ddp_run(step=36.0, single=33.0, efficiency=0.91, transfer=1.0), "GD801")
+    run = _ddp_run(step=36.0, single=33.0, efficiency=0.5, transfer=1.0)
     _info(run.stages[0]).world_size = 1
     assert not _one(run, "GD801")
 
@@ -168,14 +166,14 @@ def test_good_scaling_and_one_rank_are_quiet() -> None:
 def test_no_sync_misuse_from_microstep_evidence() -> None:
     misuse = Evidence(steps=2, step_ms=100.0, backend="cuda", microsteps_per_step=4.0,
                       microsteps_with_collectives_per_step=4.0, collective_calls_per_step=8.0)
-    run = _stage(step=100.0, single=20.0, efficiency=0.9, transfer=40.0, evidence=misuse)
+    run = _ddp_run(step=100.0, single=20.0, efficiency=0.9, transfer=40.0, evidence=misuse)
     (f,) = _one(run, "GD802")
     assert f.severity == "warning" and f.evidence["reducing_microsteps_per_step"] == 4.0
     assert f.evidence["wasted_transfer_ms_per_step"] == pytest.approx(30.0)
     assert f.impact == pytest.approx(0.3)
     correct = Evidence(steps=2, step_ms=100.0, backend="cuda", microsteps_per_step=4.0,
                        microsteps_with_collectives_per_step=1.0)
-    assert not _one(_stage(step=100.0, single=20.0, efficiency=0.9, evidence=correct), "GD802")
+    assert not _one(_ddp_run(step=100.0, single=20.0, efficiency=0.9, evidence=correct), "GD802")
 
 
 # --- Real two-rank runs --------------------------------------------------------------------
@@ -228,8 +226,8 @@ def _rank(rank: int, *, step: float, exposed: float, compute: float, window: flo
 
 
 def _job(*ranks: StageResult) -> RunResult:
-    return RunResult(tool_version="t", env=Env(device="cuda"), config=ProfileConfig(),
-                     stages=list(ranks))
+    """A profiled DDP job of `ranks`, on GPUs."""
+    return script_run(*ranks, device="cuda")
 
 
 def test_profiled_job_bound_by_a_slow_link_names_communication_with_its_figures() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import ladder_config
+from conftest import ladder_config, ladder_run
 
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.counters import CounterChange, compare_counters, line_deltas
@@ -15,7 +15,6 @@ from gpudiag.diagnose.noise import DEVICE_FLOOR
 from gpudiag.diagnose.trials import merge_trials
 from gpudiag.model.errors import BadInput
 from gpudiag.model.results import (
-    Env,
     Evidence,
     LineCount,
     RunResult,
@@ -91,8 +90,7 @@ def _run(device_ms: list[float], *, syncs: float = 3.0, wall_ms: float = 90.0) -
     stage = StageResult(name="train", status="ok", iter_ms=[wall_ms] * 30,
                         samples_per_step=64, evidence=evidence,
                         telemetry=TelemetrySummary(available=True))
-    return RunResult(tool_version="t", env=Env(device="cuda:0", gpu_name="H100"),
-                     config=ladder_config(model="m"), stages=[stage])
+    return ladder_run(stage, device="cuda:0", gpu="H100", config=ladder_config(model="m"))
 
 
 def test_device_time_decides_what_wall_time_cannot() -> None:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_config, ladder_run
 
 from gpudiag.diagnose.compare import compare_runs
 from gpudiag.diagnose.gate import GateRules, decide, gate_rules, judge, judge_trials, parse_limits
@@ -21,7 +21,7 @@ from gpudiag.diagnose.trials import merge_trials
 from gpudiag.model.calibration import DEFAULT_CALIBRATION, Calibration, save_calibration
 from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.options import GateOptions
-from gpudiag.model.results import Env, Evidence, LineCount, RunResult, StageResult, TelemetrySummary
+from gpudiag.model.results import Evidence, LineCount, RunResult, StageResult, TelemetrySummary
 from gpudiag.model.runfile import save_run
 from gpudiag.present.compare import gate_round_line
 
@@ -37,8 +37,8 @@ def _run(device_ms: float, wall_ms: float = 90.0, *, seed: int = 0, jitter: floa
                         line_counts=[LineCount("m.py:1", "forward", ops=ops, kernels=ops)])
     stage = StageResult(name="train", status="ok", iter_ms=steps, samples_per_step=64,
                         evidence=evidence, telemetry=TelemetrySummary(available=True))
-    return RunResult(tool_version="t", env=Env(device="cuda:0", gpu_name="H100"),
-                     config=ladder_config(model="m", batch_size=64), stages=[stage])
+    return ladder_run(stage, device="cuda:0", gpu="H100",
+                      config=ladder_config(model="m", batch_size=64))
 
 
 def _side(n: int, device_ms: float, seed: int, wall_ms: float = 90.0,

@@ -76,6 +76,7 @@ def test_a_head_that_cannot_import_its_model_is_the_heads_failure(tmp_path: Path
     assert len(worktrees.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_base_ref_errors_are_one_line(tmp_path: Path) -> None:
     outside = _gpudiag(tmp_path, "gate", "--base-ref", "main", "--device", "cpu")
     assert outside.returncode == 2 and "not inside a git repository" in outside.stderr
@@ -117,6 +118,7 @@ def _committed(repo: Path, files: dict[str, str]) -> Path:
     return repo
 
 
+@pytest.mark.slow
 def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path) -> None:
     """gate --base-ref's worktree is removed alone: a worktree of the user's whose directory
     is missing at that moment (an unmounted drive, a moved folder) stays registered."""
@@ -139,6 +141,7 @@ def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path)
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_folder_the_base_lacks_is_named_before_any_worktree(tmp_path: Path) -> None:
     """The gate run from sub/, which the head added: one line naming the folder, no
     worktree, not a trial failing in a deleted temporary path."""
@@ -158,6 +161,7 @@ def test_a_folder_the_base_lacks_is_named_before_any_worktree(tmp_path: Path) ->
         assert (base / "train.py").is_file()
 
 
+@pytest.mark.slow
 def test_the_head_checkout_is_this_checkout_as_it_is(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A script's head runs in a worktree holding this checkout's uncommitted change and its
@@ -190,6 +194,7 @@ def test_the_head_checkout_is_this_checkout_as_it_is(tmp_path: Path,
                               text=True, check=True).stdout
 
 
+@pytest.mark.slow
 def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An untracked, unignored folder past the copy's budget (a venv, a dataset) is refused in
@@ -213,6 +218,7 @@ def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
         assert (head / "venv" / "lib" / "m4.py").read_text() == "x = 1\n"
 
 
+@pytest.mark.slow
 def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path: Path) -> None:
     """`python /repo/sub/train.py` from /repo/sub: each side's trial runs its checkout's file,
     not the head's; a path outside the repository stays as given."""

@@ -171,6 +171,7 @@ def test_unchanged_code_passes_the_recipe_and_its_runs_gate_and_calibrate(
                      r"ran: .*RuntimeError: broken on purpose", crashed.stdout), crashed.stdout
 
 
+@pytest.mark.slow
 def test_the_command_form_is_checked_before_anything_runs(tmp_path: Path) -> None:
     """Run options belong to gpudiag's workload, --share and --samples-per-step to a command,
     a --share path must exist under the working directory; each a one-line exit 2."""
@@ -260,6 +261,7 @@ def test_a_command_that_cannot_run_confined_is_nothing_measured_and_says_why(
     assert not outside.parent.exists() and _worktrees(repo) == 1
 
 
+@pytest.mark.slow
 def test_without_landlock_a_gated_command_runs_only_with_consent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel cannot confine the trials, `gate --base-ref -- COMMAND` and

@@ -19,14 +19,14 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from conftest import profile_script, script_line, write_script
+from conftest import profile_script, script_line, script_stage, write_script
 
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import periodic_groups
 from gpudiag.measure.profile.inscript import threadtimer
 from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
-from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import Evidence, Finding, LineCount, RunResult, StageResult
+from gpudiag.model.facts import HostLine, HostSamples
+from gpudiag.model.results import Evidence, Finding, LineCount, RunResult
 
 BLOCK_S = 0.4
 
@@ -240,11 +240,7 @@ def test_the_window_steps_are_not_slots_a_period_must_fill() -> None:
     assert periodic_groups(extra, 60, unseen=(40,)) == [(10, [10, 20, 30, 50], [])]  # ... unseen
 
 
-def _stage(host: HostSamples, evidence: Evidence | None = None) -> StageResult:
-    return StageResult(name="train.py", status="ok", evidence=evidence, iter_ms=[10.0] * 20,
-                       facts=StageFacts(script=ScriptFacts(steps=100, warmup=5, timed=30,
-                                                           step_clock="optimizer.step()",
-                                                           host=host)))
+STEPS_MS = [10.0] * 20  # a script's timed steps, where only its host samples matter
 
 
 def _host(lines: list[HostLine], steps: int = 50, wall_per_step: float = 10.0,
@@ -266,7 +262,7 @@ def test_the_step_waterfall_adds_up_and_the_window_decides_what_a_call_was() -> 
     window = Evidence(steps=3, step_ms=10.0, backend="cuda", idle_fraction=0.6,
                       line_counts=[LineCount("train.py:41", "<module>", ops=2, kernels=2),
                                    LineCount("train.py:44", "<module>", syncs=1)])
-    account = step_account(_stage(_host(lines), window))
+    account = step_account(script_stage(STEPS_MS, host=_host(lines), evidence=window))
     assert account is not None
     assert account.parts == pytest.approx({"python": 6.0, "torch": 3.0, "sync": 1.0})
     assert sum(account.parts.values()) + account.unsampled_ms == pytest.approx(account.step_ms)
@@ -276,23 +272,24 @@ def test_the_step_waterfall_adds_up_and_the_window_decides_what_a_call_was() -> 
     assert by_line["train.py:44"].syncs_per_step == 1
     assert account.gpu_busy_share == pytest.approx(0.4)
     # Without a window, a call stays unknown: "torch or not".
-    unknown = step_account(_stage(_host(lines)))
+    unknown = step_account(script_stage(STEPS_MS, host=_host(lines)))
     assert unknown is not None and unknown.parts["call"] == pytest.approx(5.0)
 
 
 def test_time_no_sample_saw_is_a_part_of_its_own_not_hidden() -> None:
     lines = [HostLine("train.py:40", "<module>", "python", 600.0)]
-    account = step_account(_stage(_host(lines, coverage=0.6)))
+    account = step_account(script_stage(STEPS_MS, host=_host(lines, coverage=0.6)))
     assert account is not None
     assert account.unsampled_ms == pytest.approx(account.step_ms * 0.4)
     # Sampling noise either way of the wall time is scaled away.
-    noisy = step_account(_stage(_host(lines, coverage=1.05)))
+    noisy = step_account(script_stage(STEPS_MS, host=_host(lines, coverage=1.05)))
     assert noisy is not None and noisy.unsampled_ms == 0
     assert sum(noisy.parts.values()) == pytest.approx(noisy.step_ms)
 
 
 def test_too_few_samples_make_no_account() -> None:
-    assert step_account(_stage(_host([HostLine("t.py:1", "f", "python", 50.0)]))) is None
+    few = _host([HostLine("t.py:1", "f", "python", 50.0)])
+    assert step_account(script_stage(STEPS_MS, host=few)) is None
 
 
 # --- gpudiag profile on scripts written for these tests --------------------------------------
@@ -503,6 +500,7 @@ def test_without_host_samples_periodic_work_says_it_has_no_line(tmp_path: Path) 
     assert "Where each step's time went" not in (tmp_path / "run" / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_sample_rate_the_script_would_pay_for_is_refused(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "gpudiag", "profile", "--no-plots",
                            "--host-sample-hz", "5000", "--out", str(tmp_path / "run"), "--",
@@ -530,7 +528,7 @@ def test_a_lines_sampling_error_bounds_the_spread_of_its_estimate() -> None:
     lines = [HostLine("t.py:1", "f", "python", line_ms * steps)]
     host = _host(lines, steps=steps)
     host.period_ms, host.samples = period, int(steps * step_ms / period)
-    account = step_account(_stage(host))
+    account = step_account(script_stage(STEPS_MS, host=host))
     assert account is not None
     assert statistics.fmean(estimates) == pytest.approx(line_ms, rel=0.05)
     assert statistics.stdev(estimates) <= 1.3 * account.error(line_ms)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from conftest import script_run, script_stage
+
 from gpudiag.diagnose.gate import GateRules, judge
 from gpudiag.diagnose.hostdiff import host_line_changes, localized_growth
 from gpudiag.model.calibration import Calibration, CalibrationRecord, StageSpread
-from gpudiag.model.config import ProfileConfig
-from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import Env, Evidence, RunResult, StageResult
+from gpudiag.model.facts import HostLine, HostSamples
+from gpudiag.model.results import Evidence, StageResult
 
 STEPS = 30
 
@@ -25,20 +26,11 @@ def stage(lines: dict[str, tuple[str, float]], *, step_ms: float, seed: int) -> 
                        lines=[HostLine(loc, "<module>", "python", ms * STEPS)
                               for loc, (_, ms) in lines.items()],
                        text={loc: text for loc, (text, _) in lines.items()})
-    script = ScriptFacts(steps=40, warmup=5, timed=STEPS, step_clock="optimizer.step()",
-                         host=host)
     rng = random.Random(seed)
-    return StageResult(name="train.py", status="ok",
-                       iter_ms=[step_ms * (1 + rng.uniform(-0.005, 0.005))
-                                for _ in range(STEPS)],
-                       facts=StageFacts(script=script),
-                       evidence=Evidence(steps=3, step_ms=step_ms, backend="cpu",
-                                         ops_per_step=12.0, syncs_per_step=0.0))
-
-
-def run(one: StageResult) -> RunResult:
-    return RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
-                     stages=[one])
+    return script_stage([step_ms * (1 + rng.uniform(-0.005, 0.005)) for _ in range(STEPS)],
+                        steps=40, timed=STEPS, host=host,
+                        evidence=Evidence(steps=3, step_ms=step_ms, backend="cpu",
+                                          ops_per_step=12.0, syncs_per_step=0.0))
 
 
 BASE = {"train.py:9": ("loss = model(x).mean()", 4.0),
@@ -79,15 +71,15 @@ def test_the_gate_keeps_a_regression_at_an_edited_line_between_runs_recorded_apa
     spread = CalibrationRecord(device="cpu", gpu_name=None, workload={"mode": "profile"},
                                stages=[StageSpread("train.py", trials=8, wall_sd=0.01)])
     rules = GateRules(calibration=Calibration([spread]))
-    base = run(stage(BASE, step_ms=30, seed=1))
+    base = script_run(stage(BASE, step_ms=30, seed=1))
     head = {**BASE, "train.py:14": ("time.sleep(0.028)", 28.0)}
-    decision, _ = judge(base, run(stage(head, step_ms=38, seed=2)), rules)
+    decision, _ = judge(base, script_run(stage(head, step_ms=38, seed=2)), rules)
     (wall,) = [g for g in decision.stages if g.metric == "wall"]
     assert wall.outcome == "regression", wall.reason
     assert "grew at train.py:14 `time.sleep(0.028)` +8.0 ms/step" in wall.reason
     assert "a line the head changed" in wall.reason
     waited = {**BASE, "train.py:10": ("loss.backward()", 14.0)}
-    decision, _ = judge(base, run(stage(waited, step_ms=38, seed=2)), rules)
+    decision, _ = judge(base, script_run(stage(waited, step_ms=38, seed=2)), rules)
     (wall,) = [g for g in decision.stages if g.metric == "wall"]
     assert wall.outcome == "inconclusive" and wall.drift, wall.reason
 

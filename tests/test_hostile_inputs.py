@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import invoke, ladder_config
+from conftest import invoke, ladder_config, ladder_run
 
 from gpudiag.model.errors import ExitCode
-from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.results import RunResult, StageResult
 from gpudiag.model.runfile import save_run, to_jsonable
 
 Setup = Callable[[Path], None]
@@ -35,9 +35,9 @@ def _valid_run(model: str = "dgca", batch: int = 8, device: str = "cpu",
     times = [10.0 + 0.01 * ((i + shift) % 7) for i in range(40)]
     stage = StageResult(name="train-fp16", status="ok", title="t", iter_ms=times,
                         samples_per_step=batch)
-    return RunResult(tool_version="0.1.0", env=Env(device=device, gpu_name=gpu),
-                     config=ladder_config(model=model, batch_size=batch, seq_len=64,
-                                          device=device), stages=[stage])
+    return ladder_run(stage, device=device, gpu=gpu,
+                      config=ladder_config(model=model, batch_size=batch, seq_len=64,
+                                           device=device))
 
 
 def _valid_dict() -> dict[str, Any]:
@@ -135,6 +135,7 @@ class Case:
     message: str  # a part of the one line the command must print
     setup: list[Setup] = field(default_factory=list)
     code: int = ExitCode.BAD_INPUT
+    slow: bool = False  # it runs git: a real subprocess
 
 
 DEEP = "[" * 200_000 + "]" * 200_000
@@ -294,9 +295,10 @@ GATE_CASES = [
          "exists; pass --force"),
     Case("gate-ref-unknown-stage", ["gate", "--base-ref", "HEAD", "--device", "cpu", "--stages",
                                     "nosuch"], "unknown stage 'nosuch'"),  # before any checkout
-    Case("gate-ref-outside-git", ["gate", "--base-ref", "HEAD"], "not inside a git repository"),
+    Case("gate-ref-outside-git", ["gate", "--base-ref", "HEAD"], "not inside a git repository",
+         slow=True),
     Case("gate-bad-ref", ["gate", "--base-ref", "no-such-ref-xyz"], "no-such-ref-xyz",
-         [_git_repository]),
+         [_git_repository], slow=True),
 ]
 
 def _evidence(**fields: Any) -> Callable[[dict[str, Any]], None]:
@@ -463,7 +465,8 @@ def test_there_are_enough_cases() -> None:
     assert len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=pytest.mark.slow if c.slow else ())
+                                  for c in CASES])
 def test_hostile_input_is_refused_cleanly(case: Case, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     ws = _workspace(tmp_path)

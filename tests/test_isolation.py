@@ -111,6 +111,7 @@ WATCHED_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_the_write_watch_lists_what_lands_outside_the_copy(tmp_path: Path) -> None:
     copy, parts, out = tmp_path / "run" / "cwd", tmp_path / "run" / "parts", tmp_path / "user"
     for folder in (copy, parts, out / "existing", out / "tree" / "a"):

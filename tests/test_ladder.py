@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import EXAMPLES, tiny_config
+from conftest import EXAMPLES, ladder_run, tiny_config
 
 from gpudiag.measure.runner import RunOutput, run_stages
 from gpudiag.measure.stages import DEFAULT_LADDER
@@ -176,7 +176,7 @@ def test_a_stop_while_the_run_waits_for_a_window_says_so_on_its_stage() -> None:
     abandoned, and that stage says its trace was not read (it does not lose the reading)."""
     from gpudiag.measure.evidence.reader import WindowRead, WindowReader
     from gpudiag.measure.runner import _Session
-    from gpudiag.model.results import Env, RunResult, StageResult
+    from gpudiag.model.results import StageResult
 
     class Interrupted:
         """A reading whose first wait is cut by a stop; then the reader's abandoned answer."""
@@ -192,7 +192,7 @@ def test_a_stop_while_the_run_waits_for_a_window_says_so_on_its_stage() -> None:
                 raise KeyboardInterrupt
             return WindowRead(None, error="the run was interrupted before its trace was read")
 
-    run = RunResult(tool_version="t", env=Env(device="cpu"), config=tiny_config())
+    run = ladder_run(device="cpu", config=tiny_config())
     stage = StageResult(name="train", status="ok", iter_ms=[1.0] * 4)
     session = _Session(run, None, None, None, lambda: None,  # type: ignore[arg-type]
                        reader=WindowReader())

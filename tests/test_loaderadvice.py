@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import script_run, script_stage
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpudiag.diagnose.loaderadvice import loader_change
 from gpudiag.diagnose.tryfix import measured_fix
-from gpudiag.model.config import ProfileConfig
-from gpudiag.model.facts import ScriptFacts, StageFacts
 from gpudiag.model.remedies import (
     REMEDIES,
     LoaderRecord,
@@ -24,7 +23,7 @@ from gpudiag.model.remedies import (
     LoaderSettings,
     RemedyEvidence,
 )
-from gpudiag.model.results import Env, Finding, RunResult, StageResult
+from gpudiag.model.results import Finding, RunResult
 
 HERE = Path(__file__).name
 
@@ -105,6 +104,7 @@ def test_a_trainer_subclass_that_builds_its_own_loader_is_told_its_hook(
         "in your OwnLoader.get_train_dataloader(): DataLoader(..., num_workers=")
 
 
+@pytest.mark.slow
 def test_lightning_loader_is_set_in_the_datamodules_hook(loader_remedy: list[LoaderSeen]) -> None:
     lightning = pytest.importorskip("lightning")
 
@@ -150,15 +150,13 @@ def test_a_loader_accelerate_rebuilt_is_changed_where_the_script_built_it(
     assert change.change.startswith("in the DataLoader(...) call: num_workers=")
 
 
-def _script_run(remedies: RemedyEvidence, step_ms: float) -> RunResult:
-    script = ScriptFacts(steps=40, warmup=4, timed=36, step_clock="optimizer.step()",
-                         losses=[1.0, 0.9, 0.8], remedies=remedies)
-    stage = StageResult(name="train.py", status="ok", iter_ms=[step_ms] * 36,
-                        facts=StageFacts(script=script))
-    return RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
-                     stages=[stage], findings=[Finding(
-                         id="GD201", rule="r", severity="warning", stage="train.py",
-                         title="input-bound", fix="more workers", location="train.py:9")])
+def _input_bound_run(remedies: RemedyEvidence, step_ms: float) -> RunResult:
+    """A profiled script the input-bound rule (GD201) named, its loader remedies `remedies`."""
+    stage = script_stage([step_ms] * 36, steps=40, warmup=4, timed=36, losses=[1.0, 0.9, 0.8],
+                         remedies=remedies)
+    return script_run(stage, findings=[Finding(
+        id="GD201", rule="r", severity="warning", stage="train.py", title="input-bound",
+        fix="more workers", location="train.py:9")])
 
 
 def test_make_it_permanent_names_the_settings_measured() -> None:
@@ -170,9 +168,9 @@ def test_make_it_permanent_names_the_settings_measured() -> None:
                               prefetch_factor=None),
         after=LoaderSettings(num_workers=2, pin_memory=False, persistent_workers=True,
                              prefetch_factor=4))])
-    without = _script_run(RemedyEvidence(), 20.0)
+    without = _input_bound_run(RemedyEvidence(), 20.0)
     fix = measured_fix(REMEDIES["loader"], ["loader"], without,
-                       _script_run(RemedyEvidence(loader=recorded), 10.0), [1.0, 0.9, 0.8],
+                       _input_bound_run(RemedyEvidence(loader=recorded), 10.0), [1.0, 0.9, 0.8],
                        without)
     assert fix.location == "train.py:12"
     assert fix.change == ("in the DataLoader(...) call: num_workers=2, persistent_workers=True, "

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import invoke
+from conftest import invoke, script_run
 
 from gpudiag.model.runfile import load_run
 from gpudiag.present.files import read_samples
@@ -101,14 +101,11 @@ def test_a_diagnosis_without_evidence_is_no_clean_bill_of_health() -> None:
     """"No rule saw a material cost" only where every stage that was to run ran and was seen:
     a stage without a window, or one that failed (a script too short for a timed step), says
     the diagnosis could not see it; a stage skipped by design (ddp on one GPU) does not."""
-    from gpudiag.model.config import ProfileConfig
-    from gpudiag.model.results import Env, RunResult, StageResult
+    from gpudiag.model.results import StageResult
     from gpudiag.present.findings import diagnosis_markdown
 
     def said(*stages: StageResult) -> str:
-        run = RunResult(tool_version="t", env=Env(device="cpu"), config=ProfileConfig(),
-                        stages=list(stages))
-        return "\n".join(diagnosis_markdown(run))
+        return "\n".join(diagnosis_markdown(script_run(*stages)))
 
     seen = StageResult(name="train.py", status="ok", iter_ms=[10.0] * 30)
     skipped = StageResult(name="ddp", status="skipped", error="needs 2 GPUs")

@@ -8,11 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import ladder_config
+from conftest import ladder_config, ladder_run
 
 from gpudiag.model.results import (
     SCHEMA_VERSION,
-    Env,
     Finding,
     MemoryStats,
     RunResult,
@@ -34,12 +33,12 @@ def _run() -> RunResult:
     )
     failed = StageResult(name="full-loop", status="error", error="out of device memory",
                          advice="lower --batch-size")
-    return RunResult(tool_version="0.1.0", env=Env(device="cuda:0", gpu_name="H100"),
-                     config=ladder_config(batch_size=128), stages=[stage, failed],
-                     findings=[Finding(id="GD101", rule="python-loop-launches",
-                                       severity="warning", stage="full-loop", title="x",
-                                       evidence={"ops_per_step": 5000}, impact=0.6,
-                                       location="dgca.py:119", fix="vectorize")])
+    return ladder_run(stage, failed, device="cuda:0", gpu="H100",
+                      config=ladder_config(batch_size=128),
+                      findings=[Finding(id="GD101", rule="python-loop-launches",
+                                        severity="warning", stage="full-loop", title="x",
+                                        evidence={"ops_per_step": 5000}, impact=0.6,
+                                        location="dgca.py:119", fix="vectorize")])
 
 
 def test_round_trip_is_lossless(tmp_path: Path) -> None:

@@ -145,6 +145,7 @@ def test_a_signal_the_script_handles_is_left_to_it() -> None:
         _run_steps(lambda: None, 1, period_s=0.005, clock="signal")
 
 
+@pytest.mark.slow
 def test_system_calls_in_the_training_thread_resume_under_the_signal() -> None:
     # A C library's read(2), as a C extension makes it (Python's own calls retry on EINTR,
     # PEP 475; C code often does not): it must be restarted, not fail, under the signal.

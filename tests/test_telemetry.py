@@ -86,6 +86,7 @@ def _assert_counter_energy(spec: dict[str, Any], timed: Timed) -> None:
 # --- the sampler on a fake GPU ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_constant_power_window_reports_the_fake_gpu_values() -> None:
     spec = fake_spec([(0.0, 250.0)])
     with _open(spec) as sampler:
@@ -116,6 +117,7 @@ def test_constant_power_window_reports_the_fake_gpu_values() -> None:
     assert s.unavailable_metrics == {}
 
 
+@pytest.mark.slow
 def test_energy_integrates_a_power_step() -> None:
     spec = fake_spec([(0.0, 100.0), (0.5, 300.0)])
     step_at = max(t for t, _ in spec["power_steps"])
@@ -137,6 +139,7 @@ def test_energy_integrates_a_power_step() -> None:
     assert after.summary.power_mean_w == pytest.approx(300.0, rel=0.02)
 
 
+@pytest.mark.slow
 def test_power_is_the_energy_over_the_time_between_the_counters_reads(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A thread held up between a window's edge and the counter's read (a loaded machine: a
@@ -161,6 +164,7 @@ def test_power_is_the_energy_over_the_time_between_the_counters_reads(
     assert timed.summary.power_mean_w == pytest.approx(250.0, rel=0.01)
 
 
+@pytest.mark.slow
 def test_energy_falls_back_to_the_power_integral_without_a_counter() -> None:
     reason = "counter refused by the test"
     spec = fake_spec([(0.0, 250.0)], refuse={"energy_counter": reason})
@@ -176,6 +180,7 @@ def test_energy_falls_back_to_the_power_integral_without_a_counter() -> None:
     assert s.unavailable_metrics == {"energy_counter": reason}
 
 
+@pytest.mark.slow
 def test_refused_metrics_are_none_and_listed_while_others_remain() -> None:
     refuse = {"sm_clock_mhz": "clock refused", **dict.fromkeys(GPM_METRICS, "no GPM here")}
     spec = fake_spec([(0.0, 250.0)], refuse=refuse)
@@ -198,6 +203,7 @@ def test_refused_metrics_are_none_and_listed_while_others_remain() -> None:
     assert "kernel_active_pct" in frame
 
 
+@pytest.mark.slow
 def test_one_refused_gpm_metric_leaves_the_others() -> None:
     spec = fake_spec([(0.0, 250.0)], refuse={"tensor_active_pct": "not on this chip"},
                      gpm={"sm_active_pct": 80.0})
@@ -243,6 +249,7 @@ def test_unavailable_sampler_degrades_without_raising(
     assert list(frame.columns) == ["t_s", "stage", "window"]
 
 
+@pytest.mark.slow
 def test_samples_are_labelled_with_their_window() -> None:
     with _open(fake_spec([(0.0, 250.0)])) as sampler:
         assert sampler.wait_ready()
@@ -277,6 +284,7 @@ def test_samples_are_labelled_with_their_window() -> None:
     assert (frame["stage"] == "a").sum() >= a.summary.sample_count
 
 
+@pytest.mark.slow
 def test_closing_stops_the_worker_and_removes_its_files() -> None:
     with _open(fake_spec()) as sampler:
         assert sampler.wait_ready()
@@ -291,6 +299,7 @@ def test_closing_stops_the_worker_and_removes_its_files() -> None:
     assert not any(p.exists() for p in paths if p is not None)
 
 
+@pytest.mark.slow
 def test_an_exception_inside_the_sampler_still_stops_the_worker() -> None:
     with pytest.raises(RuntimeError, match="stage failed"), _open(fake_spec()) as sampler:
         worker = sampler._worker
@@ -417,6 +426,7 @@ def test_summary_means_and_extremes() -> None:
     assert s.memory_busy_pct == pytest.approx(30.0)
 
 
+@pytest.mark.slow
 def test_samples_stay_readable_after_close() -> None:
     sampler = open_sampler("cpu", None, 0, period_s=0.02, gpm_period_s=0.2,
                            spec=fake_spec([(0.0, 200.0)]))
@@ -429,6 +439,7 @@ def test_samples_stay_readable_after_close() -> None:
     assert len(frame) >= 1 and "a" in set(frame["stage"])
 
 
+@pytest.mark.slow
 def test_a_worker_that_never_writes_is_waited_for_once(tmp_path: Any) -> None:
     """measure_window asks before every stage's warm-up: a worker that came up is not
     waited for again, and one that hangs costs its timeout once, not once a stage."""

@@ -769,6 +769,7 @@ def test_a_scripts_window_is_read_in_gpudiags_process(tmp_path: Path) -> None:
     assert (window_evidence(parts, 8, unwritable)[1] or "").startswith("t.json.gz not written")
 
 
+@pytest.mark.slow
 def test_the_ladders_windows_are_read_in_a_process_beside_it(tmp_path: Path) -> None:
     """A large window's trace goes to the reader process and comes back as the evidence an
     analysis here makes (a small one is read here at once); where that process has died, what
