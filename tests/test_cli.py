@@ -90,6 +90,7 @@ def test_no_arguments_shows_help() -> None:
     assert "run" in result.output and "Usage" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["profile", "--help"],
                                   ["gate", "--help"]])
 def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
@@ -104,6 +105,7 @@ def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
     assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-300:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["import", "command"])
 def test_a_ctrl_c_while_gpudiag_loads_or_stops_is_130_in_one_line(where: str) -> None:
     """A Ctrl-C while gpudiag.cli is imported (a second or two), or one that escapes a command

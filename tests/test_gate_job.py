@@ -240,6 +240,7 @@ def _worktrees(repo: Path) -> list[Path]:
             if line.startswith("worktree ")]
 
 
+@pytest.mark.slow
 def test_a_gate_job_checks_out_both_sides_before_its_run_folder(tmp_path: Path) -> None:
     """A bad ref makes no run folder; a user's command gets both sides checked out, --share
     linked into each, before the folder is made and the trials start; none is left after."""

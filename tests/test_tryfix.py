@@ -226,6 +226,7 @@ COMPILE_CHECK = """
 """
 
 
+@pytest.mark.slow
 def test_compile_remedy_compiles_the_outermost_model_in_place(tmp_path: Path) -> None:
     """compile-model: the outermost module with parameters is compiled in place at its first
     call (which itself runs eager), not its layers, not a parameterless loss module; the
