@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import script_run, script_stage
 from test_rules import CASES
 from test_timeline import _timeline
 
@@ -24,9 +25,8 @@ from gpudiag.diagnose.ledger import (
 )
 from gpudiag.diagnose.registry import Draft, rule
 from gpudiag.diagnose.timeline import stage_account
-from gpudiag.model.config import ProfileConfig
-from gpudiag.model.facts import HostLine, HostSamples, ScriptFacts, StageFacts
-from gpudiag.model.results import Env, Evidence, FindingAccount, RunResult, StageResult
+from gpudiag.model.facts import HostLine, HostSamples
+from gpudiag.model.results import Evidence, FindingAccount, RunResult, StageResult
 from gpudiag.model.runfile import RunFileError, load_run, save_run
 from gpudiag.present.waterfall import markdown_sections
 
@@ -38,18 +38,14 @@ PROFILED = sorted(p.parent for p in EXAMPLES.rglob("run.json")
 
 
 def _run(stage: StageResult) -> RunResult:
-    run = RunResult(tool_version="test", env=Env(device="cpu"), config=ProfileConfig(),
-                    stages=[stage])
+    run = script_run(stage)
     run.findings = evaluate(run)
     return run
 
 
 def _script_stage(host: HostSamples | None = None, **planted: float) -> StageResult:
     timeline = _timeline(**planted)  # type: ignore[arg-type]
-    return StageResult(name="train.py", status="ok", iter_ms=timeline.step_ms[1:36],
-                       facts=StageFacts(script=ScriptFacts(steps=200, warmup=5, timed=30,
-                                                           step_clock="optimizer.step()",
-                                                           timeline=timeline, host=host)))
+    return script_stage(timeline.step_ms[1:36], steps=200, timeline=timeline, host=host)
 
 
 def test_a_save_and_an_evaluation_are_priced_on_one_wall_and_named_in_the_waterfall() -> None:

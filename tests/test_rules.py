@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ladder_config
+from conftest import ladder_config, ladder_run
 
 from gpudiag.diagnose import all_rules, evaluate, find_rule
 from gpudiag.measure.runner import RunOutput
@@ -177,8 +177,7 @@ def make_run(*stages: StageResult, compute_capability: str | None = "9.0",
              tf32: bool | None = False) -> RunResult:
     env = Env(device="cuda", gpu_name="Test GPU", gpu_count=1,
               compute_capability=compute_capability, tf32_matmul=tf32)
-    return RunResult(tool_version="test", env=env, config=ladder_config(batch_size=8),
-                     stages=list(stages))
+    return ladder_run(*stages, env=env, config=ladder_config(batch_size=8))
 
 
 def make_stage(name: str, *, ms: float = STEP_MS, evidence: Evidence | None = None,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_folder, invoke, line_of, tree_hashes, write_script
+from conftest import in_folder, invoke, line_of, script_run, script_stage, tree_hashes, write_script
 
 from gpudiag.diagnose.tryfix import equivalence, passing, plan_fixes, ranked
 from gpudiag.measure.childexec import landlock_abi
@@ -38,7 +38,7 @@ from gpudiag.model.remedies import (
     Tf32Record,
     field_of,
 )
-from gpudiag.model.results import Env, Finding, MeasuredFix, RunResult
+from gpudiag.model.results import Finding, MeasuredFix, RunResult
 from gpudiag.model.runfile import load_run
 from gpudiag.present.fixes import fixes_markdown
 
@@ -365,10 +365,9 @@ def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_it_was
 
 
 def _run(*findings: tuple[str, str], device: str = "cuda") -> RunResult:
-    return RunResult(tool_version="t", env=Env(device=device), config=ProfileConfig(),
-                     findings=[Finding(id=code, rule="r", severity=severity, stage="s",
-                                       title=f"{code} seen", fix=f"fix {code}")
-                               for code, severity in findings])
+    return script_run(device=device, findings=[
+        Finding(id=code, rule="r", severity=severity, stage="s", title=f"{code} seen",
+                fix=f"fix {code}") for code, severity in findings])
 
 
 def test_findings_decide_the_remedies() -> None:
@@ -687,14 +686,8 @@ def _took_effect(names: tuple[str, ...]) -> RemedyEvidence:
 
 def _timed(config: ProfileConfig, ms: float) -> RunResult:
     """A run of the script with `config`'s remedies: 40 steps of `ms`."""
-    from gpudiag.model.facts import ScriptFacts, StageFacts
-    from gpudiag.model.results import StageResult
-
-    script = ScriptFacts(steps=40, warmup=0, timed=40, step_clock="optimizer.step()",
-                         losses=[1.0, 0.9], remedies=_took_effect(config.remedies))
-    return RunResult(tool_version="t", env=Env(device="cpu"), config=config, stages=[
-        StageResult(name="train.py", status="ok", iter_ms=[ms] * 40,
-                    facts=StageFacts(script=script))])
+    return script_run(script_stage([ms] * 40, steps=40, warmup=0, timed=40, losses=[1.0, 0.9],
+                                   remedies=_took_effect(config.remedies)), config=config)
 
 
 @pytest.mark.parametrize(("stopped_in", "where"), [
@@ -714,8 +707,7 @@ def test_a_stop_keeps_the_measured_runs_and_names_the_fixes_it_left_unmeasured(
     def profile_command(request: ProfileRequest) -> ProfileOutput:
         label = request.out.name
         if label == stopped_in and where == "start-up":
-            return ProfileOutput(run=RunResult(tool_version="t", env=Env(device="cpu"),
-                                               config=request.config, interrupted=True),
+            return ProfileOutput(run=script_run(config=request.config, interrupted=True),
                                  exit_code=130)
         return ProfileOutput(run=_timed(request.config, 10.0 if request.config.remedies
                                         else 20.0), exit_code=0)
