@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
+from gpudiag.measure.profile.inscript.lifecycle import Stop
 from gpudiag.measure.profile.inscript.planned import planned_steps
 from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
@@ -86,8 +87,7 @@ class Recorder:
         self.extra_steps = 0
         self.end_mark: float | None = None
         self.exit_mark: float | None = None
-        self.stop_after_window = config.stop_after_window
-        trace_dir = os.environ.get(ENV_TRACE_DIR)
+        trace_dir = os.environ.get(ENV_TRACE_DIR)  # where gpudiag keeps a copy of the trace
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.sampler: Any = None
         self.host_sampler: HostSampler | None = None
@@ -107,11 +107,7 @@ class Recorder:
         self.fitted_to_plan = False  # the schedule was shrunk to the steps the script plans
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
-        self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
-        self.interrupt_pending = False  # a SIGINT came: a step boundary after it stops
-        # This process (the script's, or a DataLoader worker forked with a copy of this
-        # recorder) had a SIGINT or SIGTERM: a stop is under way.
-        self.stop_seen = False
+        self.stop = Stop()  # lifecycle.py's signal handlers ask; each step boundary acts
         # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
         self.applied = Applied(config.remedies)
         self.losses = LossLog(config.losses)
@@ -157,16 +153,8 @@ class Recorder:
         self.manual = True
         self.boundary()
 
-    def _stop_if_asked(self) -> None:
-        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
-        after (lifecycle.py's handlers set them)."""
-        if self.stop_signal is not None:
-            raise SystemExit(128 + self.stop_signal)
-        if self.interrupt_pending:
-            raise KeyboardInterrupt
-
     def boundary(self) -> None:
-        self._stop_if_asked()
+        self.stop.at_boundary()
         if self.finished:
             return
         if self.steps >= MAX_STEPS:
@@ -296,7 +284,7 @@ class Recorder:
         and end the script if asked to."""
         self._write_part()
         (self.out / window_done_name(os.getpid())).touch()
-        if self.stop_after_window:
+        if self.config.stop_after_window:
             print(f"gpudiag profile: the profiler window closed at step {self.steps}; ending "
                   "the script (--stop-after-window)", file=sys.stderr, flush=True)
             self.cut_short = True
