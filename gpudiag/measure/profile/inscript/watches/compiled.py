@@ -62,10 +62,10 @@ class CompiledWatch(Watch):
         return not compiled()
 
     def trace_made(self, trace: WindowTrace, annotated: bool) -> None:
-        """The counts up to here; unannotated (compiled) code's kernels charged to lines by
-        Inductor's provenance instead, where it was kept."""
+        """The counts up to here; compiled code, which the window did not annotate, has its
+        kernels charged to lines by Inductor's provenance instead, where it was kept."""
         self.counts = _compile_counts()
-        if not annotated:
+        if not annotated and compiled():
             trace.kernel_lines = kernel_lines()
             trace.attribution_note = _attribution(bool(trace.kernel_lines))
 
