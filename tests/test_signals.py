@@ -321,9 +321,10 @@ def test_a_stopped_scripts_loader_worker_keeps_the_sharers_lost_peer_quiet(
     from types import SimpleNamespace
 
     from gpudiag.measure.profile.inscript import lifecycle
+    from gpudiag.measure.profile.inscript.recorder import Stop
 
     crashes: list[str] = []
-    stop = lifecycle.Stop()
+    stop = Stop()
     recorder = SimpleNamespace(stop=stop, crashed=lambda _t, exc, _tb: crashes.append(str(exc)))
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     lifecycle._record_crashes(recorder)  # type: ignore[arg-type]

@@ -1,8 +1,8 @@
 """How a profiled process ends, and what the recorder writes on the way: at exit (atexit), at an
 exception the script did not catch (sys.excepthook), at os._exit (which skips atexit), and at
-SIGTERM or SIGINT, which stop the script at its next step boundary (the recorder's `Stop`)
-rather than wherever it happens to be. Installed once per interpreter by install.py, with the
-one Recorder bound to each handler."""
+SIGTERM or SIGINT, which stop the script at its next step boundary (the recorder's `Stop`, set
+here) rather than wherever it happens to be. Installed once per interpreter by install.py, with
+the one Recorder bound to each handler."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -34,26 +33,6 @@ STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 # the stop reaches the script's main process first (it drops the handshake) and this worker's
 # main thread a moment later (CI saw the traceback printed before it did).
 STOP_GRACE_S = 0.5
-
-
-@dataclass
-class Stop:
-    """A stop under way in this process, as the signal handlers here saw it; the recorder acts
-    on it at its next step boundary."""
-
-    # This process (the script's, or a DataLoader worker forked with a copy of the recorder)
-    # had a SIGINT or SIGTERM.
-    seen: bool = False
-    signal: int | None = None  # a SIGTERM waiting for the next step boundary
-    interrupt: bool = False  # a SIGINT came: a step boundary after it stops
-
-    def at_boundary(self) -> None:
-        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
-        after."""
-        if self.signal is not None:
-            raise SystemExit(128 + self.signal)
-        if self.interrupt:
-            raise KeyboardInterrupt
 
 
 def install(recorder: Recorder) -> None:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -32,7 +33,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
-from gpudiag.measure.profile.inscript.lifecycle import Stop
 from gpudiag.measure.profile.inscript.planned import planned_steps
 from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
@@ -61,6 +61,26 @@ MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long r
 # killed outright keeps its steps up to then.
 PART_EVERY_S = 60.0
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
+
+
+@dataclass
+class Stop:
+    """A stop under way in this process, as lifecycle.py's signal handlers saw it; the
+    recorder acts on it at its next step boundary."""
+
+    # This process (the script's, or a DataLoader worker forked with a copy of the recorder)
+    # had a SIGINT or SIGTERM.
+    seen: bool = False
+    signal: int | None = None  # a SIGTERM waiting for the next step boundary
+    interrupt: bool = False  # a SIGINT came: a step boundary after it stops
+
+    def at_boundary(self) -> None:
+        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
+        after."""
+        if self.signal is not None:
+            raise SystemExit(128 + self.signal)
+        if self.interrupt:
+            raise KeyboardInterrupt
 
 
 class Recorder:
