@@ -1,4 +1,4 @@
-"""torch.compile under `gpudiag profile` (gpudiag/measure/profile/inscript/compiles.py,
+"""torch.compile under `gpudiag profile` (gpudiag/measure/profile/inscript/watches/compiled.py,
 gpudiag/diagnose/gd9_compile.py), on scripts written for these tests: a compiled model fed a
 new length every step (recompilations with Dynamo's guard and the call's line, the recompile
 limit's fall back to eager, the compile time as a part of the run), a graph break (its reason

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import profile_script, script_line, write_script
 
-from gpudiag.measure.profile.inscript.components import implementation
 from gpudiag.measure.profile.inscript.remedies import _faster
+from gpudiag.measure.profile.inscript.watches.optimizers import implementation
 from gpudiag.model.remedies import OptimizerSeen
 
 # Two framework settings that cost most of a CPU step, each at its own line: AdamW's

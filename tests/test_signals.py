@@ -321,10 +321,11 @@ def test_a_stopped_scripts_loader_worker_keeps_the_sharers_lost_peer_quiet(
     from types import SimpleNamespace
 
     from gpudiag.measure.profile.inscript import lifecycle
+    from gpudiag.measure.profile.inscript.recorder import Stop
 
     crashes: list[str] = []
-    recorder = SimpleNamespace(stop_seen=False,
-                               crashed=lambda _t, exc, _tb: crashes.append(str(exc)))
+    stop = Stop()
+    recorder = SimpleNamespace(stop=stop, crashed=lambda _t, exc, _tb: crashes.append(str(exc)))
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     lifecycle._record_crashes(recorder)  # type: ignore[arg-type]
 
@@ -339,9 +340,8 @@ def test_a_stopped_scripts_loader_worker_keeps_the_sharers_lost_peer_quiet(
             sys.excepthook(type(exc), exc, exc.__traceback__)
 
     def stop_seen_after(seconds: float | None) -> None:
-        recorder.stop_seen = seconds == 0
-        late = None if not seconds else threading.Timer(seconds, setattr,
-                                                         (recorder, "stop_seen", True))
+        stop.seen = seconds == 0
+        late = None if not seconds else threading.Timer(seconds, setattr, (stop, "seen", True))
         if late is not None:
             late.start()
         sharer = threading.Thread(target=in_the_sharers_thread)

@@ -1,5 +1,6 @@
 """torch.compile rules: recompilations, the recompile limit's silent fallback to eager, graph
-breaks; from Dynamo's own compilation records (gpudiag/measure/profile/inscript/compiles.py)."""
+breaks; from Dynamo's own compilation records
+(gpudiag/measure/profile/inscript/watches/compiled.py)."""
 
 from __future__ import annotations
 

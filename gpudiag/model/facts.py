@@ -161,7 +161,7 @@ class FsdpUnits:
     each one FSDP2 unit: a group of parameters gathered before its forward and backward and
     their gradients reduce-scattered after. Read from FSDP2's parameter groups at the first
     optimizer step, once its lazy init has decided which units reshard after forward
-    (gpudiag/measure/profile/inscript/components.py), never changed."""
+    (gpudiag/measure/profile/inscript/watches/fsdp.py), never changed."""
 
     site: str | None  # "path:line": the script's fully_shard(...) call
     units: int
@@ -332,7 +332,8 @@ OptimizerImpl = Literal["single-tensor", "foreach", "fused", "unknown"]
 @dataclass
 class OptimizerFacts:
     """One optimizer the script built and stepped, as it was built: read from the live object
-    at its first step (gpudiag/measure/profile/inscript/components.py), never changed."""
+    at its first step (gpudiag/measure/profile/inscript/watches/optimizers.py), never
+    changed."""
 
     name: str  # its class, e.g. "AdamW"
     module: str  # where the class is defined, e.g. "torch.optim.adamw"

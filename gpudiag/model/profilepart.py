@@ -22,7 +22,7 @@ class WindowTrace:
     step_ms: float  # their mean host time
     backend: str  # "cuda" or "cpu"
     timed_step_ms: float | None  # the timed steps' pace (lower quartile)
-    # Compiled kernels' source lines (--compile-lines: inscript/compiles.py).
+    # Compiled kernels' source lines (--compile-lines: inscript/watches/compiled.py).
     kernel_lines: dict[str, list[str]] = field(default_factory=dict)
     # Where the script found its files (its working directory, then its sys.path): a line's
     # path is looked up there, as the script would, to tell whether it sits in a loop.

@@ -159,7 +159,7 @@ class ProfilerWindow:
                  kernel_lines: dict[str, list[str]] | None = None) -> Evidence | None:
         """The window's evidence, against the timed steps' pace; None without a closed step.
         `kernel_lines`: compiled kernels' source lines
-        (gpudiag/measure/profile/inscript/compiles.py)."""
+        (gpudiag/measure/profile/inscript/watches/compiled.py)."""
         if not self.step_ms:
             return None
         begin = time.perf_counter()

@@ -1,7 +1,8 @@
-"""Patches made once a module is imported, wherever the import comes from: FSDP2's modules
-take ~1.5 s to import, and a script that never shards should not pay for gpudiag's patch of
-them (the recorder's, hooks.py, and a remedy's, remedies.py). A hand-written post-import hook,
-as wrapt's register_post_import_hook: not worth a dependency in every profiled process."""
+"""Patches made once a module is imported, wherever the import comes from: torch itself (the
+recorder starts as the script imports it, install.py), and a framework a script may never use,
+which should not be imported for gpudiag's patch of it (FSDP2's modules take ~1.5 s:
+watches/fsdp.py). A hand-written post-import hook, as wrapt's register_post_import_hook: not
+worth a dependency in every profiled process."""
 
 from __future__ import annotations
 
@@ -11,10 +12,6 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-
-# FSDP2's parameter group, one per fully_shard(...) call (torch 2.6 moved it from _composable).
-FSDP_PARAM_GROUP_MODULES = ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
-                            "torch.distributed._composable.fsdp._fsdp_param_group")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -58,16 +55,3 @@ def when_imported(names: Sequence[str], callback: Callable[[ModuleType], None]) 
         else:
             _after_import.waiting.setdefault(name, []).append(callback)
 
-
-def when_fsdp_imported(callback: Callable[[type], None]) -> None:
-    """`callback(FSDPParamGroup)` once FSDP2 is imported, under whichever name this torch has
-    it (each class once, where both modules hold it)."""
-    seen: set[int] = set()
-
-    def found(module: ModuleType) -> None:
-        group = getattr(module, "FSDPParamGroup", None)
-        if isinstance(group, type) and id(group) not in seen:
-            seen.add(id(group))
-            callback(group)
-
-    when_imported(FSDP_PARAM_GROUP_MODULES, found)

@@ -1,8 +1,9 @@
 """What bootstrap/sitecustomize.py calls in every Python process `gpudiag profile` starts: in a
 re-run, the watch on writes outside its scratch copy first (standard library only); then, once
-the script imports torch, this interpreter's one Recorder (recorder.py), the patches that feed it
-(hooks.py) and its exit, crash and signal handling (lifecycle.py). `gpudiag.step()` finds that
-Recorder here, as RECORDER, without importing this module (a script not profiled never has it).
+the script imports torch, this interpreter's one Recorder (recorder.py), the patches of its
+watches (watches/) and its exit, crash and signal handling (lifecycle.py). `gpudiag.step()`
+finds that Recorder here, as RECORDER, without importing this module (a script not profiled
+never has it).
 """
 
 from __future__ import annotations
@@ -112,7 +113,6 @@ def _recorder(started: float) -> None:
     config = config_from_env(os.environ)
     # These import torch, which has just loaded.
     from gpudiag.measure.profile.inscript import (  # noqa: PLC0415 (torch: once the script loads it)
-        hooks,
         lifecycle,
         recorder,
         remedies,
@@ -121,5 +121,5 @@ def _recorder(started: float) -> None:
     if config.seed is not None:
         remedies.seed_everything(config.seed)
     made = RECORDER = recorder.Recorder(Path(os.environ[ENV_OUT]), config, started)
-    hooks.install(made)
+    made.install()
     lifecycle.install(made)

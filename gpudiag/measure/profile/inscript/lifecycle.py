@@ -1,8 +1,8 @@
 """How a profiled process ends, and what the recorder writes on the way: at exit (atexit), at an
 exception the script did not catch (sys.excepthook), at os._exit (which skips atexit), and at
-SIGTERM or SIGINT, which stop the script at its next step boundary (Recorder._stop_if_asked)
-rather than wherever it happens to be. Installed once per interpreter by install.py, with the
-one Recorder bound to each handler."""
+SIGTERM or SIGINT, which stop the script at its next step boundary (the recorder's `Stop`, set
+here) rather than wherever it happens to be. Installed once per interpreter by install.py, with
+the one Recorder bound to each handler."""
 
 from __future__ import annotations
 
@@ -88,10 +88,10 @@ def _stop_comes(recorder: Recorder) -> bool:
     for only outside the main thread, which is the one that handles it: multiprocessing's
     resource sharer reports its errors from a thread of its own)."""
     deadline = time.monotonic() + STOP_GRACE_S
-    while not recorder.stop_seen and threading.current_thread() is not threading.main_thread() \
+    while not recorder.stop.seen and threading.current_thread() is not threading.main_thread() \
             and time.monotonic() < deadline:
         time.sleep(0.01)
-    return recorder.stop_seen
+    return recorder.stop.seen
 
 
 def _write_before_os_exit(recorder: Recorder) -> None:
@@ -123,13 +123,13 @@ def _exit_on_sigterm(recorder: Recorder, signum: int, frame: FrameType | None) -
     a process it kills, a daemon it forked) dies at once, as it would without gpudiag."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
-    recorder.stop_seen = True
+    recorder.stop.seen = True
     parent = multiprocessing.parent_process()
     # A signal pending at a fork runs its handler in the new child too, before multiprocessing
     # has set parent_process(): a pid other than the one that installed the hook is a child.
     if parent is None and recorder.pid == os.getpid():
-        if recorder.stop_signal is None and recorder.steps and not recorder.finished:
-            recorder.stop_signal = signum
+        if recorder.stop.signal is None and recorder.steps and not recorder.finished:
+            recorder.stop.signal = signum
             timer = threading.Timer(STOP_AT_STEP_S, _thread.interrupt_main, (signum,))
             timer.daemon = True
             timer.start()
@@ -153,9 +153,9 @@ def _interrupt(recorder: Recorder, signum: int, frame: FrameType | None) -> None
     fork it is only remembered (the new child leaves stopping to the script)."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
-    recorder.stop_seen = True
+    recorder.stop.seen = True
     if recorder.pid == os.getpid() and multiprocessing.parent_process() is None:
-        recorder.interrupt_pending = True
+        recorder.stop.interrupt = True
     if _launching_a_process(frame):
         return
     signal.default_int_handler(signum, frame)

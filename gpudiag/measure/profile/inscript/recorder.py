@@ -1,17 +1,18 @@
-"""Inside a profiled script: step boundaries, step times, data wait, saves, telemetry and one
-profiler window, written as a stage when the process exits.
+"""Inside a profiled script: step boundaries, step times, telemetry and one profiler window,
+written as a stage (a part) when the process exits; what the script's frameworks did (its
+DataLoaders' waits, saves, DDP, FSDP, optimizers, torch.compile) is each watch's to record
+(watches/), and to fill into the stage.
 
-Made at interpreter start-up by install.py (which the bootstrap's sitecustomize calls), fed by
-the patches of hooks.py, and written at exit by lifecycle.py's handlers. Steps end
-at each `optimizer.step()` of the first optimizer that steps (a global post-hook), or at each
-`gpudiag.step()` / end of `with gpudiag.watch():` once the script uses those. Which steps warm
-up, are timed, run under the profiler or come after is schedule.py's to say.
+Made at interpreter start-up by install.py (which the bootstrap's sitecustomize calls), and
+written at exit by lifecycle.py's handlers. Steps end at each `optimizer.step()` of the first
+optimizer that steps (a global post-hook), or at each `gpudiag.step()` / end of
+`with gpudiag.watch():` once the script uses those. Which steps warm up, are timed, run under
+the profiler or come after is schedule.py's to say.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
 import statistics
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -27,23 +28,17 @@ from typing import Any
 import nvtx
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
-from gpudiag.measure.evidence.source import call_site, caller_site
-from gpudiag.measure.profile.inscript.compiles import CompileWatch, kernel_lines
-from gpudiag.measure.profile.inscript.components import FsdpWatch, LoaderWatch, OptimizerWatch
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
 from gpudiag.measure.profile.inscript.planned import planned_steps
 from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
-from gpudiag.measure.profile.inscript.timeline import (
-    TIMELINE_STEPS,
-    Site,
-    build_timeline,
-    training_loaders,
-)
+from gpudiag.measure.profile.inscript.timeline import TIMELINE_STEPS, build_timeline
+from gpudiag.measure.profile.inscript.watches import StageDraft, discover
 from gpudiag.measure.profile.protocol import (
     ENV_PARENT,
     ENV_TRACE_DIR,
@@ -52,22 +47,11 @@ from gpudiag.measure.profile.protocol import (
     window_done_name,
     window_trace_name,
 )
-from gpudiag.measure.stages.ddp.probe import allreduce_probe
 from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.timed_window import Window, fill_timed
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
-from gpudiag.model.facts import (
-    CheckpointFacts,
-    CompileFacts,
-    DdpJobFacts,
-    HostSamples,
-    LinkProbe,
-    SaveRecord,
-    ScriptFacts,
-    StageFacts,
-    StepTimeline,
-)
+from gpudiag.model.facts import HostSamples, ScriptFacts, StageFacts, StepTimeline
 from gpudiag.model.profilepart import ProfilePart, WindowTrace
 from gpudiag.model.results import Env, StageResult, TimingStats
 
@@ -76,15 +60,36 @@ MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long r
 # A part is written at the end of warm-up and every PART_EVERY_S after the window: a process
 # killed outright keeps its steps up to then.
 PART_EVERY_S = 60.0
-MAX_LOOP_SITES = 10_000  # DataLoader iterations whose line is looked up (one per epoch or eval)
 CRASH_LINES = 12  # of an uncaught exception's traceback, kept on the stage
 
 
+@dataclass
+class Stop:
+    """A stop under way in this process, as lifecycle.py's signal handlers saw it; the
+    recorder acts on it at its next step boundary."""
+
+    # This process (the script's, or a DataLoader worker forked with a copy of the recorder)
+    # had a SIGINT or SIGTERM.
+    seen: bool = False
+    signal: int | None = None  # a SIGTERM waiting for the next step boundary
+    interrupt: bool = False  # a SIGINT came: a step boundary after it stops
+
+    def at_boundary(self) -> None:
+        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
+        after."""
+        if self.signal is not None:
+            raise SystemExit(128 + self.signal)
+        if self.interrupt:
+            raise KeyboardInterrupt
+
+
 class Recorder:
-    """One process's record of the script: its step boundaries (from hooks.py's optimizer hook,
-    or gpudiag.step()), what each step waited for and saved, the profiler window the schedule
-    (schedule.py) places, and its part (gpudiag.model.profilepart.ProfilePart), written at the
-    end of warm-up, at the window's close, every PART_EVERY_S after and at exit (lifecycle.py).
+    """One process's record of the script: its step boundaries (an optimizer step post-hook,
+    or gpudiag.step()), the profiler window the schedule (schedule.py) places, and its part
+    (gpudiag.model.profilepart.ProfilePart), written at the end of warm-up, at the window's
+    close, every PART_EVERY_S after and at exit (lifecycle.py). Its watches (watches/) record
+    the frameworks the script uses, each hearing of the steps and the window from here, and
+    fill in their facts.
     """
 
     def __init__(self, out: Path, config: ProfileConfig, started: float | None = None) -> None:
@@ -98,19 +103,11 @@ class Recorder:
         self.cuda: bool | None = None  # decided at the first step
         self.clock: int | None = None  # id of the optimizer whose steps are the step clock
         self.manual = False
-        # DataLoader waits by (step, iterator): the training loader's are the step's data wait;
-        # an evaluation loop's loaders are told apart (see _training_waits).
-        self.data_wait: dict[tuple[int, int], float] = defaultdict(float)
-        self.data_calls: dict[int, list[int]] = defaultdict(list)  # iterator -> steps it served
-        self.loop_sites: dict[int, Site] = {}  # iterator -> the script's line that iterates it
         # Past MAX_STEPS steps are only counted: how many, and when the last one ended.
         self.extra_steps = 0
         self.end_mark: float | None = None
         self.exit_mark: float | None = None
-        self.batch_size: int | None = None
-        self.saves: list[SaveRecord] = []
-        self.stop_after_window = config.stop_after_window
-        trace_dir = os.environ.get(ENV_TRACE_DIR)
+        trace_dir = os.environ.get(ENV_TRACE_DIR)  # where gpudiag keeps a copy of the trace
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.sampler: Any = None
         self.host_sampler: HostSampler | None = None
@@ -119,30 +116,18 @@ class Recorder:
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
         self.window_trace: WindowTrace | None = None  # the closed window, for the parent
-        self.compile_counts: tuple[int | None, int | None] = (None, None)
-        self.compile_watch = CompileWatch(self.host_marks)
         self.part_at = self.host_marks[0]  # when this process last wrote its part
-        self.compiles: CompileFacts | None = None
         self.nvtx_range: Any = None
         self.finished = False
         self.error: str | None = None
-        self.ddp: DdpJobFacts | None = None  # what a DistributedDataParallel wrap told us
-        self.optimizers = OptimizerWatch()
-        self.fsdp = FsdpWatch()
+        self.watches = discover(self)  # installed (their patches) by install()
         self.planned: tuple[int, str] | None = None  # (steps the script means to make, from)
         self.cut_short = False  # gpudiag ended the script after its window
         self.window_whole = False  # the window closed on its own, not at the script's end
         self.fitted_to_plan = False  # the schedule was shrunk to the steps the script plans
-        self.backward_site: str | None = None
-        self.backward_seen = False
-        self.loaders = LoaderWatch()
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
-        self.stop_signal: int | None = None  # a SIGTERM waiting for the next step boundary
-        self.interrupt_pending = False  # a SIGINT came: a step boundary after it stops
-        # This process (the script's, or a DataLoader worker forked with a copy of this
-        # recorder) had a SIGINT or SIGTERM: a stop is under way.
-        self.stop_seen = False
+        self.stop = Stop()  # lifecycle.py's signal handlers ask; each step boundary acts
         # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
         self.applied = Applied(config.remedies)
         self.losses = LossLog(config.losses)
@@ -151,14 +136,16 @@ class Recorder:
     def steps(self) -> int:
         return len(self.host_marks) - 1
 
+    def install(self) -> None:
+        """Every watch's patches, then the step clock: the watches' own optimizer step
+        post-hooks run before it, so a step is theirs before it ends (or the run does)."""
+        for watch in self.watches:
+            watch.install()
+        register_optimizer_step_post_hook(self.optimizer_stepped)
+
     # --- step boundaries ---------------------------------------------------------------
 
-    def optimizer_built(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
-        self.optimizers.built(optimizer, frame)
-
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self.optimizers.stepped(optimizer, sys._getframe(1))
-        self.fsdp.stepped()
         if self.planned is None:
             self.planned = (0, "")
             # A loader's len() runs its sampler's: never an error in the script's step.
@@ -186,16 +173,8 @@ class Recorder:
         self.manual = True
         self.boundary()
 
-    def _stop_if_asked(self) -> None:
-        """A stop waiting for this step boundary: a SIGTERM, or a Ctrl-C the script went on
-        after (lifecycle.py's handlers set them)."""
-        if self.stop_signal is not None:
-            raise SystemExit(128 + self.stop_signal)
-        if self.interrupt_pending:
-            raise KeyboardInterrupt
-
     def boundary(self) -> None:
-        self._stop_if_asked()
+        self.stop.at_boundary()
         if self.finished:
             return
         if self.steps >= MAX_STEPS:
@@ -216,13 +195,9 @@ class Recorder:
         self._keep_steps(now)
         self.host_marks.append(now)
         done = self.steps
-        if self.host_sampler is not None:
-            self.host_sampler.watch(self.host_marks[-1])
-        self.compile_watch.watch()
-        if done <= 2 and self.config.host_sample_hz > 0:
-            self._start_host_sampler(done)
-        elif done == self.schedule.timed_steps.start and self.host_sampler is not None:
-            self._fit_host_rate()
+        self._sample_host(done)
+        for watch in self.watches:
+            watch.step_ended()
         if self.nvtx_range is not None:
             nvtx.end_range(self.nvtx_range)
         self.nvtx_range = nvtx.start_range(f"step {done}", domain="gpudiag")
@@ -244,6 +219,16 @@ class Recorder:
                 ends_warmup or now - self.part_at >= PART_EVERY_S):
             self.part_at = now
             self._write_part()
+
+    def _sample_host(self, done: int) -> None:
+        """The training thread's sampler, told of each step's end: started over the first two
+        steps, its rate fitted as the timed steps begin."""
+        if self.host_sampler is not None:
+            self.host_sampler.watch(self.host_marks[-1])
+        if done <= 2 and self.config.host_sample_hz > 0:
+            self._start_host_sampler(done)
+        elif done == self.schedule.timed_steps.start and self.host_sampler is not None:
+            self._fit_host_rate()
 
     def _start_host_sampler(self, done: int) -> None:
         """The training loop is the frame on the stack at both of the first two step ends:
@@ -281,7 +266,8 @@ class Recorder:
             if self.sampler is not None and self.telemetry is None:
                 self.telemetry = self.sampler.end()
             if profiled:
-                self.window = ProfilerWindow(self._device(), annotate=not _compiled(),
+                annotate = all(watch.annotates() for watch in self.watches)
+                self.window = ProfilerWindow(self._device(), annotate=annotate,
                                              budget_s=self.config.evidence_budget_s)
                 self.window.start()
         elif self.window is not None and self.window.open:
@@ -289,7 +275,8 @@ class Recorder:
                 return
             self.window_whole = True
             self._stop_profiler(keep=True, at_boundary=True)
-            self._probe_link()
+            for watch in self.watches:
+                watch.window_closed()
             self._window_closed()
 
     def _window_goes_on(self, done: int) -> bool:
@@ -317,7 +304,7 @@ class Recorder:
         and end the script if asked to."""
         self._write_part()
         (self.out / window_done_name(os.getpid())).touch()
-        if self.stop_after_window:
+        if self.config.stop_after_window:
             print(f"gpudiag profile: the profiler window closed at step {self.steps}; ending "
                   "the script (--stop-after-window)", file=sys.stderr, flush=True)
             self.cut_short = True
@@ -344,114 +331,20 @@ class Recorder:
         if not self.window.step_ms:  # no step closed: nothing to read
             (self.out / name).unlink(missing_ok=True)
             return
-        self.compile_counts = _compile_counts()
         timed = self._measured_ms()[2]
-        compiled_lines = kernel_lines() if not self.window.annotate else {}
-        self.window_trace = WindowTrace(
+        trace = WindowTrace(
             trace=name, steps=len(self.window.step_ms),
             step_ms=statistics.fmean(self.window.step_ms),
             backend="cuda" if self.window.device.type == "cuda" else "cpu",
             timed_step_ms=TimingStats.of(timed).p25_ms if timed else None,
-            kernel_lines=compiled_lines, roots=[str(Path.cwd()), *sys.path],
-            attribution_note=None if self.window.annotate else _compiled_attribution(
-                bool(compiled_lines)),
+            roots=[str(Path.cwd()), *sys.path],
             save_as=(str(self.trace_dir / f"profile-{_stage_name()}.json.gz")
                      if self.trace_dir is not None else None))
+        for watch in self.watches:
+            watch.trace_made(trace, self.window.annotate)
+        self.window_trace = trace
 
-    # --- DDP: gradient bytes and the link ------------------------------------------------
-
-    def ddp_wrapped(self, model: Any, frame: FrameType | None = None) -> None:
-        """A DistributedDataParallel was built: note the bytes it all-reduces per step, and
-        where."""
-
-        params = [p for p in model.module.parameters() if p.requires_grad]
-        cap = getattr(model, "bucket_bytes_cap", None)
-        site = call_site(frame)
-        self.ddp = DdpJobFacts(grad_bytes=sum(p.numel() * p.element_size() for p in params),
-                               bucket_mb=cap / 2**20 if cap else None,
-                               world_size=dist.get_world_size(),
-                               backend=str(dist.get_backend()),
-                               built_at=site.location if site is not None else None,
-                               backward_at=self.backward_site)
-
-    def fsdp_grouped(self, group: Any, frame: FrameType, param_bytes: int) -> None:
-        """fully_shard(...) made an FSDP2 unit of `param_bytes` of parameters."""
-        self.fsdp.built(group, frame, param_bytes)
-
-    def backward_called(self, frame: FrameType) -> None:
-        """The script's first backward() call: where gradient accumulation's knob goes (looked
-        for once: every backward() comes here)."""
-        if not self.backward_seen:
-            self.backward_seen = True
-            site = call_site(frame)
-            self.backward_site = site.location if site is not None else None
-            if self.ddp is not None:
-                self.ddp.backward_at = self.backward_site
-
-    def _probe_link(self) -> None:
-        """Every rank closes its window at the same optimizer step (DDP keeps them in step),
-        so each can join one all-reduce probe there: the link's bandwidth for this job."""
-        if self.ddp is None or self.ddp.world_size < 2:
-            return
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if self.ddp.backend == "nccl" else torch.device("cpu"))
-        probe = allreduce_probe(self.ddp.grad_bytes, device)
-        # The probe reports a plain dict (it also goes into the DDP worker's JSON part): the
-        # same fields as LinkProbe, so facts hold it as one (and serialise it the same).
-        self.ddp.allreduce_probe = None if probe is None else LinkProbe(**probe)
-
-    # --- data, saves, telemetry ----------------------------------------------------------
-
-    def data_waited(self, ms: float, batch: Any, iterator: object) -> None:
-        key = id(iterator)
-        self.data_wait[(self.steps, key)] += ms
-        self.data_calls[key].append(self.steps)
-        self.loaders.waited(iterator, ms)
-        if self.batch_size is None:
-            self.batch_size = _batch_size(batch)
-
-    def loader_exhausted(self, iterator: object, ms: float) -> None:
-        """A pass ended (its workers shut down, unless persistent): the loader's time too."""
-        self.data_wait[(self.steps, id(iterator))] += ms
-        self.loaders.exhausted(iterator, ms)
-
-    def loader_built(self, loader: Any, frame: FrameType) -> None:
-        self.loaders.built(loader, frame)
-
-    def loader_iterated(self, iterator: object, frame: Any, *, loader: Any = None,
-                        ms: float = 0.0) -> None:
-        """A DataLoader was iterated (`for batch in loader`, once per epoch or evaluation),
-        taking `ms` to start (its workers): where, in the script, for the loops that are not
-        training's; the start is the loader's time, as its batches' waits are."""
-        key = id(iterator)
-        self.data_wait[(self.steps, key)] += ms
-        if loader is not None:
-            self.loaders.iterated(loader, iterator, self.steps, ms, frame)
-        if key not in self.loop_sites and len(self.loop_sites) < MAX_LOOP_SITES:
-            site = call_site(frame)
-            if site is not None:
-                self.loop_sites[key] = (site.location, site.function, caller_site(frame))
-
-    def _training_waits(self, steps: range) -> list[float]:
-        """Per step, the wait for the loader(s) that feed training. An evaluation (or other)
-        loop's waits belong to that work, not to the next training step's input
-        (gpudiag/measure/profile/inscript/timeline.py tells them apart)."""
-        training = training_loaders(self.data_calls)
-        waits: dict[int, float] = defaultdict(float)
-        for (step, key), ms in self.data_wait.items():
-            if key in training:
-                waits[step] += ms
-        return [waits.get(i, 0.0) for i in steps]
-
-    def saved(self, blocking_ms: float, path: Any) -> None:
-        """A blocking torch.save returned (the script's own saves are synchronous)."""
-        size = None
-        if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
-            size = Path(path).stat().st_size
-        self.saves.append(SaveRecord(
-            step=self.steps, blocking_ms=blocking_ms,
-            total_ms=blocking_ms, bytes=size,
-            write_gbps=size / blocking_ms / 1e6 if size and blocking_ms else None))
+    # --- telemetry ----------------------------------------------------------------------
 
     def _open_telemetry(self) -> None:
         mode = self.config.telemetry
@@ -487,9 +380,9 @@ class Recorder:
 
     def stage(self) -> StageResult:
         first, warmup_ms, timed = self._measured_ms()
+        draft = self._draft(range(first, first + len(timed)))
         result = StageResult(name=_stage_name(), status="ok", title=" ".join(sys.argv),
-                             workload=f"{' '.join(sys.argv)} (profiled)",
-                             facts=self._facts(len(timed)))
+                             workload=f"{' '.join(sys.argv)} (profiled)", facts=draft.facts)
         if self.crash:
             # The steps before the crash stay measured; the stage says the script failed.
             result.status, result.error = "error", f"the script raised {self.crash[-1]}"
@@ -504,43 +397,33 @@ class Recorder:
             result.advice = ("lower --warmup, or mark steps: call gpudiag.step() once per "
                              "step, or wrap the loop body in `with gpudiag.watch():`")
             return result
-        steps = range(first, first + len(timed))
-        phases = {"data_wait": self._training_waits(steps)} if self.data_wait else {}
         window = Window(warmup_ms=warmup_ms, iter_ms=timed,
                         timer="cuda-events" if self.cuda else "host-clock",
-                        telemetry=self.telemetry or result.telemetry, phases_ms=phases)
+                        telemetry=self.telemetry or result.telemetry, phases_ms=draft.phases_ms)
         status = result.status
         fill_timed(result, window, samples_per_step=self.config.samples_per_step or
-                   self.batch_size)
+                   draft.samples_per_step)
         result.status = status
-        saves = _checkpoints([dataclasses.replace(s, step=s.step - first) for s in self.saves
-                              if s.step in steps])
-        if saves:
-            gaps = [b.step - a.step for a, b in itertools.pairwise(saves)]
-            result.facts.checkpoint = CheckpointFacts(
-                mode="sync", every=statistics.mode(gaps) if gaps else None, saves=saves)
         return result
 
-    def _facts(self, timed: int) -> StageFacts:
-        self.fsdp.stepped()  # units built after the last optimizer step (gpudiag.step() clocks)
-        facts = StageFacts(ddp_job=self.ddp, script=ScriptFacts(
-            steps=self.steps, warmup=self.schedule.warmup, timed=timed,
+    def _draft(self, timed: range) -> StageDraft:
+        """The stage's facts: the step clock's, then each watch's."""
+        timeline = self._timeline()
+        script = ScriptFacts(
+            steps=self.steps, warmup=self.schedule.warmup, timed=len(timed),
             fitted_schedule=((self.schedule.warmup, self.schedule.timed,
                               self.schedule.evidence_steps) if self.fitted_to_plan else None),
             step_clock="gpudiag.step()" if self.manual else "optimizer.step()",
             device=torch.cuda.get_device_name() if self.cuda else None,
-            compiled_graphs=self.compile_counts[0], graph_breaks=self.compile_counts[1],
             losses=list(self.losses.values), remedies=self.applied.observe(),
-            timeline=self._timeline(), host=self.host, compiles=self.compiles,
-            optimizers=self.optimizers.facts(), fsdp=self.fsdp.facts(),
-            loaders=self.loaders.facts(training_loaders(self.data_calls))))
-        assert facts.script is not None
-        training = [use for use in facts.script.loaders if use.training]
-        if training:  # the settings the input rules read, as the ladder's data stages give
-            facts.loader = training[0].settings
+            timeline=timeline, host=self.host)
+        draft = StageDraft(facts=StageFacts(script=script), script=script, timeline=timeline,
+                           timed=timed)
+        for watch in self.watches:
+            watch.fill(draft)
         if self.window_trace is None:  # else gpudiag's process reads the window's evidence
-            facts.evidence_missing = self._why_no_evidence()
-        return facts
+            draft.facts.evidence_missing = self._why_no_evidence()
+        return draft
 
     def _timeline(self) -> StepTimeline:
         profiled = self.schedule.profiled_steps
@@ -549,8 +432,7 @@ class Recorder:
                   if self.window_trace is not None else None)
         timeline = build_timeline(self.host_marks, extra_steps=self.extra_steps,
                                   end_mark=self.end_mark, exit_mark=self.exit_mark,
-                                  waits=self.data_wait, calls=self.data_calls,
-                                  sites=self.loop_sites, saves=self.saves, window=window)
+                                  window=window)
         if self.planned is not None and self.planned[0] > 0:
             timeline.planned_steps, timeline.planned_from = self.planned
         timeline.cut_short, timeline.window_whole = self.cut_short, self.window_whole
@@ -586,10 +468,11 @@ class Recorder:
             self.error = f"{type(exc).__name__}: {exc}"
         if self.host_sampler is not None:
             self.host = self.host_sampler.stop()
-        try:
-            self.compiles = self.compile_watch.facts()
-        except Exception as exc:  # Dynamo's internals moved: the rest of the run stands
-            self.error = self.error or f"compile metrics: {type(exc).__name__}: {exc}"
+        for watch in self.watches:
+            try:
+                watch.finish()
+            except Exception as exc:  # a framework's internals moved: the rest of the run stands
+                self.error = self.error or f"{watch.label}: {type(exc).__name__}: {exc}"
         if self.sampler is not None:
             try:
                 if self.telemetry is None and self.steps > self.schedule.timed_steps.start:
@@ -650,68 +533,3 @@ def _stage_name() -> str:
         name = f"{name}[rank{rank}]"
     return name
 
-
-def _checkpoints(saves: list[SaveRecord]) -> list[SaveRecord]:
-    """One checkpoint per step: the files saved within one step (HF Trainer writes model,
-    optimizer, scheduler and RNG state as four torch.save calls) are one save, blocking for
-    their sum."""
-    by_step: dict[int, list[SaveRecord]] = defaultdict(list)
-    for save in saves:
-        by_step[save.step].append(save)
-    merged = []
-    for step, group in sorted(by_step.items()):
-        blocking = sum(s.blocking_ms for s in group)
-        sizes = [s.bytes for s in group if s.bytes]
-        total = sum(sizes) if sizes else None
-        merged.append(SaveRecord(step=step, blocking_ms=blocking, total_ms=blocking,
-                                 bytes=total, files=len(group),
-                                 write_gbps=total / blocking / 1e6 if total and blocking
-                                 else None))
-    return merged
-
-
-def _compiled() -> bool:
-    """Whether the process has run torch.compile'd code (Dynamo compiled a frame)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return False
-    # Dynamo's counters are a defaultdict: reading with [] would add keys the script can see.
-    counters = dynamo.utils.counters
-    return bool(counters.get("frames", {}).get("ok")
-                or counters.get("stats", {}).get("unique_graphs"))
-
-
-def _compiled_attribution(provenance: bool) -> str:
-    """How a torch.compile'd script's device work is charged to lines (the annotator is off
-    under compile), with Inductor's provenance (--compile-lines) or without."""
-    if provenance:
-        return ("the script runs torch.compile'd code: Inductor's fused kernels are charged to "
-                "the source lines of the operators they fused (its provenance, "
-                "--compile-lines); its other device work (library matmuls) and the eager "
-                "code's are not charged to lines")
-    return ("the script runs torch.compile'd code: device work is not charged to source lines "
-            "(gpudiag's per-call annotation would make Dynamo recompile and break the graph; "
-            "`gpudiag profile --compile-lines` charges compiled kernels to lines); counts and "
-            "times per step are exact")
-
-
-def _compile_counts() -> tuple[int | None, int | None]:
-    """(graphs Dynamo compiled, graph breaks) so far, or (None, None) without torch.compile."""
-    if not _compiled():
-        return None, None
-    counters = sys.modules["torch._dynamo"].utils.counters
-    return (int(counters.get("stats", {}).get("unique_graphs", 0)),
-            int(sum(counters.get("graph_break", {}).values())))
-
-
-def _batch_size(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = _batch_size(item)
-            if size:
-                return size
-    return None

@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
-from gpudiag.measure.profile.inscript.afterimport import when_fsdp_imported
 from gpudiag.measure.profile.inscript.frameworks import loader_origin
+from gpudiag.measure.profile.inscript.watches.fsdp import when_fsdp_imported
 from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
@@ -68,8 +68,8 @@ def _site(depth: int = 2) -> str | None:
 
 def _wrap(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
           ) -> None:
-    # Not hooks.py's _wrap, which wraps once: remedies stack (loader and pinned both wrap
-    # DataLoader.__init__ in a combined run), and the recorder then wraps what they made.
+    # Not the watches' patch, which wraps once: remedies stack (loader and pinned both wrap
+    # DataLoader.__init__ in a combined run), and the watches then wrap what they made.
     # The wrapper names what it wraps (__wrapped__): inspect.signature of the stack is then
     # DataLoader's own, which the next wrapper binds its arguments to.
     original = getattr(owner, name)

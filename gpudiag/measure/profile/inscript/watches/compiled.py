@@ -1,14 +1,16 @@
 """torch.compile as the script ran it: each Dynamo compilation of a frame, in which step, of
 which function, called from which of the user's lines, why it was a recompile (the guard that
-failed), and what Dynamo gave up on (the recompile limit, graph breaks).
+failed), and what Dynamo gave up on (the recompile limit, graph breaks); the graphs and breaks
+counted up to the profiler window's end, and the lines of the kernels Inductor fused
+(--compile-lines). The window does not annotate compiled code: Dynamo would recompile.
 
 Everything comes from Dynamo's own interfaces, nothing from its log text: its compilation
 metrics (`torch._dynamo.utils.get_compilation_metrics()`, one record per compilation with
 `recompile_reason`, `fail_reason`, `restart_reasons` and times), its compile-start callback
 (`torch._dynamo.callback.on_compile_start`, where the user's calling line is on the stack) and
-its graph-break counters. gpudiag imports none of it: Dynamo costs ~0.8 s to import, so the
-callback is registered at the first step boundary after the script has loaded it (the first
-compilation, in step 0, then has no call site but the compiled function's place).
+its counters. gpudiag imports none of it: Dynamo costs ~0.8 s to import, so the callback is
+registered at the first step boundary after the script has loaded it (the first compilation, in
+step 0, then has no call site but the compiled function's place).
 """
 
 from __future__ import annotations
@@ -18,30 +20,35 @@ import json
 import re
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from gpudiag.measure.evidence.source import call_site, display_path, frame_role
+from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
 from gpudiag.model.facts import CompileEvent, CompileFacts
+from gpudiag.model.profilepart import WindowTrace
 
 MAX_EVENTS = 200  # compilations listed in run.json; Dynamo itself keeps the last 64
 # Dynamo names the function that resumes a frame after a graph break by the break's line.
 _RESUME = re.compile(r"torch_dynamo_resume_in_(?P<function>.+)_at_(?P<line>\d+)$")
 
 
-class CompileWatch:
-    """Watches the script's compilations; `marks` are the recorder's step marks
-    (perf_counter seconds), read to place each compilation in its step."""
+class CompiledWatch(Watch):
+    """Watches the script's compilations, placing each in its step by the clock's marks."""
 
-    def __init__(self, marks: Sequence[float]) -> None:
-        self.marks = marks
+    label = "compile metrics"
+
+    def __init__(self, clock: StepClock) -> None:
+        super().__init__(clock)
         self.epoch_offset = time.time() - time.perf_counter()  # Dynamo times are epoch times
         self.call_sites: dict[str, str] = {}  # compile id -> the user's calling line
         self.listening = False
+        # (graphs compiled, graph breaks) up to the window's end; None without torch.compile
+        self.counts: tuple[int | None, int | None] = (None, None)
+        self.compiles: CompileFacts | None = None  # read at the run's end
 
-    def watch(self) -> None:
-        """At a step boundary: once the script uses torch.compile, hear of each compilation's
-        start (for the line that called the compiled code)."""
+    def step_ended(self) -> None:
+        """Once the script uses torch.compile, hear of each compilation's start (for the line
+        that called the compiled code)."""
         if self.listening or "torch._dynamo" not in sys.modules:
             return
         self.listening = True
@@ -50,6 +57,24 @@ class CompileWatch:
         except ImportError:  # a torch without the callback: no call sites
             return
         on_compile_start(self._started)
+
+    def annotates(self) -> bool:
+        return not compiled()
+
+    def trace_made(self, trace: WindowTrace, annotated: bool) -> None:
+        """The counts up to here; compiled code, which the window did not annotate, has its
+        kernels charged to lines by Inductor's provenance instead, where it was kept."""
+        self.counts = _compile_counts()
+        if not annotated and compiled():
+            trace.kernel_lines = kernel_lines()
+            trace.attribution_note = _attribution(bool(trace.kernel_lines))
+
+    def finish(self) -> None:
+        self.compiles = self.facts()
+
+    def fill(self, draft: StageDraft) -> None:
+        draft.script.compiled_graphs, draft.script.graph_breaks = self.counts
+        draft.script.compiles = self.compiles
 
     def _started(self, args: Any) -> None:
         # Runs inside Dynamo's compilation: it must never raise.
@@ -123,10 +148,47 @@ class CompileWatch:
         return events
 
     def _step(self, epoch_s: float) -> int | None:
-        at = epoch_s - self.epoch_offset
-        if not self.marks or at < self.marks[0]:
+        at, marks = epoch_s - self.epoch_offset, self.clock.host_marks
+        if not marks or at < marks[0]:
             return None
-        return max(0, bisect.bisect_right(self.marks, at) - 1)
+        return max(0, bisect.bisect_right(marks, at) - 1)
+
+
+WATCH = CompiledWatch
+
+
+def compiled() -> bool:
+    """Whether the process has run torch.compile'd code (Dynamo compiled a frame)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    # Dynamo's counters are a defaultdict: reading with [] would add keys the script can see.
+    counters = dynamo.utils.counters
+    return bool(counters.get("frames", {}).get("ok")
+                or counters.get("stats", {}).get("unique_graphs"))
+
+
+def _compile_counts() -> tuple[int | None, int | None]:
+    """(graphs Dynamo compiled, graph breaks) so far, or (None, None) without torch.compile."""
+    if not compiled():
+        return None, None
+    counters = sys.modules["torch._dynamo"].utils.counters
+    return (int(counters.get("stats", {}).get("unique_graphs", 0)),
+            int(sum(counters.get("graph_break", {}).values())))
+
+
+def _attribution(provenance: bool) -> str:
+    """How a torch.compile'd script's device work is charged to lines (the annotator is off
+    under compile), with Inductor's provenance (--compile-lines) or without."""
+    if provenance:
+        return ("the script runs torch.compile'd code: Inductor's fused kernels are charged to "
+                "the source lines of the operators they fused (its provenance, "
+                "--compile-lines); its other device work (library matmuls) and the eager "
+                "code's are not charged to lines")
+    return ("the script runs torch.compile'd code: device work is not charged to source lines "
+            "(gpudiag's per-call annotation would make Dynamo recompile and break the graph; "
+            "`gpudiag profile --compile-lines` charges compiled kernels to lines); counts and "
+            "times per step are exact")
 
 
 def _seconds(metrics: Any) -> float:

@@ -1,0 +1,56 @@
+"""The in-script watches (gpudiag/measure/profile/inscript/watches/): every module of the package
+is one, found without a list, each reading the recorder as its StepClock; and a watch's facts,
+filled into the stage the recorder writes, from what it saw (here the loaders' watch, fed by
+hand: which loader feeds training, and its wait on the timed steps)."""
+
+from __future__ import annotations
+
+import pkgutil
+from pathlib import Path
+
+import torch
+
+from gpudiag.measure.profile.inscript import watches
+from gpudiag.measure.profile.inscript.recorder import Recorder
+from gpudiag.measure.profile.inscript.watches import StageDraft
+from gpudiag.measure.profile.inscript.watches.loaders import LoadersWatch
+from gpudiag.model.config import ProfileConfig
+from gpudiag.model.facts import ScriptFacts, StageFacts, StepTimeline
+
+
+def test_every_module_of_the_package_is_a_watch_the_recorder_holds(tmp_path: Path) -> None:
+    recorder = Recorder(tmp_path, ProfileConfig(telemetry="off", host_sample_hz=0))
+    modules = sorted(m.name for m in pkgutil.iter_modules(watches.__path__))
+    assert [type(w).__module__.rpartition(".")[2] for w in recorder.watches] == modules
+    assert {"compiled", "ddp", "fsdp", "loaders", "optimizers", "saves"} <= set(modules)
+    assert all(w.clock is recorder for w in recorder.watches)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.host_marks = [0.0]
+
+
+def test_the_loaders_watch_tells_trainings_loader_from_an_evaluations() -> None:
+    """The training iterator serves every step; an evaluation's serves all its batches on one:
+    its waits are its loop's, not the next step's input."""
+    clock = _Clock()
+    watch = LoadersWatch(clock)
+    train, evaluation = object(), object()
+    for step in range(10):
+        clock.steps = step
+        watch.waited(2.0, torch.zeros(8, 3), train)
+        if step == 5:
+            for _ in range(4):
+                watch.waited(1.0, None, evaluation)
+    timeline = StepTimeline(step_ms=[10.0] * 10)
+    script = ScriptFacts(steps=10, warmup=2, timed=4, step_clock="optimizer.step()",
+                         timeline=timeline)
+    draft = StageDraft(StageFacts(script=script), script, timeline, timed=range(2, 6))
+    watch.fill(draft)
+    assert timeline.data_wait_ms == [2.0] * 10
+    assert draft.phases_ms == {"data_wait": [2.0] * 4}
+    assert draft.samples_per_step == 8
+    (loop,) = timeline.loops
+    assert (loop.batches, loop.steps) == (4, [5])
