@@ -5,10 +5,13 @@ hand: which loader feeds training, and its wait on the timed steps)."""
 
 from __future__ import annotations
 
+import json
 import pkgutil
 from pathlib import Path
 
+import pytest
 import torch
+from conftest import profile_script, write_script
 
 from gpudiag.measure.profile.inscript import watches
 from gpudiag.measure.profile.inscript.recorder import Recorder
@@ -54,3 +57,44 @@ def test_the_loaders_watch_tells_trainings_loader_from_an_evaluations() -> None:
     assert draft.samples_per_step == 8
     (loop,) = timeline.loops
     assert (loop.batches, loop.steps) == (4, [5])
+
+
+SIGNATURES_SEEN = """
+import inspect, json, sys
+import torch
+import torch.distributed.fsdp  # FSDP2's parameter groups are patched once imported
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+seen = {}
+for label, function in [
+        ("DataLoader.__init__", DataLoader.__init__), ("DataLoader.__iter__", DataLoader.__iter__),
+        ("_BaseDataLoaderIter.__next__", _BaseDataLoaderIter.__next__),
+        ("Optimizer.__init__", torch.optim.Optimizer.__init__),
+        ("DistributedDataParallel.__init__", DistributedDataParallel.__init__),
+        ("autograd.backward", torch.autograd.backward), ("torch.save", torch.save),
+        ("FSDPParamGroup.__init__", FSDPParamGroup.__init__)]:
+    original = getattr(function, "__wrapped__", None)
+    seen[label] = None if original is None else {
+        "signature": str(inspect.signature(function)) == str(inspect.signature(original))
+                     and "*args" not in str(inspect.signature(function))[:7],
+        "name": (function.__name__, function.__qualname__, function.__doc__)
+                == (original.__name__, original.__qualname__, original.__doc__)}
+json.dump(seen, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_every_function_a_watch_wraps_keeps_its_signature_name_and_docstring(
+        tmp_path: Path) -> None:
+    """What a framework sees of a patched function is the original's (issue 56: Lightning read
+    `inspect.signature(DataLoader.__init__)` as `(self, *args, **kwargs)`, and rebuilt each
+    DataLoader of a DDP job with batch_size 1): checked in a profiled script, where the
+    bootstrap installed every watch."""
+    script = write_script(tmp_path / "signatures.py", SIGNATURES_SEEN)
+    profiled = profile_script(tmp_path, script, "--no-rerun")
+    seen = json.loads(profiled.output.strip().splitlines()[-1])
+    assert all(seen.values()), {label: "not patched" for label, v in seen.items() if not v}
+    assert all(v["signature"] and v["name"] for v in seen.values()), seen

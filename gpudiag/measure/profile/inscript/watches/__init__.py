@@ -11,6 +11,7 @@ given and imports no other watch (import-linter contracts in pyproject.toml).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
@@ -98,10 +99,13 @@ def discover(clock: StepClock) -> list[Watch]:
 def patch(owner: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]],
           ) -> None:
     """`owner.name` replaced by `around(owner.name)`, once: what a watch patched already is
-    left as it is."""
+    left as it is. The replacement keeps the original's name, docstring, signature and
+    attributes, and names it as `__wrapped__`: frameworks read a patched function's signature
+    (Lightning re-creates a DataLoader from `inspect.signature(DataLoader.__init__)`, and a bare
+    `(*args, **kwargs)` there made it rebuild every loader with batch_size 1)."""
     original = getattr(owner, name)
     if getattr(original, "__gpudiag__", False):
         return
-    wrapped = around(original)
+    wrapped = functools.update_wrapper(around(original), original)
     wrapped.__gpudiag__ = True  # type: ignore[attr-defined]
     setattr(owner, name, wrapped)
