@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import profile_script, script_line, write_script
+from test_rules import anomaly, gd103
 
+from gpudiag.diagnose import evaluate
 from gpudiag.measure.profile.inscript.watches import StageDraft
 from gpudiag.measure.profile.inscript.watches.debug import DebugWatch
 from gpudiag.model.facts import ScriptFacts, StageFacts, StepTimeline
@@ -125,3 +127,14 @@ def test_turning_anomaly_detection_off_is_measured_faster(tmp_path: Path) -> Non
     (finding,) = [f for f in run.findings if f.id == "GD107"]
     assert finding.impact == pytest.approx(1 - 1 / fix.speedup, abs=1e-3)
     assert finding.evidence["measured_saving"] == pytest.approx(finding.impact, abs=1e-3)
+
+
+def test_syncs_from_anomaly_detection_are_laid_at_its_line() -> None:
+    """Anomaly detection reads back every backward output: GD103's syncs on such a run point
+    to the setting before the line they were counted at."""
+    run = gd103(syncs=4)
+    run.stages[0].facts.script = ScriptFacts(steps=60, warmup=5, timed=30,
+                                             step_clock="optimizer.step()", debug=[anomaly()])
+    (syncs,) = [f for f in evaluate(run) if f.id == "GD103"]
+    assert syncs.fix.startswith("Anomaly detection (torch.autograd.set_detect_anomaly(True) "
+                                "at train.py:5)")
