@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import profile_script, script_line, write_script
-from test_rules import anomaly, gd103
+from test_rules import anomaly, debug_run, gd103
 
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.profile.inscript.watches import StageDraft
 from gpudiag.measure.profile.inscript.watches.debug import DebugWatch
-from gpudiag.model.facts import ScriptFacts, StageFacts, StepTimeline
+from gpudiag.model.facts import DebugSetting, ScriptFacts, StageFacts, StepTimeline
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "debug_left_on.py"
 
@@ -138,3 +138,12 @@ def test_syncs_from_anomaly_detection_are_laid_at_its_line() -> None:
     (syncs,) = [f for f in evaluate(run) if f.id == "GD103"]
     assert syncs.fix.startswith("Anomaly detection (torch.autograd.set_detect_anomaly(True) "
                                 "at train.py:5)")
+
+
+def test_a_scripts_own_profiler_is_named_and_not_priced_by_a_remedy_that_leaves_it() -> None:
+    profiler = DebugSetting(kind="profiler", set_by="torch.profiler.profile(...)",
+                            site="train.py:6", steps_on=40, timed_steps_on=30)
+    (finding,) = [f for f in evaluate(debug_run(profiler)) if f.id == "GD107"]
+    assert finding.severity == "warning" and finding.location == "train.py:6"
+    assert "no remedy turns the script's own profiler off" in finding.title
+    assert finding.impact == 0.0

@@ -77,7 +77,10 @@ def _drafts(run: RunResult, kinds: tuple[DebugKind, ...], remedy: str) -> Iterat
         named = "; ".join(f"{d.set_by} at {d.site or 'the environment'}" for d in settings)
         price = (f"turning {'them' if len(settings) > 1 else 'it'} off measured "
                  f"{pct(saving)} faster (--try-fixes {remedy})" if saving is not None else
-                 f"not priced: `gpudiag profile --try-fixes` measures turning it off ({remedy})")
+                 f"not priced: `gpudiag profile --try-fixes` measures turning it off ({remedy})"
+                 if any(d.kind != "profiler" for d in settings) else
+                 "not priced: no remedy turns the script's own profiler off for a run (the "
+                 "script reads its results)")
         cpu_note = "" if acting == settings else \
             " (on a CPU run, a setting that acts on CUDA only costs nothing here)"
         yield Draft(
