@@ -20,6 +20,7 @@ from gpudiag.model.facts import (
     CompileEvent,
     CompileFacts,
     DdpFacts,
+    DebugSetting,
     FsdpFacts,
     FsdpUnits,
     HostLine,
@@ -41,6 +42,7 @@ from gpudiag.model.results import (
     Evidence,
     Finding,
     LineCount,
+    MeasuredFix,
     MemoryStats,
     RunResult,
     SourceLine,
@@ -281,6 +283,38 @@ def gd106(*, ops: float = 200.0, share: float = 0.4, implementation: str = "sing
     facts = StageFacts(script=ScriptFacts(steps=60, warmup=5, timed=30,
                                           step_clock="optimizer.step()", optimizers=[optimizer]))
     return make_run(make_stage("train.py", evidence=ev, facts=facts))
+
+
+def debug_run(*settings: DebugSetting, device: str = "cuda",
+              speedup: float | None = None, remedy: str = "no-debug") -> RunResult:
+    """A profiled script of 60 steps (30 timed) with `settings` on; on a CPU run, a host-clock
+    stage; with `speedup`, --try-fixes measured `remedy` that much faster."""
+    facts = StageFacts(script=ScriptFacts(steps=60, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", debug=list(settings)))
+    stage = make_stage("train.py", facts=facts)
+    run = make_run(stage)
+    if device == "cpu":
+        stage.timer, run.env.device = "host-clock", "cpu"
+    if speedup is not None:
+        run.fixes = [MeasuredFix(remedy=remedy, title="off", findings=["GD107"],
+                                 before_ms=STEP_MS, after_ms=STEP_MS / speedup, speedup=speedup)]
+    return run
+
+
+def anomaly(*, timed: int = 30) -> DebugSetting:
+    return DebugSetting(kind="anomaly-detection", set_by="torch.autograd.set_detect_anomaly(True)",
+                        site="train.py:5", steps_on=max(timed, 5), timed_steps_on=timed)
+
+
+def launch_blocking() -> DebugSetting:
+    return DebugSetting(kind="launch-blocking", set_by="CUDA_LAUNCH_BLOCKING=1", steps_on=60,
+                        timed_steps_on=30)
+
+
+def deterministic(*, timed: int = 30) -> DebugSetting:
+    return DebugSetting(kind="deterministic-algorithms",
+                        set_by="torch.use_deterministic_algorithms(True)", site="train.py:6",
+                        steps_on=max(timed, 5), timed_steps_on=timed)
 
 
 def gd204(*, restart_ms: float = 30.0, passes: int = 15, persistent: bool = False,
@@ -574,6 +608,27 @@ CASES: dict[str, Case] = {
                    P(gd106, implementation="fused"), P(gd106, fused=False))),
     # 15 passes of 4 steps, each restart 40 ms over a 10 ms step: most of the loop; one pass,
     # persistent workers, or none: nothing.
+    # Anomaly detection on through the timed steps, turning it off measured 1.5x; on only
+    # before the timing (a first-batch check), measured to save next to nothing, or
+    # CUDA_LAUNCH_BLOCKING alone on a CPU run: no warning.
+    "GD107": Case(P(debug_run, anomaly(), launch_blocking(), speedup=1.5), "train.py",
+                  "warning",
+                  {"remedy": "no-debug", "measured_saving": 1 / 3,
+                   "settings": {"anomaly-detection": {
+                       "set_by": "torch.autograd.set_detect_anomaly(True)",
+                       "site": "train.py:5", "timed_steps_on": 30, "steps_on": 30},
+                       "launch-blocking": {"set_by": "CUDA_LAUNCH_BLOCKING=1", "site": None,
+                                           "timed_steps_on": 30, "steps_on": 60}}},
+                  (P(debug_run, anomaly(timed=0)),
+                   P(debug_run, anomaly(), speedup=1 / (1 - limit("GD107", "min_measured_saving"))
+                     - 1e-3),
+                   P(debug_run, launch_blocking(), device="cpu"))),
+    # Deterministic algorithms on a GPU, unmeasured; on a CPU (it changes little there), or
+    # turned off before the timed steps: no warning.
+    "GD108": Case(P(debug_run, deterministic()), "train.py", "warning",
+                  {"remedy": "nondeterministic", "measured_saving": None},
+                  (P(debug_run, deterministic(), device="cpu"),
+                   P(debug_run, deterministic(timed=0)))),
     "GD204": Case(P(gd204), "train.py", "critical",
                   {"num_workers": 2, "passes": 15, "batches_per_pass": 4,
                    "ms_per_restart": 40.0, "usual_wait_ms": 1.0, "built_at": "train.py:7"},

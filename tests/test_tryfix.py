@@ -25,6 +25,8 @@ from gpudiag.model.remedies import (
     Bf16AutocastRecord,
     CompileModelRecord,
     DdpNoSyncRecord,
+    DebugOff,
+    DebugOffRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
     LoaderRecord,
@@ -495,6 +497,9 @@ RECORDS: dict[type[RemedyRecord], tuple[RemedyRecord | None, RemedyRecord]] = {
     DdpNoSyncRecord: (DdpNoSyncRecord(models=1),
                       DdpNoSyncRecord(models=1, deferred_forwards=6, reductions=2,
                                       site="t.py:40")),
+    DebugOffRecord: (DebugOffRecord(),
+                     DebugOffRecord([DebugOff("CUDA_LAUNCH_BLOCKING=1"),
+                                     DebugOff("anomaly detection", "t.py:7")])),
 }
 
 

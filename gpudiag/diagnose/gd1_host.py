@@ -64,7 +64,7 @@ def host_work_by_line(run: RunResult) -> Iterator[Draft]:
                    f"{top.location} in {top.function}() ({top.ms(*HOST_ONLY):.1f} ms/step)"),
             location=top.location, impact=min(1.0, cost),
             evidence=_evidence(account, lines, share, idle if gpu else None),
-            fix=_fix(lines))
+            fix=_fix(lines, workers_slower(run)))
 
 
 def host_only_work(run: RunResult, stage: StageResult
@@ -106,11 +106,21 @@ def _evidence(account: StepAccount, lines: list[HostLineTime], share: float,
                                    "via": x.via} for x in lines}}
 
 
-def _fix(lines: list[HostLineTime]) -> str:
+def workers_slower(run: RunResult) -> float | None:
+    """The speedup --try-fixes measured for more DataLoader workers, where it was a slowdown
+    (the script's batches cost less to make on the training thread than to hand over)."""
+    return next((f.speedup for f in run.fixes if f.remedy == "loader" and f.status == "measured"
+                 and not f.changed_nothing and f.speedup is not None and f.speedup < 1.0), None)
+
+
+def _fix(lines: list[HostLineTime], slower: float | None) -> str:
     named = "; ".join(f"{x.location} `{x.text}` {x.ms(*HOST_ONLY):.1f} ms/step" if x.text
                       else f"{x.location} {x.ms(*HOST_ONLY):.1f} ms/step"
                       for x in lines[:MAX_LINES_NAMED])
-    return (f"Take this work off the training thread: {named}. Per-sample preparation belongs "
-            "in a Dataset's __getitem__, loaded by DataLoader(num_workers=N) so it "
-            "runs beside the step; batch-wide work can be torch ops on the device; metrics and "
-            "logging can stay on the device and be read every N steps.")
+    where = ("Per-sample preparation belongs in a Dataset's __getitem__, loaded by "
+             "DataLoader(num_workers=N) so it runs beside the step" if slower is None else
+             f"DataLoader workers measured {slower:.2f}x here (--try-fixes): do per-sample "
+             "preparation once, before training, or on whole batches")
+    return (f"Take this work off the training thread: {named}. {where}; batch-wide work can "
+            "be torch ops on the device; metrics and logging can stay on the device and be "
+            "read every N steps.")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
+from typing import Literal
 
 from gpudiag.diagnose.common import data_wait_share, device_ops, pct, reference_stage
 from gpudiag.diagnose.gd1_host import host_only_work, host_severity
@@ -28,6 +30,16 @@ MAX_PRICED_SHARE = 0.95  # a loop's share is capped here when it is turned into 
 SYMPTOM_RANK = 0.99  # GD102's impact, of its cause's, when it points to a later rule
 MAX_LINES_NAMED = 3  # lines a fix names, busiest first
 OPTIMIZER_LAUNCH_SHARE = 0.5  # of the step's launches, from a per-tensor optimizer: its cause
+
+# What a loop's line does to each element, read from its source text (the host samples keep
+# it): writes into a tensor one element at a time, or reduces and reads back one at a time
+# (`p.grad.abs().max().item()` per parameter). Their fixes differ: one indexed write, or one
+# fused reduction and one read.
+_WRITES = re.compile(r"\]\s*[-+*/]?=(?!=)|\.(?:copy_|index_put_|index_copy_|scatter_|"
+                     r"masked_scatter_|masked_fill_|fill_)\(")
+_READS = re.compile(r"\.(?:item|tolist|cpu|numpy)\(|\.(?:max|min|sum|mean|norm|amax|amin|"
+                    r"any|all|std|var)\(|\b(?:float|int|bool)\(")
+LoopKind = Literal["write", "read", "unknown"]
 
 
 def _loop_thresholds(prefix: str = "", *, severity: bool = True) -> tuple[Threshold, ...]:
@@ -133,13 +145,52 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
             location=line.location,
             impact=impact,
             evidence=evidence,
-            fix=(f"Vectorize the loop in {line.function}(): write all elements with one op, e.g. "
-                 "x = x.masked_scatter(mask[..., None], values.expand(batch, -1, -1)) or "
-                 "x[rows, cols] = values with index tensors, instead of one assignment per "
-                 "element; never use a 0-dim device tensor as a Python index (each use is a "
-                 "blocking device-to-host read). With static shapes, torch.compile or CUDA "
-                 "graphs also remove per-op launch cost."),
+            fix=_loop_fix(stage, line),
         )
+
+
+def loop_kind(stage: StageResult, line: SourceLine) -> LoopKind:
+    """What `line` does to each element, from its text (unknown without host samples)."""
+    script = stage.facts.script
+    text = script.host.text.get(line.location) if script and script.host else None
+    if text is None:
+        return "unknown"
+    return "write" if _WRITES.search(text) else "read" if _READS.search(text) else "unknown"
+
+
+def _loop_fix(stage: StageResult, line: SourceLine) -> str:
+    write = ("write all elements with one op, e.g. x = x.masked_scatter(mask[..., None], "
+             "values.expand(batch, -1, -1)) or x[rows, cols] = values with index tensors, "
+             "instead of one assignment per element; never use a 0-dim device tensor as a "
+             "Python index (each use is a blocking device-to-host read)")
+    read = ("compute the values of all elements with one op and read them once: a reduction "
+            "over a dimension, or over many tensors one fused op (torch._foreach_norm(tensors, "
+            "float('inf')) for per-tensor maxima, torch.stack([...]) of per-tensor results), "
+            "then one .tolist() or .cpu() instead of an .item() per element (each read is a "
+            "blocking device-to-host sync)")
+    kind = loop_kind(stage, line)
+    how = (write if kind == "write" else read if kind == "read" else
+           f"one op over all elements instead of one per element. A write: {write}. A "
+           f"reduction or read: {read}")
+    return (f"Vectorize the loop at {line.location} in {line.function}(): {how}. "
+            f"{_capture_advice(stage, 'With static shapes, ')} also removes per-op launch "
+            "cost.")
+
+
+def compiled(stage: StageResult) -> bool:
+    """Whether the profiled script runs torch.compile'd code (Dynamo compiled a graph)."""
+    script = stage.facts.script
+    return script is not None and bool(
+        script.compiled_graphs or (script.compiles is not None and script.compiles.events))
+
+
+def _capture_advice(stage: StageResult, lead: str = "") -> str:
+    """How to take the launches out of the step: a compiled script's knob is its compile mode
+    (CUDA graphs over the compiled code), anyone else's torch.compile or CUDA graphs."""
+    if compiled(stage):
+        return (f"{lead}compiling with mode=\"reduce-overhead\" (torch.compile(model, "
+                "mode=\"reduce-overhead\"): CUDA graphs over the compiled step)")
+    return f"{lead}torch.compile or capturing the step in CUDA graphs"
 
 
 def loop_price(run: RunResult, stage: StageResult,
@@ -305,9 +356,8 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
                  if optimizer else _starved_fix(stage, loop))
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
-            fix=cause + " Then batch small ops, remove per-step host syncs, "
-                "and capture the step with CUDA graphs or torch.compile where shapes are "
-                "static.")
+            fix=cause + " Then batch small ops, remove per-step host syncs, and where shapes "
+                f"are static try {_capture_advice(stage)}.")
 
 
 def _optimizer_cause(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
@@ -426,10 +476,24 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
                       "idle_after_syncs_ms_per_step": round(idle, 2),
                       "lines": every,
                       "sampled_blocked_ms_per_step": blocked},
-            fix=(f"At {top.location}: keep the value on the device instead of reading it back "
-                 "every step (log every N steps; use torch.where or masks instead of Python "
-                 "branches on tensors; avoid .item(), .cpu(), .nonzero())."),
+            fix=_anomaly_first(stage) + (
+                f"At {top.location}: keep the value on the device instead of reading it back "
+                "every step (log every N steps; use torch.where or masks instead of Python "
+                "branches on tensors; avoid .item(), .cpu(), .nonzero())."),
         )
+
+
+def _anomaly_first(stage: StageResult) -> str:
+    """Anomaly detection on through the timed steps reads every backward output back to check
+    it for NaN: its syncs are the setting's (GD107), not the line's."""
+    script = stage.facts.script
+    anomaly = next((d for d in (script.debug if script else [])
+                    if d.kind == "anomaly-detection" and d.timed_steps_on), None)
+    if anomaly is None:
+        return ""
+    return (f"Anomaly detection ({anomaly.set_by} at {anomaly.site or 'start-up'}) checks "
+            "every backward output for NaN, a device-to-host read each: turn it off first "
+            "(GD107), then count again. ")
 
 
 SMALL_MAX_COLLECTIVE_SHARE = 0.3
@@ -498,9 +562,8 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
                 evidence={"kernels_per_step": round(ev.kernels_per_step, 1),
                           "short_kernel_share": round(short, 3), "idle_fraction": round(idle, 3),
                           "top_ops_by_count": ev.top_ops_by_count[:5]},
-                fix=("Fuse the small ops (torch.compile), capture the step in a CUDA graph "
-                     "(torch.cuda.graphs / mode='reduce-overhead'), or give each kernel more "
-                     f"work: {_larger_batch(run, stage)}."),
+                fix=(f"Fuse the small ops and capture the step: {_capture_advice(stage)}; "
+                     f"or give each kernel more work: {_larger_batch(run, stage)}."),
             )
         sm = stage.telemetry.gpm.get("sm_active_pct")
         active = stage.telemetry.kernel_active_pct

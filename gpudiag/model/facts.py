@@ -383,6 +383,25 @@ class LoaderUse:
     hook: str | None = None
 
 
+# A debug setting that slows a step, as torch names it: autograd's anomaly detection, the CUDA
+# launch queue turned off (CUDA_LAUNCH_BLOCKING=1), deterministic algorithms (torch's, and
+# cuDNN's own flag), a profiler the script runs itself, and autograd's NVTX ranges.
+DebugKind = Literal["anomaly-detection", "launch-blocking", "deterministic-algorithms",
+                    "cudnn-deterministic", "profiler", "emit-nvtx"]
+
+
+@dataclass
+class DebugSetting:
+    """A debug setting that was on while the script stepped
+    (gpudiag/measure/profile/inscript/watches/debug.py): what turned it on, and where."""
+
+    kind: DebugKind
+    set_by: str  # the call or variable, e.g. "torch.autograd.set_detect_anomaly(True)"
+    site: str | None = None  # "path:line": the script's line that turned it on (None: a variable)
+    steps_on: int = 0  # steps it was on at the end of
+    timed_steps_on: int = 0  # of them, timed steps
+
+
 @dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
@@ -406,6 +425,7 @@ class ScriptFacts:
     optimizers: list[OptimizerFacts] = field(default_factory=list)
     loaders: list[LoaderUse] = field(default_factory=list)
     fsdp: FsdpFacts | None = None  # FSDP2's units (fully_shard), where the script shards
+    debug: list[DebugSetting] = field(default_factory=list)  # debug settings on while stepping
     # (warm-up, timed, profiled) when the recorder fitted its schedule to the steps the script
     # planned (timeline.planned_steps), fewer than the asked schedule needs: one run, no re-run.
     fitted_schedule: tuple[int, int, int] | None = None

@@ -116,6 +116,19 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "around the forward and backward of every micro-step but the last: `ctx = "
            "model.no_sync() if not last else contextlib.nullcontext(); with ctx: loss = "
            "model(x); loss.backward()`"),
+    Remedy("no-debug", "debug settings off: anomaly detection, CUDA_LAUNCH_BLOCKING, emit_nvtx",
+           ("GD107",), "exact",
+           "torch.set_anomaly_enabled (set_detect_anomaly, detect_anomaly) kept off, "
+           "CUDA_LAUNCH_BLOCKING unset before CUDA starts, emit_nvtx() made to emit nothing; a "
+           "profiler the script runs itself is left on (the script reads its results)",
+           "delete the call that turns it on (set_detect_anomaly(True), `with "
+           "detect_anomaly()`, emit_nvtx()) or unset CUDA_LAUNCH_BLOCKING; keep them for a "
+           "debugging run"),
+    Remedy("nondeterministic", "deterministic algorithms off", ("GD108",), "precision",
+           "torch.use_deterministic_algorithms(True) and torch.backends.cudnn.deterministic = "
+           "True skipped (calls noted)",
+           "delete torch.use_deterministic_algorithms(True) / cudnn.deterministic = True, or "
+           "keep them only in a run that must repeat bit for bit"),
 )}
 
 # Findings whose cause is in the script's own logic: no change gpudiag could make for one run is
@@ -373,6 +386,29 @@ class DdpNoSyncRecord(RemedyRecord):
 
 
 @dataclass
+class DebugOff:
+    """A debug setting a remedy kept off: the call or variable that would have turned it on,
+    and the script's line (None: a variable)."""
+
+    set_by: str
+    site: str | None = None
+
+
+@dataclass
+class DebugOffRecord(RemedyRecord):
+    kept_off: list[DebugOff] = field(default_factory=list)
+
+    def unchanged(self) -> str | None:
+        return None if self.kept_off else \
+            "the script turned on none of the settings the remedy keeps off"
+
+    @property
+    def site(self) -> str | None:
+        """The first line that turned one on: the one to delete."""
+        return next((k.site for k in self.kept_off if k.site is not None), None)
+
+
+@dataclass
 class RemedyEvidence:
     """What the remedies applied in one process saw, one record per remedy (None: not
     applied). A field is its remedy's name with underscores (run.json's keys of schema 3 and
@@ -389,6 +425,8 @@ class RemedyEvidence:
     fsdp_keep_gathered: FsdpKeepGatheredRecord | None = None
     ddp_no_sync: DdpNoSyncRecord | None = None
     compile_model: CompileModelRecord | None = None
+    no_debug: DebugOffRecord | None = None
+    nondeterministic: DebugOffRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

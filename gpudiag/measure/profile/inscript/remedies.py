@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
 from gpudiag.measure.profile.inscript.frameworks import loader_origin
+from gpudiag.measure.profile.inscript.watches.debug import LAUNCH_BLOCKING, launch_blocking
 from gpudiag.measure.profile.inscript.watches.fsdp import when_fsdp_imported
 from gpudiag.model.remedies import (
     REMEDIES,
@@ -43,6 +45,8 @@ from gpudiag.model.remedies import (
     Bf16AutocastRecord,
     CompileModelRecord,
     DdpNoSyncRecord,
+    DebugOff,
+    DebugOffRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
     LoaderRecord,
@@ -529,12 +533,75 @@ def _ddp_no_sync(seen: RemedyEvidence) -> Callable[[], None]:
     return lambda: None
 
 
+# --- debug settings off --------------------------------------------------------------------
+
+def _kept_off(record: DebugOffRecord, set_by: str) -> None:
+    site = call_site(sys._getframe(2))  # the caller of the wrapper that kept it off
+    record.kept_off.append(DebugOff(set_by, site.location if site is not None else None))
+
+
+def _no_debug(seen: RemedyEvidence) -> Callable[[], None]:
+    """Anomaly detection kept off (every way in goes through torch.set_anomaly_enabled),
+    CUDA_LAUNCH_BLOCKING unset before CUDA reads it (at its first call, after start-up),
+    emit_nvtx() disabled as it is entered. A profiler the script runs is left alone: the
+    script reads its results (key_averages, a trace handler), which a disabled one lacks."""
+    record = seen.no_debug = DebugOffRecord()
+    if launch_blocking():
+        record.kept_off.append(DebugOff(f"{LAUNCH_BLOCKING}={os.environ.pop(LAUNCH_BLOCKING)}"))
+
+    def anomaly(original: Callable[..., Any]) -> Callable[..., Any]:
+        def set_anomaly_enabled(enabled: bool, *args: Any, **kwargs: Any) -> Any:
+            if enabled:
+                _kept_off(record, "anomaly detection")
+            return original(False, *args, **kwargs)
+        return set_anomaly_enabled
+
+    def nvtx(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __enter__(self: Any) -> Any:
+            if self.enabled:
+                _kept_off(record, "torch.autograd.profiler.emit_nvtx()")
+                self.enabled = False  # its __exit__ then does nothing either
+            return original(self)
+        return __enter__
+
+    _wrap(torch, "set_anomaly_enabled", anomaly)
+    _wrap(autograd_profiler.emit_nvtx, "__enter__", nvtx)
+    return lambda: None
+
+
+def _nondeterministic(seen: RemedyEvidence) -> Callable[[], None]:
+    """torch.use_deterministic_algorithms(True) and cudnn.deterministic = True skipped."""
+    record = seen.nondeterministic = DebugOffRecord()
+
+    def algorithms(original: Callable[..., Any]) -> Callable[..., Any]:
+        def use_deterministic_algorithms(mode: bool, *args: Any, **kwargs: Any) -> Any:
+            if mode:
+                _kept_off(record, "torch.use_deterministic_algorithms(True)")
+                return None
+            return original(mode, *args, **kwargs)
+        return use_deterministic_algorithms
+
+    cudnn = type(torch.backends.cudnn)
+    original_setattr = cudnn.__setattr__
+
+    def __setattr__(self: object, name: str, value: object) -> None:
+        if name == "deterministic" and value:
+            _kept_off(record, "torch.backends.cudnn.deterministic = True")
+            return
+        original_setattr(self, name, value)
+
+    cudnn.__setattr__ = __setattr__  # type: ignore[method-assign]
+    _wrap(torch, "use_deterministic_algorithms", algorithms)
+    return lambda: None
+
+
 APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader,
     "persistent-workers": _persistent_workers, "pinned": _pinned,
     "no-empty-cache": _no_empty_cache, "fused-optimizer": _fused_optimizer,
     "async-save": _async_save, "fsdp-keep-gathered": _fsdp_keep_gathered,
     "ddp-no-sync": _ddp_no_sync, "compile-model": _compile_model,
+    "no-debug": _no_debug, "nondeterministic": _nondeterministic,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
