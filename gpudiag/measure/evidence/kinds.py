@@ -5,12 +5,13 @@ The names are those the profiler records: cuBLAS/CUTLASS (`sm90_xmma_gemm_*`, `n
 `cutlass_*`), cuDNN's convolutions (`sm80_xmma_fprop_implicit_gemm_*`, `*_dgrad_*`,
 `*_wgrad_*`, `implicit_convolve_sgemm`, `*_scudnn_winograd_*`, `volta_s884cudnn_*`) and the
 layout transposes it runs around them on NCHW tensors (`nchwToNhwcKernel`,
-`nhwcToNchwKernel`, `cubeTransposeDeviceGeneric_kernel`), FlashAttention and memory-efficient attention (`flash_fwd_kernel`,
-`fmha_cutlassF_*`), ATen's CUDA kernels (`vectorized_elementwise_kernel`, `reduce_kernel`,
-`softmax_warp_forward`, `vectorized_layer_norm_kernel`, `multi_tensor_apply_kernel`), NCCL
-(`ncclDevKernel_*`) and Inductor's Triton kernels (`triton_poi_*` pointwise, `triton_red_*` /
-`triton_per_*` reductions, `triton_tem_*` templates: matmuls). Kinds are named in
-gpudiag/model/results.py (DeviceKind).
+`nhwcToNchwKernel`, `cubeTransposeDeviceGeneric_kernel`), FlashAttention and
+memory-efficient attention (`flash_fwd_kernel`, `fmha_cutlassF_*`), ATen's CUDA kernels
+(`vectorized_elementwise_kernel`, `reduce_kernel`, `softmax_warp_forward`,
+`vectorized_layer_norm_kernel`, `multi_tensor_apply_kernel`), NCCL (`ncclDevKernel_*`)
+and Inductor's Triton kernels (`triton_poi_*` pointwise, `triton_red_*` / `triton_per_*`
+reductions, `triton_tem_*` templates: matmuls). Kinds are named in gpudiag/model/results.py
+(DeviceKind).
 
 cuDNN's names as profilers print them: apache/mxnet#14684 (`nhwcToNchwKernel`,
 `volta_s884cudnn_fp16_*_nhwc_tn_v1`, `cudnn::detail::bn_fw_inf_1C11_kernel_new`),
