@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -194,16 +194,28 @@ def _compile_model(seen: RemedyEvidence) -> Callable[[], None]:
 
 # --- convolutions in channels_last --------------------------------------------------------
 
-def _holds_conv(module: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
-
-
 def _to_channels_last(value: Any) -> Any:
     """A 4-D floating-point tensor in channels_last (others as they are)."""
     if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point() \
             and not value.is_contiguous(memory_format=torch.channels_last):
         return value.to(memory_format=torch.channels_last)
     return value
+
+
+def _converts(module: torch.nn.Module, record: ChannelsLastRecord) -> bool:
+    """Whether `module`'s calls get channels_last inputs: it holds a Conv2d, converted here
+    (in place) unless all its convolutions' weights were channels_last already."""
+    convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    if not convs:
+        return False
+    if all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs):
+        record.kept.append(type(module).__name__)
+        return True
+    # nn.Module.to takes memory_format (torch/nn/modules/module.py); its stubs do not say so.
+    module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    record.modules.append(type(module).__name__)
+    record.site = record.site or _site(depth=4)
+    return True
 
 
 def _channels_last(seen: RemedyEvidence) -> Callable[[], None]:
@@ -223,29 +235,19 @@ def _channels_last(seen: RemedyEvidence) -> Callable[[], None]:
         if depth:
             return None
         if id(module) not in converted:
-            converted[id(module)] = _holds_conv(module)
-            if converted[id(module)]:
-                _convert(module)
+            converted[id(module)] = _converts(module, record)
         if not converted[id(module)]:
             return None
         new = tuple(_to_channels_last(a) for a in args)
         record.inputs += sum(a is not b for a, b in zip(new, args, strict=True))
         return new
 
-    def _convert(module: torch.nn.Module) -> None:
-        convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
-        if all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs):
-            record.kept.append(type(module).__name__)
-            return
-        module.to(memory_format=torch.channels_last)
-        record.modules.append(type(module).__name__)
-        record.site = record.site or _site(depth=4)
-
     def leave(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
         if not torch.compiler.is_compiling():
             state.depth = max(0, getattr(state, "depth", 1) - 1)
 
-    torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    # A pre-hook may return its module's new arguments (torch's docs); the stub says None.
+    torch.nn.modules.module.register_module_forward_pre_hook(cast(Callable[..., None], enter))
     torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
     return lambda: None
 

@@ -71,21 +71,22 @@ class ConvLayoutWatch(Watch):
         init, forward = nn.Conv2d.__init__, nn.Conv2d.forward
 
         def first_init(conv: nn.Conv2d, *args: Any, **kwargs: Any) -> None:
-            nn.Conv2d.__init__ = init  # type: ignore[method-assign]
+            setattr(nn.Conv2d, "__init__", init)  # noqa: B010  (mypy refuses a method's assignment)
             self.built_at = _line_above(_outermost(sys._getframe(1), _module_init))
             init(conv, *args, **kwargs)
 
         def first_forward(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
             if not torch.compiler.is_compiling():
-                nn.Conv2d.forward = forward  # type: ignore[method-assign]
+                setattr(nn.Conv2d, "forward", forward)  # noqa: B010  (as above)
                 self.layout = ConvLayout(
                     memory_format=memory_format(x, conv.weight), device=x.device.type,
                     dtype=str(x.dtype), built_at=self.built_at,
                     called_at=_line_above(_outermost(sys._getframe(1), _module_call)))
             return forward(conv, x)
 
-        nn.Conv2d.__init__ = first_init  # type: ignore[method-assign]
-        nn.Conv2d.forward = first_forward  # type: ignore[method-assign]
+        # Wrapped for one call each, not by watches.patch (which wraps for good).
+        setattr(nn.Conv2d, "__init__", first_init)  # noqa: B010  (as above)
+        setattr(nn.Conv2d, "forward", first_forward)  # noqa: B010  (as above)
 
     def fill(self, draft: StageDraft) -> None:
         draft.script.conv_layout = self.layout
