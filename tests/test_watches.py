@@ -85,7 +85,8 @@ def test_the_conv_layout_watch_names_the_format_where_the_model_is_built_and_cal
     watch.fill(StageDraft(StageFacts(script=script), script, StepTimeline(), timed=range(0)))
     layout = script.conv_layout
     assert layout is not None
-    assert (layout.memory_format, layout.device) == ("channels_first", "cpu")
+    assert (layout.memory_format, layout.device, layout.dtype) == \
+        ("channels_first", "cpu", "torch.float32")
     assert layout.built_at is not None and layout.built_at.endswith(f"test_watches.py:{built}")
     assert layout.called_at is not None and layout.called_at.endswith(f":{called}")
 

@@ -10,6 +10,7 @@ from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.ledger import NoPart, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.facts import ConvLayout
 from gpudiag.model.results import MEMORY_BOUND_KINDS, RunResult, StageResult
 
 # fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper
@@ -175,9 +176,11 @@ def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
 
 # Convolutions (and cuDNN's transposes around them) this share of the kernel time: the layout
 # is worth a word. A warning where the transposes alone hold this share of the step, or where
-# convolutions hold half the kernel time in a format recorded as NCHW: NCHW batch norms and
-# cuDNN's NCHW algorithms cost more than the transposes, unmeasured by the trace.
-CONV_MIN_SHARE, LAYOUT_WARNING, CONV_WARNING = 0.20, 0.05, 0.50
+# the convolution blocks (convolutions, transposes, batch norms) hold half the kernel time in
+# 16 bits with an NCHW input recorded: NCHW batch norms and cuDNN's NCHW algorithms cost more
+# than the transposes, and the trace does not say how much (an H200 ResNet-style step's norms
+# held 60% of its kernel time; channels_last measured 2.54x).
+CONV_MIN_SHARE, LAYOUT_WARNING, CONV_BLOCK_WARNING = 0.20, 0.05, 0.50
 LAYOUT_MIN_SHARE = 0.01  # of the kernel time in layout transposes: NCHW seen in the trace
 CONV_KINDS = frozenset({"convolution", "layout"})
 
@@ -512,13 +515,14 @@ CHANNELS_LAST_FIX = ("model = model.to(memory_format=torch.channels_last) where 
                      "is made")
 
 
-def _layout_sites(stage: StageResult) -> tuple[str | None, str | None, str | None]:
-    """(memory format, line that built the model, line that called it) as the profiled script
-    recorded its first convolution (watches/convlayout.py); Nones where not recorded."""
+LOW_PRECISION = ("torch.bfloat16", "torch.float16")
+
+
+def _conv_layout(stage: StageResult) -> ConvLayout:
+    """The profiled script's first convolution as it recorded it (watches/convlayout.py); all
+    unknown where not recorded (gpudiag run's stages, a script with no Conv2d module)."""
     layout = stage.facts.script.conv_layout if stage.facts.script else None
-    if layout is None:
-        return None, None, None
-    return layout.memory_format, layout.built_at, layout.called_at
+    return layout or ConvLayout(memory_format="other", device="unknown", dtype="unknown")
 
 
 def _layout_fix(run: RunResult, built: str | None, called: str | None) -> str:
@@ -553,9 +557,9 @@ def _layout_fix(run: RunResult, built: str | None, called: str | None) -> str:
                           "the trace"),
                 Threshold("warning_layout_share", LAYOUT_WARNING,
                           "the transposes alone this share of the step: warning"),
-                Threshold("warning_conv_share", CONV_WARNING,
-                          "convolutions half the kernel time with an NCHW input recorded: "
-                          "warning")),
+                Threshold("warning_block_share", CONV_BLOCK_WARNING,
+                          "convolutions, their transposes and batch norms half the kernel "
+                          "time, computing in 16 bits on an NCHW input recorded: warning")),
     references=("https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html",
                 "https://docs.nvidia.com/deeplearning/performance/dl-performance-convolutional/"
                 "index.html#tensor-layout"),
@@ -565,8 +569,9 @@ def conv_memory_format(run: RunResult) -> Iterator[Draft]:
     time, and the convolutions run NCHW: the profiled script recorded its first Conv2d's
     input as channels_first, or (not recorded) cuDNN's NCHW <-> NHWC transposes take 1% of the
     kernel time. Priced by the transposes' share of the step, a lower bound (the NCHW batch
-    norms and algorithms are not counted); a warning from 5% of the step, or where
-    convolutions hold half the kernel time."""
+    norms and algorithms are not counted), with the convolution blocks' share as the upper
+    one; a warning from 5% of the step, or where those blocks hold half the kernel time and
+    compute in 16 bits on an NCHW input."""
     if not _tensor_core_gpu(run):
         return
     for stage in run.stages_with_evidence():
@@ -574,30 +579,37 @@ def conv_memory_format(run: RunResult) -> Iterator[Draft]:
         assert ev is not None
         by_kind = ev.device_ms_by_kind
         total = sum(by_kind.values())
-        fmt, built, called = _layout_sites(stage)
-        if ev.backend != "cuda" or not total or fmt == "channels_last":
+        seen = _conv_layout(stage)
+        nchw = seen.memory_format == "channels_first"
+        if ev.backend != "cuda" or not total or seen.memory_format == "channels_last":
             continue
         conv, layout = by_kind.get("convolution", 0.0), by_kind.get("layout", 0.0)
         if (conv + layout) / total < CONV_MIN_SHARE or \
-                (fmt != "channels_first" and layout / total < LAYOUT_MIN_SHARE):
+                (not nchw and layout / total < LAYOUT_MIN_SHARE):
             continue
         busy = 1.0 - (ev.idle_fraction or 0.0)
         impact = layout / total * busy
+        blocks = (conv + layout + by_kind.get("norm", 0.0)) / total
         warning = impact >= LAYOUT_WARNING or \
-            (fmt == "channels_first" and conv / total >= CONV_WARNING)
-        seen = ("its first convolution's input is NCHW" if fmt == "channels_first"
-                else f"cuDNN transposes NCHW <-> NHWC around them ({pct(layout / total)} of "
-                     "the kernel time)")
+            (nchw and seen.dtype in LOW_PRECISION and blocks >= CONV_BLOCK_WARNING)
+        how = (f"its first convolution's input is NCHW ({seen.dtype.removeprefix('torch.')})"
+               if nchw else f"cuDNN transposes NCHW <-> NHWC around them ({pct(layout / total)} "
+                            "of the kernel time)")
         yield Draft(
             severity="warning" if warning else "info", stage=stage.name,
-            title=(f"Convolutions take {pct((conv + layout) / total)} of the kernel time in "
-                   f"NCHW (channels_first) memory format: {seen}"
-                   + (f"; the model is built at {built}" if built else "")),
-            location=built or called, impact=impact,
-            evidence={"memory_format": fmt, "built_at": built, "called_at": called,
+            title=(f"Convolutions take {pct((conv + layout) / total)} of the kernel time "
+                   f"(with batch norms {pct(blocks)}) in NCHW (channels_first) memory format: "
+                   f"{how}" + (f"; the model is built at {seen.built_at}" if seen.built_at
+                               else "")),
+            location=seen.built_at or seen.called_at, impact=impact,
+            evidence={"memory_format": seen.memory_format if nchw else None,
+                      "compute_dtype": seen.dtype if nchw else None,
+                      "built_at": seen.built_at, "called_at": seen.called_at,
                       "convolution_share": round(conv / total, 3),
                       "layout_share": round(layout / total, 3),
+                      "conv_block_share": round(blocks, 3),
                       "cudnn_benchmark": run.env.cudnn_benchmark,
                       "price": (f"the layout transposes, {pct(impact)} of the step: a lower "
-                                "bound (NCHW batch norms and algorithms not counted)")},
-            fix=_layout_fix(run, built, called))
+                                "bound (NCHW batch norms and algorithms not counted); at most "
+                                f"the convolution blocks' {pct(blocks * busy)}")},
+            fix=_layout_fix(run, seen.built_at, seen.called_at))

@@ -394,7 +394,9 @@ class ConvLayout:
 
     memory_format: MemoryFormat
     device: str  # "cuda", "cpu", ...
-    dtype: str  # the input's, as torch names it ("torch.float32"): autocast casts inside
+    # What it computes in, as torch names it ("torch.bfloat16"): autocast's where autocast is
+    # on for its device, else the input's.
+    dtype: str
     built_at: str | None = None  # the line that built the outermost module (`model = Net()`)
     called_at: str | None = None  # the line that called it (`model(x)`): the input's
 

@@ -32,6 +32,11 @@ def memory_format(x: torch.Tensor, weight: torch.Tensor) -> MemoryFormat:
     return "channels_first" if x.is_contiguous() else "other"
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def _outermost(frame: FrameType | None, is_it: Callable[[FrameType], bool]) -> FrameType | None:
     found = None
     while frame is not None:
@@ -80,7 +85,7 @@ class ConvLayoutWatch(Watch):
                 setattr(nn.Conv2d, "forward", forward)  # noqa: B010  (as above)
                 self.layout = ConvLayout(
                     memory_format=memory_format(x, conv.weight), device=x.device.type,
-                    dtype=str(x.dtype), built_at=self.built_at,
+                    dtype=str(_compute_dtype(x)), built_at=self.built_at,
                     called_at=_line_above(_outermost(sys._getframe(1), _module_call)))
             return forward(conv, x)
 
