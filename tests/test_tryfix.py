@@ -423,6 +423,9 @@ def test_findings_decide_the_remedies() -> None:
     assert cpu.skipped == ["pinned: acts on a GPU only, the run had none"]
     forced = plan_fixes(_run(device="cpu"), forced=["pinned"])
     assert [r.name for r in forced.remedies] == ["pinned"]
+    # A CNN in NCHW: its layout tried beside compile, not compile alone (issue 55's H200 run).
+    cnn = plan_fixes(_run(("GD306", "warning"), ("GD304", "warning")))
+    assert [r.name for r in cnn.remedies] == ["channels-last", "compile-model"]
 
 
 def test_equivalence_against_the_run_to_run_floor() -> None:
