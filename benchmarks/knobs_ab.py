@@ -1,7 +1,8 @@
 """Plain A/B of the framework knobs gpudiag's findings name, with each example script's own
 timer (no gpudiag in the process): examples/per_tensor_optimizer.py as written (AdamW
 foreach=False) against FUSED=1 (fused=True, GD106), examples/loader_restarts.py as written (8
-workers, not persistent) against PERSISTENT=1 (GD204), and on two GPUs (torchrun, 2 ranks)
+workers, not persistent) against PERSISTENT=1 (GD204), examples/cnn_layout.py in NCHW against
+CHANNELS_LAST=1 (a channels_last model and input, GD306), and on two GPUs (torchrun, 2 ranks)
 examples/tiny_fsdp2.py against RESHARD=0 (reshard_after_forward=False, GD805) and
 examples/tiny_ddp.py accumulating 4 micro-steps against NO_SYNC=1 (GD802), each in fresh
 processes alternated A B B A over `--pairs` pairs. Prints and writes each side's figures
@@ -31,12 +32,14 @@ CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
                   {"FUSED": "1"}),
     "loader": ((sys.executable, "examples/loader_restarts.py"), "later_epochs_s",
                {"PERSISTENT": "1"}),
+    "layout": ((sys.executable, "examples/cnn_layout.py"), "median_ms",
+               {"CHANNELS_LAST": "1"}),
     "fsdp-reshard": ((*TORCHRUN, "examples/tiny_fsdp2.py", "60"), "median_ms",
                      {"RESHARD": "0"}),
     "ddp-no-sync": ((*TORCHRUN, "examples/tiny_ddp.py", "40", "4"), "median_ms",
                     {"NO_SYNC": "1"}),
 }
-SINGLE_PROCESS = ("optimizer", "loader")
+SINGLE_PROCESS = ("optimizer", "loader", "layout")
 
 
 def _timed(command: tuple[str, ...], env: dict[str, str]) -> dict[str, Any]:

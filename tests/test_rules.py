@@ -19,6 +19,7 @@ from gpudiag.model.facts import (
     CheckpointFacts,
     CompileEvent,
     CompileFacts,
+    ConvLayout,
     DdpFacts,
     DebugSetting,
     FsdpFacts,
@@ -530,6 +531,29 @@ def gd305(*, share: float, low: float = 0.9, backend: str = "cuda") -> RunResult
     return make_run(make_stage("train", evidence=ev))
 
 
+def gd306(*, memory_format: str | None = "channels_first", conv: float = 0.3,
+          layout: float = 0.0, norm: float = 0.2, dtype: str = "torch.bfloat16",
+          transformer: bool = False) -> RunResult:
+    """A ResNet-style step on 100 ms of kernels: `conv` in convolutions, `layout` in cuDNN's
+    NCHW <-> NHWC transposes, `norm` in batch norms, the rest ReLUs and adds (and a
+    cross-entropy's small softmax). The script recorded its first Conv2d's input in
+    `memory_format` (None: not recorded), computing in `dtype`, its model built at
+    train.py:12 and called at train.py:30. `transformer`: no convolution, matmuls, attention
+    and layer norms instead."""
+    by_kind = ({"matmul": 60.0, "attention": 20.0, "norm": 20.0} if transformer else
+               {"convolution": 100 * conv, "layout": 100 * layout, "norm": 100 * norm,
+                "softmax": 0.5, "elementwise": 100 * (1 - conv - layout - norm) - 0.5})
+    lines = [LineCount("train.py:30", "main", kind_ms=by_kind)]
+    ev = make_evidence(idle_fraction=0.05, device_ms_by_kind=by_kind, line_counts=lines)
+    layout_facts = None if memory_format is None or transformer else ConvLayout(
+        memory_format=memory_format,  # type: ignore[arg-type]
+        device="cuda", dtype=dtype, built_at="train.py:12", called_at="train.py:30")
+    facts = StageFacts(script=ScriptFacts(steps=60, warmup=5, timed=30,
+                                          step_clock="optimizer.step()",
+                                          conv_layout=layout_facts))
+    return make_run(make_stage("train.py", ms=100.0, evidence=ev, facts=facts))
+
+
 def gd9(*, recompiles: int, limit_hit: bool = False, breaks: int = 0) -> RunResult:
     """A profiled script's compilations: model.py's forward compiled at step 0, then
     recompiled at each of the next `recompiles` steps for a new length (1 s each), then, with
@@ -714,6 +738,22 @@ CASES: dict[str, Case] = {
                   (P(gd305, share=0.16),
                    P(gd305, share=0.2, low=limit("GD305", "min_low_precision_matmul") - 0.01),
                    P(gd305, share=0.4, backend="cpu"))),
+    # Convolutions and batch norms half the kernel time in bf16 on an input recorded as NCHW:
+    # a warning with no transposes seen. Information only in fp32 or short of half; silent
+    # for a channels_last model, a transformer, convolutions short of a fifth of the kernel
+    # time, or none recorded and too few transposes seen.
+    "GD306": Case(P(gd306, norm=limit("GD306", "warning_block_share") - 0.3), "train.py",
+                  "warning",
+                  {"memory_format": "channels_first", "compute_dtype": "torch.bfloat16",
+                   "built_at": "train.py:12", "called_at": "train.py:30",
+                   "convolution_share": 0.3, "layout_share": 0.0, "conv_block_share": 0.5},
+                  (P(gd306, memory_format="channels_last", conv=0.8, layout=0.1, norm=0.05),
+                   P(gd306, transformer=True),
+                   P(gd306, norm=0.3, dtype="torch.float32"),
+                   P(gd306, norm=limit("GD306", "warning_block_share") - 0.31),
+                   P(gd306, memory_format=None, conv=0.5,
+                     layout=limit("GD306", "min_layout_share") - 0.001),
+                   P(gd306, conv=limit("GD306", "min_conv_share") - 0.01, norm=0.5))),
     # Two recompiles of one function (one is routine: a last, smaller batch).
     "GD901": Case(P(gd9, recompiles=2), "train.py", "critical",
                   {"recompiles": 2, "compilations": 3, "called_at": "train.py:30",
@@ -755,6 +795,28 @@ def test_memory_bound_kernels_are_priced_by_what_fusing_them_saves() -> None:
     (bound,) = findings_of("GD304", gd304(share=0.5))
     assert bound.impact == pytest.approx(0.5 * 0.95) == bound.evidence["upper_bound_share"]
     assert bound.evidence["price"].startswith("an upper bound")
+
+
+def test_conv_layout_is_priced_by_its_transposes_and_named_where_the_model_is_built() -> None:
+    """Not recorded in the script (gpudiag run's stages, a compiled script), cuDNN's
+    transposes say NCHW; their share of the step is the price, a lower bound. The fix names
+    the lines, and GD304 on the same step gives no attention advice (a cross-entropy's softmax
+    is no attention) but the layout's."""
+    (traced,) = findings_of("GD306", gd306(memory_format=None, conv=0.5, layout=0.1))
+    assert traced.severity == "warning" and traced.impact == pytest.approx(0.1 * 0.95)
+    assert traced.location is None and "lower bound" in traced.evidence["price"]
+    (named,) = findings_of("GD306", gd306(conv=0.3, layout=0.02, norm=0.1))
+    assert named.severity == "info" and named.location == "train.py:12"
+    assert "At train.py:12: `model = model.to(memory_format=torch.channels_last)`" in named.fix
+    assert "at train.py:30, the input" in named.fix
+    # fp32 convolutions gain less from NHWC than 16-bit ones: information, with both bounds.
+    (fp32,) = findings_of("GD306", gd306(norm=0.3, dtype="torch.float32"))
+    assert fp32.severity == "info" and "at most the convolution blocks' 57%" in \
+        fp32.evidence["price"]
+    (memory,) = findings_of("GD304", gd306(conv=0.3, norm=0.4))
+    assert "attention" not in memory.fix.lower() and "channels_last" in memory.fix
+    (attention,) = findings_of("GD304", gd304(share=0.5))
+    assert "scaled_dot_product_attention" in attention.fix
 
 
 def test_every_rule_has_a_case() -> None:

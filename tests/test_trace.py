@@ -636,6 +636,32 @@ def test_code_from_a_string_is_the_users_unless_python_or_dynamo_generated_it() 
      "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
     ("some_custom_kernel", "other"),
+    # cuDNN's convolutions and the layout transposes around them on NCHW tensors (names as
+    # profilers print them: apache/mxnet#14684, kblomdahl/dream-go#25).
+    ("sm80_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nchw_tilesize128x128x32",
+     "convolution"),
+    ("sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64",
+     "convolution"),
+    ("sm80_xmma_wgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "convolution"),
+    ("cutlass_80_tensorop_bf16_s16816fprop_optimized_bf16_128x128_32x3_nhwc_align8",
+     "convolution"),
+    ("volta_s884cudnn_fp16_128x128_ldg8_relu_exp_interior_nhwc_tn_v1", "convolution"),
+    ("maxwell_scudnn_winograd_128x128_ldg1_ldg4_relu_tile418n_nt", "convolution"),
+    ("void cudnn::detail::implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1>",
+     "convolution"),
+    ("void at::native::im2col_kernel<float>(long, float const*, long)", "convolution"),
+    ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float>",
+     "layout"),
+    ("void nhwcToNchwKernel<float, float, float, true, false>(int, int, int, int)", "layout"),
+    ("void cudnn::detail::cubeTransposeDeviceGeneric_kernel<float, float, float, 8>",
+     "layout"),
+    # cuDNN's batch norms say "cudnn" (a norm, not a matmul); Inductor's pointwise kernels
+    # after a convolution say "convolution" (elementwise).
+    ("void cudnn::detail::bn_fw_inf_1C11_kernel_new<float, float, true, 1>", "norm"),
+    ("void cudnn::bn_bw_1C11_kernel_new<__half, float, float2, 512, true, 1>", "norm"),
+    ("void cudnn::batchnorm_fwtr_nhwc_semiPersist<__half, float, 512, true>", "norm"),
+    ("triton_poi_fused_convolution_relu_0", "elementwise"),
+    ("void at::native::unrolled_elementwise_kernel<convert_to_float>", "elementwise"),
 ])
 def test_kernel_kinds(name: str, kind: str) -> None:
     assert kernel_kind(name) == kind
@@ -646,6 +672,8 @@ def test_kernel_kinds(name: str, kind: str) -> None:
     ("aten::_softmax", "softmax"), ("aten::native_layer_norm", "norm"), ("aten::sum", "reduction"),
     ("aten::gelu", "elementwise"), ("aten::_foreach_add_", "optimizer"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::mkldnn_convolution", "convolution"),
+    ("autograd::engine::evaluate_function: ConvolutionBackward0", "convolution"),
 ])
 def test_cpu_operator_kinds(name: str, kind: str) -> None:
     assert op_kind(name) == kind

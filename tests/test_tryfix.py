@@ -23,6 +23,7 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    ChannelsLastRecord,
     CompileModelRecord,
     DdpNoSyncRecord,
     DebugOff,
@@ -244,6 +245,46 @@ def test_compile_remedy_compiles_the_outermost_model_in_place(tmp_path: Path) ->
     assert result["site"] == f"compile_check.py:{line_of(script, 'loss = loss_fn(model(')}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("remedies", [(), ("channels-last",)], ids=["plain", "channels-last"])
+def test_channels_last_converts_the_cnn_example_and_its_input(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remedies: tuple[str, ...]) -> None:
+    """examples/cnn_layout.py profiled on this CPU: plain, the watch records its first
+    convolution's NCHW input, where the model is built and where it is called (GD306 itself
+    fires on CUDA only: `gpudiag profile --try-fixes --fix channels-last -- python3
+    examples/cnn_layout.py` on a GPU proves the rule and the remedy); under channels-last the
+    model (Net) is converted at its first call, every step's input with it, the record names
+    the calling line, and the watch then sees a channels_last convolution."""
+    from gpudiag.measure.profile.launching.session import ProfileRequest
+    from gpudiag.measure.profile.launching.session import profile_command as profile_once
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "cnn_layout.py"
+    monkeypatch.setenv("STEPS", "12")
+    config = ProfileConfig(command=(sys.executable, str(script)), warmup=2, timed=4,
+                           evidence_steps=1, stop_after_window=True, remedies=remedies,
+                           losses=4, seed=0)
+    with in_folder(tmp_path):
+        output = profile_once(ProfileRequest(config, tmp_path / "run", rerun=False,
+                                             isolate="cnn"))
+    facts = output.run.stages[0].facts.script
+    assert facts is not None and facts.conv_layout is not None
+    called = f"cnn_layout.py:{line_of(script, 'loss = nn.functional.cross_entropy(model(x)')}"
+    assert facts.conv_layout.called_at is not None
+    assert facts.conv_layout.called_at.endswith(called)
+    if not remedies:
+        assert facts.conv_layout.memory_format == "channels_first"
+        built = f"cnn_layout.py:{line_of(script, 'model = Net().to(device)')}"
+        assert facts.conv_layout.built_at is not None
+        assert facts.conv_layout.built_at.endswith(built)
+        assert not [f for f in output.run.findings if f.id == "GD306"]  # CUDA only
+        return
+    record = facts.remedies.channels_last
+    assert record is not None and record.unchanged() is None
+    assert record.modules == ["Net"] and not record.kept and record.inputs >= 6
+    assert record.site is not None and record.site.endswith(called)
+    assert facts.conv_layout.memory_format == "channels_last"
+
+
 DDP_NO_SYNC_CHECK = """
     import json, os, sys
     import torch, torch.distributed as dist
@@ -384,6 +425,9 @@ def test_findings_decide_the_remedies() -> None:
     assert cpu.skipped == ["pinned: acts on a GPU only, the run had none"]
     forced = plan_fixes(_run(device="cpu"), forced=["pinned"])
     assert [r.name for r in forced.remedies] == ["pinned"]
+    # A CNN in NCHW: its layout tried beside compile, not compile alone (issue 55's H200 run).
+    cnn = plan_fixes(_run(("GD306", "warning"), ("GD304", "warning")))
+    assert [r.name for r in cnn.remedies] == ["channels-last", "compile-model"]
 
 
 def test_equivalence_against_the_run_to_run_floor() -> None:
@@ -494,6 +538,8 @@ RECORDS: dict[type[RemedyRecord], tuple[RemedyRecord | None, RemedyRecord]] = {
     FsdpKeepGatheredRecord: (FsdpKeepGatheredRecord(kept=4),
                              FsdpKeepGatheredRecord(units=4, site="t.py:15")),
     CompileModelRecord: (CompileModelRecord(), CompileModelRecord(["GPT"], site="t.py:30")),
+    ChannelsLastRecord: (ChannelsLastRecord(kept=["ResNet"]),
+                         ChannelsLastRecord(["ResNet"], inputs=3, site="t.py:30")),
     DdpNoSyncRecord: (DdpNoSyncRecord(models=1),
                       DdpNoSyncRecord(models=1, deferred_forwards=6, reductions=2,
                                       site="t.py:40")),

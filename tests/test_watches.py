@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import pkgutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import profile_script, write_script
+from torch import nn
 
 from gpudiag.measure.profile.inscript import watches
 from gpudiag.measure.profile.inscript.recorder import Recorder
 from gpudiag.measure.profile.inscript.watches import StageDraft
+from gpudiag.measure.profile.inscript.watches.convlayout import ConvLayoutWatch, memory_format
 from gpudiag.measure.profile.inscript.watches.loaders import LoadersWatch
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import ScriptFacts, StageFacts, StepTimeline
@@ -25,7 +28,8 @@ def test_every_module_of_the_package_is_a_watch_the_recorder_holds(tmp_path: Pat
     recorder = Recorder(tmp_path, ProfileConfig(telemetry="off", host_sample_hz=0))
     modules = sorted(m.name for m in pkgutil.iter_modules(watches.__path__))
     assert [type(w).__module__.rpartition(".")[2] for w in recorder.watches] == modules
-    assert {"compiled", "ddp", "fsdp", "loaders", "optimizers", "saves"} <= set(modules)
+    assert {"compiled", "convlayout", "ddp", "fsdp", "loaders", "optimizers",
+            "saves"} <= set(modules)
     assert all(w.clock is recorder for w in recorder.watches)
 
 
@@ -98,3 +102,45 @@ def test_every_function_a_watch_wraps_keeps_its_signature_name_and_docstring(
     seen = json.loads(profiled.output.strip().splitlines()[-1])
     assert all(seen.values()), {label: "not patched" for label, v in seen.items() if not v}
     assert all(v["signature"] and v["name"] for v in seen.values()), seen
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def test_the_conv_layout_watch_names_the_format_where_the_model_is_built_and_called() -> None:
+    """The first Conv2d built and called: its input's format, the line that built the
+    outermost module (not the Conv2d's own line inside it) and the line that called it; then
+    Conv2d's own __init__ and forward are back, so later convolutions cost nothing."""
+    init, forward = nn.Conv2d.__init__, nn.Conv2d.forward
+    watch = ConvLayoutWatch(_Clock())
+    watch.install()
+    model = nn.Sequential(_Block(), nn.ReLU())
+    built = sys._getframe().f_lineno - 1
+    model(torch.randn(2, 3, 8, 8))
+    called = sys._getframe().f_lineno - 1
+    assert nn.Conv2d.__init__ is init and nn.Conv2d.forward is forward
+    script = ScriptFacts(steps=1, warmup=0, timed=0, step_clock="optimizer.step()")
+    watch.fill(StageDraft(StageFacts(script=script), script, StepTimeline(), timed=range(0)))
+    layout = script.conv_layout
+    assert layout is not None
+    assert (layout.memory_format, layout.device, layout.dtype) == \
+        ("channels_first", "cpu", "torch.float32")
+    assert layout.built_at is not None and layout.built_at.endswith(f"test_watches.py:{built}")
+    assert layout.called_at is not None and layout.called_at.endswith(f":{called}")
+
+
+def test_a_convolution_runs_channels_last_where_its_input_or_its_weight_is() -> None:
+    """As torch's cudnn_conv_suggest_memory_format decides: either in channels_last is enough."""
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    last = torch.channels_last
+    assert memory_format(x, w) == "channels_first"
+    assert memory_format(x.to(memory_format=last), w) == "channels_last"
+    assert memory_format(x, w.to(memory_format=last)) == "channels_last"
+    assert memory_format(x.transpose(2, 3), w) == "other"
+    assert memory_format(torch.randn(2, 3, 8), torch.randn(4, 3, 3)) == "other"

@@ -10,6 +10,7 @@ from gpudiag.diagnose.ceilings import utilisation
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.ledger import NoPart, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
+from gpudiag.model.facts import ConvLayout
 from gpudiag.model.results import MEMORY_BOUND_KINDS, RunResult, StageResult
 
 # fp32 matmuls without TF32 on a tensor-core GPU run ~7x below the TF32 rate on Hopper
@@ -173,6 +174,16 @@ def low_tensor_activity(run: RunResult) -> Iterator[Draft]:
         )
 
 
+# Convolutions (and cuDNN's transposes around them) this share of the kernel time: the layout
+# is worth a word. A warning where the transposes alone hold this share of the step, or where
+# the convolution blocks (convolutions, transposes, batch norms) hold half the kernel time in
+# 16 bits with an NCHW input recorded: NCHW batch norms and cuDNN's NCHW algorithms cost more
+# than the transposes, and the trace does not say how much (an H200 ResNet-style step's norms
+# held 60% of its kernel time; channels_last measured 2.54x).
+CONV_MIN_SHARE, LAYOUT_WARNING, CONV_BLOCK_WARNING = 0.20, 0.05, 0.50
+LAYOUT_MIN_SHARE = 0.01  # of the kernel time in layout transposes: NCHW seen in the trace
+CONV_KINDS = frozenset({"convolution", "layout"})
+
 MEMORY_WARNING, MEMORY_CRITICAL = 0.50, 0.75  # of the step's kernel time
 MEMORY_MAX_IDLE = 0.25  # idler than this, the host sets the pace (GD102), not the kernels
 # Short of half the kernel time, a warning still where fusing them saves this much of the step
@@ -207,6 +218,9 @@ MEMORY_THRESHOLDS = (
               "a memory-bound kind is named in the title from this share of kernel time"),
     Threshold("attention_span", ATTENTION_SPAN,
               "lines either side of a softmax taken as its attention's (scale, mask, cast)"),
+    Threshold("conv_share", CONV_MIN_SHARE,
+              "convolutions and their transposes this share of the kernel time: channels_last "
+              "advice before fusion (GD306)"),
 )
 
 
@@ -292,15 +306,20 @@ def _memory_fix(by_kind: dict[str, float], lines: list[tuple[str, float, dict[st
         f"{loc} {ms:.2f} ms ({'/'.join(sorted(k for k in kinds if k in MEMORY_BOUND_KINDS))})"
         for loc, ms, kinds in lines[:3])
     fixes = []
-    if by_kind.get("softmax", 0.0) > 0 and not by_kind.get("attention"):
+    total = sum(by_kind.values())
+    # A softmax too small to be named (a classifier's cross-entropy) is no attention's.
+    if total and by_kind.get("softmax", 0.0) / total >= KIND_NAMED_SHARE \
+            and not by_kind.get("attention"):
         fixes.append("attention written as matmul, scale, mask, softmax, matmul materialises "
                       "the B x H x T x T scores several times: call "
                       "torch.nn.functional.scaled_dot_product_attention(q, k, v, "
                       "is_causal=...), which runs a fused (Flash) kernel")
+    if total and sum(by_kind.get(k, 0.0) for k in CONV_KINDS) / total >= CONV_MIN_SHARE:
+        fixes.append("batch norms and activations between convolutions run faster in NHWC: "
+                     "a channels_last model and input (GD306) come before fusing them")
     if _outside_attention(lines) >= OTHER_MEMORY_SHARE:
         fixes.append("norms, activations, casts and residual adds each read and write the whole "
                      "tensor: torch.compile fuses such chains into one kernel")
-    total = sum(by_kind.values())
     if total and by_kind.get("optimizer", 0.0) / total >= OPTIMIZER_SHARE:
         fixes.append("the optimizer's per-parameter kernels: torch.optim.AdamW(..., "
                      "fused=True) (or foreach=True)")
@@ -489,3 +508,108 @@ def fp32_islands(run: RunResult) -> Iterator[Draft]:
                           for c in lines[:5]},
                       "within": "GD304"},
             fix=_island_fix(kinds))
+
+
+CHANNELS_LAST_FIX = ("model = model.to(memory_format=torch.channels_last) where the model is "
+                     "built, and x = x.to(memory_format=torch.channels_last) where its input "
+                     "is made")
+
+
+LOW_PRECISION = ("torch.bfloat16", "torch.float16")
+
+
+def _conv_layout(stage: StageResult) -> ConvLayout:
+    """The profiled script's first convolution as it recorded it (watches/convlayout.py); all
+    unknown where not recorded (gpudiag run's stages, a script with no Conv2d module)."""
+    layout = stage.facts.script.conv_layout if stage.facts.script else None
+    return layout or ConvLayout(memory_format="other", device="unknown", dtype="unknown")
+
+
+def _layout_fix(run: RunResult, built: str | None, called: str | None) -> str:
+    where = (f"At {built}: `model = model.to(memory_format=torch.channels_last)`"
+             if built else "Where the model is built: `model = model.to(memory_format="
+                           "torch.channels_last)`")
+    where += (f"; at {called}, the input: `x = x.to(memory_format=torch.channels_last)`"
+              if called else "; and its input: `x = x.to(memory_format=torch.channels_last)`")
+    bench = ("; with fixed input shapes, torch.backends.cudnn.benchmark = True lets cuDNN time "
+             "its algorithms once and keep the fastest" if run.env.cudnn_benchmark is False
+             else "")
+    return (f"{where} (tensor cores run convolutions in NHWC; channels_last keeps activations "
+            f"there, no transposes, NHWC batch norms){bench}. --try-fixes --fix channels-last "
+            "measures it.")
+
+
+@rule(
+    "GD306", "conv-memory-format", concern="precision",
+    summary="Convolutions on a tensor-core GPU run on NCHW (channels_first) tensors.",
+    why=("Tensor-core convolutions (cuDNN's and CUTLASS's implicit GEMMs) work in NHWC. On "
+         "PyTorch's default NCHW tensors cuDNN transposes each activation to NHWC and back "
+         "around its convolutions, or picks slower NCHW algorithms, and NCHW batch norms are "
+         "slower than NHWC ones; a channels_last model and input keep activations in NHWC "
+         "end to end."),
+    fix=CHANNELS_LAST_FIX + " (and torch.backends.cudnn.benchmark = True for fixed shapes).",
+    prices=device_time("the layout transposes' kernel time: a lower bound of what "
+                       "channels_last saves"),
+    thresholds=(Threshold("min_conv_share", CONV_MIN_SHARE,
+                          "convolutions and their transposes take a fifth of the kernel time"),
+                Threshold("min_layout_share", LAYOUT_MIN_SHARE,
+                          "layout transposes from this share of the kernel time: NCHW seen in "
+                          "the trace"),
+                Threshold("warning_layout_share", LAYOUT_WARNING,
+                          "the transposes alone this share of the step: warning"),
+                Threshold("warning_block_share", CONV_BLOCK_WARNING,
+                          "convolutions, their transposes and batch norms half the kernel "
+                          "time, computing in 16 bits on an NCHW input recorded: warning")),
+    references=("https://pytorch.org/tutorials/intermediate/memory_format_tutorial.html",
+                "https://docs.nvidia.com/deeplearning/performance/dl-performance-convolutional/"
+                "index.html#tensor-layout"),
+)
+def conv_memory_format(run: RunResult) -> Iterator[Draft]:
+    """On a tensor-core GPU, convolutions and layout transposes take a fifth of the kernel
+    time, and the convolutions run NCHW: the profiled script recorded its first Conv2d's
+    input as channels_first, or (not recorded) cuDNN's NCHW <-> NHWC transposes take 1% of the
+    kernel time. Priced by the transposes' share of the step, a lower bound (the NCHW batch
+    norms and algorithms are not counted), with the convolution blocks' share as the upper
+    one; a warning from 5% of the step, or where those blocks hold half the kernel time and
+    compute in 16 bits on an NCHW input."""
+    if not _tensor_core_gpu(run):
+        return
+    for stage in run.stages_with_evidence():
+        ev = stage.evidence
+        assert ev is not None
+        by_kind = ev.device_ms_by_kind
+        total = sum(by_kind.values())
+        seen = _conv_layout(stage)
+        nchw = seen.memory_format == "channels_first"
+        if ev.backend != "cuda" or not total or seen.memory_format == "channels_last":
+            continue
+        conv, layout = by_kind.get("convolution", 0.0), by_kind.get("layout", 0.0)
+        if (conv + layout) / total < CONV_MIN_SHARE or \
+                (not nchw and layout / total < LAYOUT_MIN_SHARE):
+            continue
+        busy = 1.0 - (ev.idle_fraction or 0.0)
+        impact = layout / total * busy
+        blocks = (conv + layout + by_kind.get("norm", 0.0)) / total
+        warning = impact >= LAYOUT_WARNING or \
+            (nchw and seen.dtype in LOW_PRECISION and blocks >= CONV_BLOCK_WARNING)
+        how = (f"its first convolution's input is NCHW ({seen.dtype.removeprefix('torch.')})"
+               if nchw else f"cuDNN transposes NCHW <-> NHWC around them ({pct(layout / total)} "
+                            "of the kernel time)")
+        yield Draft(
+            severity="warning" if warning else "info", stage=stage.name,
+            title=(f"Convolutions take {pct((conv + layout) / total)} of the kernel time "
+                   f"(with batch norms {pct(blocks)}) in NCHW (channels_first) memory format: "
+                   f"{how}" + (f"; the model is built at {seen.built_at}" if seen.built_at
+                               else "")),
+            location=seen.built_at or seen.called_at, impact=impact,
+            evidence={"memory_format": seen.memory_format if nchw else None,
+                      "compute_dtype": seen.dtype if nchw else None,
+                      "built_at": seen.built_at, "called_at": seen.called_at,
+                      "convolution_share": round(conv / total, 3),
+                      "layout_share": round(layout / total, 3),
+                      "conv_block_share": round(blocks, 3),
+                      "cudnn_benchmark": run.env.cudnn_benchmark,
+                      "price": (f"the layout transposes, {pct(impact)} of the step: a lower "
+                                "bound (NCHW batch norms and algorithms not counted); at most "
+                                f"the convolution blocks' {pct(blocks * busy)}")},
+            fix=_layout_fix(run, seen.built_at, seen.called_at))

@@ -402,6 +402,24 @@ class DebugSetting:
     timed_steps_on: int = 0  # of them, timed steps
 
 
+MemoryFormat = Literal["channels_last", "channels_first", "other"]
+
+
+@dataclass
+class ConvLayout:
+    """The first 2-D convolution a script ran: its input's memory format (NCHW, PyTorch's
+    default, is "channels_first"), where it ran, and the script's lines that built the model
+    holding it and called that model: where a channels_last change goes."""
+
+    memory_format: MemoryFormat
+    device: str  # "cuda", "cpu", ...
+    # What it computes in, as torch names it ("torch.bfloat16"): autocast's where autocast is
+    # on for its device, else the input's.
+    dtype: str
+    built_at: str | None = None  # the line that built the outermost module (`model = Net()`)
+    called_at: str | None = None  # the line that called it (`model(x)`): the input's
+
+
 @dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
@@ -426,6 +444,7 @@ class ScriptFacts:
     loaders: list[LoaderUse] = field(default_factory=list)
     fsdp: FsdpFacts | None = None  # FSDP2's units (fully_shard), where the script shards
     debug: list[DebugSetting] = field(default_factory=list)  # debug settings on while stepping
+    conv_layout: ConvLayout | None = None  # the first Conv2d's input (None: no convolution)
     # (warm-up, timed, profiled) when the recorder fitted its schedule to the steps the script
     # planned (timeline.planned_steps), fewer than the asked schedule needs: one run, no re-run.
     fitted_schedule: tuple[int, int, int] | None = None

@@ -107,6 +107,15 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "(nn.Module.compile(), Inductor's default mode): chains of memory-bound kernels fused",
            "after building the model: `model.compile()` (or `model = torch.compile(model)`)",
            cuda_only=True),
+    Remedy("channels-last", "convolutions in channels_last (NHWC) memory format", ("GD306",),
+           "precision",
+           "each outermost module holding an nn.Conv2d converted to channels_last at its first "
+           "call (module.to(memory_format=torch.channels_last), its parameters in place), and "
+           "the 4-D floating-point inputs of its calls converted too (cuDNN then picks NHWC "
+           "algorithms: sums in another order)",
+           "after building the model: `model = model.to(memory_format=torch.channels_last)`; "
+           "where its input is made: `x = x.to(memory_format=torch.channels_last)`",
+           cuda_only=True),
     Remedy("ddp-no-sync", "DDP all-reduces once per optimizer step, not per micro-step",
            ("GD802",), "exact",
            "every DistributedDataParallel forward run as under model.no_sync(), and the "
@@ -374,6 +383,18 @@ class CompileModelRecord(RemedyRecord):
 
 
 @dataclass
+class ChannelsLastRecord(RemedyRecord):
+    modules: list[str] = field(default_factory=list)  # the classes converted, in order
+    kept: list[str] = field(default_factory=list)  # channels_last already: left as they were
+    inputs: Count = 0  # 4-D inputs converted (calls of those modules)
+    site: str | None = None  # the script's line that first called one: the model's forward
+
+    def unchanged(self) -> str | None:
+        return None if self.modules else \
+            "the script called no module holding a Conv2d that was not channels_last already"
+
+
+@dataclass
 class DdpNoSyncRecord(RemedyRecord):
     models: Count = 0  # DistributedDataParallel models whose forwards were deferred
     deferred_forwards: Count = 0  # forwards that would have all-reduced in their backward
@@ -427,6 +448,7 @@ class RemedyEvidence:
     compile_model: CompileModelRecord | None = None
     no_debug: DebugOffRecord | None = None
     nondeterministic: DebugOffRecord | None = None
+    channels_last: ChannelsLastRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

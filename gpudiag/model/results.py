@@ -148,8 +148,10 @@ class SourceLine:
 # What device time is spent on (gpudiag/measure/evidence/kinds.py). The memory-bound kinds
 # move every element through memory for a few operations each: their time is bandwidth, and
 # fusing them (with each other, or into a matmul's epilogue or fused attention) removes it.
-DeviceKind = Literal["matmul", "attention", "softmax", "norm", "elementwise", "reduction",
-                     "optimizer", "collective", "other"]
+# A layout transpose (cuDNN's NCHW <-> NHWC around a convolution) is memory-bound too, but
+# kept apart: no fusion removes it, a channels_last model and input do (GD306).
+DeviceKind = Literal["matmul", "convolution", "attention", "softmax", "norm", "elementwise",
+                     "reduction", "layout", "optimizer", "collective", "other"]
 MEMORY_BOUND_KINDS: frozenset[str] = frozenset({"softmax", "norm", "elementwise", "reduction"})
 
 

@@ -63,8 +63,10 @@ def _check_evidence(ev: Evidence, where: str) -> None:
 
 def _check_flops(stage: StageResult, where: str) -> None:
     ev = stage.evidence
-    matmul_ms = (sum(ev.matmul_ms_by_dtype.values()) + ev.device_ms_by_kind.get("matmul", 0)
-                 + ev.device_ms_by_kind.get("attention", 0)) if ev is not None else 0.0
+    matmul_ms = (sum(ev.matmul_ms_by_dtype.values())
+                 + sum(ev.device_ms_by_kind.get(kind, 0)
+                       for kind in ("matmul", "convolution", "attention"))
+                 ) if ev is not None else 0.0
     if stage.facts.flops_per_step is not None and stage.facts.flops_per_step <= 0 \
             and matmul_ms > 0:
         raise SchemaError(f"{where}.facts.flops_per_step: {stage.facts.flops_per_step:g} "

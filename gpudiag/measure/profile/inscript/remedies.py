@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -43,6 +43,7 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AsyncSaveRecord,
     Bf16AutocastRecord,
+    ChannelsLastRecord,
     CompileModelRecord,
     DdpNoSyncRecord,
     DebugOff,
@@ -191,6 +192,66 @@ def _compile_model(seen: RemedyEvidence) -> Callable[[], None]:
             state.depth = max(0, getattr(state, "depth", 1) - 1)
 
     torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
+    return lambda: None
+
+
+# --- convolutions in channels_last --------------------------------------------------------
+
+def _to_channels_last(value: Any) -> Any:
+    """A 4-D floating-point tensor in channels_last (others as they are)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point() \
+            and not value.is_contiguous(memory_format=torch.channels_last):
+        return value.to(memory_format=torch.channels_last)
+    return value
+
+
+def _converts(module: torch.nn.Module, record: ChannelsLastRecord) -> bool:
+    """Whether `module`'s calls get channels_last inputs: it holds a Conv2d, converted here
+    (in place) unless all its convolutions' weights were channels_last already."""
+    convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    if not convs:
+        return False
+    if all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs):
+        record.kept.append(type(module).__name__)
+        return True
+    # nn.Module.to takes memory_format (torch/nn/modules/module.py); its stubs do not say so.
+    module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    record.modules.append(type(module).__name__)
+    record.site = record.site or _site(depth=4)
+    return True
+
+
+def _channels_last(seen: RemedyEvidence) -> Callable[[], None]:
+    """Each outermost module holding an nn.Conv2d converted to channels_last at its first
+    call (nn.Module.to converts its parameters in place: the optimizer keeps them), and the
+    4-D floating-point inputs of every call of those modules. The hooks step aside while
+    Dynamo traces, as the compile remedy's do."""
+    record = seen.channels_last = ChannelsLastRecord()
+    state = threading.local()
+    converted: dict[int, bool] = {}  # id(module) -> whether its inputs are converted
+
+    def enter(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if torch.compiler.is_compiling():
+            return None
+        depth = getattr(state, "depth", 0)
+        state.depth = depth + 1
+        if depth:
+            return None
+        if id(module) not in converted:
+            converted[id(module)] = _converts(module, record)
+        if not converted[id(module)]:
+            return None
+        new = tuple(_to_channels_last(a) for a in args)
+        record.inputs += sum(a is not b for a, b in zip(new, args, strict=True))
+        return new
+
+    def leave(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            state.depth = max(0, getattr(state, "depth", 1) - 1)
+
+    # A pre-hook may return its module's new arguments (torch's docs); the stub says None.
+    torch.nn.modules.module.register_module_forward_pre_hook(cast(Callable[..., None], enter))
     torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)
     return lambda: None
 
@@ -602,6 +663,7 @@ APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "async-save": _async_save, "fsdp-keep-gathered": _fsdp_keep_gathered,
     "ddp-no-sync": _ddp_no_sync, "compile-model": _compile_model,
     "no-debug": _no_debug, "nondeterministic": _nondeterministic,
+    "channels-last": _channels_last,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
