@@ -19,7 +19,8 @@ from gpudiag.model.facts import (
     SaveRecord,
     StepTimeline,
 )
-from gpudiag.model.results import Finding, RunResult
+from gpudiag.model.results import Evidence, Finding, RunResult
+from gpudiag.present.findings import diagnosis_markdown
 
 WARMUP, TIMED, WINDOW = 5, 30, 3  # gpudiag's default schedule
 WINDOW_START = WARMUP + TIMED
@@ -224,3 +225,18 @@ def test_an_evaluation_on_the_saving_step_at_another_line_stays_its_own() -> Non
     assert kinds["save"].per_occurrence_ms == pytest.approx(40.0, rel=0.1)
     assert kinds["other"].line == "train.py:44"
     assert kinds["other"].per_occurrence_ms == pytest.approx(300.0, rel=0.1)
+
+
+def test_a_script_that_raised_after_its_timed_steps_keeps_its_findings() -> None:
+    """A script that raised after 45 timed steps got "No evidence ... the stage failed" though
+    its steps were timed and profiled: they are judged, and the failure is said beside them."""
+    run = _hf_save_run(timeline=True)
+    stage = run.stages[0]
+    stage.status, stage.error = "error", "the script raised ValueError: boom"
+    assert "GD701" not in _codes(evaluate(run))  # no window: nothing profiled to judge
+    stage.evidence = Evidence(steps=3, step_ms=30.0, backend="cuda")
+    run.findings = evaluate(run)
+    assert "GD701" in _codes(run.findings)
+    text = "\n".join(diagnosis_markdown(run))
+    assert "No evidence" not in text
+    assert "train.py: the script raised ValueError: boom, after its 30 timed steps" in text
