@@ -6,9 +6,10 @@ Built runs: each plants what a real run showed on an H200 or a CPU."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
-from conftest import script_run, script_stage
+from conftest import profile_script, script_run, script_stage
 
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.timeline import account, gpudiags_steps, stage_account
@@ -240,3 +241,22 @@ def test_a_script_that_raised_after_its_timed_steps_keeps_its_findings() -> None
     text = "\n".join(diagnosis_markdown(run))
     assert "No evidence" not in text
     assert "train.py: the script raised ValueError: boom, after its 30 timed steps" in text
+
+
+CLEAN = Path(__file__).resolve().parent.parent / "examples" / "clean.py"
+
+
+@pytest.mark.heavy
+def test_a_clean_script_profiled_five_times_gives_no_warning(tmp_path: Path) -> None:
+    """examples/clean.py, profiled five times on this CPU (a short schedule, stopped after
+    gpudiag's window: ~20 s a run): no run gives a warning-level finding, whatever noise,
+    warm-up end or window its steps carried. Each run starts afresh (its own folder)."""
+    said = []
+    for trial in range(5):
+        folder = tmp_path / str(trial)
+        folder.mkdir()
+        run = profile_script(folder, CLEAN, "--warmup", "3", "--timed", "20",
+                             "--evidence-steps", "2", "--stop-after-window").ok()
+        said += [f"run {trial}: {f.id} {f.severity} {f.title}" for f in run.findings
+                 if f.severity != "info"]
+    assert not said, said
