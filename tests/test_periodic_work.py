@@ -17,6 +17,7 @@ from gpudiag.model.facts import (
     CheckpointFacts,
     HostSamples,
     HostStep,
+    OtherLoop,
     SaveRecord,
     StepTimeline,
 )
@@ -99,6 +100,25 @@ def test_an_asynchronous_steps_periodic_work_is_judged_on_the_device_clock() -> 
     assert findings[0].evidence["device_clock"] is True
     assert findings[0].evidence["period_steps"] == 10
     assert "evaluation job" not in findings[0].fix
+
+
+def test_an_asynchronous_steps_evaluation_loop_is_one_finding() -> None:
+    """An evaluation DataLoader loop every 10 steps, named on the host's timeline, spikes the
+    device's timed steps too: it is priced once, at its loop, not again on the device clock."""
+    run = _launch_queue_run(_jittered(TIMED, 180.0, seed=1, jitter=0.01))
+    stage = run.stages[0]
+    assert stage.facts.script is not None and stage.facts.script.timeline is not None
+    timeline = stage.facts.script.timeline
+    loop = OtherLoop(location="mlp.py:50", function="evaluate", caller="mlp.py:40")
+    for i in range(10, 200, 10):
+        timeline.step_ms[i] += 900.0
+        loop.steps.append(i)
+    timeline.loops = [loop]
+    timeline.total_ms = sum(timeline.step_ms)
+    for i in range(10 - WARMUP, TIMED, 10):  # the same evaluations, on the device's clock
+        stage.iter_ms[i] += 900.0
+    findings = [f for f in evaluate(run) if f.id == "GD703"]
+    assert [f.location for f in findings] == ["mlp.py:40"]
 
 
 def test_gpudiags_own_steps_are_the_schedules_boundaries() -> None:

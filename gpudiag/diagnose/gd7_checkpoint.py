@@ -7,7 +7,7 @@ import bisect
 import itertools
 import math
 import statistics
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -393,10 +393,11 @@ ACCOUNT_THRESHOLDS = (
 )
 
 
-def periodic_work(stage: StageResult) -> Stalls | None:
+def periodic_work(stage: StageResult, named: Collection[int] = ()) -> Stalls | None:
     """Step-time spikes that recur with one period and that no save explains: each step's
-    time less its training data wait, a saving step as the median step (its whole excess is
-    the save's, GD701's), then spikes and their period (as for step times alone), priced by
+    time less its training data wait, a saving step (or a `named` one: timed steps whose work
+    is priced already, an evaluation's loop) as the median step (its whole excess is the
+    save's, GD701's), then spikes and their period (as for step times alone), priced by
     their excess over the median step. The timed steps are the device's clock (CUDA events)
     on a GPU: the judge of an asynchronous step."""
     times = list(stage.iter_ms)
@@ -404,7 +405,7 @@ def periodic_work(stage: StageResult) -> Stalls | None:
     if len(waits) == len(times):
         times = [t - w for t, w in zip(times, waits, strict=True)]
     _, _, saves = _saves(stage)
-    held = {s.step for s in saves}
+    held = {s.step for s in saves} | {i for i in named if 0 <= i < len(times)}
     usual = _median([t for i, t in enumerate(times) if i not in held])
     for i in held:
         times[i] = usual if usual is not None else times[i]
@@ -441,16 +442,21 @@ def periodic_step_work(run: RunResult) -> Iterator[Draft]:
             yield from _timeline_periodic_work(stage, whole)
             if not whole.asynchronous:
                 continue
-        yield from _timed_periodic_work(stage, on_device=whole is not None)
+        yield from _timed_periodic_work(stage, whole)
 
 
-def _timed_periodic_work(stage: StageResult, *, on_device: bool) -> Iterator[Draft]:
-    """GD703 on the timed steps: spikes with one period that no save or data wait explains."""
+def _timed_periodic_work(stage: StageResult, whole: RunAccount | None) -> Iterator[Draft]:
+    """GD703 on the timed steps: spikes with one period that no save or data wait explains,
+    nor (an asynchronous step's, `whole`) a DataLoader loop the run's account priced."""
     # A profiled script, whose every save gpudiag times: the ladder's own stages do no
     # other periodic work (a checkpoint stage's after-effects are its saves').
-    if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or stage.facts.script is None:
+    script = stage.facts.script
+    if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or script is None:
         return
-    work = periodic_work(stage)
+    on_device = whole is not None
+    first = script.warmup  # the timed steps' first on the timeline's clock
+    work = periodic_work(stage, {s - first for w in (whole.works if whole else [])
+                                 if w.kind == "loop" for s in w.steps})
     if work is None or work.lost < INFO_LOST:
         return
     share = work.lost / (1 + work.lost)
