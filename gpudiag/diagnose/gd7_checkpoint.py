@@ -7,7 +7,7 @@ import bisect
 import itertools
 import math
 import statistics
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,15 @@ from gpudiag.diagnose.spikes import (
     find_spikes,
     lost_share,
 )
-from gpudiag.diagnose.timeline import PeriodicWork, RunAccount, describe, stage_account
+from gpudiag.diagnose.timeline import (
+    ASYNC_RATIO,
+    SAVE_ELSEWHERE,
+    STEP_LINE,
+    PeriodicWork,
+    RunAccount,
+    describe,
+    stage_account,
+)
 from gpudiag.model.facts import OtherLoop, SaveRecord
 from gpudiag.model.results import RunResult, StageResult
 
@@ -111,10 +119,12 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
     """With save records: the excess of the saving steps over the median step without a save
     (signed, so noise cancels), but no more than the time the saves held the training thread:
     other work on those steps (an evaluation on the step that saves) is not the save's, and
-    is measured apart (`other_ms`; GD703 prices it). For async saves, what the writer costs
-    beyond that (the GIL, cores, copies competing with training) is contention, priced by
-    checkpoint-async-contention. Without records, where saves would not be seen: the excess
-    of spikes that recur with one period over the median step."""
+    is measured apart (`other_ms`; GD703 prices it). A profiled script's blocking save is
+    priced whole: what its saving step spent beyond the save call (building the state it
+    writes, safetensors' files beside torch.save's) is the save's. For async saves, what the
+    writer costs beyond that (the GIL, cores, copies competing with training) is contention,
+    priced by checkpoint-async-contention. Without records, where saves would not be seen:
+    the excess of spikes that recur with one period over the median step."""
     times = stage.iter_ms
     mode, every, saves = _saves(stage)
     if saves:
@@ -127,9 +137,9 @@ def measure_stalls(run: RunResult, stage: StageResult) -> Stalls | None:
             return None
         excess = sum(times[i] - baseline for i in held)
         blocking = sum(s.blocking_ms for s in saves)
-        # In a checkpoint stage nothing else runs on a saving step, so its whole excess is the
-        # save's (a blocking save's after-effects included); a script may do other work there.
-        mine = mode == "async" or stage.facts.script is not None
+        # A blocking save's whole step is the save's (its after-effects, the state it builds);
+        # an asynchronous one holds the step only for its own call.
+        mine = mode == "async"
         stall = min(excess, blocking) if mine else excess
         return Stalls("save records", every, len(saves), baseline, stall / len(saves),
                       stall / (baseline * len(times)), lost_share(times),
@@ -371,17 +381,34 @@ def checkpoint_async_contention(run: RunResult) -> Iterator[Draft]:
             fix="; ".join(fixes) + "; keep exactly one save in flight.")
 
 
-def periodic_work(stage: StageResult) -> Stalls | None:
+# What the whole run's account (gpudiag/diagnose/timeline.py) reads to tell work from the host
+# waiting for the device, from a slow step, and from a save's own statement.
+ACCOUNT_THRESHOLDS = (
+    Threshold("async_ratio", ASYNC_RATIO,
+              "host's steady step below this share of the device's: the device's clock judges"),
+    Threshold("step_line", STEP_LINE,
+              "a line holding this share of the ordinary step is the step, not work beside it"),
+    Threshold("save_elsewhere", SAVE_ELSEWHERE,
+              "a saving step's extra is other work only with this share of the save elsewhere"),
+)
+
+
+def periodic_work(stage: StageResult, named: Collection[int] = ()) -> Stalls | None:
     """Step-time spikes that recur with one period and that no save explains: each step's
-    time less its training data wait and its saves' blocking, then spikes and their period
-    (as for step times alone), priced by their excess over the median step."""
+    time less its training data wait, a saving step (or a `named` one: timed steps whose work
+    is priced already, an evaluation's loop) as the median step (its whole excess is the
+    save's, GD701's), then spikes and their period (as for step times alone), priced by
+    their excess over the median step. The timed steps are the device's clock (CUDA events)
+    on a GPU: the judge of an asynchronous step."""
     times = list(stage.iter_ms)
     waits = stage.phases_ms.get("data_wait", [])
     if len(waits) == len(times):
         times = [t - w for t, w in zip(times, waits, strict=True)]
     _, _, saves = _saves(stage)
-    for s in saves:
-        times[s.step] -= s.blocking_ms
+    held = {s.step for s in saves} | {i for i in named if 0 <= i < len(times)}
+    usual = _median([t for i, t in enumerate(times) if i not in held])
+    for i in held:
+        times[i] = usual if usual is not None else times[i]
     return _periodic_spikes(times, "step times less saves and data waits")
 
 
@@ -396,48 +423,59 @@ def periodic_work(stage: StageResult) -> Stalls | None:
          "(another rank, a separate evaluation job on saved checkpoints); keep its DataLoader "
          "persistent so it does not restart workers each time."),
     prices=LoopParts(("loop", "other")),
-    thresholds=PERIODIC_STALL_THRESHOLDS,
+    thresholds=(*PERIODIC_STALL_THRESHOLDS, *ACCOUNT_THRESHOLDS),
     references=("docs/field-cases.md#case-4 (stalls that were not the save)",),
 )
 def periodic_step_work(run: RunResult) -> Iterator[Draft]:
     """Profiled scripts (their every torch.save and safetensors save is on record). With the
     whole run's timeline: each other DataLoader loop (an evaluation, named at its call) and
     each periodic spike no save, loop or data wait explains, as a share of the run's wall
-    time. Without one (older runs), over at least 20 timed steps: the step times less the
-    saves' blocking and the training data wait still spike with one period. Severity by the
-    time lost as a share, as for checkpoint stalls."""
+    time; gpudiag's own steps (its warm-up's end, its window) are none of them. Where the step
+    is asynchronous (the host's steady step below 0.5 of the device's timed step), the host
+    clock's spikes are waits for the device's launch queue: the timed steps, on the device's
+    clock, judge instead. Without a timeline (older runs), over at least 20 timed steps: the
+    step times less the saving steps and the training data wait still spike with one period.
+    Severity by the time lost as a share, as for checkpoint stalls."""
     for stage in run.ok_stages():
         whole = stage_account(stage)
         if whole is not None:
             yield from _timeline_periodic_work(stage, whole)
-            continue
-        # A profiled script, whose every save gpudiag times: the ladder's own stages do no
-        # other periodic work (a checkpoint stage's after-effects are its saves').
-        if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or stage.facts.script is None:
-            continue
-        work = periodic_work(stage)
-        if work is None or work.lost < INFO_LOST:
-            continue
-        share = work.lost / (1 + work.lost)
-        _, _, saves = _saves(stage)
-        with_saves = bool(saves) and work.period_steps is not None and all(
-            s.step % work.period_steps == saves[0].step % work.period_steps for s in saves)
-        yield Draft(
-            severity=severity_for(work.lost, warning=WARNING_LOST, critical=CRITICAL_LOST),
-            stage=stage.name,
-            title=(f"Every {work.period_steps} steps a step takes {work.stall_ms:.0f} ms longer "
-                   f"({pct(share)} of wall time) for work that is not a checkpoint save"
-                   + (" (on the saving steps, beside the save)" if with_saves else "")),
-            evidence={"period_steps": work.period_steps, "occurrences": work.saves,
-                      "extra_ms_per_occurrence": round(work.stall_ms, 1),
-                      "baseline_step_ms": round(work.baseline_ms, 2),
-                      "lost_share": round(work.lost, 4), "wall_share": round(share, 4),
-                      "saves_on_record": len(saves)},
-            impact=min(1.0, share),
-            fix=(f"This is periodic work in the training loop (evaluation, metrics, logging): "
-                 f"{work.stall_ms:.0f} ms every {work.period_steps} steps. Run it less often or "
-                 "on fewer batches, or move it off the training process; an evaluation's "
-                 "price is this time per occurrence."))
+            if not whole.asynchronous:
+                continue
+        yield from _timed_periodic_work(stage, whole)
+
+
+def _timed_periodic_work(stage: StageResult, whole: RunAccount | None) -> Iterator[Draft]:
+    """GD703 on the timed steps: spikes with one period that no save or data wait explains,
+    nor (an asynchronous step's, `whole`) a DataLoader loop the run's account priced."""
+    # A profiled script, whose every save gpudiag times: the ladder's own stages do no
+    # other periodic work (a checkpoint stage's after-effects are its saves').
+    script = stage.facts.script
+    if len(stage.iter_ms) < MIN_STEPS or stage.facts.bursty or script is None:
+        return
+    on_device = whole is not None
+    first = script.warmup  # the timed steps' first on the timeline's clock
+    work = periodic_work(stage, {s - first for w in (whole.works if whole else [])
+                                 if w.kind == "loop" for s in w.steps})
+    if work is None or work.lost < INFO_LOST:
+        return
+    share = work.lost / (1 + work.lost)
+    _, _, saves = _saves(stage)
+    clock = " on the device's timed steps" if on_device else ""
+    yield Draft(
+        severity=severity_for(work.lost, warning=WARNING_LOST, critical=CRITICAL_LOST),
+        stage=stage.name,
+        title=(f"Every {work.period_steps} steps a step takes {work.stall_ms:.0f} ms longer "
+               f"({pct(share)} of wall time{clock}) for work that is not a checkpoint save"),
+        evidence={"period_steps": work.period_steps, "occurrences": work.saves,
+                  "extra_ms_per_occurrence": round(work.stall_ms, 1),
+                  "baseline_step_ms": round(work.baseline_ms, 2),
+                  "lost_share": round(work.lost, 4), "wall_share": round(share, 4),
+                  "saves_on_record": len(saves), "device_clock": on_device},
+        impact=min(1.0, share),
+        fix=(f"This is periodic work in the training loop (metrics, logging, an evaluation): "
+             f"{work.stall_ms:.0f} ms every {work.period_steps} steps. Run it less often or "
+             "on fewer batches, or make it cheaper; its price is this time per occurrence."))
 
 
 def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[Draft]:
@@ -477,10 +515,13 @@ def _timeline_periodic_work(stage: StageResult, whole: RunAccount) -> Iterator[D
             impact=min(1.0, share),
             location=(loop.caller or loop.location) if loop is not None else work.line,
             fix=(f"Periodic work beside training: {work.per_occurrence_ms:.0f} ms {often}."
-                 f"{where} Run it less often or on fewer batches, or move it off the training "
-                 "process (a separate evaluation job on saved checkpoints)"
-                 + ("; keep the evaluation DataLoader's workers persistent so they do not "
-                    "restart each time." if loop is not None else ".")))
+                 f"{where} "
+                 + ("Run it less often or on fewer batches, or move it off the training "
+                    "process (a separate evaluation job on saved checkpoints); keep the "
+                    "evaluation DataLoader's workers persistent so they do not restart each "
+                    "time." if loop is not None else
+                    "Run it less often, or make it cheaper; its price is this time per "
+                    "occurrence.")))
 
 
 def _evaluation_knob(stage: StageResult, loop: OtherLoop) -> str | None:

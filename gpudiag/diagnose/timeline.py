@@ -7,9 +7,15 @@ charged to what ran there, in this order: torch.compile's compilations on that s
 own times; step 0's come out of the start-up), the script's saves (no more than the time they
 held the training thread), the training DataLoader's wait beyond its usual, another DataLoader loop
 (an evaluation) that ran on that step, and otherwise work that is none of these: periodic when
-its spikes recur with one period, irregular when they do not. The profiler window's steps, and the
-one after it that carries its closing, are slowed by gpudiag itself: their extra, less any
-save's, is its own part. Steps past those listed are one part.
+its spikes recur with one period, irregular when they do not. A step that holds a save is a
+save step: its whole extra is the save's, unless the host samples put the save at one line and
+the rest at another (an evaluation on the saving step). gpudiag's own steps (the end of its
+warm-up, its profiler window and the steps either side, which carry its start and close) are
+slowed by gpudiag itself: their extra, less any save's, is its own part. Where the step is
+asynchronous (the host's steady step far below the device's), the host clock's spikes that no
+hook names are the host waiting for the device's full launch queue, not work: their own part,
+and periodic work is judged on the device's timed steps instead. Steps past those listed are
+one part.
 Each step's time goes to exactly one part, or is split between them, so the parts add up to
 the wall time: every share a finding prices is of the same whole.
 """
@@ -49,6 +55,13 @@ LINE_HOLDS = 0.5  # of a slow step's sampled extra, at one line: that line's wor
 # (each against its ordinary time): a step the machine slowed (another process on the CPU)
 # stretches every line alike, and its extra then sits most at the busiest line.
 STRETCHED_ALIKE = 0.5
+# The host runs ahead of the device when its steady step is below this share of the device's
+# (CUDA-event-timed) step: it then blocks wherever the launch queue is full.
+ASYNC_RATIO = 0.5
+STEP_LINE = 0.5  # a line holding this share of the ordinary step is the step itself
+# A saving step's extra beyond its save is other work only where the host samples put at least
+# this share of the save's blocking at other lines than the extra's (the save ran elsewhere).
+SAVE_ELSEWHERE = 0.5
 
 
 @dataclass
@@ -82,7 +95,9 @@ class RunAccount:
     startup_ms: float  # step 0, less its torch.compile compilations
     steady_ms: float  # every later step's own work, at most the steady step each
     step_ms: float  # the steady step: median of the steps where nothing else ran
-    window_ms: float = 0.0  # the profiler window's extra: gpudiag's own
+    window_ms: float = 0.0  # gpudiag's own steps' extra: its warm-up's end, its window
+    device_wait_ms: float = 0.0  # an asynchronous step's host blocked on a full launch queue
+    device_step_ms: float | None = None  # the device's (timed) step, where it is known
     irregular_ms: float = 0.0  # slow steps no cause or period explains
     unlisted_ms: float = 0.0  # steps past the listed ones: not itemised
     tail_ms: float = 0.0  # after the last step, to the exit
@@ -95,6 +110,13 @@ class RunAccount:
 
     def share(self, ms: float) -> float:
         return ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the host runs ahead of the device: its steady step far below the device's
+        (ASYNC_RATIO), so that its clock shows where it blocked, not what a step cost."""
+        return (self.device_step_ms is not None
+                and self.step_ms < ASYNC_RATIO * self.device_step_ms)
 
     @property
     def loop_ms(self) -> float:
@@ -133,7 +155,10 @@ class RunAccount:
                  (f"training steps at {self.step_ms:.1f} ms", self.steady_ms)]
         named += [(describe(w), w.extra_ms) for w in self.works]
         named += [("irregular slow steps", self.irregular_ms),
-                  ("gpudiag's profiler window", self.window_ms),
+                  ("the host waiting for the device (its launch queue full)",
+                   self.device_wait_ms),
+                  ("gpudiag's own steps (its warm-up's end, its profiler window)",
+                   self.window_ms),
                   ("steps past those listed", self.unlisted_ms),
                   ("after the last step, to the exit", self.tail_ms)]
         return [(name, ms) for name, ms in named if ms > 0]
@@ -167,69 +192,141 @@ def _period(steps: Sequence[int]) -> int | None:
 
 def stage_account(stage: StageResult) -> RunAccount | None:
     """A profiled script's whole run, when it recorded its timeline (with its host samples,
-    to name the line of periodic work)."""
+    to name the line of periodic work; its schedule, for gpudiag's own steps; its timed
+    steps, the device's clock where the step is asynchronous)."""
     script = stage.facts.script
     if script is None or script.timeline is None:
         return None
-    return account(script.timeline, script.host, script.compiles)
+    device = statistics.median(stage.iter_ms) if stage.iter_ms else None
+    return account(script.timeline, script.host, script.compiles, warmup=script.warmup,
+                   device_step_ms=device)
+
+
+def gpudiags_steps(timeline: StepTimeline, warmup: int | None = None) -> set[int]:
+    """The steps gpudiag slows itself, as its schedule (gpudiag/measure/profile/inscript/
+    schedule.py) places them: the profiler window's, the one after it that carries its close
+    (to the last step, where the script ended inside it), and the end of the warm-up (where
+    its timing starts); each with a step either side, where that start or close may land."""
+    n = len(timeline.step_ms)
+    own: set[int] = set()
+    if timeline.window_start is not None:
+        last = timeline.window_end if timeline.window_end is not None else n - 1
+        own.update(range(timeline.window_start - 1, last + 2))
+    if warmup is not None:
+        own.update(range(warmup - 1, warmup + 2))
+    return {s for s in own if 1 <= s < n}
+
+
+@dataclass
+class _Causes:
+    """What each step of a timeline is known to have done beside training."""
+
+    own: set[int]  # gpudiag's
+    compiled: dict[int, float]
+    blocking: dict[int, float]  # the saves' time holding the training thread
+    loop_of: dict[int, OtherLoop]
+    waits: list[float]
+    spiked: set[int] = field(default_factory=set)
+    usual_wait: float = 0.0
+
+    def caps(self, i: int, extra: float) -> tuple[float, ...]:
+        """The most each kind (KINDS' order) may take of step i's extra."""
+        return (self.compiled.get(i, 0.0), self.blocking.get(i, 0.0),
+                max(0.0, self.waits[i] - self.usual_wait) if i in self.spiked else 0.0,
+                extra if i in self.loop_of else 0.0, extra if i in self.spiked else 0.0)
 
 
 def account(timeline: StepTimeline, host: HostSamples | None = None,
-            compiles: CompileFacts | None = None) -> RunAccount | None:
+            compiles: CompileFacts | None = None, *, warmup: int | None = None,
+            device_step_ms: float | None = None) -> RunAccount | None:
     """The run's wall time in parts, or None for a timeline too short to tell. With `host`,
     each periodic work is named by the line that held its steps; with `compiles`, the steps
-    that compiled are charged their compilations first (step 0's from the start-up)."""
+    that compiled are charged their compilations first (step 0's from the start-up); with
+    `warmup`, the end of gpudiag's warm-up is its own; with `device_step_ms`, an asynchronous
+    step's unnamed host spikes are waits for the device."""
     times = timeline.step_ms
     n = len(times)
     if n < MIN_TIMELINE_STEPS + 1:
         return None
-    # The step after the window carries its closing (the trace analysed, the part written).
-    window = (set(range(timeline.window_start, (timeline.window_end or 0) + 1))
-              if timeline.window_start is not None else set())
-    compiled = _compile_ms(compiles, n)
-    blocking: dict[int, float] = {}
+    blocking: dict[int, float] = defaultdict(float)
     for save in timeline.saves:
-        blocking[save.step] = blocking.get(save.step, 0.0) + save.blocking_ms
-    loop_of = {s: loop for loop in timeline.loops for s in loop.steps}
-    waits = timeline.data_wait_ms if len(timeline.data_wait_ms) == n else [0.0] * n
-    candidates = [i for i in range(1, n) if i not in window]
+        blocking[save.step] += save.blocking_ms
+    causes = _Causes(gpudiags_steps(timeline, warmup), _compile_ms(compiles, n), blocking,
+                     {s: loop for loop in timeline.loops for s in loop.steps},
+                     timeline.data_wait_ms if len(timeline.data_wait_ms) == n else [0.0] * n)
+    candidates = [i for i in range(1, n) if i not in causes.own]
     spikes = find_spikes([times[i] for i in candidates])
-    spiked = {candidates[k] for k in spikes.indices}
-    plain = [i for i in candidates if i not in spiked and i not in blocking and i not in loop_of
-             and i not in compiled]
+    causes.spiked = {candidates[k] for k in spikes.indices}
+    plain = [i for i in candidates if i not in causes.spiked and i not in blocking
+             and i not in causes.loop_of and i not in causes.compiled]
     step = statistics.median([times[i] for i in plain] or [times[i] for i in candidates])
-    usual_wait = statistics.median([waits[i] for i in plain] or [0.0])
-    first_compile = min(times[0], compiled.get(0, 0.0))
+    causes.usual_wait = statistics.median([causes.waits[i] for i in plain] or [0.0])
+    first_compile = min(times[0], causes.compiled.get(0, 0.0))
     planned = (timeline.planned_steps, timeline.planned_from or "") if (
         timeline.cut_short and timeline.planned_steps) else None
     result = RunAccount(wall_ms=max(timeline.total_ms, sum(times) + timeline.tail_ms),
                         startup_ms=times[0] - first_compile, steady_ms=0.0, step_ms=step,
                         tail_ms=timeline.tail_ms, first_compile_ms=first_compile,
-                        steps=max(timeline.steps, n), planned=planned)
+                        steps=max(timeline.steps, n), planned=planned,
+                        device_step_ms=device_step_ms)
     result.unlisted_ms = result.wall_ms - sum(times) - timeline.tail_ms
+    charged = _charge(result, times, causes)
+    for i, held in blocking.items():  # a saving step's extra is the save's, unless elsewhere
+        if i in charged["other"] and _save_holds_rest(i, host, held):
+            charged["save"][i] = charged["save"].get(i, 0.0) + charged["other"].pop(i)
+    if result.asynchronous:  # the host blocked on a full launch queue: no work of its own
+        result.device_wait_ms = sum(charged["other"].values())
+        charged["other"] = {}
+    _works(result, charged, timeline.loops, n, host, causes.own)
+    return result
+
+
+def _charge(result: RunAccount, times: Sequence[float],
+            causes: _Causes) -> dict[WorkKind, dict[int, float]]:
+    """Each step's time above the steady step, charged to what ran there (KINDS' order);
+    gpudiag's own steps' extra less their saves to its part; the rest is the step's own."""
     charged: dict[WorkKind, dict[int, float]] = {k: {} for k in KINDS}
-    for i in range(1, n):
+    step = result.step_ms
+    for i in range(1, len(times)):
         extra = times[i] - step
         result.steady_ms += min(times[i], step)
         if extra <= 0:
             continue
-        if i in window:  # a save there is still the script's
-            saved = min(extra, blocking.get(i, 0.0))
+        if i in causes.own:  # a save there is still the script's
+            saved = min(extra, causes.blocking.get(i, 0.0))
             if saved > 0:
                 charged["save"][i] = saved
             result.window_ms += extra - saved
             continue
-        caps = (compiled.get(i, 0.0), blocking.get(i, 0.0),
-                max(0.0, waits[i] - usual_wait) if i in spiked else 0.0,
-                extra if i in loop_of else 0.0, extra if i in spiked else 0.0)
-        for kind, cap in zip(KINDS, caps, strict=True):
+        for kind, cap in zip(KINDS, causes.caps(i, extra), strict=True):
             part = min(extra, cap)
             if part > 0:
-                charged[kind][i] = part
+                charged[kind][i] = charged[kind].get(i, 0.0) + part
                 extra -= part
         result.steady_ms += extra  # jitter on an ordinary step: the step's own
-    _works(result, charged, timeline.loops, n, host, window)
-    return result
+    return charged
+
+
+def _line_extra(step: HostStep, host: HostSamples) -> dict[str, float]:
+    """Each training-loop line's time on a slow step beyond its ordinary time per step."""
+    return {line: ms - host.per_step(host.loop_ms.get(line, 0.0))
+            for line, ms in step.loop_ms.items()}
+
+
+def _save_holds_rest(step: int, host: HostSamples | None, blocking_ms: float) -> bool:
+    """Whether a saving step's extra beyond its save's blocking is the save's too (building
+    the state it writes, the same statement): yes, unless that step's host samples put the
+    most extra at one line and at least SAVE_ELSEWHERE of the save's blocking at others (the
+    save ran at another line than that work: an evaluation on the saving step)."""
+    sampled = next((s for s in host.slow_steps if s.step == step), None) if host else None
+    if host is None or sampled is None or not host.steady_steps:
+        return True
+    extra = _line_extra(sampled, host)
+    if not extra:
+        return True
+    top = max(extra, key=lambda line: extra[line])
+    elsewhere = sum(ms for line, ms in extra.items() if line != top and ms > 0)
+    return elsewhere < SAVE_ELSEWHERE * blocking_ms
 
 
 def _compile_ms(compiles: CompileFacts | None, n: int) -> dict[int, float]:
@@ -334,7 +431,7 @@ def _tail(hits: int, slots: int, rate: float) -> float:
 
 def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
            loops: Sequence[OtherLoop], n: int, host: HostSamples | None,
-           window: Collection[int]) -> None:
+           own: Collection[int]) -> None:
     for kind in KINDS[:3]:
         steps = sorted(charged[kind])
         if steps:
@@ -346,7 +443,7 @@ def _works(result: RunAccount, charged: dict[WorkKind, dict[int, float]],
             extra = sum(charged["loop"][s] for s in steps)
             result.works.append(PeriodicWork("loop", steps, extra, _period(steps), loop))
     other = dict(charged["other"])
-    for group in periodic_groups(other, n, window):
+    for group in periodic_groups(other, n, own):
         result.works.append(PeriodicWork("other", group.steps,
                                          sum(other.pop(s) for s in group.steps + group.after),
                                          group.period))
@@ -364,9 +461,11 @@ def _works_by_line(other: dict[int, float], host: HostSamples,
                    step_ms: float) -> list[PeriodicWork]:
     """Slow steps too few for a period (an evaluation every 20 steps of a 60-step run) that
     the host samples put at one line of the training loop: one work per line, run at least
-    MIN_OCCURRENCES times, each at least doubling the step, the line holding most of each
-    one's extra while the step's other lines kept their time (not `_stretched`). Taken out of
-    `other` (what stays there is irregular)."""
+    MIN_OCCURRENCES times at one period, each at least doubling the step, the line holding
+    most of each one's extra while the step's other lines kept their time (not `_stretched`),
+    and not the line that is the step itself (`_step_line`: Lightning's
+    `self.advance(...)`, a slow step rather than work beside it). Taken out of `other` (what
+    stays there is irregular)."""
     by_line: dict[str, list[int]] = defaultdict(list)
     slow = {s.step: s for s in host.slow_steps}
     for step, extra in other.items():
@@ -375,15 +474,22 @@ def _works_by_line(other: dict[int, float], host: HostSamples,
         probe = PeriodicWork("other", [step], extra)
         _attribute(probe, host)
         if (probe.line is not None and (probe.line_share or 0.0) >= LINE_HOLDS
-                and not _stretched(slow[step], probe.line, host)):
+                and not _stretched(slow[step], probe.line, host)
+                and not _step_line(probe.line, host)):
             by_line[probe.line].append(step)
     works = []
     for steps in by_line.values():
-        if len(steps) < MIN_OCCURRENCES:
-            continue
         period = _period(sorted(steps))
-        work = PeriodicWork("other", sorted(steps), sum(other.pop(s) for s in steps),
-                            period if period is not None and period > 1 else None)
+        if len(steps) < MIN_OCCURRENCES or period is None or period <= 1:
+            continue  # once, or at irregular steps: not work that recurs
+        work = PeriodicWork("other", sorted(steps), sum(other.pop(s) for s in steps), period)
         _attribute(work, host)
         works.append(work)
     return works
+
+
+def _step_line(line: str, host: HostSamples) -> bool:
+    """Whether `line` holds at least STEP_LINE of the ordinary step's sampled loop time: the
+    call that runs the step itself, whose slow occurrences are slow steps, not other work."""
+    total = sum(host.loop_ms.values())
+    return total > 0 and host.loop_ms.get(line, 0.0) >= STEP_LINE * total

@@ -385,6 +385,12 @@ class StageResult:
         return self.status == "ok"
 
     @property
+    def failed_after_timing(self) -> bool:
+        """A stage that failed (a profiled script that raised) after its steps were timed and
+        its profiler window recorded: what was measured is judged, the failure said beside it."""
+        return self.status == "error" and bool(self.iter_ms) and self.evidence is not None
+
+    @property
     def energy_per_sample_j(self) -> float | None:
         energy = self.telemetry.energy_j
         if energy is None or not self.samples_per_step or not self.iter_ms:
@@ -543,10 +549,12 @@ class RunResult:
         return next((s for s in self.stages if s.name == name), None)
 
     def ok_stages(self) -> Iterator[StageResult]:
-        return (s for s in self.stages if s.ok)
+        """The stages whose measurements are judged: those that ran to their end, and those
+        that failed after their timed steps and profiler window (`failed_after_timing`)."""
+        return (s for s in self.stages if s.ok or s.failed_after_timing)
 
     def stages_with_evidence(self) -> Iterator[StageResult]:
-        return (s for s in self.stages if s.ok and s.evidence is not None)
+        return (s for s in self.ok_stages() if s.evidence is not None)
 
     def stage_in_role(self, role: StageRole) -> StageResult | None:
         """The stage that plays `role` (the reference step, the ceiling), if one ran."""

@@ -81,7 +81,15 @@ def blind_spots(run: RunResult) -> list[str]:
             f"{s.name}: the stage failed ({s.error or s.status})"
             for s in run.stages
             if (s.ok and s.evidence is None and s.facts.evidence_missing)
-            or s.status == "error"]
+            or (s.status == "error" and not s.failed_after_timing)]
+
+
+def failed_after_timing(run: RunResult) -> list[str]:
+    """Stages judged though they failed after their timed steps (a script that raised after
+    its window): how each failed, said beside the findings that come from its steps."""
+    return [f"{s.name}: {s.error or 'the stage failed'}, after its {len(s.iter_ms)} timed "
+            "steps and its profiler window: the findings are from those steps"
+            for s in run.stages if s.failed_after_timing]
 
 
 def diagnosis_markdown(run: RunResult) -> list[str]:
@@ -99,6 +107,9 @@ def diagnosis_markdown(run: RunResult) -> list[str]:
         lines += ["No warning-level finding: no rule saw a material cost in these stages.", ""]
     if unseen:
         lines += [f"- **No evidence for {line}**" for line in unseen]
+        lines.append("")
+    if failed := failed_after_timing(run):
+        lines += [f"- **{line}**" for line in failed]
         lines.append("")
     for i, f in enumerate(material, 1):
         lines.append(f"### {i}. {f.severity}: {f.id} {f.rule} ({f.stage})")
@@ -139,6 +150,8 @@ def findings_panel(run: RunResult) -> Panel:
                           style="yellow" if unseen else "green"))
     for line in unseen:
         parts.append(Text(f"no evidence for {line}", style="yellow"))
+    for line in failed_after_timing(run):
+        parts.append(Text(line, style="yellow"))
     if info:
         parts.append(Text(f"{len(info)} observation(s) at information level in report.md.",
                           style="dim"))
