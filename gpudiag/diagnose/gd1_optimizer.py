@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from gpudiag.diagnose.ceilings import bandwidth
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.ledger import StepPart
@@ -19,6 +20,13 @@ BETTER = {"single-tensor": ("fused", "foreach"), "foreach": ("fused",)}
 # (TrainingArguments.optim, transformers/training_args.py's OptimizerNames).
 ARGUMENT = {"fused": "fused=True", "foreach": "foreach=True"}
 TRAINER_OPTIM = {"AdamW": "adamw_torch_fused", "Adam": "adamw_torch_fused"}
+# What a fused step still moves per parameter element: Adam/AdamW read the parameter, its
+# gradient and both moments and write the parameter and both moments (7 accesses); SGD with
+# momentum 5; fp32 (4 bytes), the dtype of the parameters and states torch.optim keeps by
+# default. An optimizer not listed is taken as Adam's (the most torch.optim moves).
+FP32_BYTES = 4
+ACCESSES_PER_ELEMENT = {"SGD": 5, "Adagrad": 5, "RMSprop": 5}
+ADAM_ACCESSES = 7
 
 THRESHOLDS = (
     Threshold("min_optimizer_ops_per_step", MIN_OPS,
@@ -51,9 +59,11 @@ THRESHOLDS = (
 def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
     """A profiled script's optimizer built single-tensor (or foreach where fused exists) whose
     step issues at least 200 launches per step; priced at most the step's share the optimizer
-    held (the host's part of it only while the GPU idles): an estimate, since a fused step keeps
-    its arithmetic and a host freed of launches may run the rest of the step faster (H200:
-    63% estimated, 57% measured by --try-fixes, 57-70% by the script's own timer)."""
+    held (the host's part of it only while the GPU idles) less what a fused step still costs:
+    its memory traffic (every parameter, gradient and moment read or written once) at the
+    device's bandwidth, a lower bound of its cost, so the price is an upper bound of the
+    saving (H200: 63% priced, 57% measured by --try-fixes, 57-70% by the script's own
+    timer). On a CPU no bandwidth is known: the optimizer's whole share, said so."""
     for stage in run.stages_with_evidence():
         found = slow_optimizer(stage)
         if found is None:
@@ -61,9 +71,12 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
         optimizer, better = found
         ev = stage.evidence
         time = optimizer_time(stage, optimizer)
-        if ev is None or time is None or time.price < INFO_SHARE:
+        if ev is None or time is None:
             continue
-        price = time.price
+        remains_ms, how = fused_floor_ms(run, optimizer)
+        price = max(0.0, time.price - remains_ms / (ev.window_step_ms or ev.step_ms))
+        if price < INFO_SHARE:
+            continue
         unit = "kernel launches" if ev.backend == "cuda" else "operator calls"
         per_tensor = ev.optimizer_ops_per_step / max(optimizer.parameters, 1)
         where = f" at {optimizer.site}" if optimizer.site else ""
@@ -74,7 +87,7 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
                    f"tensors {_how(optimizer)}: {ev.optimizer_ops_per_step:,.0f} {unit} per "
                    f"step; optimizer.step() holds the host {time.host_ms:.1f} ms of each "
                    f"{time.step_ms:.1f} ms step ({time.measured_by}): a faster step saves "
-                   f"about {pct(price)}"),
+                   f"up to {pct(price)}"),
             impact=price,
             evidence={"optimizer": optimizer.name, "implementation": optimizer.implementation,
                       "chosen_by": optimizer.chosen, "parameter_tensors": optimizer.parameters,
@@ -88,10 +101,26 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
                           round(ev.optimizer_host_ms_per_step, 2),
                       "optimizer_device_ms_per_step":
                           round(ev.device_ms_by_kind.get("optimizer", 0.0), 2),
-                      "price": "estimate: the optimizer's share of the step (a fused step "
-                               "keeps its arithmetic); --try-fixes measures it",
+                      "fused_step_ms_at_least": round(remains_ms, 3),
+                      "price": f"upper bound: the optimizer's share of the step less {how}; "
+                               "--try-fixes measures it",
                       "better": better},
             fix=_fix(optimizer, better))
+
+
+def fused_floor_ms(run: RunResult, optimizer: OptimizerFacts) -> tuple[float, str]:
+    """(ms, how it was priced): the least a fused step of `optimizer` still costs a step, its
+    memory traffic at the device's bandwidth (measured by the peak stage, else the
+    datasheet); 0 where no bandwidth is known (a CPU)."""
+    gbps, source = bandwidth(run) if run.env.device.startswith("cuda") else (None, None)
+    if not gbps:
+        return 0.0, ("nothing for a fused step's own cost (no memory bandwidth known: it still "
+                     "reads and writes every parameter, gradient and moment)")
+    moved = optimizer.numel * ACCESSES_PER_ELEMENT.get(optimizer.name, ADAM_ACCESSES) \
+        * FP32_BYTES
+    ms = moved / (gbps * 1e9) * 1e3
+    return ms, (f"a fused step's memory traffic ({moved / 1e6:,.0f} MB at {gbps:,.0f} GB/s, "
+                f"{source}: {ms:.2f} ms, the least it still costs)")
 
 
 def slow_optimizer(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
