@@ -63,7 +63,8 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
     its memory traffic (every parameter, gradient and moment read or written once) at the
     device's bandwidth, a lower bound of its cost, so the price is an upper bound of the
     saving (H200: 63% priced, 57% measured by --try-fixes, 57-70% by the script's own
-    timer). On a CPU no bandwidth is known: the optimizer's whole share, said so."""
+    timer). Where no bandwidth is known (a CPU run without a peak stage): the optimizer's
+    whole share, said so."""
     for stage in run.stages_with_evidence():
         found = slow_optimizer(stage)
         if found is None:
@@ -111,8 +112,8 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
 def fused_floor_ms(run: RunResult, optimizer: OptimizerFacts) -> tuple[float, str]:
     """(ms, how it was priced): the least a fused step of `optimizer` still costs a step, its
     memory traffic at the device's bandwidth (measured by the peak stage, else the
-    datasheet); 0 where no bandwidth is known (a CPU)."""
-    gbps, source = bandwidth(run) if run.env.device.startswith("cuda") else (None, None)
+    datasheet); 0 where no bandwidth is known (a CPU run without a peak stage)."""
+    gbps, source = bandwidth(run)
     if not gbps:
         return 0.0, ("nothing for a fused step's own cost (no memory bandwidth known: it still "
                      "reads and writes every parameter, gradient and moment)")
