@@ -71,7 +71,7 @@ THRESHOLDS = (
 )
 def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
     """A profiled script's optimizer built single-tensor (or foreach where fused exists) whose
-    step issues at least 200 launches per step; priced at most the step's share the optimizer
+    step issues at least 200 launches per step; priced the step's share the optimizer
     held (the host's part of it only while the GPU idles) less what a fused step still costs:
     its memory traffic (every parameter, gradient and moment read or written once) at the
     device's bandwidth, a lower bound of its cost (the share less it: an upper bound of the
