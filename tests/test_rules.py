@@ -41,6 +41,7 @@ from gpudiag.model.results import (
     Evidence,
     Finding,
     LineCount,
+    MeasuredFix,
     MemoryStats,
     RunResult,
     SourceLine,
@@ -313,6 +314,79 @@ def gd201(*, share: float) -> RunResult:
                                facts=StageFacts(loader=LoaderFacts(num_workers=1,
                                                                    pin_memory=True))))
 
+
+def _waiting_run(*, step_ms: float, wait_ms: float, workers: int, function: str = "<module>",
+                 via: str = "", timeline: StepTimeline | None = None) -> RunResult:
+    """A profiled script waiting `wait_ms` of each `step_ms` step for data, the wait's host
+    samples on one line (`function`, `via` a library frame below it) with `workers`."""
+    steps = 50
+    host = HostSamples(period_ms=1.0, samples=500, steady_steps=steps,
+                       steady_wall_ms=step_ms * steps, sampled_ms=step_ms * steps,
+                       kind_ms={"data": wait_ms * steps, "torch": (step_ms - wait_ms) * steps},
+                       lines=[HostLine("train.py:20", function, "data", wait_ms * steps, via),
+                              HostLine("train.py:30", "<module>", "torch",
+                                       (step_ms - wait_ms) * steps)],
+                       text={"train.py:20": "for x, y in loader:"})
+    script = ScriptFacts(steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
+                         host=host, timeline=timeline)
+    return make_run(make_stage("train.py", ms=step_ms, data_wait_ms=wait_ms, facts=StageFacts(
+        loader=LoaderFacts(num_workers=workers, pin_memory=False), script=script)))
+
+
+def test_a_short_data_wait_is_information_whatever_its_share_of_a_short_step() -> None:
+    """0.15 ms of a 1.2 ms step (12%) is below the cost of a worker's hand-off of one batch:
+    information, not a warning; 3 ms of a 20 ms step is one."""
+    (short,) = findings_of("GD201", _waiting_run(step_ms=1.2, wait_ms=0.15, workers=2))
+    assert short.severity == "info" and short.impact == pytest.approx(0.125)
+    (longer,) = findings_of("GD201", _waiting_run(step_ms=20.0, wait_ms=3.0, workers=2))
+    assert longer.severity == "warning" and "more workers" in longer.fix
+
+
+def test_data_waits_adding_up_to_little_of_the_training_loop_are_information() -> None:
+    """3 ms of each 10 ms step, but a 20 s evaluation in the loop: the waits are under 1% of
+    it, information; without the evaluation they are 30% of it, a warning."""
+    times = [2000.0] + [10.0] * 59
+    waits = [0.5] + [3.0] * 59
+    plain = StepTimeline(step_ms=times, steps=60, total_ms=sum(times), data_wait_ms=waits)
+    (found,) = findings_of("GD201", _waiting_run(step_ms=10.0, wait_ms=3.0, workers=2,
+                                                 timeline=plain))
+    assert found.severity == "critical" and found.evidence["loop_share"] == pytest.approx(
+        177.5 / 590.0, abs=1e-4)
+    times[30] = 20_000.0
+    evaluating = StepTimeline(step_ms=times, steps=60, total_ms=sum(times), data_wait_ms=waits)
+    (found,) = findings_of("GD201", _waiting_run(step_ms=10.0, wait_ms=3.0, workers=2,
+                                                 timeline=evaluating))
+    assert found.severity == "info" and found.evidence["loop_share"] < 0.01
+
+
+def test_the_loaders_own_fetching_of_in_memory_tensors_is_not_told_more_workers() -> None:
+    """num_workers=0 and the wait's samples at the loop's `for` line with no dataset code of
+    the script's or a library's below it: the DataLoader indexing and collating in-memory
+    tensors. The fix names that and batched indexing, not workers; a Dataset's own
+    __getitem__, or a library's code below the line, keeps the workers advice."""
+    (found,) = findings_of("GD201", _waiting_run(step_ms=20.0, wait_ms=3.0, workers=0))
+    assert "more workers" not in found.fix and "collating them" in found.fix
+    assert "sampler=BatchSampler(RandomSampler(dataset), batch_size" in found.fix
+    for kept in (_waiting_run(step_ms=20.0, wait_ms=3.0, workers=0, function="__getitem__"),
+                 _waiting_run(step_ms=20.0, wait_ms=3.0, workers=0,
+                              via="PIL/Image.py:3200")):
+        (advised,) = findings_of("GD201", kept)
+        assert "more workers (now 0)" in advised.fix
+
+
+def test_workers_measured_slower_by_try_fixes_are_not_advised_again() -> None:
+    """The run's own --try-fixes measured the loader remedy slower (interval below 1): the fix
+    keeps the workers as they are and says what it measured."""
+    run = _waiting_run(step_ms=20.0, wait_ms=3.0, workers=2)
+    run.fixes = [MeasuredFix(remedy="loader", title="loader", status="measured", speedup=0.17,
+                             speedup_low=0.12, speedup_high=0.22)]
+    (found,) = findings_of("GD201", run)
+    assert "more workers" not in found.fix
+    assert found.fix.startswith("train.py:20 (`for x, y in loader:`) holds 3.0 ms")
+    assert "--try-fixes measured workers slower (0.17x): keep num_workers as it is" in found.fix
+    run.fixes[0].speedup, run.fixes[0].speedup_low, run.fixes[0].speedup_high = 1.5, 1.2, 1.8
+    (faster,) = findings_of("GD201", run)
+    assert "more workers (now 2)" in faster.fix
 
 def test_the_data_wait_is_named_at_the_line_its_host_samples_land_on() -> None:
     """num_workers=0: the Dataset's own line holds the wait (host samples of kind "data"):
