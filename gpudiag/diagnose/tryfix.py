@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import estimate_ratio
-from gpudiag.diagnose.loaderadvice import loader_change
+from gpudiag.diagnose.loaderadvice import loader_change, slower_workers
 from gpudiag.diagnose.noise import floor_for
 from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
 from gpudiag.model.config import ProfileConfig
@@ -371,6 +371,10 @@ def _measured_loader_change(fix: MeasuredFix) -> None:
     recorded = loader_change(record.loaders)
     if recorded is not None:
         fix.change, fix.location = recorded.change, recorded.location or fix.location
+    high = fix.speedup_high if fix.speedup_high is not None else fix.speedup
+    if fix.remedy == "loader" and recorded is not None and fix.speedup is not None \
+            and high is not None and high < 1.0:
+        fix.note = _joined(fix.note, slower_workers(record.loaders, fix.speedup))
 
 
 QUEUED_SAVE_MS = 10.0  # a background save that waits this long for the previous one queues

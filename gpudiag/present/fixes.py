@@ -96,7 +96,9 @@ def _change(fix: MeasuredFix) -> str:
         return f"not recommended: {fix.note or UNMEASURED.get(fix.status, 'not measured')}"
     why_not = _not_recommended(fix)
     if why_not is not None:
-        return f"not recommended: {why_not}"
+        # A slower fix's note says what the code does instead (the loader's workers).
+        slower = fix.speedup < 1.0 and fix.note and not fix.changed_nothing
+        return f"not recommended: {why_not}" + (f"; {fix.note}" if slower else "")
     note = f" ({fix.note})" if fix.note else ""
     return f"{where}{fix.change}{note}"
 
