@@ -736,12 +736,28 @@ def test_the_measured_prices_cover_the_rules_with_committed_fixes() -> None:
     assert {code for _, code, _, _ in _measured_prices()} >= {
         "GD106", "GD201", "GD204", "GD301", "GD304"}
 
+def test_a_measured_fix_shows_its_findings_price_beside_the_saving_measured() -> None:
+    """The model's error in view: GD106 priced 63% on the committed H200 run, its fused step
+    saved 57% (1 - 1/2.30x), with the interval's savings; a finding no remedy answers shows
+    its price alone, a combination none (the prices of its findings overlap)."""
+    from gpudiag.present.fixes import fix_cells, price_of, prices
+
+    run = load_run(KNOBS / "per_tensor_optimizer")
+    table = "\n".join(fixes_markdown(run))
+    assert "| priced vs saved |" in table
+    assert "| 2.30x (1.87-2.88) | priced 63%, saved 57% (47% to 65%) |" in table
+    untreated = next(f for f in run.fixes if f.status == "no-remedy")
+    assert fix_cells(untreated, price_of(untreated, prices(run)))[4] == "priced 63%"
+    combined = MeasuredFix(remedy="combined", title="both", findings=["GD106", "GD301"],
+                           status="measured", speedup=2.0)
+    assert fix_cells(combined, price_of(combined, prices(run)))[4] == "saved 50%"
+
 def test_the_terminal_fixes_table_is_readable_at_100_columns() -> None:
     """At 100 columns report.md's seven columns broke words ("examples/slo|w_dataset.py",
     "pin_memory=Tr|ue"): every word of every cell comes out whole, and nothing else does."""
     from rich.console import Console
 
-    from gpudiag.present.fixes import fix_cells, fixes_table
+    from gpudiag.present.fixes import fix_cells, fixes_table, price_of, prices
 
     run = load_run(EXAMPLES / "slow_dataset")
     for name in ("fp32_no_tf32", "blocking_save"):
@@ -756,7 +772,8 @@ def test_the_terminal_fixes_table_is_readable_at_100_columns() -> None:
     console.print(fixes_table(run))
     printed = console.export_text()
     assert max(len(line.rstrip()) for line in printed.splitlines()) <= 100
-    cells = [[name, f"({found})", *rest] for name, found, *rest in map(fix_cells, run.fixes)]
+    cells = [[name, f"({found})", *rest] for name, found, *rest in (
+        fix_cells(f, price_of(f, prices(run))) for f in run.fixes)]
     words = {w for row in cells for cell in row if cell not in ("-", "(-)") for w in cell.split()}
     shown = set(printed.split())
     assert words <= shown, sorted(words - shown)
