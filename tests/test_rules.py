@@ -449,9 +449,20 @@ def gd401(*, reserved_mib: float, allocated_mib: float = 8000.0) -> RunResult:
     return make_run(make_stage("train", memory=memory))
 
 
-def gd402(*, frees: float) -> RunResult:
-    ev = make_evidence(empty_cache_per_step=frees, empty_cache_ms_per_step=5.0)
+def gd402(*, frees: float, idle: float | None = None) -> RunResult:
+    ev = make_evidence(empty_cache_per_step=frees, empty_cache_ms_per_step=5.0,
+                       idle_fraction=idle)
     return make_run(make_stage("train", evidence=ev))
+
+
+def test_empty_cache_is_priced_as_the_bound_it_is() -> None:
+    """5 ms of cudaFree in a 100 ms step whose GPU idles 27% of it: at least 5% (the frees'
+    own time, the price), at most 32% (with the idle their device syncs cause part of), and
+    the finding says which it is."""
+    (found,) = findings_of("GD402", gd402(frees=2.0, idle=0.27))
+    assert found.impact == pytest.approx(0.05) and found.evidence["at_most"] == 0.32
+    assert found.title.endswith("at least 5% of the step (the frees alone), up to 32%")
+    assert str(found.evidence["price"]).startswith("lower bound")
 
 
 def gd501(*, thermal: float = 0.0, power_cap: float = 0.0) -> RunResult:
