@@ -349,7 +349,7 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             # And a per-tensor optimizer step (GD106), where it is most of the launches.
             title += (f"; {_named(optimizer[0])} launches most of the step's kernels one "
                       "parameter at a time (see GD106)")
-            price = optimizer_price(stage)
+            price = optimizer_price(run, stage)
             impact = min(excess, price) * SYMPTOM_RANK
             severity = min(severity, optimizer_severity(price), key=SEVERITY_RANK.__getitem__)
         cause = (f"Build {_named(optimizer[0])} with {ARGUMENT[optimizer[1]]} (GD106)."

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from gpudiag.diagnose.ceilings import bandwidth
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.ledger import StepPart
@@ -19,6 +20,19 @@ BETTER = {"single-tensor": ("fused", "foreach"), "foreach": ("fused",)}
 # (TrainingArguments.optim, transformers/training_args.py's OptimizerNames).
 ARGUMENT = {"fused": "fused=True", "foreach": "foreach=True"}
 TRAINER_OPTIM = {"AdamW": "adamw_torch_fused", "Adam": "adamw_torch_fused"}
+# What a fused step still moves per parameter element: Adam/AdamW read the parameter, its
+# gradient and both moments and write the parameter and both moments (7 accesses); SGD with
+# momentum 5; fp32 (4 bytes), the dtype of the parameters and states torch.optim keeps by
+# default. An optimizer not listed is taken as Adam's (the most torch.optim moves).
+FP32_BYTES = 4
+ACCESSES_PER_ELEMENT = {"SGD": 5, "Adagrad": 5, "RMSprop": 5}
+ADAM_ACCESSES = 7
+# Every implementation of torch.optim's step still walks the parameters in Python (its
+# `_init_group`: each parameter's grad and state read and listed; fused and foreach then group
+# the lists by device and dtype): a fused step keeps about one of the single-tensor step's
+# operators per tensor on the host. (On a CPU, 800 tensors of 1,072 elements: single-tensor
+# AdamW 48.6 ms, fused 11.2 ms a step, ~1.8 operators' worth per tensor kept.)
+KEPT_OPS_PER_TENSOR = 1.0
 
 THRESHOLDS = (
     Threshold("min_optimizer_ops_per_step", MIN_OPS,
@@ -27,6 +41,13 @@ THRESHOLDS = (
     Threshold("info_share", INFO_SHARE, "the optimizer's step reported at all"),
     Threshold("warning_share", WARNING_SHARE, "a tenth of the step is worth a one-word change"),
     Threshold("critical_share", CRITICAL_SHARE, "the optimizer is the step's largest part"),
+    Threshold("fused_accesses_per_element", ADAM_ACCESSES,
+              "parameter, gradient and both moments read, parameter and moments written: what a "
+              "fused Adam(W) step still moves per element (SGD, Adagrad, RMSprop: 5)"),
+    Threshold("bytes_per_element", FP32_BYTES, "fp32 parameters and optimizer states"),
+    Threshold("kept_ops_per_tensor", KEPT_OPS_PER_TENSOR,
+              "host operators' worth a fused step still spends per parameter tensor (its "
+              "Python walk over the parameters)"),
 )
 
 
@@ -50,10 +71,14 @@ THRESHOLDS = (
 )
 def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
     """A profiled script's optimizer built single-tensor (or foreach where fused exists) whose
-    step issues at least 200 launches per step; priced at most the step's share the optimizer
-    held (the host's part of it only while the GPU idles): an estimate, since a fused step keeps
-    its arithmetic and a host freed of launches may run the rest of the step faster (H200:
-    63% estimated, 57% measured by --try-fixes, 57-70% by the script's own timer)."""
+    step issues at least 200 launches per step; priced the step's share the optimizer
+    held (the host's part of it only while the GPU idles) less what a fused step still costs:
+    its memory traffic (every parameter, gradient and moment read or written once) at the
+    device's bandwidth, a lower bound of its cost (the share less it: an upper bound of the
+    saving), and its host walk over the parameters (KEPT_OPS_PER_TENSOR): an estimate (H200:
+    56% priced, 57% measured by --try-fixes, 57-70% by the script's own timer). Where no
+    bandwidth is known (a CPU run without a peak stage) the traffic is not subtracted, said
+    so."""
     for stage in run.stages_with_evidence():
         found = slow_optimizer(stage)
         if found is None:
@@ -61,11 +86,14 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
         optimizer, better = found
         ev = stage.evidence
         time = optimizer_time(stage, optimizer)
-        if ev is None or time is None or time.price < INFO_SHARE:
+        if ev is None or time is None:
             continue
-        price = time.price
-        unit = "kernel launches" if ev.backend == "cuda" else "operator calls"
         per_tensor = ev.optimizer_ops_per_step / max(optimizer.parameters, 1)
+        saving = fused_saving(run, optimizer, time, per_tensor)
+        price = saving.estimate
+        if price < INFO_SHARE:
+            continue
+        unit = "kernel launches" if ev.backend == "cuda" else "operator calls"
         where = f" at {optimizer.site}" if optimizer.site else ""
         yield Draft(
             severity=optimizer_severity(price),
@@ -88,10 +116,53 @@ def optimizer_implementation(run: RunResult) -> Iterator[Draft]:
                           round(ev.optimizer_host_ms_per_step, 2),
                       "optimizer_device_ms_per_step":
                           round(ev.device_ms_by_kind.get("optimizer", 0.0), 2),
-                      "price": "estimate: the optimizer's share of the step (a fused step "
-                               "keeps its arithmetic); --try-fixes measures it",
+                      "fused_traffic_ms": round(saving.traffic_ms, 3),
+                      "fused_host_ms": round(saving.kept_host_ms, 2),
+                      "price": saving.said,
                       "better": better},
             fix=_fix(optimizer, better))
+
+
+@dataclass
+class FusedSaving:
+    """What a fused step saves of the optimizer's share: at most `bound` (the share less its
+    memory traffic), about `estimate` (less its host walk over the parameters too)."""
+
+    bound: float
+    estimate: float
+    traffic_ms: float
+    kept_host_ms: float
+    said: str  # the price model, for the finding's evidence
+
+
+def fused_saving(run: RunResult, optimizer: OptimizerFacts, time: OptimizerTime,
+                 ops_per_tensor: float) -> FusedSaving:
+    """The saving of `optimizer`'s fused step: its share of the step (`time`) less what the
+    fused step still costs, its traffic and its host walk (a share of the host time as
+    KEPT_OPS_PER_TENSOR is of the `ops_per_tensor` the step issues now)."""
+    traffic_ms, how = fused_floor_ms(run, optimizer)
+    bound = max(0.0, time.price - traffic_ms / time.step_ms)
+    kept_host_ms = time.host_ms * min(1.0, KEPT_OPS_PER_TENSOR / max(ops_per_tensor, 1e-9))
+    estimate = max(0.0, bound - min(kept_host_ms / time.step_ms, time.host_price))
+    return FusedSaving(bound, estimate, traffic_ms, kept_host_ms, (
+        f"estimate: the optimizer's share of the step less {how} and its host walk over the "
+        f"parameters ({kept_host_ms:.1f} ms: {KEPT_OPS_PER_TENSOR:g} of the {ops_per_tensor:.0f} "
+        f"operators per tensor); at most {pct(bound)}; --try-fixes measures it"))
+
+
+def fused_floor_ms(run: RunResult, optimizer: OptimizerFacts) -> tuple[float, str]:
+    """(ms, how it was priced): the least a fused step of `optimizer` still costs a step, its
+    memory traffic at the device's bandwidth (measured by the peak stage, else the
+    datasheet); 0 where no bandwidth is known (a CPU run without a peak stage)."""
+    gbps, source = bandwidth(run)
+    if not gbps:
+        return 0.0, ("nothing for a fused step's own cost (no memory bandwidth known: it still "
+                     "reads and writes every parameter, gradient and moment)")
+    moved = optimizer.numel * ACCESSES_PER_ELEMENT.get(optimizer.name, ADAM_ACCESSES) \
+        * FP32_BYTES
+    ms = moved / (gbps * 1e9) * 1e3
+    return ms, (f"a fused step's memory traffic ({moved / 1e6:,.0f} MB at {gbps:,.0f} GB/s, "
+                f"{source}: {ms:.2f} ms, the least it still costs)")
 
 
 def slow_optimizer(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
@@ -118,6 +189,7 @@ class OptimizerTime:
     step_ms: float
     measured_by: str  # "host samples" or "the profiler window"
     price: float  # what a faster implementation saves, as a share of the step (estimated)
+    host_price: float = 0.0  # of which the host's part (on a GPU: only while it idles)
 
 
 def optimizer_time(stage: StageResult, optimizer: OptimizerFacts | None = None,
@@ -138,17 +210,24 @@ def optimizer_time(stage: StageResult, optimizer: OptimizerFacts | None = None,
         if account is not None and optimizer is not None else None
     if account is not None and line is not None and line.share < host:
         measured = OptimizerTime(line.ms_per_step, account.step_ms, "host samples", line.share)
+    measured.host_price = measured.price
     if ev.backend == "cuda":
         pace = ev.window_step_ms or ev.step_ms
         device = ev.device_ms_by_kind.get("optimizer", 0.0) / pace
-        measured.price = min(1.0, min(measured.price, ev.idle_fraction or 0.0) + device)
+        measured.host_price = min(measured.price, ev.idle_fraction or 0.0)
+        measured.price = min(1.0, measured.host_price + device)
     return measured
 
 
-def optimizer_price(stage: StageResult) -> float:
+def optimizer_price(run: RunResult, stage: StageResult) -> float:
+    """GD106's price of `stage`'s optimizer (0 where it names none): what GD102 and GD104
+    defer to, so they never outrank it."""
     found = slow_optimizer(stage)
     time = optimizer_time(stage, found[0] if found else None)
-    return time.price if time is not None else 0.0
+    if found is None or time is None or stage.evidence is None:
+        return time.price if time is not None else 0.0
+    per_tensor = stage.evidence.optimizer_ops_per_step / max(found[0].parameters, 1)
+    return fused_saving(run, found[0], time, per_tensor).estimate
 
 
 def optimizer_severity(price: float) -> Severity:

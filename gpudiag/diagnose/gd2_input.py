@@ -15,6 +15,22 @@ from gpudiag.model.facts import LoaderUse
 from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, StageResult
 
 WAIT_WARNING, WAIT_CRITICAL = 0.10, 0.30
+# Below either floor a data wait is information, whatever its share of a short step: a batch
+# handed over by a worker process costs about this much itself (issue 55: 0.1-0.2 ms batches
+# of an in-memory TensorDataset took 6x longer with workers), and waits adding up to this
+# little of the training loop are not worth a change.
+MIN_WAIT_MS = 1.0
+MIN_LOOP_SHARE = 0.02
+# The functions a sample charged to the script's own dataset code runs in: time there is the
+# script's per-sample work, which workers can run in parallel.
+DATASET_METHODS = ("__getitem__", "__getitems__", "__iter__", "__next__", "collate_fn")
+# What the DataLoader does where it fetches on the training thread with no dataset code of
+# the script's or of a library's, and what to do instead.
+BATCHED = ("indexing in-memory tensors one sample at a time and collating them. Workers add a "
+           "process hand-off per batch instead; index whole batches: DataLoader(dataset, "
+           "sampler=BatchSampler(RandomSampler(dataset), batch_size, drop_last=False), "
+           "batch_size=None) indexes a TensorDataset once per batch, or slice the tensors in "
+           "the loop (`x[perm[i:i + batch_size]]`).")
 DATA_LINE_SHARE = 0.05  # of the step, in the data wait's host samples: the line is named
 PAGEABLE_WARNING = 0.02
 COPY_MIN_SHARE, COPY_MIN_OVERLAP = 0.05, 0.5
@@ -184,12 +200,23 @@ def _data_line(stage: StageResult) -> HostLineTime | None:
                 Threshold("symptom_rank", SYMPTOM_RANK,
                           "workers restarting every pass (GD204) explain the wait: it ranks "
                           "just below that finding"),
-                Threshold("restart_min_passes", MIN_PASSES, "GD204's, passes that restart")),
-    references=("https://pytorch.org/docs/stable/data.html#multi-process-data-loading",),
+                Threshold("restart_min_passes", MIN_PASSES, "GD204's, passes that restart"),
+                Threshold("min_wait_ms", MIN_WAIT_MS,
+                          "a median wait per step below this is information: a worker's "
+                          "hand-off of one batch costs about as much"),
+                Threshold("min_loop_share", MIN_LOOP_SHARE,
+                          "waits adding up to less of the training loop are information")),
+    references=("https://pytorch.org/docs/stable/data.html#multi-process-data-loading",
+                "https://pytorch.org/docs/stable/data.html#disable-automatic-batching "
+                "(a BatchSampler as sampler, batch_size=None: one index per batch)"),
 )
 def input_bound(run: RunResult) -> Iterator[Draft]:
     """Median data wait at least 10% of the median step; at the line the wait's host samples
-    land on most, where a profiled script has them."""
+    land on most, where a profiled script has them. Information only below MIN_WAIT_MS per
+    step or MIN_LOOP_SHARE of the training loop. More workers are not advised where the wait
+    is the DataLoader's own fetching on the training thread (no dataset code of the script's
+    or of another library: indexing in-memory tensors and collating them), nor where
+    --try-fixes measured workers slower."""
     for stage in run.ok_stages():
         share = data_wait_share(stage)
         if share < WAIT_WARNING:
@@ -205,7 +232,10 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
             where = (f"{line.location}{code} holds {line.ms('data'):.1f} ms of each step's "
                      f"wait{thread}. ")
         restarts = worker_restarts(stage)
+        loop_share = _loop_share(stage)
         severity = severity_for(share, warning=WAIT_WARNING, critical=WAIT_CRITICAL)
+        if wait < MIN_WAIT_MS or (loop_share is not None and loop_share < MIN_LOOP_SHARE):
+            severity = "info"
         impact = share
         if restarts is not None:  # the cause: this wait never ranks above its finding
             restart_share = restarts.loop_share
@@ -224,13 +254,57 @@ def input_bound(run: RunResult) -> Iterator[Draft]:
                       "share": round(share, 3), "num_workers": workers,
                       "pin_memory": None if loader is None else loader.pin_memory,
                       "prefetch_factor": None if loader is None else loader.prefetch_factor,
-                      "line_ms_per_step": None if line is None else round(line.ms("data"), 2)},
-            fix=where + (knob or "G") + (
-                f"{'g' if knob else ''}ive the DataLoader more workers "
-                f"({_workers_now(workers)}), " + ("pin_memory=True, " if on_gpu(run, stage) else "")
-                + "persistent_workers=True and prefetch_factor>=2; precompute or cache "
-                "per-sample work the dataset repeats every epoch."),
+                      "line_ms_per_step": None if line is None else round(line.ms("data"), 2),
+                      "loop_share": None if loop_share is None else round(loop_share, 4)},
+            fix=where + (knob or "") + _advice(run, stage, line, workers, bool(knob)),
         )
+
+
+def _loop_share(stage: StageResult) -> float | None:
+    """Every step's data wait, as a share of the training loop (None: no timeline)."""
+    script = stage.facts.script
+    whole = stage_account(stage)
+    if script is None or script.timeline is None or whole is None or not whole.loop_ms:
+        return None
+    waits, steps = script.timeline.data_wait_ms, script.timeline.steps
+    # Past the timeline's listed steps waits are only counted: as many again as listed.
+    listed = sum(waits) * max(1.0, steps / len(waits)) if waits else 0.0
+    return listed / whole.loop_ms
+
+
+def _advice(run: RunResult, stage: StageResult, line: HostLineTime | None,
+            workers: int | None, after: bool) -> str:
+    """What to change: more workers and their settings, unless the wait is the DataLoader's
+    own in-process fetching or --try-fixes measured workers slower; then what the loader
+    does instead. `after`: it follows GD204's knob (lower case)."""
+    slower = _workers_measured_slower(run)
+    in_process = (workers == 0 and line is not None and not line.via
+                  and line.function not in DATASET_METHODS)
+    if in_process:
+        measured = f"--try-fixes measured workers slower ({slower:.2f}x); " if slower else ""
+        text = (f"{measured}The wait is the DataLoader's own fetching on the training thread "
+                f"(no dataset code of the script's or of a library's runs in it): {BATCHED}")
+    elif slower is not None:
+        text = (f"--try-fixes measured workers slower ({slower:.2f}x): keep num_workers as it "
+                "is; its batches cost less to make on the training thread than to hand over "
+                "from worker processes. Precompute or cache per-sample work the dataset "
+                "repeats every epoch, or index whole batches (a BatchSampler as sampler, "
+                "batch_size=None).")
+    else:
+        text = (f"Give the DataLoader more workers ({_workers_now(workers)}), "
+                + ("pin_memory=True, " if on_gpu(run, stage) else "")
+                + "persistent_workers=True and prefetch_factor>=2; precompute or cache "
+                "per-sample work the dataset repeats every epoch.")
+    return text[0].lower() + text[1:] if after else text
+
+
+def _workers_measured_slower(run: RunResult) -> float | None:
+    """The loader remedy's measured speedup where --try-fixes found it slower (its interval
+    below 1, or its estimate where there is none), else None."""
+    return next((f.speedup for f in run.fixes if f.remedy == "loader"
+                 and f.status == "measured" and f.speedup is not None
+                 and (f.speedup_high if f.speedup_high is not None else f.speedup) < 1.0),
+                None)
 
 
 @rule(

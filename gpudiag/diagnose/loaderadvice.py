@@ -36,6 +36,23 @@ def loader_change(loaders: list[LoaderSeen]) -> LoaderChange | None:
     return LoaderChange(change, locations[0])
 
 
+def slower_workers(loaders: list[LoaderSeen], speedup: float) -> str:
+    """Why the loader remedy measured slower (`speedup` < 1), in terms of what the script's
+    loaders did without it: batches made on the training thread that cost less than their
+    hand-off from worker processes; and what to change instead."""
+    built = [n for n in loaders if _changed(n) and n.rebuilt_by is None] or \
+        [n for n in loaders if _changed(n)]
+    first = built[0] if built else None
+    workers = first.before.num_workers if first and first.before else None
+    at = f" at {first.edit_at or first.site}" if first and (first.edit_at or first.site) else ""
+    made = ("on the training thread (num_workers=0)" if workers == 0 else
+            f"with {workers} workers" if workers else "as the script built it")
+    return (f"its workers measured {speedup:.2f}x: the DataLoader{at} makes its batches "
+            f"{made} faster than worker processes can hand them over, so keep it as it is; "
+            "where the dataset holds tensors, index whole batches instead (a "
+            "BatchSampler as sampler, batch_size=None) or slice them in the loop")
+
+
 def _changed(note: LoaderSeen) -> dict[str, object]:
     """The settings the remedy changed in one loader, as it left them (None: not recorded)."""
     before, after = note.before, note.after

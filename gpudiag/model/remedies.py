@@ -20,7 +20,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-Numerics = Literal["exact", "precision"]
+# "exact": the losses must not change; "precision": they may, as mixed precision moves them;
+# "reordered": the same arithmetic per element, rounded in another order (a fused or foreach
+# kernel's sums and fused multiply-adds): they may differ by rounding that grows with the terms
+# summed and the steps taken (gpudiag/diagnose/tryfix.py: reordering_tolerance).
+Numerics = Literal["exact", "precision", "reordered"]
 FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
 # The runs of a --try-fixes besides one per remedy (fixes/<label>/): two without any fix that
 # bracket the others, and the fixes that paid, together.
@@ -39,7 +43,7 @@ class Remedy:
     name: str
     title: str
     findings: tuple[str, ...]  # the rule codes that call for it
-    numerics: Numerics  # "exact": the losses must not change; "precision": they may, a little
+    numerics: Numerics  # what it may change in the losses (Numerics above)
     applied: str  # how gpudiag applies it for one run
     change: str  # the permanent edit, with where it goes
     cuda_only: bool = False  # does nothing a CPU run could measure
@@ -84,7 +88,7 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "reuses its blocks; call it once after training if another process needs the "
            "memory)"),
     Remedy("fused-optimizer", "fused optimizer step (foreach where fused is not offered)",
-           ("GD106",), "exact",
+           ("GD106",), "reordered",
            "each torch.optim optimizer built with fused=True where its class and tensors allow "
            "it, else foreach=True where they allow that (the same update, fewer kernels)",
            "in the optimizer's constructor: fused=True (and drop foreach=False)"),

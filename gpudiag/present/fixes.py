@@ -12,8 +12,8 @@ from gpudiag.model.remedies import DIAGNOSIS_RUN
 from gpudiag.model.results import MeasuredFix, Rerun, RunResult
 from gpudiag.present.tables import markdown_table
 
-HEADER = ("fix", "answers", "ms/step (mean) before -> after", "speedup (95% CI)", "J/step",
-          "same result?", "make it permanent")
+HEADER = ("fix", "answers", "ms/step (mean) before -> after", "speedup (95% CI)",
+          "priced vs saved", "J/step", "same result?", "make it permanent")
 EQUIVALENCE = {
     "same": "same losses",
     "mixed-precision": "differs as mixed precision does",
@@ -37,12 +37,50 @@ UNINFORMATIVE_INTERVAL = 4.0
 def _speedup(fix: MeasuredFix) -> str:
     if fix.speedup is None:
         return "-"
-    low, high = fix.speedup_low, fix.speedup_high
-    if low is None or high is None:
+    if fix.speedup_low is None or fix.speedup_high is None:
         return f"{fix.speedup:.2f}x"
-    if low <= 0 or high / low > UNINFORMATIVE_INTERVAL:
+    interval = _interval(fix)
+    if interval is None:
         return f"{fix.speedup:.2f}x (steps too few or too noisy for an interval)"
-    return f"{fix.speedup:.2f}x ({low:.2f}-{high:.2f})"
+    return f"{fix.speedup:.2f}x ({interval[0]:.2f}-{interval[1]:.2f})"
+
+
+def _interval(fix: MeasuredFix) -> tuple[float, float] | None:
+    """The speedup's interval, where it says something."""
+    low, high = fix.speedup_low, fix.speedup_high
+    if low is None or high is None or low <= 0 or high / low > UNINFORMATIVE_INTERVAL:
+        return None
+    return low, high
+
+
+def _priced(fix: MeasuredFix, price: float | None) -> str:
+    """The finding's printed price beside the share of the step the fix saved as measured
+    (1 - 1/speedup, with its interval): the price model's error, in view."""
+    said = f"priced {price:.0%}" if price is not None else ""
+    if fix.status != "measured" or fix.speedup is None:
+        return said or "-"
+    saved = f"saved {1 - 1 / fix.speedup:.0%}"
+    interval = _interval(fix)
+    if interval is not None:
+        saved += f" ({1 - 1 / interval[0]:.0%} to {1 - 1 / interval[1]:.0%})"
+    return f"{said}, {saved}" if said else saved
+
+
+def prices(run: RunResult) -> dict[str, float]:
+    """Each finding's printed price (its impact) by rule, the largest where a rule found
+    several."""
+    found: dict[str, float] = {}
+    for finding in run.findings:
+        found[finding.id] = max(found.get(finding.id, 0.0), finding.impact)
+    return found
+
+
+def price_of(fix: MeasuredFix, priced: dict[str, float]) -> float | None:
+    """The price of the finding one remedy answers (None for several together: their prices
+    overlap, or for a finding the run did not keep)."""
+    if fix.remedy == "combined":
+        return None
+    return max((priced[code] for code in fix.findings if code in priced), default=None)
 
 
 def _energy(fix: MeasuredFix) -> str:
@@ -96,15 +134,18 @@ def _change(fix: MeasuredFix) -> str:
         return f"not recommended: {fix.note or UNMEASURED.get(fix.status, 'not measured')}"
     why_not = _not_recommended(fix)
     if why_not is not None:
-        return f"not recommended: {why_not}"
+        # A slower fix's note says what the code does instead (the loader's workers).
+        slower = fix.speedup < 1.0 and fix.note and not fix.changed_nothing
+        return f"not recommended: {why_not}" + (f"; {fix.note}" if slower else "")
     note = f" ({fix.note})" if fix.note else ""
     return f"{where}{fix.change}{note}"
 
 
-def fix_cells(fix: MeasuredFix) -> list[str]:
+def fix_cells(fix: MeasuredFix, price: float | None = None) -> list[str]:
+    """One row: HEADER's cells, `price` the printed price of the finding it answers."""
     name = f"{fix.title} ({UNMEASURED[fix.status]})" if fix.status in UNMEASURED else fix.title
-    return [name, ", ".join(fix.findings) or "-", _ms(fix), _speedup(fix), _energy(fix),
-            _same(fix), _change(fix)]
+    return [name, ", ".join(fix.findings) or "-", _ms(fix), _speedup(fix), _priced(fix, price),
+            _energy(fix), _same(fix), _change(fix)]
 
 
 def fixes_markdown(run: RunResult) -> list[str]:
@@ -117,9 +158,11 @@ def fixes_markdown(run: RunResult) -> list[str]:
              "kind's between-process spread). A fix is to be made permanent only when it was "
              "measured faster (its interval above 1) and its losses did not change. "
              "`same result?` compares the first steps' losses with the diagnosis run's, against "
-             "how much two runs without the fix differ.", ""]
-    lines += markdown_table(HEADER, [fix_cells(f) for f in run.fixes], right=[
-        False, False, True, True, True, False, False])
+             "how much two runs without the fix differ. `priced vs saved`: the finding's "
+             "price beside the share of the step the fix saved (1 - 1/speedup).", ""]
+    priced = prices(run)
+    lines += markdown_table(HEADER, [fix_cells(f, price_of(f, priced)) for f in run.fixes],
+                            right=[False, False, True, True, True, True, False, False])
     measured = [f for f in run.fixes if f.status == "measured"]
     if run.env.device.startswith("cuda") and measured and all(
             f.after_j_per_step is None for f in measured):
@@ -141,13 +184,16 @@ def fixes_table(run: RunResult) -> Table:
     table.title, table.title_justify, table.title_style = "Measured fixes", "left", "bold"
     table.add_column(no_wrap=True, justify="right")
     table.add_column(overflow="fold")  # between words; only a word wider than the terminal folds
+    priced = prices(run)
     for rank, fix in enumerate(run.fixes, 1):
-        name, findings, ms, speedup, energy, same, change = fix_cells(fix)
+        name, findings, ms, speedup, price, energy, same, change = fix_cells(
+            fix, price_of(fix, priced))
         # Cells are text, not markup: a stage or a path may hold brackets.
         block = Text(name, style="bold")
         block.append(f" ({findings})" if findings != "-" else "")
-        measured = [f"{label} {value}" for label, value in (
-            ("ms/step (mean)", ms), ("speedup", speedup), ("J/step", energy)) if value != "-"]
+        measured = [f"{label} {value}".strip() for label, value in (
+            ("ms/step (mean)", ms), ("speedup", speedup), ("", price), ("J/step", energy))
+            if value != "-"]
         if same != "-":
             measured.append(same)
         if measured:
