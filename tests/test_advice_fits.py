@@ -153,26 +153,11 @@ def misfits(run: RunResult) -> list[str]:
     return found
 
 
-# Misfits in rules other helpers of issue 55 own (gd2_input.py, gd3_precision.py): known,
-# expected to pass once their changes are merged.
-KNOWN: dict[str, str] = {
-    "h200-knobs/per_tensor_optimizer/fixes/bf16-autocast":
-        "GD305 advises scaled_dot_product_attention for an MLP (gd3_precision.py, another "
-        "helper's)",
-}
-
-
 def _id(path: Path) -> str:
     return str(path.relative_to(EXAMPLES))
 
 
-def _marked(run_dir: Path) -> object:
-    why = KNOWN.get(_id(run_dir))
-    return pytest.param(run_dir, id=_id(run_dir), marks=[pytest.mark.xfail(
-        strict=True, reason=why)] if why else [])
-
-
-@pytest.mark.parametrize("run_dir", [_marked(r) for r in RUNS])
+@pytest.mark.parametrize("run_dir", RUNS, ids=_id)
 def test_the_advice_on_a_committed_run_fits_its_code(run_dir: Path) -> None:
     assert not misfits(load_run(run_dir))
 
@@ -235,21 +220,18 @@ def _cnn() -> RunResult:
     return make_run(make_stage("train", evidence=ev))
 
 
-# Misfits other helpers of issue 55 fix (gd2_input.py, gd3_precision.py): known failures that
-# turn green once their changes are merged.
-KNOWN_MISFITS: dict[str, tuple[Callable[[], RunResult], str]] = {
-    "cnn-attention-advice": (_cnn, "GD304 advises scaled_dot_product_attention for "
-                                   "BatchNorm (gd3_precision.py, another helper's)"),
-    "loader-workers-slower": (lambda: _workers_slower(gd201(share=0.3)),
-                              "GD201 advises more workers that --try-fixes measured slower "
-                              "(gd2_input.py, another helper's)"),
+# Two scripts issue 55 found misadvised: a CNN told to call scaled_dot_product_attention (its
+# only softmax is the loss's), and a loader told to take more workers after --try-fixes
+# measured them 6x slower.
+MISADVISED_BEFORE: dict[str, Callable[[], RunResult]] = {
+    "cnn-attention-advice": _cnn,
+    "loader-workers-slower": lambda: _workers_slower(gd201(share=0.3)),
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
-    strict=True, reason=why)) for name, (_, why) in sorted(KNOWN_MISFITS.items())])
-def test_known_misfits_of_other_rules(name: str) -> None:
-    assert not misfits(KNOWN_MISFITS[name][0]())
+@pytest.mark.parametrize("name", sorted(MISADVISED_BEFORE))
+def test_scripts_once_misadvised_get_advice_that_fits(name: str) -> None:
+    assert not misfits(MISADVISED_BEFORE[name]())
 
 
 @pytest.mark.parametrize("name", sorted(UNRELATED))

@@ -417,6 +417,8 @@ ISLAND_THRESHOLDS = (
     Threshold("advice_share", ISLAND_ADVICE_SHARE,
               "of the top lines' fp32 time, promoted operations or autocast's own fp32 "
               "operations: that cause's advice"),
+    Threshold("kind_named_share", KIND_NAMED_SHARE,
+              "of the top lines' fp32 time, a softmax: the attention's fused kernel advised"),
 )
 
 
@@ -430,6 +432,10 @@ def _island_fix(ms_by_kind: dict[str, float]) -> str:
     that time gets its advice, the larger first."""
     total = sum(ms_by_kind.values()) or 1.0
     promoted = sum(v for k, v in ms_by_kind.items() if k in PROMOTED_KINDS) / total
+    # A softmax too small to be named (a classifier's loss) is no attention's: an MLP is not
+    # told to call scaled_dot_product_attention.
+    attention = ("F.scaled_dot_product_attention for attention, "
+                 if ms_by_kind.get("softmax", 0.0) / total >= KIND_NAMED_SHARE else "")
     # Pairs, not a dict keyed by share: an even split would keep one cause's advice only.
     advice = [
         (promoted, "an fp32 tensor mixed into fp16/bf16 activations (a mask or bias built "
@@ -440,8 +446,7 @@ def _island_fix(ms_by_kind: dict[str, float]) -> str:
         (1.0 - promoted, "autocast runs softmax, log_softmax, layer_norm and the losses in "
                          "fp32 on purpose (its fp32 list), with a cast into fp32 before each: "
                          "where they are the cost, a fused kernel does the same in one pass "
-                         "(F.scaled_dot_product_attention for attention, torch.compile for "
-                         "norms and the chains around them)")]
+                         f"({attention}torch.compile for norms and the chains around them)")]
     chosen = [text for share, text in sorted(advice, key=lambda a: -a[0])
               if share >= ISLAND_ADVICE_SHARE]
     text = "; ".join(chosen)
