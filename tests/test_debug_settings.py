@@ -147,3 +147,15 @@ def test_a_scripts_own_profiler_is_named_and_not_priced_by_a_remedy_that_leaves_
     assert finding.severity == "warning" and finding.location == "train.py:6"
     assert "no remedy turns the script's own profiler off" in finding.title
     assert finding.impact == 0.0
+
+
+@pytest.mark.parametrize(("saved", "severity"), [(0.20, "warning"), (0.56, "critical")])
+def test_a_setting_whose_removal_saved_a_third_of_the_step_is_critical(
+        saved: float, severity: str) -> None:
+    """On the H200, turning anomaly detection off saved 56% of examples/debug_left_on.py's
+    step (reports/examples/h200-issue55/debug_left_on): the step's largest cause, ranked above
+    the 65 syncs a step it makes (GD103), which it explains."""
+    run = debug_run(anomaly(), speedup=1 / (1 - saved))
+    findings = evaluate(run)
+    (gd107,) = [f for f in findings if f.id == "GD107"]
+    assert gd107.severity == severity

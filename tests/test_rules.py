@@ -722,7 +722,7 @@ CASES: dict[str, Case] = {
     # before the timing (a first-batch check), measured to save next to nothing, or
     # CUDA_LAUNCH_BLOCKING alone on a CPU run: no warning.
     "GD107": Case(P(debug_run, anomaly(), launch_blocking(), speedup=1.5), "train.py",
-                  "warning",
+                  "critical",  # a third of the step saved: critical_measured_saving
                   {"remedy": "no-debug", "measured_saving": 1 / 3,
                    "settings": {"anomaly-detection": {
                        "set_by": "torch.autograd.set_detect_anomaly(True)",

@@ -15,6 +15,9 @@ from gpudiag.model.facts import DebugKind, DebugSetting
 from gpudiag.model.results import RunResult, Severity, StageResult
 
 MIN_MEASURED_SAVING = 0.05
+# Turning them off saved a third of the step or more: the step's largest cause, critical (a
+# third is where the optimizer's and the loop's rules call a cost the step's largest too).
+CRITICAL_MEASURED_SAVING = 0.30
 # Settings that act only on CUDA: on a CPU run they cost nothing worth a warning.
 CUDA_ONLY: frozenset[DebugKind] = frozenset(
     {"launch-blocking", "cudnn-deterministic", "emit-nvtx", "deterministic-algorithms"})
@@ -43,6 +46,8 @@ UNDO = {
 THRESHOLDS = (
     Threshold("min_measured_saving", MIN_MEASURED_SAVING,
               "turning the settings off measured to save less than this is information only"),
+    Threshold("critical_measured_saving", CRITICAL_MEASURED_SAVING,
+              "turning them off measured to save this much of the step or more: critical"),
 )
 PRICE = NoPart("a setting slows every part of the step it touches; what it costs is what "
                "--try-fixes measured turning it off, not a part of this run's accounts")
@@ -73,6 +78,7 @@ def _drafts(run: RunResult, kinds: tuple[DebugKind, ...], remedy: str) -> Iterat
         saving = _measured(run, remedy)
         severity: Severity = (
             "info" if not acting or (saving is not None and saving < MIN_MEASURED_SAVING)
+            else "critical" if saving is not None and saving >= CRITICAL_MEASURED_SAVING
             else "warning")
         named = "; ".join(f"{d.set_by} at {d.site or 'the environment'}" for d in settings)
         price = (f"turning {'them' if len(settings) > 1 else 'it'} off measured "
