@@ -749,10 +749,14 @@ MISPRICED = {
     ("h100-try-fixes/blocking_save", "GD301"):
         "GD301 prices every fp32 matmul's time, as if TF32 made them free (77% priced, 47% "
         "measured)",
+    ("h200-issue55/cnn_layout", "GD304"):
+        "GD304's byte model fuses the memory-bound kernels (37%) but compile also took the "
+        "NCHW convolutions' layout transposes and their batch norms with it (69% measured, "
+        "3.23x)",
 }
 
 
-def _measured_prices() -> list[tuple[str, str, float, float]]:
+def _measured_prices() -> list[tuple[str, str, float, float, str]]:
     """(run, rule, price, saving) for every committed --try-fixes run's measured fix whose
     interval lies above 1: the finding today's rules make of the run, and the best saving one
     of its remedies measured."""
@@ -767,24 +771,29 @@ def _measured_prices() -> list[tuple[str, str, float, float]]:
                     and (fix.speedup_low or 0.0) > 1.0:
                 for code in REMEDIES[fix.remedy].findings:
                     saved[code] = max(saved.get(code, 0.0), 1 - 1 / fix.speedup)
-        cases += [(fixes.parent.relative_to(REPORTS).as_posix(), f.id, f.impact, saved[f.id])
+        cases += [(fixes.parent.relative_to(REPORTS).as_posix(), f.id, f.impact, saved[f.id],
+                   str(f.evidence.get("price", "")))
                   for f in evaluate(run) if f.id in saved]
     return cases
 
 
-@pytest.mark.parametrize(("name", "code", "price", "saved"), [
+@pytest.mark.parametrize(("name", "code", "price", "saved", "model"), [
     pytest.param(*case, id=f"{case[0]}-{case[1]}", marks=[pytest.mark.xfail(
         strict=True, reason=MISPRICED[case[:2]])] if case[:2] in MISPRICED else [])
     for case in _measured_prices()])
 def test_every_committed_price_is_within_a_quarter_of_the_saving_measured(
-        name: str, code: str, price: float, saved: float) -> None:
+        name: str, code: str, price: float, saved: float, model: str) -> None:
     """Each rule with a committed measured fix: its price within 25% of the saving its best
-    remedy measured on the same run (the runs under reports/examples with fixes/)."""
-    assert price == pytest.approx(saved, rel=0.25), (name, code)
+    remedy measured on the same run (the runs under reports/examples with fixes/), or, where
+    the finding states its price as a lower bound, no more than the saving."""
+    if "lower bound" in model:
+        assert price <= saved, (name, code, model)
+    else:
+        assert price == pytest.approx(saved, rel=0.25), (name, code)
 
 
 def test_the_measured_prices_cover_the_rules_with_committed_fixes() -> None:
-    assert {code for _, code, _, _ in _measured_prices()} >= {
+    assert {code for _, code, _, _, _ in _measured_prices()} >= {
         "GD106", "GD201", "GD204", "GD301", "GD304"}
 
 def test_a_measured_fix_shows_its_findings_price_beside_the_saving_measured() -> None:
