@@ -144,3 +144,22 @@ def test_a_convolution_runs_channels_last_where_its_input_or_its_weight_is() -> 
     assert memory_format(x, w.to(memory_format=last)) == "channels_last"
     assert memory_format(x.transpose(2, 3), w) == "other"
     assert memory_format(torch.randn(2, 3, 8), torch.randn(4, 3, 3)) == "other"
+
+
+def test_a_new_iterator_never_takes_a_dead_ones_key() -> None:
+    """A loader without persistent workers makes an iterator per pass, and CPython often gives
+    it the address of the last, dead one: keyed by id(), loader_restarts.py's training
+    loader was sometimes read as another loop. Each iterator has a number of its own."""
+    class _Iterator:
+        pass
+
+    watch = LoadersWatch(_Clock())
+    keys, addresses = [], []
+    for _ in range(50):
+        iterator = _Iterator()
+        keys.append(watch.key(iterator))
+        assert watch.key(iterator) == keys[-1]  # the same for as long as it lives
+        addresses.append(id(iterator))
+        del iterator
+    assert len(set(keys)) == len(keys)
+    assert len(set(addresses)) < len(addresses)  # addresses were reused: the case is met

@@ -11,6 +11,7 @@ and, when its iterator is reused (persistent workers), only every N-th step.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import weakref
@@ -58,31 +59,47 @@ class LoadersWatch(Watch):
         self.sites: dict[int, Site] = {}  # iterator -> the script's line that iterates it
         self.batch_size: int | None = None
         self.uses = LoaderUses()
+        # Iterators are told apart by a number of their own, not id(): a loader without
+        # persistent workers makes a new iterator each pass, which may take the address of
+        # the last one, and the training loader's passes then read as another loop's.
+        self._serials: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+        self._made = itertools.count()
 
     def install(self) -> None:
         _hook_loader(self)
 
+    def key(self, iterator: object) -> int:
+        """The iterator's own number, for as long as it lives."""
+        try:
+            serial = self._serials.get(iterator)
+            if serial is None:
+                serial = self._serials[iterator] = next(self._made)
+        except TypeError:  # an iterator that takes no weak reference: its address
+            return id(iterator)
+        return serial
+
     def waited(self, ms: float, batch: Any, iterator: object) -> None:
-        key, step = id(iterator), self.clock.steps
+        key, step = self.key(iterator), self.clock.steps
         self.waits[(step, key)] += ms
         self.calls[key].append(step)
-        self.uses.waited(iterator, ms)
+        self.uses.waited(key, ms)
         if self.batch_size is None:
             self.batch_size = _batch_size(batch)
 
     def exhausted(self, iterator: object, ms: float) -> None:
         """A pass ended (its workers shut down, unless persistent): the loader's time too."""
-        self.waits[(self.clock.steps, id(iterator))] += ms
-        self.uses.exhausted(iterator, ms)
+        key = self.key(iterator)
+        self.waits[(self.clock.steps, key)] += ms
+        self.uses.exhausted(key, ms)
 
     def iterated(self, iterator: object, frame: FrameType | None, loader: Any,
                  ms: float) -> None:
         """A DataLoader was iterated (`for batch in loader`, once per epoch or evaluation),
         taking `ms` to start (its workers): where, in the script, for the loops that are not
         training's; the start is the loader's time, as its batches' waits are."""
-        key = id(iterator)
+        key = self.key(iterator)
         self.waits[(self.clock.steps, key)] += ms
-        self.uses.iterated(loader, iterator, self.clock.steps, ms, frame)
+        self.uses.iterated(loader, key, self.clock.steps, ms, frame)
         if key not in self.sites and len(self.sites) < MAX_LOOP_SITES:
             site = call_site(frame)
             if site is not None:
@@ -159,8 +176,8 @@ class LoaderUses:
             weakref.WeakKeyDictionary()
         self._uses: weakref.WeakKeyDictionary[Any, LoaderUse] = weakref.WeakKeyDictionary()
         self._all: list[LoaderUse] = []
-        self._keys: dict[int, set[int]] = {}  # id(use) -> id() of its iterators
-        self._current: dict[int, LoaderEpoch] = {}  # id(iterator) -> its pass now
+        self._keys: dict[int, set[int]] = {}  # id(use) -> its iterators' keys
+        self._current: dict[int, LoaderEpoch] = {}  # an iterator's key -> its pass now
 
     def built(self, loader: Any, frame: FrameType | None) -> None:
         if len(self._built) < MAX_LOADERS * 4:
@@ -168,8 +185,9 @@ class LoaderUses:
             self._built[loader] = (site.location if site is not None else None,
                                    loader_origin(frame, loader))
 
-    def iterated(self, loader: Any, iterator: object, step: int, ms: float,
+    def iterated(self, loader: Any, iterator: int, step: int, ms: float,
                  frame: FrameType | None) -> None:
+        """`loader` iterated: `iterator`, the key of the iterator it made (LoadersWatch.key)."""
         use = self._uses.get(loader)
         if use is None:
             if len(self._all) >= MAX_LOADERS:
@@ -191,24 +209,24 @@ class LoaderUses:
         epoch = LoaderEpoch(step=step, start_ms=ms)
         if len(use.epochs) < MAX_EPOCHS_KEPT:
             use.epochs.append(epoch)
-        self._keys.setdefault(id(use), set()).add(id(iterator))
-        self._current[id(iterator)] = epoch
+        self._keys.setdefault(id(use), set()).add(iterator)
+        self._current[iterator] = epoch
 
-    def waited(self, iterator: object, ms: float) -> None:
-        epoch = self._current.get(id(iterator))
+    def waited(self, iterator: int, ms: float) -> None:
+        epoch = self._current.get(iterator)
         if epoch is not None:
             if epoch.batches == 0:
                 epoch.first_batch_ms = ms
             epoch.batches += 1
 
-    def exhausted(self, iterator: object, ms: float) -> None:
+    def exhausted(self, iterator: int, ms: float) -> None:
         # The pass is over: a long run's thousands of epochs keep no iterator here.
-        epoch = self._current.pop(id(iterator), None)
+        epoch = self._current.pop(iterator, None)
         if epoch is not None:
             epoch.end_ms += ms
 
     def facts(self, training: set[int]) -> list[LoaderUse]:
-        """Every loader seen; `training`: the iterators (by id) that fed the steps."""
+        """Every loader seen; `training`: the iterators (by key) that fed the steps."""
         for use in self._all:
             use.training = bool(self._keys.get(id(use), set()) & training)
         return list(self._all)
