@@ -60,7 +60,7 @@ STRETCHED_ALIKE = 0.5
 ASYNC_RATIO = 0.5
 STEP_LINE = 0.5  # a line holding this share of the ordinary step is the step itself
 # A saving step's extra beyond its save is other work only where the host samples put at least
-# this share of the save's blocking at other lines than the extra's (the save ran elsewhere).
+# this share of the save's blocking at one line other than the extra's (the save ran there).
 SAVE_ELSEWHERE = 0.5
 
 
@@ -316,8 +316,11 @@ def _line_extra(step: HostStep, host: HostSamples) -> dict[str, float]:
 def _save_holds_rest(step: int, host: HostSamples | None, blocking_ms: float) -> bool:
     """Whether a saving step's extra beyond its save's blocking is the save's too (building
     the state it writes, the same statement): yes, unless that step's host samples put the
-    most extra at one line and at least SAVE_ELSEWHERE of the save's blocking at others (the
-    save ran at another line than that work: an evaluation on the saving step)."""
+    most extra at one line and at least SAVE_ELSEWHERE of the save's blocking at one other
+    line (the save ran there, apart from that work: an evaluation on the saving step). One
+    line, not the others' sum: a save is one statement, while a loaded machine's jitter
+    spreads over every line of the step (HF Trainer's save at `_maybe_log_save_evaluate(`
+    was split off by the sum on a loaded 2-core machine)."""
     sampled = next((s for s in host.slow_steps if s.step == step), None) if host else None
     if host is None or sampled is None or not host.steady_steps:
         return True
@@ -325,7 +328,7 @@ def _save_holds_rest(step: int, host: HostSamples | None, blocking_ms: float) ->
     if not extra:
         return True
     top = max(extra, key=lambda line: extra[line])
-    elsewhere = sum(ms for line, ms in extra.items() if line != top and ms > 0)
+    elsewhere = max((ms for line, ms in extra.items() if line != top), default=0.0)
     return elsewhere < SAVE_ELSEWHERE * blocking_ms
 
 
