@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import profile_script, script_run, script_stage, write_script
+from conftest import profile_script, script_run, script_stage
 
 from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.timeline import account, gpudiags_steps, stage_account
@@ -303,53 +303,3 @@ def test_a_clean_script_profiled_five_times_gives_no_warning(tmp_path: Path) -> 
         said += [f"run {trial}: {f.id} {f.severity} {f.title}" for f in run.findings
                  if f.severity != "info"]
     assert not said, said
-
-
-HF_TRAINER = """
-    import torch
-    from torch.utils.data import Dataset
-    from transformers import BertConfig, BertForSequenceClassification, Trainer
-    from transformers import TrainingArguments
-
-    class Synthetic(Dataset):
-        def __len__(self):
-            return 4096
-        def __getitem__(self, i):
-            g = torch.Generator().manual_seed(i)
-            return {"input_ids": torch.randint(0, 512, (32,), generator=g),
-                    "labels": torch.tensor(i % 2)}
-
-    config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=128)
-    args = TrainingArguments(output_dir="hf-out", max_steps=80, save_steps=25,
-                             per_device_train_batch_size=8, report_to=[], use_cpu=True,
-                             logging_steps=1000, dataloader_num_workers=0, disable_tqdm=True)
-    Trainer(model=BertForSequenceClassification(config), args=args,
-            train_dataset=Synthetic()).train()
-"""
-
-
-@pytest.mark.slow
-def test_an_hf_trainer_checkpoint_is_one_save_priced_whole(tmp_path: Path) -> None:
-    """examples/hf_trainer.py's checkpoint (`save_steps=25`), small enough for this CPU: the
-    model written by safetensors, optimizer, scheduler and RNG state by torch.save. The saving
-    steps are the save's: priced at least at their save calls, none of their extra other
-    work, and no GD703 calls any of it "not a checkpoint save". (How much of a saving step's
-    extra is a spike rather than the step's own jitter depends on the machine's load: a loaded
-    2-core machine once made one step of this script 2 s.)"""
-    script = write_script(tmp_path / "hf_train.py", HF_TRAINER)
-    run = profile_script(tmp_path, script).ok()
-    stage = run.stages[0]
-    whole = stage_account(stage)
-    assert whole is not None and stage.facts.script is not None
-    timeline = stage.facts.script.timeline
-    assert timeline is not None
-    saving = sorted({s.step for s in timeline.saves} - gpudiags_steps(timeline, WARMUP))
-    assert saving, timeline.saves
-    save = next(w for w in whole.works if w.kind == "save")
-    held = sum(min(sum(s.blocking_ms for s in timeline.saves if s.step == i),
-                   max(0.0, timeline.step_ms[i] - whole.step_ms)) for i in saving)
-    assert save.extra_ms >= held - 0.1, (save, held)
-    assert not [w for w in whole.works if w.kind == "other" and set(w.steps) & set(saving)]
-    assert not [f for f in run.findings if f.id == "GD703" and f.severity != "info"], \
-        run.findings
