@@ -50,6 +50,9 @@ class Remedy:
     # A DataLoader iterator kept across passes draws no new seed at each pass: after the
     # first pass the shuffle differs, so losses are compared over the first pass only.
     reorders: bool = False
+    # Its findings price disjoint parts of the step, each of which it removes: its price is
+    # their sum (otherwise the largest, the parts may overlap).
+    adds_prices: bool = False
 
 
 REMEDIES: dict[str, Remedy] = {r.name: r for r in (
@@ -105,12 +108,16 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "forward to backward, as reshard_after_forward=False does (the same collectives' "
            "results, one all-gather fewer per unit and step, more memory)",
            "in the fully_shard(...) call that shards each unit: reshard_after_forward=False"),
-    Remedy("compile-model", "the model compiled (torch.compile's fusions)", ("GD304",),
+    # Inductor also lays out convolutions channels_last where a graph has them
+    # (torch/_inductor/config.py, `layout_optimization`): it answers GD306's transposes too,
+    # measured on the H200 (reports/examples/h200-issue55/cnn_layout: 3.23x, its two prices
+    # 37% + 18%).
+    Remedy("compile-model", "the model compiled (torch.compile's fusions)", ("GD304", "GD306"),
            "precision",
            "each outermost module with parameters compiled in place at its first call "
            "(nn.Module.compile(), Inductor's default mode): chains of memory-bound kernels fused",
            "after building the model: `model.compile()` (or `model = torch.compile(model)`)",
-           cuda_only=True),
+           cuda_only=True, adds_prices=True),
     Remedy("channels-last", "convolutions in channels_last (NHWC) memory format", ("GD306",),
            "precision",
            "each outermost module holding an nn.Conv2d converted to channels_last at its first "

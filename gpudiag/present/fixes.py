@@ -8,7 +8,8 @@ from pathlib import PurePath
 from rich.table import Table
 from rich.text import Text
 
-from gpudiag.model.remedies import DIAGNOSIS_RUN
+from gpudiag.diagnose.ledger import timed_shares
+from gpudiag.model.remedies import DIAGNOSIS_RUN, REMEDIES
 from gpudiag.model.results import MeasuredFix, Rerun, RunResult
 from gpudiag.present.tables import markdown_table
 
@@ -66,21 +67,17 @@ def _priced(fix: MeasuredFix, price: float | None) -> str:
     return f"{said}, {saved}" if said else saved
 
 
-def prices(run: RunResult) -> dict[str, float]:
-    """Each finding's printed price (its impact) by rule, the largest where a rule found
-    several."""
-    found: dict[str, float] = {}
-    for finding in run.findings:
-        found[finding.id] = max(found.get(finding.id, 0.0), finding.impact)
-    return found
-
-
 def price_of(fix: MeasuredFix, priced: dict[str, float]) -> float | None:
-    """The price of the finding one remedy answers (None for several together: their prices
-    overlap, or for a finding the run did not keep)."""
+    """The price of the findings one remedy answers: their sum where the remedy removes each
+    of the disjoint parts they price, else the largest (None for several remedies together:
+    their prices overlap, or for findings the run did not keep)."""
     if fix.remedy == "combined":
         return None
-    return max((priced[code] for code in fix.findings if code in priced), default=None)
+    shares = [priced[code] for code in fix.findings if code in priced]
+    if not shares:
+        return None
+    remedy = REMEDIES.get(fix.remedy)
+    return min(1.0, sum(shares)) if remedy is not None and remedy.adds_prices else max(shares)
 
 
 def _energy(fix: MeasuredFix) -> str:
@@ -159,8 +156,9 @@ def fixes_markdown(run: RunResult) -> list[str]:
              "measured faster (its interval above 1) and its losses did not change. "
              "`same result?` compares the first steps' losses with the diagnosis run's, against "
              "how much two runs without the fix differ. `priced vs saved`: the finding's "
-             "price beside the share of the step the fix saved (1 - 1/speedup).", ""]
-    priced = prices(run)
+             "price, as a share of the mean timed step, beside the share of it the fix saved "
+             "(1 - 1/speedup).", ""]
+    priced = timed_shares(run)
     lines += markdown_table(HEADER, [fix_cells(f, price_of(f, priced)) for f in run.fixes],
                             right=[False, False, True, True, True, True, False, False])
     measured = [f for f in run.fixes if f.status == "measured"]
@@ -184,7 +182,7 @@ def fixes_table(run: RunResult) -> Table:
     table.title, table.title_justify, table.title_style = "Measured fixes", "left", "bold"
     table.add_column(no_wrap=True, justify="right")
     table.add_column(overflow="fold")  # between words; only a word wider than the terminal folds
-    priced = prices(run)
+    priced = timed_shares(run)
     for rank, fix in enumerate(run.fixes, 1):
         name, findings, ms, speedup, price, energy, same, change = fix_cells(
             fix, price_of(fix, priced))
