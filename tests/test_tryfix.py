@@ -799,6 +799,22 @@ def test_the_measured_prices_cover_the_rules_with_committed_fixes() -> None:
     assert {code for _, code, _, _, _ in _measured_prices()} >= {
         "GD106", "GD201", "GD204", "GD301", "GD304"}
 
+
+def test_docs_rules_measured_errors_are_the_committed_runs() -> None:
+    """gpudiag/diagnose/pricechecks.py (docs/rules.md's measured error of each price) holds
+    exactly what the committed runs give today, to the percent."""
+    from gpudiag.diagnose.pricechecks import PRICE_CHECKS
+
+    declared = {(c.run, "+".join(c.rules)): (c.priced, c.saved) for c in PRICE_CHECKS}
+    measured = {(name, codes): (round(price, 2), round(saved, 2))
+                for name, codes, price, saved, _ in _measured_prices()}
+    assert declared == measured
+    for check in PRICE_CHECKS:
+        run = load_run(REPORTS / check.run)
+        assert run.env.gpu_name is not None and check.gpu in run.env.gpu_name
+        assert any(f.remedy == check.remedy and f.speedup
+                   and round(1 - 1 / f.speedup, 2) == check.saved for f in run.fixes)
+
 def test_a_measured_fix_shows_its_findings_price_beside_the_saving_measured() -> None:
     """The model's error in view: GD106 priced 62% of the mean step on the committed H200
     run, its fused step saved 57% (1 - 1/2.30x), with the interval's savings; a finding no

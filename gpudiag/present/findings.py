@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.diagnose import Rule
+from gpudiag.diagnose.pricechecks import price_checks
 from gpudiag.model.results import Finding, FindingAccount, RunResult
 from gpudiag.present.tables import markdown_table
 
@@ -172,7 +173,9 @@ def rule_sections(r: Rule) -> list[tuple[str, str]]:
     thresholds = "\n".join(f"- {t.name} = {t.value:g}: {t.why}" for t in r.thresholds)
     detects = " ".join((r.check.__doc__ or r.summary).split())
     sections = [("What it detects", detects), ("Thresholds", thresholds or "-"),
-                ("What it prices", r.prices.says()), ("Why it matters", r.why),
+                ("What it prices", r.prices.says()),
+                ("Its price against the measured saving", price_checks(r.code)),
+                ("Why it matters", r.why),
                 ("How to fix", r.fix)]
     if r.references:
         sections.append(("References", "\n".join(f"- {ref}" for ref in r.references)))
