@@ -2,8 +2,10 @@
 timer (no gpudiag in the process): examples/per_tensor_optimizer.py as written (AdamW
 foreach=False) against FUSED=1 (fused=True, GD106), examples/loader_restarts.py as written (8
 workers, not persistent) against PERSISTENT=1 (GD204), examples/cnn_layout.py in NCHW against
-CHANNELS_LAST=1 (a channels_last model and input, GD306), and on two GPUs (torchrun, 2 ranks)
-examples/tiny_fsdp2.py against RESHARD=0 (reshard_after_forward=False, GD805) and
+CHANNELS_LAST=1 (a channels_last model and input, GD306), examples/step_reads.py reading
+its loss and accuracy every step against DEFERRED=1 (read every 50 steps, GD103), and on two
+GPUs (torchrun, 2 ranks) examples/tiny_fsdp2.py against RESHARD=0 (reshard_after_forward=False,
+GD805) and
 examples/tiny_ddp.py accumulating 4 micro-steps against NO_SYNC=1 (GD802), each in fresh
 processes alternated A B B A over `--pairs` pairs. Prints and writes each side's figures
 and the ratio unfixed / fixed, with the spread over pairs: what `gpudiag profile
@@ -39,7 +41,7 @@ CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
     "ddp-no-sync": ((*TORCHRUN, "examples/tiny_ddp.py", "40", "4"), "median_ms",
                     {"NO_SYNC": "1"}),
 }
-SINGLE_PROCESS = ("optimizer", "loader", "layout")
+SINGLE_PROCESS = ("optimizer", "loader", "layout", "reads")
 
 
 def _timed(command: tuple[str, ...], env: dict[str, str]) -> dict[str, Any]:
