@@ -421,6 +421,19 @@ def _run(*findings: tuple[str, str], device: str = "cuda") -> RunResult:
                 fix=f"fix {code}") for code, severity in findings])
 
 
+def test_a_debug_finding_that_saw_only_the_scripts_profiler_plans_no_trial() -> None:
+    """no-debug leaves a profiler the script runs itself on (the script reads its results): a
+    GD107 that saw only that plans no run of it, and says why; forced, it runs."""
+    run = _run(("GD107", "warning"))
+    run.findings[0].evidence = {"settings": {"profiler": {}}, "remedy": None}
+    plan = plan_fixes(run)
+    assert plan.remedies == [] and plan.skipped == ["no-debug: GD107 saw nothing it turns off"]
+    assert [r.name for r in plan_fixes(run, forced=["no-debug"]).remedies] == ["no-debug"]
+    run.findings[0].evidence = {"settings": {"profiler": {}, "anomaly-detection": {}},
+                                "remedy": "no-debug"}
+    assert [r.name for r in plan_fixes(run).remedies] == ["no-debug"]
+
+
 def test_findings_decide_the_remedies() -> None:
     plan = plan_fixes(_run(("GD301", "critical"), ("GD201", "warning"), ("GD101", "critical"),
                            ("GD402", "info")))

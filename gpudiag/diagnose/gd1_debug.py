@@ -97,7 +97,10 @@ def _drafts(run: RunResult, kinds: tuple[DebugKind, ...], remedy: str) -> Iterat
             evidence={"settings": {d.kind: {"set_by": d.set_by, "site": d.site,
                                             "timed_steps_on": d.timed_steps_on,
                                             "steps_on": d.steps_on} for d in settings},
-                      "measured_saving": saving, "remedy": remedy},
+                      "measured_saving": saving,
+                      # None: what it saw is the script's own profiler, which no remedy turns
+                      # off (tryfix.plan_fixes then plans none).
+                      "remedy": remedy if any(d.kind != "profiler" for d in settings) else None},
             fix=" ".join(f"{d.set_by} at {d.site or 'the environment'}: {WHAT[d.kind]}; "
                          f"{UNDO[d.kind]}." for d in settings))
 

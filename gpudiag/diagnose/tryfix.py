@@ -87,6 +87,11 @@ def plan_fixes(run: RunResult, forced: list[str] | None = None) -> FixPlan:
     wanted: dict[str, Remedy] = {name: REMEDIES[name] for name in forced or []}
     for finding in (f for f in run.findings if f.severity != "info"):
         remedies = remedies_for(finding.id)
+        if "remedy" in finding.evidence and finding.evidence["remedy"] is None:
+            # The finding saw nothing its remedies can change (GD107: the script's profiler).
+            plan.skipped += [f"{r.name}: {finding.id} saw nothing it turns off" for r in remedies
+                             if r.name not in wanted]
+            remedies = [r for r in remedies if r.name in wanted]
         if not remedies and finding.id in NO_REMEDY:
             plan.untreated.append(_untreated(finding))
         for remedy in remedies:
