@@ -141,6 +141,43 @@ def test_an_evaluation_too_rare_for_a_period_beside_saves_is_named_at_its_line()
     _parts_add_up(timeline)
 
 
+def test_a_saves_callers_say_exactly_whether_a_saving_steps_extra_is_the_saves() -> None:
+    """Where each save recorded the lines that called it, the training-loop line holding a
+    saving step's most extra decides: its own call (building the state it writes, HF
+    Trainer's `_maybe_log_save_evaluate(`) keeps the extra with the save however the rest of
+    the step jitters; another line's (an evaluation) is a work of its own."""
+    from gpudiag.model.facts import HostSamples, HostStep
+
+    def saving_run(top_line: str) -> RunAccount:
+        timeline = _timeline(n=60, save_every=20, save_ms=40.0, other_every=20,
+                             other_ms=200.0, jitter=0.02)
+        for save in timeline.saves:
+            save.stack = ["torch/serialization.py:900", "trainer.py:3100", "train.py:46"]
+        steady = {"train.py:30": 15.0, "train.py:31": 8.0}
+        # Another line's jitter at half the save's blocking: the old rule split the extra off.
+        slow = [HostStep(step=s, ms=timeline.step_ms[s],
+                         loop_ms={"train.py:30": 15.0 + 25.0, "train.py:31": 8.0,
+                                  top_line: 200.0 + (40.0 if top_line == "train.py:46" else 0),
+                                  **({"train.py:46": 40.0} if top_line != "train.py:46"
+                                     else {})})
+                for s in (20, 40)]
+        host = HostSamples(period_ms=5.0, samples=400, steady_steps=50,
+                           steady_wall_ms=50 * STEP_MS, sampled_ms=50 * STEP_MS,
+                           loop="train.py:28", loop_ms={k: 50 * v for k, v in steady.items()},
+                           slow_steps=slow)
+        whole = account(timeline, host)
+        assert whole is not None
+        _parts_add_up(timeline)
+        return whole
+
+    kinds = {w.kind: w for w in saving_run("train.py:46").works}
+    assert "other" not in kinds
+    assert kinds["save"].per_occurrence_ms == pytest.approx(240.0, rel=0.1)
+    kinds = {w.kind: w for w in saving_run("train.py:44").works}
+    assert kinds["save"].per_occurrence_ms == pytest.approx(40.0, rel=0.1)
+    assert kinds["other"].line == "train.py:44"
+
+
 def test_steps_the_machine_slowed_are_no_lines_work() -> None:
     """Another process on the CPU stretches a step's every line alike: its extra sits most at
     the busiest line (the backward), in the share that line always holds. Two such steps are

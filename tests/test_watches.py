@@ -39,6 +39,36 @@ class _Clock:
         self.host_marks = [0.0]
 
 
+def test_a_save_keeps_the_lines_that_called_it_one_checkpoint_all_of_its_files() -> None:
+    """Which training-loop line ran a save (gpudiag/diagnose/timeline.py decides by it whether
+    a saving step's extra is the save's): the callers' file:line, innermost first; a
+    checkpoint's files (HF Trainer's four torch.save calls) keep the union, in order."""
+    from gpudiag.measure.profile.inscript.watches.saves import SavesWatch, _callers
+
+    def training_loop() -> list[str]:
+        return _callers(sys._getframe())
+
+    stack = training_loop()
+    here = f"tests/test_watches.py:{training_loop.__code__.co_firstlineno + 1}"
+    assert stack[0].endswith(here.rpartition("/")[2]) and len(stack) <= 40
+    clock = _Clock()
+    watch = SavesWatch(clock)
+    clock.steps = 3
+    watch.saved(5.0, None, ["a.py:1", "train.py:9"])
+    watch.saved(7.0, None, ["b.py:2", "train.py:9"])
+    timeline = StepTimeline(step_ms=[10.0] * 10)
+    script = ScriptFacts(steps=10, warmup=2, timed=4, step_clock="optimizer.step()",
+                         timeline=timeline)
+    draft = StageDraft(StageFacts(script=script), script, timeline, timed=range(2, 6))
+    watch.fill(draft)
+    assert [s.stack for s in timeline.saves] == [["a.py:1", "train.py:9"],
+                                                 ["b.py:2", "train.py:9"]]
+    assert draft.facts.checkpoint is not None
+    (checkpoint,) = draft.facts.checkpoint.saves
+    assert checkpoint.stack == ["a.py:1", "train.py:9", "b.py:2"]
+    assert checkpoint.blocking_ms == 12.0 and checkpoint.files == 2
+
+
 def test_the_loaders_watch_tells_trainings_loader_from_an_evaluations() -> None:
     """The training iterator serves every step; an evaluation's serves all its batches on one:
     its waits are its loop's, not the next step's input."""

@@ -271,8 +271,11 @@ def account(timeline: StepTimeline, host: HostSamples | None = None,
                         device_step_ms=device_step_ms)
     result.unlisted_ms = result.wall_ms - sum(times) - timeline.tail_ms
     charged = _charge(result, times, causes)
+    callers: dict[int, set[str]] = defaultdict(set)
+    for save in timeline.saves:
+        callers[save.step].update(save.stack)
     for i, held in blocking.items():  # a saving step's extra is the save's, unless elsewhere
-        if i in charged["other"] and _save_holds_rest(i, host, held):
+        if i in charged["other"] and _save_holds_rest(i, host, held, callers[i]):
             charged["save"][i] = charged["save"].get(i, 0.0) + charged["other"].pop(i)
     if result.asynchronous:  # the host blocked on a full launch queue: no work of its own
         result.device_wait_ms = sum(charged["other"].values())
@@ -313,14 +316,16 @@ def _line_extra(step: HostStep, host: HostSamples) -> dict[str, float]:
             for line, ms in step.loop_ms.items()}
 
 
-def _save_holds_rest(step: int, host: HostSamples | None, blocking_ms: float) -> bool:
+def _save_holds_rest(step: int, host: HostSamples | None, blocking_ms: float,
+                     callers: set[str]) -> bool:
     """Whether a saving step's extra beyond its save's blocking is the save's too (building
-    the state it writes, the same statement): yes, unless that step's host samples put the
+    the state it writes, the same statement). Where the saves recorded their callers, exactly:
+    yes when the training-loop line holding the most extra on that step is one the save ran
+    from (HF Trainer's `_maybe_log_save_evaluate(`), no when it is another (an evaluation on
+    the saving step). Runs before that record: yes, unless that step's host samples put the
     most extra at one line and at least SAVE_ELSEWHERE of the save's blocking at one other
-    line (the save ran there, apart from that work: an evaluation on the saving step). One
-    line, not the others' sum: a save is one statement, while a loaded machine's jitter
-    spreads over every line of the step (HF Trainer's save at `_maybe_log_save_evaluate(`
-    was split off by the sum on a loaded 2-core machine)."""
+    line. One line, not the others' sum: a loaded machine's jitter spreads over every line of
+    the step (HF Trainer's save was split off by the sum on a loaded 2-core machine)."""
     sampled = next((s for s in host.slow_steps if s.step == step), None) if host else None
     if host is None or sampled is None or not host.steady_steps:
         return True
@@ -328,6 +333,8 @@ def _save_holds_rest(step: int, host: HostSamples | None, blocking_ms: float) ->
     if not extra:
         return True
     top = max(extra, key=lambda line: extra[line])
+    if callers:
+        return top in callers
     elsewhere = max((ms for line, ms in extra.items() if line != top), default=0.0)
     return elsewhere < SAVE_ELSEWHERE * blocking_ms
 

@@ -38,6 +38,9 @@ class SaveRecord:
     bytes: int | None = None
     write_gbps: float | None = None
     files: int = 1  # files written by this save (one checkpoint can be several torch.save calls)
+    # The frames that called it (file:line, innermost first): which training-loop line ran
+    # the save, so a saving step's extra time is known to be the save's or another line's.
+    stack: list[str] = field(default_factory=list)
 
 
 @dataclass

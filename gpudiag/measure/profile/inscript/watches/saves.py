@@ -10,14 +10,17 @@ import importlib.util
 import itertools
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 
+from gpudiag.measure.evidence.source import display_path
 from gpudiag.measure.profile.inscript import writewatch
 from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch, patch
 from gpudiag.model.facts import CheckpointFacts, SaveRecord
@@ -35,14 +38,15 @@ class SavesWatch(Watch):
     def install(self) -> None:
         _hook_saves(self)
 
-    def saved(self, blocking_ms: float, path: Any) -> None:
-        """A blocking save returned (the script's own saves are synchronous)."""
+    def saved(self, blocking_ms: float, path: Any, stack: list[str]) -> None:
+        """A blocking save returned (the script's own saves are synchronous), called from
+        `stack`."""
         size = None
         if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
             size = Path(path).stat().st_size
         self.saves.append(SaveRecord(
             step=self.clock.steps, blocking_ms=blocking_ms,
-            total_ms=blocking_ms, bytes=size,
+            total_ms=blocking_ms, bytes=size, stack=stack,
             write_gbps=size / blocking_ms / 1e6 if size and blocking_ms else None))
 
     def fill(self, draft: StageDraft) -> None:
@@ -63,12 +67,13 @@ WATCH = SavesWatch
 def _hook_saves(watch: SavesWatch) -> None:
     def timed_save(original: Callable[..., Any]) -> Callable[..., Any]:
         def save(*args: Any, **kwargs: Any) -> Any:
+            stack = _callers(sys._getframe(1))
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 target = args[1] if len(args) > 1 else kwargs.get("f", kwargs.get("filename"))
-                watch.saved((time.perf_counter() - start) * 1e3, target)
+                watch.saved((time.perf_counter() - start) * 1e3, target, stack)
                 writewatch.written(target)  # native code wrote it: no audit event saw it
         return save
 
@@ -80,6 +85,20 @@ def _hook_saves(watch: SavesWatch) -> None:
 
         for name in ("save_file", "save_model"):
             patch(safetensors.torch, name, timed_save)
+
+
+# Deep enough for HF Trainer's save (its training loop's line is ~10 frames above torch.save).
+MAX_FRAMES = 40
+
+
+def _callers(frame: FrameType | None) -> list[str]:
+    """file:line of each frame from `frame` out, innermost first (a save is rare: the walk
+    costs microseconds against its milliseconds)."""
+    stack: list[str] = []
+    while frame is not None and len(stack) < MAX_FRAMES:
+        stack.append(f"{display_path(frame.f_code.co_filename)}:{frame.f_lineno}")
+        frame = frame.f_back
+    return stack
 
 
 def _checkpoints(saves: list[SaveRecord]) -> list[SaveRecord]:
@@ -96,6 +115,7 @@ def _checkpoints(saves: list[SaveRecord]) -> list[SaveRecord]:
         total = sum(sizes) if sizes else None
         merged.append(SaveRecord(step=step, blocking_ms=blocking, total_ms=blocking,
                                  bytes=total, files=len(group),
+                                 stack=list(dict.fromkeys(f for s in group for f in s.stack)),
                                  write_gbps=total / blocking / 1e6 if total and blocking
                                  else None))
     return merged
