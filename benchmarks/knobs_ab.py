@@ -36,6 +36,7 @@ CASES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
                {"PERSISTENT": "1"}),
     "layout": ((sys.executable, "examples/cnn_layout.py"), "median_ms",
                {"CHANNELS_LAST": "1"}),
+    "reads": ((sys.executable, "examples/step_reads.py"), "median_ms", {"DEFERRED": "1"}),
     "fsdp-reshard": ((*TORCHRUN, "examples/tiny_fsdp2.py", "60"), "median_ms",
                      {"RESHARD": "0"}),
     "ddp-no-sync": ((*TORCHRUN, "examples/tiny_ddp.py", "40", "4"), "median_ms",

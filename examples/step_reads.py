@@ -1,9 +1,10 @@
-"""Planted problem (GPU): a small host-bound step (a narrow MLP classifier, batch 64) that reads
-its loss and accuracy back to the host every step for logging: two `.item()`s, each a
-device-to-host sync. With so little work per kernel the host normally runs ahead of the GPU;
-each read makes it wait for the queue to drain, and the GPU then idles while the host queues
-the next step's launches. Two reads a step is below what "many syncs" means, yet on an H200 they
-cost a sixth of this step (issue 55).
+"""Planted problem (GPU): a small step (an MLP classifier, batch 256, TF32 on) whose host time
+and device time are alike, that reads its loss and accuracy back to the host every step for
+logging: two `.item()`s, each a device-to-host sync. Without them the host queues the next
+step while the GPU runs this one; each read makes the host wait for the queue to drain, and the
+GPU then idles while the host queues the next step's launches: host and device take turns.
+Two reads a step is below what "many syncs" means, yet they can cost a sixth of such a step
+(issue 55). `WIDTH` sets the device's share (4096 on CUDA by default; 256 on a CPU).
 
 The knob is the logging line (GD103): keep the sums on the device and read them every N steps.
 `DEFERRED=1` does that (reads every 50 steps), for a plain A/B with the script's own timer
@@ -33,8 +34,10 @@ def sync() -> None:
 
 def main() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10)).to(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    width = int(os.environ.get("WIDTH", "4096" if CUDA else "256"))
+    model = nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=CUDA)
     x = torch.randn(1024, 256, device=device)
     y = torch.randint(0, 10, (1024,), device=device)
@@ -45,7 +48,7 @@ def main() -> None:
     sync()
     start = time.perf_counter()
     for step in range(STEPS):
-        picked = torch.randint(0, 1024, (64,), device=device)
+        picked = torch.randint(0, 1024, (256,), device=device)
         out = model(x[picked])
         loss = nn.functional.cross_entropy(out, y[picked])
         loss.backward()
