@@ -3,8 +3,11 @@ and device time are alike, that reads its loss and accuracy back to the host eve
 logging: two `.item()`s, each a device-to-host sync. Without them the host queues the next
 step while the GPU runs this one; each read makes the host wait for the queue to drain, and the
 GPU then idles while the host queues the next step's launches: host and device take turns.
-Two reads a step is below what "many syncs" means, yet they can cost a sixth of such a step
-(issue 55). `WIDTH` sets the device's share (4096 on CUDA by default; 256 on a CPU).
+Two reads a step is below what "many syncs" means, and what they cost depends on how the
+step's host and device times compare: a sixth of one small step on an H200 (issue 55), 3% of
+this one (reports/examples/h200-issue55-reads: 1.03x deferred, gpudiag's price 2%). GD103
+names them at their line with that price. `WIDTH` sets the device's share (4096 on CUDA by
+default; 256 on a CPU).
 
 The knob is the logging line (GD103): keep the sums on the device and read them every N steps.
 `DEFERRED=1` does that (reads every 50 steps), for a plain A/B with the script's own timer

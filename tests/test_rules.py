@@ -692,7 +692,7 @@ CASES: dict[str, Case] = {
     "GD103": Case(P(gd103, syncs=4), "train", "critical",
                   {"syncs_per_step": 4, "blocked_ms_per_step": 80.0,
                    "idle_after_syncs_ms_per_step": 30.0, "lines": {"train.py:30": 4}},
-                  (P(gd103, syncs=3, idle_share=limit("GD103", "warning_idle_share") - 1e-3),
+                  (P(gd103, syncs=3, idle_share=limit("GD103", "min_named_idle_share") - 1e-3),
                    P(gd103, syncs=3, direct=0.0),
                    P(gd103, syncs=40, idle_share=limit("GD103", "warning_idle_share") - 1e-3))),
     "GD104": Case(P(gd104, kernels=500), "train", "warning",
@@ -1052,12 +1052,16 @@ def test_host_syncs_are_not_priced_with_the_loops_idle_time() -> None:
 
 
 def test_two_reads_on_the_scripts_own_line_that_idle_the_gpu_are_named() -> None:
-    """Two `.item()`s a step, below the count, named where the GPU idles after them (a small
-    host-bound step: 15% of it on an H200, issue 55); a library's (no direct call) are not."""
-    warning = limit("GD103", "warning_idle_share")
+    """Two `.item()`s a step, below the count, named where the GPU idles after them, at the
+    severity their price earns (a small step: 15% of it on an H200, issue 55; 2% on
+    examples/step_reads.py, information there); a library's (no direct call) are not."""
+    warning, named = limit("GD103", "warning_idle_share"), limit("GD103", "min_named_idle_share")
     (f,) = findings_of("GD103", gd103(syncs=2, idle_share=warning))
     assert f.severity == "warning" and f.location == "train.py:30"
     assert f.impact == pytest.approx(warning)
+    (f,) = findings_of("GD103", gd103(syncs=2, idle_share=named))
+    assert f.severity == "info" and f.impact == pytest.approx(named)
+    assert findings_of("GD103", gd103(syncs=2, idle_share=named - 1e-3)) == []
     assert findings_of("GD103", gd103(syncs=2, idle_share=warning, direct=0.0)) == []
     assert findings_of("GD103", gd103(syncs=2, idle_share=warning, backend="cpu")) == []
 

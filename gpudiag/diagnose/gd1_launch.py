@@ -24,6 +24,7 @@ from gpudiag.model.results import SEVERITY_RANK, RunResult, Severity, SourceLine
 LOOP_MIN_CALLS, LOOP_MIN_OPS, LOOP_WARNING, LOOP_CRITICAL = 64, 100, 0.10, 0.40
 IDLE_WARNING, IDLE_CRITICAL, MAX_DATA_WAIT = 0.25, 0.50, 0.10
 SYNC_MIN, SYNC_WARNING, SYNC_CRITICAL = 4, 0.05, 0.30
+SYNC_NAMED = 0.01  # fewer reads than SYNC_MIN are named from this idle share on
 SMALL_MIN_KERNELS, SMALL_SHORT_SHARE, SMALL_IDLE, SMALL_MAX_SM = 500, 0.5, 0.20, 40
 
 MAX_PRICED_SHARE = 0.95  # a loop's share is capped here when it is turned into a speedup
@@ -406,8 +407,11 @@ def _starved_fix(stage: StageResult, loop: SourceLine | None) -> str:
 SYNC_THRESHOLDS = (
     Threshold("min_syncs_per_step", SYNC_MIN,
               "GradScaler's inf check and one logged loss.item() are 1-2 syncs per step; "
-              "fewer count when the script's own line makes them and the GPU idles at least "
-              "warning_idle_share of the step after them"),
+              "fewer are named when the script's own line makes them and the GPU idles at "
+              "least min_named_idle_share of the step after them"),
+    Threshold("min_named_idle_share", SYNC_NAMED,
+              "fewer reads than the count, named (at the severity their idle earns) from 1% of "
+              "the step on: below it, one logged loss a step is the norm and costs nothing"),
     Threshold("warning_idle_share", SYNC_WARNING,
               "the GPU idles 5% of the step after syncs, waiting for the host to refill its "
               "queue (host time blocked while the GPU works costs nothing)"),
@@ -431,7 +435,7 @@ SYNC_THRESHOLDS = (
 )
 def host_syncs(run: RunResult) -> Iterator[Draft]:
     """At least 4 syncs per step that a Python loop finding does not already account for, or
-    fewer from the script's own line where the GPU idles at least 5% of the step after them.
+    fewer from the script's own line where the GPU idles at least 1% of the step after them.
     On a CPU run the count is what would block on a GPU, reported as information only."""
     for stage in run.stages_with_evidence():
         ev = stage.evidence
@@ -453,11 +457,12 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
         if not lines:
             continue
         top = lines[0]
-        # Fewer reads count where the script's own line makes them and the GPU measurably
-        # idles after them: two `.item()`s of a small host-bound step cost 15% of it on an H200
-        # (issue 55); GradScaler's one inf check, a library's, stays below the count.
-        own_and_costly = cuda and cost >= SYNC_WARNING and top.direct_calls_per_step > 0
-        if remaining < SYNC_MIN and not own_and_costly:
+        # Fewer reads are named where the script's own line makes them and the GPU measurably
+        # idles after them, at the severity their price earns: two `.item()`s of a small step
+        # cost 15% of it on an H200 (issue 55), or 2-3% (examples/step_reads.py); GradScaler's
+        # one inf check, a library's, stays below the count.
+        own_and_seen = cuda and cost >= SYNC_NAMED and top.direct_calls_per_step > 0
+        if remaining < SYNC_MIN and not own_and_seen:
             continue
         # Every line that syncs (the window's count of each), and the time the host samples
         # saw each blocked, where they did.
