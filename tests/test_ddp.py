@@ -509,3 +509,12 @@ def test_recorded_gloo_job_is_priced_on_its_transfer_within_the_step() -> None:
     assert all(n >= 0 for n in _numbers(f.title + f.fix))
     assert re.search(r">= \d+ micro-steps", f.fix)
     assert all(0 <= x.impact <= 1 for x in found)
+
+
+@pytest.mark.parametrize(("late_ms", "named"), [(9.9, False), (10.1, True)])
+def test_a_gloo_wait_is_a_straggler_once_it_is_half_the_waiting_ranks_collective_time(
+        late_ms: float, named: bool) -> None:
+    """Transfer 10 ms a step (two 5 ms calls); rank 0 waits `late_ms` in one call a step."""
+    run = script_run(_gloo_rank(0, [5.0 + late_ms, 5.0] * 2, step=60.0, window=60.0),
+                     _gloo_rank(1, [5.0, 5.0] * 2, step=60.0, window=60.0), device="cpu")
+    assert bool(_one(run, "GD804")) == named and not _one(run, "GD803")
