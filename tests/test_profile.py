@@ -157,6 +157,13 @@ def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) ->
         for key, value in f.evidence.items():
             if "share" in key and isinstance(value, float):
                 assert 0 <= value <= 1, (f.id, key, value)
+    # Both ranks timed the same all-reduces, call by call (the transfer is the least any rank
+    # held each; the rest is waiting): GD803's figures lie within the step.
+    calls = {len(s.evidence.collective_ms_by_call) for s in run.stages if s.evidence}
+    assert len(calls) == 1 and calls.pop() >= 2
+    for f in (f for f in run.findings if f.id == "GD803"):
+        assert 0 <= f.evidence["exposed_ms_per_step"] <= f.evidence["step_ms"]
+        assert f.evidence["step_without_exposed_ms"] >= 0
 
 
 @pytest.mark.heavy

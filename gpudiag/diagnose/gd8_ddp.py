@@ -37,6 +37,9 @@ WARNING_EXTRA_ROUNDS = 0.05  # a profiled job's extra rounds holding this share 
 STRAGGLER_WARNING_LOST = 0.05
 SYMPTOM_RANK = 0.99  # GD803's impact, of GD802's, when extra all-reduce rounds explain it
 HOST_BOUND_IDLE = 0.5  # a GPU idle this much of the step: the host sets the pace
+# A step with less than this share of it left beside its collectives: the rest is within the
+# window's noise, too small a part to count accumulation micro-steps from.
+COMPUTE_FLOOR = 0.05
 
 
 def _ddp(stage: StageResult) -> DdpFacts | None:
@@ -50,6 +53,25 @@ def _faster_link(backend: str) -> str:
                 "NCCL_SHM_DISABLE, NCCL_IB_DISABLE are unset).")
     return (f"the {backend or 'CPU'} backend moves gradients over the host's network stack: "
             "a faster network between nodes, or fewer, larger all-reduces.")
+
+
+def accumulation_count(comm_share: float) -> int | None:
+    """Micro-steps per optimizer step under no_sync() that reach TARGET_EFFICIENCY: k steps of
+    compute c sharing one all-reduce t give k c / (k c + t). None where the step without its
+    collectives is under COMPUTE_FLOOR of it (nothing sound to divide by)."""
+    rest = 1.0 - comm_share
+    if rest < COMPUTE_FLOOR:
+        return None
+    k = TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY) * comm_share / rest
+    return max(2, math.ceil(round(k, 6)))  # 6.000000000000001 is 6
+
+
+def accumulate_micro_steps(comm_share: float) -> str:
+    """'accumulate >= k micro-steps', or why no count is given."""
+    k = accumulation_count(comm_share)
+    return (f"accumulate >= {k} micro-steps" if k is not None else
+            "accumulate micro-steps (how many cannot be estimated: the step without its "
+            "collectives is too small a part of it to measure)")
 
 
 def megabytes(nbytes: float, digits: int = 0) -> str:
@@ -98,9 +120,8 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
             "the others do useful work meanwhile)."),
             {**evidence, "straggler": dataclasses.asdict(straggler)})
     if comm is not None and added > 0 and comm >= COMM_EXPLAINS * added:
-        compute = max(step - comm, 1e-6)
         # Accumulating k micro-steps under no_sync shares one all-reduce among k batches.
-        k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY) * comm / compute))
+        accumulate = accumulate_micro_steps(min(1.0, comm / step) if step else 1.0)
         link = (f"{megabytes(grad)} of gradients per step over a link measured at "
                 f"{probe.busbw_gbps if probe else 0:.1f} GB/s bus bandwidth take {comm:.1f} ms")
         hidden = ("" if overlap is None or overlap >= NO_OVERLAP else
@@ -108,7 +129,7 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
                   "smaller to start reducing earlier, or static_graph=True)")
         return ("communication", (
             f"{link} of a {step:.1f} ms step{hidden}. Move fewer bytes per sample: raise the "
-            f"per-GPU batch, or accumulate >= {k} micro-steps per optimizer step with "
+            f"per-GPU batch, or {accumulate} per optimizer step with "
             "model.no_sync() around forward and backward of all but the last; compress "
             "gradients to fp16/bf16 with a DDP comm hook (register_comm_hook(None, "
             f"default_hooks.fp16_compress_hook)); {_faster_link(info.backend)}"
@@ -153,6 +174,9 @@ def scaling_cause(stage: StageResult, info: DdpFacts) -> tuple[str, str, dict[st
                           "hidden"),
                 Threshold("target_efficiency", TARGET_EFFICIENCY,
                           "the efficiency the advised accumulation count aims for"),
+                Threshold("compute_floor", COMPUTE_FLOOR,
+                          "the step's share left beside its collectives below which no "
+                          "accumulation count is given"),
                 Threshold("no_sync_warning_share", WARNING_EXTRA_ROUNDS,
                           "GD802's: extra all-reduce rounds this share of the step explain it"),
                 Threshold("symptom_rank", SYMPTOM_RANK,
@@ -254,8 +278,8 @@ def ddp_no_sync_misuse(run: RunResult) -> Iterator[Draft]:
                       "reducing_microsteps_per_step": rounds,
                       "collective_calls_per_step": ev.collective_calls_per_step,
                       "collective_calls_by_kind": ev.collective_calls_by_kind,
-                      "exposed_ms_per_step": round(job.comm_ms, 2),
-                      "wasted_ms_per_step": round(job.comm_ms * (rounds - 1) / rounds, 2),
+                      "exposed_ms_per_step": round(job.transfer_ms, 2),
+                      "wasted_ms_per_step": round(job.transfer_ms * (rounds - 1) / rounds, 2),
                       "backward_at": at,
                       "ddp_built_at": facts.built_at if facts is not None else None,
                       "price": ("lower bound: the extra rounds' exposed collective time; the "
@@ -393,8 +417,9 @@ class _Rank:
 
 @dataclass
 class _Job:
-    """The ranks of one profiled DDP job. A collective ends when the last rank arrives, so the
-    rank holding it the least shows the communication itself; the others' extra is waiting."""
+    """The ranks of one profiled DDP job. A collective ends when the last rank arrives, so a
+    rank's time in it is waiting for the last rank plus the transfer; call by call, the rank
+    that held it least (the last to arrive, who waits nothing) shows the transfer."""
 
     ranks: list[_Rank]
 
@@ -407,17 +432,84 @@ class _Job:
         return max(r.stage.ms_per_iter or 0.0 for r in self.ranks)
 
     @property
+    def window_ms(self) -> float:
+        """The profiled window's step: what CPU collectives, stretched with it, are a part of."""
+        return max(r.evidence.window_step_ms for r in self.ranks)
+
+    def _matched_calls(self) -> list[list[float]] | None:
+        """Each rank's collective times call by call, where every rank timed the same calls
+        over the same number of steps (else None)."""
+        calls = [r.evidence.collective_ms_by_call for r in self.ranks]
+        if (len({r.evidence.steps for r in self.ranks}) != 1 or not calls[0]
+                or len({len(c) for c in calls}) != 1):
+            return None
+        return calls
+
+    @property
+    def link_ms(self) -> float:
+        """The time the link moved the bytes per step in the window: the transfer's rank's
+        collectives' union, beside compute or not, call by call no more than the least any
+        rank held them."""
+        wall = self.transfer.evidence.collective_wall_ms_per_step
+        calls = self._matched_calls()
+        if calls is None:
+            return wall
+        least = sum(min(times) for times in zip(*calls, strict=True))
+        return min(wall, least / self.ranks[0].evidence.steps)
+
+    @property
     def comm_ms(self) -> float:
-        return self.transfer.held_ms
+        """The transfer per step, as measured in the window: call by call the least any rank
+        held it (a rank that waits for a late peer in one step and is late itself in the
+        next waits in neither sum), never more than the least a rank held its collectives
+        in all (their union: calls that overlap count once)."""
+        held = self.transfer.held_ms
+        calls = self._matched_calls()
+        if calls is None:
+            return held
+        steps = self.ranks[0].evidence.steps
+        return min(held, sum(min(times) for times in zip(*calls, strict=True)) / steps)
 
     @property
     def share(self) -> float:
-        """Exposed communication over the timed step: in [0, 1] (device time held alone cannot
-        exceed the step it is part of; clamped against the window's residual jitter)."""
-        return min(1.0, self.comm_ms / self.step_ms) if self.step_ms else 0.0
+        """The transfer's share of the step, in [0, 1]: GPU device time over the timed step
+        (the window's slower host does not stretch it); gloo's CPU work over the window's step
+        (the profiler stretches both alike)."""
+        base = self._base_ms
+        return min(1.0, self.comm_ms / base) if base > 0 else 0.0
+
+    @property
+    def _base_ms(self) -> float:
+        return self.step_ms if self.transfer.evidence.backend == "cuda" else self.window_ms
+
+    @property
+    def transfer_ms(self) -> float:
+        """The transfer in the timed step's milliseconds: never more than the step."""
+        return self.share * self.step_ms
 
     def waits(self) -> dict[int, float]:
-        return {r.rank: round(r.held_ms - self.comm_ms, 2) for r in self.ranks}
+        """Each rank's wait per step for a later rank, in the timed step's milliseconds. Call
+        by call a rank's time above the least any rank held that call is its wait; a step's
+        calls wait for the same late rank at once, so a step loses its longest call's wait,
+        not their sum (steps told apart where the calls divide evenly among them). Without
+        call-by-call times: a rank's collective time above the transfer."""
+        base = self._base_ms
+        scale = self.step_ms / base if base > 0 else 0.0
+        calls = self._matched_calls()
+        if calls is None:
+            return {r.rank: round(max(0.0, r.held_ms - self.comm_ms) * scale, 2)
+                    for r in self.ranks}
+        least = [min(times) for times in zip(*calls, strict=True)]
+        steps = self.ranks[0].evidence.steps
+        per_step = len(least) // steps if steps and len(least) % steps == 0 else len(least)
+        waited: dict[int, float] = {}
+        for rank, times in zip(self.ranks, calls, strict=True):
+            extra = [t - low for t, low in zip(times, least, strict=True)]
+            longest = [max(extra[i:i + per_step]) for i in range(0, len(extra), per_step)]
+            wait = sum(longest) / steps if per_step != len(least) else longest[0]
+            waited[rank.rank] = round(min(wait, max(0.0, rank.held_ms - self.comm_ms)) * scale,
+                                      2)
+        return waited
 
 
 def _buckets(facts: dict[str, Any]) -> str:
@@ -452,11 +544,26 @@ def profiled_jobs(run: RunResult) -> dict[str, _Job]:
     return {job: _Job(sorted(ranks, key=lambda r: r.rank)) for job, ranks in jobs.items()}
 
 
-def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
-    """(slow rank, fastest rank, ratio) when one rank's own device work is >= 10% longer and
-    the difference explains at least half of the fastest rank's exposed communication: that
-    rank's all-reduce is waiting, not transferring."""
-    timed = [r for r in ranks if r.evidence.compute_busy_ms_per_step]
+@dataclass
+class _Straggler:
+    """A rank the others wait for in their collectives, and what that costs them."""
+
+    slow: _Rank
+    fast: _Rank
+    lost: float  # the share of the step the waiting rank loses
+    said: str  # what was measured, for the title
+    evidence: dict[str, Any]
+
+
+def _straggler_of(job: _Job) -> _Straggler | None:
+    return _slow_device_work(job) or _long_wait(job)
+
+
+def _slow_device_work(job: _Job) -> _Straggler | None:
+    """GPU ranks: one rank's own device work >= 10% longer than the fastest's, the difference
+    at least half of the fastest rank's exposed communication (its all-reduce is waiting, not
+    transferring)."""
+    timed = [r for r in job.ranks if r.evidence.compute_busy_ms_per_step]
     if len(timed) < 2:
         return None
     slow = max(timed, key=lambda r: r.evidence.compute_busy_ms_per_step or 0.0)
@@ -467,7 +574,34 @@ def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
     waited = (fast.evidence.collective_exposed_ms_per_step or 0.0)
     if ratio < STRAGGLER_RATIO or slow_ms - fast_ms < COMM_EXPLAINS * waited or waited <= 0:
         return None
-    return slow, fast, ratio
+    step = job.step_ms or slow.evidence.window_step_ms
+    return _Straggler(
+        slow, fast, lost=min(1.0, (slow_ms - fast_ms) / step),
+        said=(f"its own device work takes {ratio:.2f}x rank {fast.rank}'s ({slow_ms:.1f} vs "
+              f"{fast_ms:.1f} ms per step), and rank {fast.rank} waits for it inside the "
+              "all-reduce"),
+        evidence={"compute_ratio": round(ratio, 3),
+                  "slow_compute_ms_per_step": round(slow_ms, 2),
+                  "fast_compute_ms_per_step": round(fast_ms, 2)})
+
+
+def _long_wait(job: _Job) -> _Straggler | None:
+    """Ranks with no device work to compare (gloo on CPUs): the rank that waits most in its
+    collectives, for the rank that waits least, when waiting is at least half of its time in
+    them (the rest is the transfer, which every rank pays)."""
+    if len(job.ranks) < 2 or any(r.evidence.backend == "cuda" for r in job.ranks):
+        return None
+    waits = job.waits()
+    fast = max(job.ranks, key=lambda r: waits[r.rank])
+    slow = min(job.ranks, key=lambda r: waits[r.rank])
+    wait, transfer = waits[fast.rank], job.transfer_ms
+    if wait <= 0 or wait < COMM_EXPLAINS * (wait + transfer) or not job.step_ms:
+        return None
+    return _Straggler(
+        slow, fast, lost=min(1.0, wait / job.step_ms),
+        said=(f"rank {fast.rank} waits {wait:.1f} ms per step inside the all-reduce for it to "
+              f"arrive (the transfer itself takes {transfer:.1f} ms)"),
+        evidence={"transfer_ms_per_step": round(transfer, 2)})
 
 
 @rule(
@@ -483,41 +617,39 @@ def _straggler_of(ranks: list[_Rank]) -> tuple[_Rank, _Rank, float] | None:
          "(nvidia-smi), its data loading."),
     prices=device_time("the other ranks' wait in their collectives for the slow rank"),
     thresholds=(Threshold("straggler_ratio", STRAGGLER_RATIO,
-                          "slowest rank's device work over the fastest's"),
+                          "slowest rank's device work over the fastest's (GPU)"),
                 Threshold("explains", COMM_EXPLAINS,
                           "share of the fastest rank's exposed collective time the difference "
+                          "(GPU), or of the waiting rank's collective time its wait (CPU), "
                           "must explain"),
                 Threshold("warning_lost", STRAGGLER_WARNING_LOST,
-                          "the slow rank's extra work over the step: warning"),
+                          "the slow rank's extra work (the others' wait) over the step: "
+                          "warning"),
                 Threshold("critical_lost", COMM_CRITICAL_SHARE, "... critical")),
     references=("https://pytorch.org/docs/stable/notes/ddp.html",),
 )
 def ddp_straggler(run: RunResult) -> Iterator[Draft]:
-    """Profiled ranks of one job (GPU): per rank, the union of its non-collective device work
-    in the window. The slowest against the fastest: a ratio >= 1.10 whose difference covers at
-    least half of the fastest rank's exposed collective time names the slow rank."""
+    """Profiled ranks of one job. GPU: per rank, the union of its non-collective device work
+    in the window; the slowest against the fastest: a ratio >= 1.10 whose difference covers at
+    least half of the fastest rank's exposed collective time names the slow rank. CPU (gloo):
+    call by call, a rank's collective time above the least any rank held it is its wait for
+    the last to arrive, and a step loses its longest call's wait (its calls wait for the same
+    late rank at once); the rank that waits most, when that is at least half of its
+    collective time, names the rank it waits for."""
     for job in profiled_jobs(run).values():
-        found = _straggler_of(job.ranks)
+        found = _straggler_of(job)
         if found is None:
             continue
-        slow, fast, ratio = found
-        slow_ms = slow.evidence.compute_busy_ms_per_step or 0.0
-        fast_ms = fast.evidence.compute_busy_ms_per_step or 0.0
-        lost = min(1.0, (slow_ms - fast_ms) / (job.step_ms or slow.evidence.window_step_ms))
+        slow, fast = found.slow, found.fast
         yield Draft(
-            severity=severity_for(lost, warning=STRAGGLER_WARNING_LOST,
+            severity=severity_for(found.lost, warning=STRAGGLER_WARNING_LOST,
                                   critical=COMM_CRITICAL_SHARE),
             stage=slow.stage.name,
-            title=(f"rank {slow.rank} is a straggler: its own device work takes {ratio:.2f}x "
-                   f"rank {fast.rank}'s ({slow_ms:.1f} vs {fast_ms:.1f} ms per step), and "
-                   f"rank {fast.rank} waits for it inside the all-reduce"),
-            evidence={"slow_rank": slow.rank, "fast_rank": fast.rank,
-                      "compute_ratio": round(ratio, 3),
-                      "slow_compute_ms_per_step": round(slow_ms, 2),
-                      "fast_compute_ms_per_step": round(fast_ms, 2),
+            title=f"rank {slow.rank} is a straggler: {found.said}",
+            evidence={"slow_rank": slow.rank, "fast_rank": fast.rank, **found.evidence,
                       "fast_rank_waits_ms_per_step": job.waits()[fast.rank],
-                      "share_of_step_lost": round(lost, 3)},
-            impact=min(1.0, lost),
+                      "share_of_step_lost": round(found.lost, 3)},
+            impact=found.lost,
             fix=(f"Rank {fast.rank}'s communication time is waiting, not transfer: a faster "
                  f"link would not help. Find what rank {slow.rank} does more (work only it "
                  "does, such as logging, evaluation or saves; its GPU's clocks or another "
@@ -533,7 +665,7 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
     world = known.world_size if known is not None else len(job.ranks)
     probe = (known.allreduce_probe.busbw_gbps
              if known is not None and known.allreduce_probe is not None else None)
-    wall = lead.evidence.collective_wall_ms_per_step
+    wall = job.link_ms
     rounds = lead.evidence.microsteps_with_collectives_per_step or 1.0
     effective = (grad * rounds * bus_bandwidth_factor(world) / (wall / 1e3) / 1e9
                  if grad and wall and world > 1 else None)
@@ -550,29 +682,97 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
     return text + ".", facts, effective is None or not probe or effective >= LINK_BOUND * probe
 
 
+def _cure(job: _Job, facts: dict[str, Any], link_bound: bool) -> str:
+    """GD803's remedies for what the job's collectives are: FSDP's gathers and scatters, or
+    DDP's all-reduce near the link's bandwidth or well below it."""
+    lead = job.transfer
+    batch = lead.stage.samples_per_step
+    now = f" (now {batch})" if batch else ""
+    accumulate = accumulate_micro_steps(job.share)
+    sharded = _sharded_calls(lead.evidence)
+    if sharded is not None:
+        gathers = sharded[0]
+        return (f"Raise the per-device batch{now}; overlap each unit's all-gather with the "
+                "previous unit's compute (model.layers[i].set_modules_to_forward_prefetch(["
+                "model.layers[i + 1]]), and set_modules_to_backward_prefetch); shard fewer, "
+                "larger units (fully_shard each transformer block, not each layer: "
+                f"{gathers:.0f} all-gathers per step now)."
+                + (" The link runs near its measured bandwidth: a faster interconnect "
+                   "(NVLink, InfiniBand) or fewer bytes (bf16 parameters and gradients: "
+                   "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+                   "torch.bfloat16, reduce_dtype=torch.bfloat16)))." if link_bound else ""))
+    if link_bound:
+        return (f"Move fewer bytes per sample: raise the per-device batch{now}, or "
+                f"{accumulate} per optimizer step with model.no_sync() around forward and "
+                "backward of all but the last; compress gradients with register_comm_hook("
+                "None, default_hooks.fp16_compress_hook); "
+                + _faster_link("nccl" if lead.evidence.backend == "cuda" else "gloo"))
+    return ("The all-reduce runs well below the link's bandwidth: it is latency-bound: "
+            f"{_buckets(facts)}give each all-reduce more work (a larger per-device batch, or "
+            f"{accumulate} under no_sync()).")
+
+
+def _what_holds(ev: Evidence) -> str:
+    sharded = _sharded_calls(ev)
+    if sharded is None:
+        return "the all-reduce's transfer holds"
+    return (f"FSDP's all-gathers and reduce-scatters ({sharded[0]:.0f} and {sharded[1]:.0f} "
+            "per step) hold")
+
+
+def _overlap_bound(job: _Job) -> str:
+    """What perfect overlap would leave of the step, where the rest is a measurable part."""
+    if 1.0 - job.share < COMPUTE_FLOOR:
+        return ("the step's other work is too small a part of it to bound what overlap would "
+                "leave")
+    rest = job.step_ms - job.transfer_ms
+    return f"perfect overlap would bring the step to no less than {rest:.1f} ms"
+
+
+def _wait_line(job: _Job) -> str:
+    """The longest wait for a late rank, where it is a material part of the step: named, and
+    left to GD804 (it is not transfer, and no link or bucket setting removes it). CPU jobs
+    only: on a GPU the wait is mostly for the other rank's host, which the profiler slows
+    more than the device (GD804 compares the ranks' device work instead)."""
+    if job.transfer.evidence.backend == "cuda":
+        return ""
+    waits = job.waits()
+    rank = max(waits, key=waits.__getitem__)
+    wait = waits[rank]
+    if not job.step_ms or wait < STRAGGLER_WARNING_LOST * job.step_ms:
+        return ""
+    return (f"; besides, rank {rank} waits {wait:.1f} ms per step in it for a later rank "
+            "(not transfer, not priced here: see GD804)")
+
+
 @rule(
     "GD803", "collective-bound-step", concern="ddp",
-    summary="A profiled DDP or FSDP job whose steps wait on its collectives.",
+    summary="A profiled DDP or FSDP job whose steps wait on its collectives' transfer.",
     why=("Without a single-device baseline (a profiled script), the ranks' own profiler windows "
-         "still show how long the all-reduce holds each step with nothing else on the device. "
-         "The rank that holds it least is the last to arrive: its time is the transfer, the "
-         "others' extra is waiting for it. That time over the step, the step without it, and "
-         "the bandwidth the link reached against its measured bandwidth say whether the job "
-         "is communication-bound and which remedy fits."),
+         "still show how long each collective holds the step. A rank's time in a collective "
+         "is waiting for the last rank to arrive plus the transfer; the last to arrive waits "
+         "nothing, so call by call the rank that holds it least shows the transfer. The "
+         "transfer over the step, the step without it, and the bandwidth the link reached "
+         "against its measured bandwidth say whether the job is communication-bound and "
+         "which remedy fits; the wait is a straggler's (GD804)."),
     fix=("Raise the per-device batch or accumulate micro-steps under model.no_sync(); compress "
          "gradients (fp16_compress_hook); check the interconnect (NVLink/IB, NCCL_* variables). "
          "FSDP: prefetch all-gathers, reshard_after_forward=False, fewer larger units."),
-    prices=device_time("the collectives' exposed time"),
+    prices=device_time("the collectives' transfer (call by call the least time any rank held "
+                       "each, exposed time on a GPU), never a rank's wait for a later rank"),
     thresholds=(Threshold("share", COMM_BOUND_SHARE,
-                          "exposed collective time over the timed step: warning"),
+                          "transfer time over the step: warning"),
                 Threshold("critical_share", COMM_CRITICAL_SHARE, "... critical"),
                 Threshold("link_bound", LINK_BOUND,
                           "effective over probed bus bandwidth above which the link is named"),
-                Threshold("straggler_ratio", STRAGGLER_RATIO,
-                          "a job with a straggler (GD804) is left to that rule"),
-                Threshold("explains", COMM_EXPLAINS, "... see GD804"),
+                Threshold("wait_named", STRAGGLER_WARNING_LOST,
+                          "a rank's wait for a later rank over the step above which it is "
+                          "named (not priced: GD804's)"),
                 Threshold("target_efficiency", TARGET_EFFICIENCY,
                           "the efficiency the advised accumulation count aims for"),
+                Threshold("compute_floor", COMPUTE_FLOOR,
+                          "the step's share left beside its collectives below which no "
+                          "accumulation count is given"),
                 Threshold("no_sync_warning_share", WARNING_EXTRA_ROUNDS,
                           "GD802's: extra all-reduce rounds this share of the step explain it"),
                 Threshold("symptom_rank", SYMPTOM_RANK,
@@ -581,48 +781,20 @@ def _link_line(job: _Job) -> tuple[str, dict[str, Any], bool]:
                 "https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md"),
 )
 def collective_bound_step(run: RunResult) -> Iterator[Draft]:
-    """Per job: the least exposed collective time any rank saw in its window (GPU: the union
-    of NCCL kernels minus other device work; CPU: gloo's work time), device time, over the
-    timed step (so the share never exceeds 1); warning from 30%, critical from 50%. Jobs with
-    a straggler finding are left to GD804."""
+    """Per job: the collectives' transfer, call by call the least time any rank held each
+    (GPU: NCCL kernels, capped by the least exposed union any rank saw; CPU: gloo's work
+    ranges), over the step: GPU device time over the timed step, gloo's CPU time over the
+    window's step (both stretched by the profiler alike), so the share is in [0, 1]; warning
+    from 30%, critical from 50%. A rank's wait for a later rank is named, not priced."""
     for job in profiled_jobs(run).values():
-        if _straggler_of(job.ranks) is not None or job.share < COMM_BOUND_SHARE:
+        if job.share < COMM_BOUND_SHARE:
             continue
         lead, step = job.transfer, job.step_ms
         link, facts, link_bound = _link_line(job)
-        without = step - job.comm_ms
-        k = max(2, math.ceil(TARGET_EFFICIENCY / (1 - TARGET_EFFICIENCY)
-                             * job.comm_ms / max(without, 1e-6)))
-        batch = lead.stage.samples_per_step
-        now = f" (now {batch})" if batch else ""
-        cure = (f"Move fewer bytes per sample: raise the per-device batch{now}, or "
-                f"accumulate >= {k} "
-                "micro-steps per optimizer step with model.no_sync() around forward and "
-                "backward of all but the last; compress gradients with register_comm_hook("
-                f"None, default_hooks.fp16_compress_hook); "
-                f"{_faster_link('nccl' if lead.evidence.backend == 'cuda' else 'gloo')}"
-                if link_bound else
-                "The all-reduce runs well below the link's bandwidth: it is latency-bound "
-                f"or waits: {_buckets(facts)}give each all-reduce more "
-                f"work (a larger per-device batch, or >= {k} micro-steps under no_sync()).")
-        measured = ("with nothing else on the GPU" if lead.evidence.backend == "cuda" else
-                    "by gloo's work time")
+        cure = _cure(job, facts, link_bound)
         ev = lead.evidence
-        what = "the all-reduce holds"
-        sharded = _sharded_calls(ev)
-        if sharded is not None:
-            gathers, scatters = sharded
-            what = (f"FSDP's all-gathers and reduce-scatters ({gathers:.0f} and {scatters:.0f} "
-                    "per step) hold")
-            cure = (f"Raise the per-device batch{now}; overlap each unit's all-gather with the "
-                    "previous unit's compute (model.layers[i].set_modules_to_forward_prefetch(["
-                    "model.layers[i + 1]]), and set_modules_to_backward_prefetch); shard fewer, "
-                    "larger units (fully_shard each transformer block, not each layer: "
-                    f"{gathers:.0f} all-gathers per step now)."
-                    + (" The link runs near its measured bandwidth: a faster interconnect "
-                       "(NVLink, InfiniBand) or fewer bytes (bf16 parameters and gradients: "
-                       "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
-                       "torch.bfloat16, reduce_dtype=torch.bfloat16)))." if link_bound else ""))
+        measured = ("with nothing else on the GPU" if ev.backend == "cuda" else
+                    "by gloo's work time, call by call on the rank that arrived last")
         impact, severity = job.share, severity_for(job.share, warning=COMM_BOUND_SHARE,
                                                    critical=COMM_CRITICAL_SHARE)
         knob = _knob_first(job)
@@ -635,13 +807,13 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                            key=SEVERITY_RANK.__getitem__)
         yield Draft(
             severity=severity, stage=lead.stage.name,
-            title=(f"Communication-bound: {what} {job.share:.0%} of each step "
-                   f"({job.comm_ms:.1f} of {step:.1f} ms) {measured}; perfect overlap would "
-                   f"bring the step to no less than {without:.1f} ms"),
+            title=(f"Communication-bound: {_what_holds(ev)} {job.share:.0%} of each step "
+                   f"({job.transfer_ms:.1f} of {step:.1f} ms) {measured}; "
+                   + _overlap_bound(job) + _wait_line(job)),
             evidence={"exposed_share": round(job.share, 3),
-                      "exposed_ms_per_step": round(job.comm_ms, 2),
+                      "exposed_ms_per_step": round(job.transfer_ms, 2),
                       "step_ms": round(step, 2),
-                      "step_without_exposed_ms": round(without, 2),
+                      "step_without_exposed_ms": round(step - job.transfer_ms, 2),
                       "collective_kernel_ms_per_step": round(ev.collective_ms_per_step, 2),
                       "collective_overlap_fraction": None
                       if ev.collective_overlap_fraction is None

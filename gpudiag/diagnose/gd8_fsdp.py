@@ -91,7 +91,7 @@ def fsdp_reshard_after_forward(run: RunResult) -> Iterator[Draft]:
                       "pre_backward_host_share": round(again.host_share, 4),
                       "collective_calls_by_kind": lead.evidence.collective_calls_by_kind,
                       "exposed_share": round(job.share, 3),
-                      "exposed_ms_per_step": round(job.comm_ms, 2),
+                      "exposed_ms_per_step": round(job.transfer_ms, 2),
                       "step_ms": round(job.step_ms, 2),
                       "resharding_units": None if fsdp is None else fsdp.resharding,
                       "units": None if fsdp is None else sum(s.units for s in fsdp.sites),

@@ -223,6 +223,10 @@ class Evidence:
     collective_ms_per_step: NonNegative = 0.0
     collective_wall_ms_per_step: NonNegative = 0.0  # the union of those intervals
     collective_calls_per_step: NonNegative = 0.0  # c10d collective calls (a DDP bucket each)
+    # Each collective's own time in the window (NCCL kernel, gloo work range), in the order they
+    # started: every rank issues the same sequence, so call by call the rank that held it least
+    # (the last to arrive) shows the transfer, and the others' extra is waiting for it.
+    collective_ms_by_call: list[NonNegative] = field(default_factory=list)
     # Those calls by kind: "all_reduce" (DDP), "all_gather" and "reduce_scatter" (FSDP), ...
     collective_calls_by_kind: dict[str, NonNegative] = field(default_factory=dict)
     collective_overlap_fraction: NonNegative | None = None  # share of the union beside other work

@@ -737,6 +737,7 @@ def analyze(events: list[dict[str, Any]], *, steps: int, step_ms: float, backend
         collective_ms_per_step=coll.raw_us * per / 1e3,
         collective_wall_ms_per_step=coll.wall_us * per / 1e3,
         collective_calls_per_step=coll.calls * per,
+        collective_ms_by_call=coll.by_call_ms,
         collective_calls_by_kind={k: v * per for k, v in coll.by_kind.items()},
         collective_overlap_fraction=coll.overlap,
         collective_exposed_ms_per_step=(None if coll.exposed_us is None
@@ -818,6 +819,7 @@ class _Collectives:
     exposed_us: float | None  # the union's part with no compute beside it (GPU only)
     compute_us: float | None  # union of the non-collective device work (GPU only)
     window_us: float  # the window's length: shares of it never exceed 1
+    by_call_ms: list[float]  # each collective's own time, in the order they started
     microsteps: int
     microsteps_reduced: int
 
@@ -867,7 +869,10 @@ def _collectives(micro: list[dict[str, Any]], ops: list[dict[str, Any]],
         calls=len(calls), by_kind=dict(sorted(kinds.items())),
         raw_us=sum(float(c.get("dur", 0.0)) for c in comm),
         wall_us=_length(wall), exposed_us=exposed, compute_us=compute_us,
-        window_us=max(0.0, window[1] - window[0]), microsteps=len(micro),
+        window_us=max(0.0, window[1] - window[0]),
+        by_call_ms=[float(c.get("dur", 0.0)) / 1e3
+                    for c in sorted(comm, key=lambda c: float(c["ts"]))],
+        microsteps=len(micro),
         microsteps_reduced=reduced)
 
 
