@@ -26,7 +26,7 @@ from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
 from gpudiag.measure.profile.launching import scratch
 from gpudiag.measure.profile.launching.scratch import make_scratch
-from gpudiag.model.errors import ExitCode
+from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.results import MeasuredFix, Rerun
 from gpudiag.present.fixes import fixes_table, reruns_markdown
 
@@ -430,3 +430,31 @@ def test_a_gate_trial_is_not_promised_a_list_of_its_writes(
     assert refusal is not None and "--unconfined-reruns" in refusal and "listed" not in refusal
     monkeypatch.setattr(confinement, "landlock_abi", lambda: 2)
     assert "listed" not in confinement.how_kept(consented, "its checkout", watched=False)
+
+
+@pytest.mark.parametrize(("given", "refused"), [
+    ("proj/data", "it is inside the working directory"),
+    ("proj/data/../data", "it is inside the working directory"),
+    ("link-to-data", "it is inside the working directory"),
+    (".", "it holds the working directory"),
+    ("outputs", None)])
+def test_a_folder_a_run_in_a_copy_may_write_is_outside_the_working_directory(
+        tmp_path: Path, given: str, refused: str | None) -> None:
+    """--rerun-writable (profile, gate, calibrate: all check it here) names a folder outside
+    the working directory: one inside it, by any spelling, is refused (issue 56: `data` let a
+    re-run delete data/keep.txt), as one holding it is; a folder beside it is allowed."""
+    (tmp_path / "proj" / "data").mkdir(parents=True)
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "link-to-data").symlink_to(tmp_path / "proj" / "data")
+    with in_folder(tmp_path / "proj"):
+        path = str(tmp_path / given)
+        if refused is None:
+            policy = confinement.confinement_policy([path], unconfined=True, isolated=None)
+            assert policy.writable == (str(tmp_path / "outputs"),)
+        else:
+            with pytest.raises(BadInput, match=refused):
+                confinement.confinement_policy([path], unconfined=True, isolated=None)
+    # Even handed one, the confined run's list leaves it out.
+    source = (tmp_path / "proj").resolve()
+    assert str(source / "data") not in confined_writable(
+        [tmp_path / "run"], source, {}, [str(source / "data")])
