@@ -397,6 +397,13 @@ def _queued_saves(evidence: RemedyEvidence) -> str:
 
 
 def _why_not_measured(after: RunResult, stage: StageResult | None) -> str:
+    # A write its confinement refused (a log in /tmp) failed this fix's run: the fix's
+    # failure, said so; the diagnosis stands.
+    refused = next((r.wrote_outside[0] for r in after.reruns if r.confined and r.wrote_outside),
+                   None)
+    if refused is not None and not after.interrupted:
+        return (f"failed: refused a write to {refused} (a run in a scratch copy may write only "
+                "there)")
     if stage is not None and stage.error:
         return f"the script with this fix: {stage.error}"
     if after.interrupted:
