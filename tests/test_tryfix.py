@@ -948,5 +948,10 @@ def test_a_fix_whose_run_was_refused_a_write_failed_as_that_fix() -> None:
                                        wrote_outside=["/tmp/app.log"], confined=True)])
     fix = measured_fix(REMEDIES["loader"], ["loader"], without, refused, [1.0], without)
     assert fix.status == "failed"
-    assert fix.note.startswith("failed: refused a write to /tmp/app.log")
+    assert fix.note.startswith("failed: the script with this fix was refused a write to "
+                               "/tmp/app.log")
     assert "refused a write to /tmp/app.log" in fix_cells(fix)[-1]
+    # The runs without fixes refused it: every fix failed, and says whose run it was.
+    fix = measured_fix(REMEDIES["loader"], ["loader"], refused, without, [1.0], without)
+    assert fix.status == "failed" and fix.note.startswith(
+        "failed: the script without fixes was refused a write to /tmp/app.log")
