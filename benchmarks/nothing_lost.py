@@ -1,7 +1,8 @@
 """Issue 38's red-team classes at field scale, re-run: folders a unit test cannot hold (50,001
-files, 20,100 files, a 2.2 GiB log, made sparse or empty), each profiled as a user would, with
-the user's folder hashed before and after, gpudiag's exit code, its output searched for a
-traceback, and the processes it left. Writes a JSON record and a markdown table:
+files, 20,100 files, a 2.2 GiB log, made sparse or empty), and issue 56's (--rerun-writable
+inside the working directory, a short script's re-run refused its log), each profiled as a
+user would, with the user's folder hashed before and after, gpudiag's exit code, its output
+searched for a traceback, and the processes it left. Writes a JSON record and a markdown table:
 
     python benchmarks/nothing_lost.py --out reports/examples/nothing-lost
 
@@ -35,8 +36,11 @@ SCRIPT = """
     here = Path(__file__).resolve().parent
     action = sys.argv[1]
     for step in range(40):
-        if action == "short" and step == 4:  # fewer steps than it plans: run once more
+        if action in ("short", "short-log") and step == 4:  # fewer than it plans: run again
             break
+        if action == "short-log" and step == 0:  # its log outside its folder (/tmp/app.log)
+            with open(sys.argv[2], "a") as log:
+                log.write("start\\n")
         if step == 2:
             if action == "rotate":
                 os.makedirs("exp/out", exist_ok=True)
@@ -55,6 +59,11 @@ SCRIPT = """
                 subprocess.run(["git", "add", "-A"], check=False, capture_output=True)
             elif action == "read-up":
                 assert Path("../data/x.txt").read_text() == "beside"
+            elif action == "delete-kept":  # a file of the user's, by its absolute path
+                try:
+                    os.remove(sys.argv[2])
+                except PermissionError:
+                    pass  # refused: the run goes on
             elif action == "odd-name":
                 try:
                     open(os.fsdecode(sys.argv[2].encode() + b"/caf\\xe9.txt"), "w").write("x")
@@ -196,7 +205,10 @@ def main() -> None:
             Case("log-2.2GiB", "one 2.2 GiB train.log the script appends to"),
             root, big_log, ["--stop-after-window", "--", sys.executable, "train.py",
                             "log-and-ckpt"],
-            lambda c, o, p: c.exit_code != 0 and "refused writing outside" in o))
+            # Refused, with advice that can apply to the working directory (issue 56): the
+            # file named with the budget it is past, never --rerun-writable.
+            lambda c, o, p: c.exit_code != 0 and "train.log (2.2 GiB) is past the scratch "
+            "copy's budget" in " ".join(o.split()) and "--rerun-writable" not in o))
         cases.append(run_case(
             Case("absolute-script", "python /abs/path/train.py writing beside __file__"),
             root, lambda p: (p / "results.json").write_text("the user's"),
@@ -219,6 +231,29 @@ def main() -> None:
                              "odd-name", str(elsewhere)],
             lambda c, o, p: c.exit_code == 0 and not any(elsewhere.iterdir())
             and "caf\\xe9" in (p / "run" / "report.md").read_text()))
+
+        def kept_data(p: Path) -> None:
+            (p / "data").mkdir()
+            (p / "data" / "keep.txt").write_text("the user's")
+
+        inside = root / "rerun-writable-inside" / "proj"
+        cases.append(run_case(
+            Case("rerun-writable-inside", "--rerun-writable data (inside the working "
+                 "directory), the script deleting data/keep.txt by its absolute path"),
+            root, kept_data, ["--rerun-writable", "data", "--stop-after-window", "--",
+                              sys.executable, "train.py", "delete-kept",
+                              str(inside / "data" / "keep.txt")],
+            lambda c, o, p: c.exit_code == 2 and len(o.strip().splitlines()) == 1
+            and "it is inside the working directory" in o))
+        logs = root / "logs"
+        logs.mkdir()
+        cases.append(run_case(
+            Case("rerun-refused-log", "a short script logging to a file outside its folder: "
+                 "its re-run is refused the log"),
+            root, lambda p: None, ["--", sys.executable, "train.py", "short-log",
+                                   str(logs / "app.log")],
+            lambda c, o, p: c.exit_code == 0 and (logs / "app.log").read_text() == "start\n"
+            and "the re-run could not write" in o and "first run's results stand" in o))
 
         def copy_started(p: Path) -> Callable[[], bool]:
             return (p / "run" / "rerun" / "cwd").exists

@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import in_folder, invoke, script_run, tree_hashes
+from conftest import in_folder, invoke, script_run, script_stage, tree_hashes
 
 from gpudiag.measure import childexec as confine
 from gpudiag.measure import confine as confinement
 from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
-from gpudiag.measure.profile.launching import scratch
+from gpudiag.measure.profile.launching import scratch, session
 from gpudiag.measure.profile.launching.scratch import make_scratch
-from gpudiag.model.errors import ExitCode
+from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.results import MeasuredFix, Rerun
 from gpudiag.present.fixes import fixes_table, reruns_markdown
 
@@ -312,10 +312,47 @@ def test_a_run_in_a_copy_refused_a_write_outside_says_so_and_how_to_allow_it(
                        target])
     assert done.exit_code == 1, done.output  # the script's own failure
     said = done.stderr.replace("\n", " ")
-    assert f"refused writing outside its scratch copy ({target}" in said
-    assert "--rerun-writable" in said and not target.exists()
+    assert f"could not write {target}: refused by confinement" in said
+    assert f"--rerun-writable {target.parent} lets" in said and not target.exists()
     report = (tmp_path / "run" / "report.md").read_text()
     assert "refused outside its copy" in report and str(target) in report
+
+
+SHORT_WITH_A_LOG = """
+    import sys
+    import gpudiag
+
+    with open(sys.argv[1], "a") as log:  # its log outside its folder, as /tmp/app.log
+        log.write("start\\n")
+    for step in range(4):  # too few steps for the schedule: it is run once more
+        gpudiag.step()
+"""
+
+
+@pytest.mark.slow
+@landlock
+def test_a_short_scripts_rerun_refused_its_log_leaves_the_users_run_standing(
+        tmp_path: Path) -> None:
+    """Issue 56's most common case: a short script that logs outside its folder succeeds; its
+    re-run, confined to a copy, is refused the log and crashes. The user's run stands (exit
+    0, not 1), and the terminal and report.md say the re-run could not write it and how to
+    let it."""
+    script = tmp_path / "proj" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(SHORT_WITH_A_LOG))
+    log = tmp_path / "logs" / "app.log"
+    log.parent.mkdir()
+    with in_folder(script.parent):
+        done = invoke(["profile", "--no-plots", "--host-sample-hz", "0", "--telemetry", "off",
+                       "--out", tmp_path / "run", "--", sys.executable, "train.py", log])
+    assert done.exit_code == 0, done.output
+    said = done.stderr.replace("\n", " ")
+    assert f"the re-run could not write {log}: refused by confinement" in said
+    assert f"--rerun-writable {log.parent} lets" in said
+    assert "the first run's results stand" in said and "Traceback" not in done.output
+    assert log.read_text() == "start\n"  # the user's run's line alone
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "The re-run could not write" in report and "refused outside its copy" in report
 
 
 @pytest.mark.slow
@@ -430,3 +467,84 @@ def test_a_gate_trial_is_not_promised_a_list_of_its_writes(
     assert refusal is not None and "--unconfined-reruns" in refusal and "listed" not in refusal
     monkeypatch.setattr(confinement, "landlock_abi", lambda: 2)
     assert "listed" not in confinement.how_kept(consented, "its checkout", watched=False)
+
+
+@pytest.mark.parametrize(("given", "refused"), [
+    ("proj/data", "it is inside the working directory"),
+    ("proj/data/../data", "it is inside the working directory"),
+    ("link-to-data", "it is inside the working directory"),
+    (".", "it holds the working directory"),
+    ("outputs", None)])
+def test_a_folder_a_run_in_a_copy_may_write_is_outside_the_working_directory(
+        tmp_path: Path, given: str, refused: str | None) -> None:
+    """--rerun-writable (profile, gate, calibrate: all check it here) names a folder outside
+    the working directory: one inside it, by any spelling, is refused (issue 56: `data` let a
+    re-run delete data/keep.txt), as one holding it is; a folder beside it is allowed."""
+    (tmp_path / "proj" / "data").mkdir(parents=True)
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "link-to-data").symlink_to(tmp_path / "proj" / "data")
+    with in_folder(tmp_path / "proj"):
+        path = str(tmp_path / given)
+        if refused is None:
+            policy = confinement.confinement_policy([path], unconfined=True, isolated=None)
+            assert policy.writable == (str(tmp_path / "outputs"),)
+        else:
+            with pytest.raises(BadInput, match=refused):
+                confinement.confinement_policy([path], unconfined=True, isolated=None)
+    # Even handed one, the confined run's list leaves it out.
+    source = (tmp_path / "proj").resolve()
+    assert str(source / "data") not in confined_writable(
+        [tmp_path / "run"], source, {}, [str(source / "data")])
+
+
+@pytest.mark.parametrize(("written", "said"), [
+    ("work/proj/big.bin", "big.bin (500 bytes) is past the scratch copy's budget (100 bytes "
+     "copied, 20,000 files), so the copy links it read-only: move it out of this folder"),
+    ("work/proj/data/images/0.jpg", "data/images/ is linked whole into the scratch copy"),
+    ("work/proj/out/metrics.json", "that path is your folder's own, not the copy's"),
+    ("logs/app.log", "if {tmp}/logs holds nothing of yours, --rerun-writable {tmp}/logs lets"),
+    ("work/app.log", "{tmp}/work holds the working directory, which no run in a copy may "
+     "write")])
+def test_a_refused_write_comes_with_the_advice_that_applies_to_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str, said: str) -> None:
+    """Issue 56: a 2 GiB log in the script's own folder, past the copy's budget, was refused
+    with advice (--rerun-writable) that cannot apply to the working directory. Each refused
+    path gets what can: the file named with the budget it is past, the folder linked whole,
+    a path of the working directory's own, and the flag only for a folder it may name."""
+    monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is linked, not copied
+    monkeypatch.setattr(scratch, "DATASET_ENTRIES", 10)  # data/images is a dataset: linked
+    source, out = _user_folder(tmp_path)
+    made = make_scratch(source, out / "cwd", leave_out=out, confined=True)
+    rerun = Rerun(label="loader", source=str(source), cwd=str(made.root), confined=True,
+                  wrote_outside=[str(tmp_path / written)])
+    refused = session.refused_writes(rerun, made.why_linked)
+    assert refused is not None and refused.what.startswith(
+        f"could not write {tmp_path / written}: refused by confinement")
+    assert said.format(tmp=tmp_path) in refused.advice
+    assert ("--rerun-writable" in refused.advice) == written.startswith(("logs", "work/app"))
+    assert session.refused_writes(Rerun(label="x", source=str(source), cwd="c"),
+                                  made.why_linked) is None  # nothing refused, nothing said
+
+
+def test_a_failed_rerun_of_a_short_script_leaves_the_first_run_standing() -> None:
+    """Issue 56: a short script's re-run refused its /tmp/app.log failed, and the run it
+    replaced the user's good one with was marked failed, exit 1. The re-run's failure is its
+    own: the first run, its exit code and its stages stand, with the re-run's record and why."""
+    first = session.ProfileOutput(script_run(script_stage([1.0] * 4)), exit_code=0)
+    rerun = Rerun(label="rerun", source="/u/proj", cwd="/u/run/rerun/cwd/u/proj",
+                  wrote_outside=["/tmp/app.log"], confined=True)
+    refused = session.Refused("could not write /tmp/app.log: refused by confinement",
+                              "--rerun-writable /tmp lets the runs write it")
+    second = session.ProfileOutput(script_run(reruns=[rerun]), exit_code=1, refused=refused)
+    kept = session._kept_run(first, second)
+    assert kept is first and kept.exit_code == 0 and kept.run.stages
+    assert kept.run.reruns == [rerun]
+    line = (f"the re-run {refused.what}; the first run's results stand; "
+            "--rerun-writable /tmp lets")
+    assert any(m.startswith(line) for m in kept.messages)
+    assert any(n.startswith(line[0].upper() + line[1:]) for n in kept.run.notes)
+    # One that failed otherwise says how; one that worked, or was stopped, replaces the first.
+    crashed = session.ProfileOutput(script_run(reruns=[rerun]), exit_code=3)
+    assert "the re-run exited with code 3" in session._kept_run(first, crashed).messages[-1]
+    good = session.ProfileOutput(script_run(), exit_code=0)
+    assert session._kept_run(first, good) is good

@@ -189,6 +189,10 @@ def test_the_command_form_is_checked_before_anything_runs(tmp_path: Path) -> Non
          "--rerun-writable and --unconfined-reruns go with a COMMAND"),
         (["gate", "--base-ref", "HEAD", "--rerun-writable", "nowhere", "--", sys.executable,
           "train.py"], "--rerun-writable nowhere: not a folder"),
+        (["gate", "--base-ref", "HEAD", "--rerun-writable", ".gpudiag", "--", sys.executable,
+          "train.py"], "--rerun-writable .gpudiag: it is inside the working directory"),
+        (["calibrate", "--rerun-writable", ".gpudiag", "--", sys.executable, "train.py"],
+         "--rerun-writable .gpudiag: it is inside the working directory"),
     ]
     for argv, message in cases:
         with in_folder(repo):

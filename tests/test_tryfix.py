@@ -18,6 +18,7 @@ from conftest import in_folder, invoke, line_of, script_run, script_stage, tree_
 from gpudiag.diagnose.tryfix import (
     MAX_REORDER_GAP,
     equivalence,
+    measured_fix,
     passing,
     plan_fixes,
     ranked,
@@ -49,9 +50,9 @@ from gpudiag.model.remedies import (
     Tf32Record,
     field_of,
 )
-from gpudiag.model.results import Finding, MeasuredFix, RunResult
+from gpudiag.model.results import Finding, MeasuredFix, Rerun, RunResult
 from gpudiag.model.runfile import load_run
-from gpudiag.present.fixes import fixes_markdown
+from gpudiag.present.fixes import fix_cells, fixes_markdown
 
 # A plain training loop that reports what it sees of its own objects: the DataLoader's worker
 # count and pinning, the matmul precision, its forward's dtype. It knows nothing of gpudiag.
@@ -971,3 +972,21 @@ def test_a_sigterm_between_runs_stops_them_with_its_own_exit_code(
                               on_done=lambda out, output: None)
     assert done.interrupted and done.exit_code == 143
     assert set(done.runs) == {"without-fixes-1"} and done.unmeasured == [("no-empty-cache",)]
+
+
+def test_a_fix_whose_run_was_refused_a_write_failed_as_that_fix() -> None:
+    """Issue 56: a fix's run that crashed on a write its confinement refused (a log in /tmp)
+    is that fix's failure, said as such; the diagnosis and its exit code are not touched
+    (profiling.py sets them from interrupted runs alone)."""
+    without = script_run(script_stage([10.0] * 30))
+    refused = script_run(reruns=[Rerun(label="loader", source="/u/proj", cwd="/u/r/cwd",
+                                       wrote_outside=["/tmp/app.log"], confined=True)])
+    fix = measured_fix(REMEDIES["loader"], ["loader"], without, refused, [1.0], without)
+    assert fix.status == "failed"
+    assert fix.note.startswith("failed: the script with this fix was refused a write to "
+                               "/tmp/app.log")
+    assert "refused a write to /tmp/app.log" in fix_cells(fix)[-1]
+    # The runs without fixes refused it: every fix failed, and says whose run it was.
+    fix = measured_fix(REMEDIES["loader"], ["loader"], refused, without, [1.0], without)
+    assert fix.status == "failed" and fix.note.startswith(
+        "failed: the script without fixes was refused a write to /tmp/app.log")

@@ -118,7 +118,9 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     a, b = _main_stage(before), _main_stage(after)
     if a is None or b is None or not a.iter_ms or not b.iter_ms:
         fix.status = "failed"
-        fix.note = _why_not_measured(after, b)
+        fix.note = (_why_not_measured(after, b, "the script with this fix")
+                    if b is None or not b.iter_ms else
+                    _why_not_measured(before, a, "the script without fixes"))
         return fix
     fix.evidence = b.facts.script.remedies if b.facts.script else RemedyEvidence()
     fix.location = fix.evidence.site(names) or fix.location
@@ -401,10 +403,18 @@ def _queued_saves(evidence: RemedyEvidence) -> str:
             "checkpoint-async-contention)")
 
 
-def _why_not_measured(after: RunResult, stage: StageResult | None) -> str:
+def _why_not_measured(kept: RunResult, stage: StageResult | None, who: str) -> str:
+    """Why the run `who` names (with the fix, or the runs without) measured nothing."""
+    # A write its confinement refused (a log in /tmp) failed that run: the fix's failure,
+    # said so; the diagnosis stands.
+    refused = next((r.wrote_outside[0] for r in kept.reruns if r.confined and r.wrote_outside),
+                   None)
+    if refused is not None and not kept.interrupted:
+        return (f"failed: {who} was refused a write to {refused} (a run in a scratch copy may "
+                "write only there)")
     if stage is not None and stage.error:
-        return f"the script with this fix: {stage.error}"
-    if after.interrupted:
+        return f"{who}: {stage.error}"
+    if kept.interrupted:
         return "interrupted"
-    return "the script with this fix recorded no timed steps"
+    return f"{who} recorded no timed steps"
 

@@ -95,7 +95,7 @@ def how_kept(policy: ConfinementPolicy, where: str, *, watched: bool = True) -> 
 def confinement_policy(writable: Sequence[str], *, unconfined: bool, isolated: str | None,
                        watched: bool = True) -> ConfinementPolicy:
     """How runs away from the user's folder may write, checked before anything runs: the
-    `writable` folders (--rerun-writable) exist and hold no part of the working directory, and
+    `writable` folders (--rerun-writable) exist, outside the working directory, and
     a command whose every run is away from it (`isolated` says which and where) may run here
     at all. Starts the clock of what the user's own run writes."""
     here = Path.cwd().resolve()
@@ -106,6 +106,12 @@ def confinement_policy(writable: Sequence[str], *, unconfined: bool, isolated: s
         if here.is_relative_to(path):
             raise BadInput(f"--rerun-writable {folder}: it holds the working directory, "
                            "whose files a run in a copy must not change")
+        if path.is_relative_to(here):
+            # A run in a copy or checkout has its own of it, where its relative writes land
+            # already; allowing the user's would let it change the very files it is kept off.
+            raise BadInput(f"--rerun-writable {folder}: it is inside the working directory, "
+                           "whose files a run in a copy must not change (its writes there "
+                           "land in the copy's own); name a folder outside it")
     policy = ConfinementPolicy(unconfined=unconfined,
                                writable=tuple(str(Path(f).resolve()) for f in writable),
                                written_since=time.time())
@@ -153,7 +159,10 @@ def confined_writable(own: Sequence[Path], source: Path, env: dict[str, str],
         # now, empty, as a folder beneath it could not be allowed before it exists.
         with contextlib.suppress(OSError):
             cache.mkdir(parents=True, exist_ok=True)
-    places = [*own, Path("/dev"), Path("/proc"), *caches, *(Path(p) for p in allowed)]
+    places = [*own, Path("/dev"), Path("/proc"), *caches]
+    # The user's folders: never one inside `source` either (confinement_policy refused it).
+    users = [Path(os.path.realpath(p)) for p in allowed]
+    places += [p for p in users if not p.is_relative_to(source)]
     writable = []
     for place in places:
         real = Path(os.path.realpath(place))

@@ -40,7 +40,8 @@ class ExitCode(IntEnum):
         "machine; no such device; an unusable or occupied `--out`; a file gpudiag would "
         "overwrite; a run.json that does not fit the schema or contradicts itself; incomparable "
         "runs (other workload, precision, GPU, driver or torch); the same run on both sides; an "
-        "interrupted baseline; a command `profile` cannot start")
+        "interrupted baseline; a command `profile` cannot start; a `--rerun-writable` folder "
+        "inside the working directory or holding it")
     INCONCLUSIVE = 3, (
         "the gate is undecided under `--on-inconclusive fail`: it says what it could not see "
         "and how many trials would tell")

@@ -113,6 +113,27 @@ class Scratch:
             return arg  # not in the copy, or only linked there: the user's own path
         return f"{head}{equals}{copy}"
 
+    def why_linked(self, path: str) -> str | None:
+        """Why `path` (one of the user's, which a confined re-run was refused writing) is
+        only linked into the copy, read-only, with what the user can do about it; None for a
+        path outside the working directory (--rerun-writable can allow its folder)."""
+        target = Path(path)
+        if not target.is_relative_to(self.source):
+            return None
+        for linked, key in self.linked.items():
+            if linked == target and key is not None:
+                return (f"{shown(linked.relative_to(self.source))} ({_size(key[1])}) is past "
+                        f"the scratch copy's budget ({_size(MAX_COPY_BYTES)} copied, "
+                        f"{MAX_COPY_FILES:,} files), so the copy links it read-only: "
+                        "move it out of this folder (or have the script start a new one) and "
+                        "each run writes its own")
+            if target.is_relative_to(linked) and key is None:
+                return (f"{shown(linked.relative_to(self.source))}/ is linked whole into the "
+                        "scratch copy, read-only (version control, an environment, or a "
+                        f"folder of more than {DATASET_ENTRIES:,} entries): have the script "
+                        "write its outputs to a folder of their own")
+        return None
+
     def finish(self, label: str, parts_dir: Path) -> Rerun:
         """The re-run's record: linked files that changed, what it wrote outside; the copies
         it left unchanged removed."""
@@ -139,6 +160,14 @@ class Scratch:
         for path in reversed(self.dirs):
             with contextlib.suppress(OSError):  # not empty: the re-run wrote there
                 path.rmdir()
+
+
+def _size(count: int) -> str:
+    """Bytes as a reader says them: 2.2 GiB, 40 MiB, 500 bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:,.1f} {unit}".replace(".0 ", " ")
+    return f"{count:,} bytes"
 
 
 def _stat_key(path: Path) -> Key | None:

@@ -60,7 +60,7 @@ from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import BadInput
 from gpudiag.model.profilepart import WindowTrace
 from gpudiag.model.remedies import DIAGNOSIS_RUN
-from gpudiag.model.results import Env, RunResult, StageResult
+from gpudiag.model.results import Env, Rerun, RunResult, StageResult
 from gpudiag.model.runfile import RunFileError
 
 # The folder whose sitecustomize.py installs the recorder in every Python process the command
@@ -83,6 +83,16 @@ class ProfileOutput:
     run: RunResult
     exit_code: int  # the command's (130/143 when gpudiag was interrupted)
     messages: list[str] = field(default_factory=list)
+    refused: Refused | None = None  # a confined re-run that failed, refused a write
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A write a confined re-run was refused, as the line that says why it failed: `what`
+    ("could not write PATH: refused by confinement ..."), and the `advice` that applies."""
+
+    what: str
+    advice: str
 
 
 def child_env(parts: Path, out: Path, config: ProfileConfig) -> dict[str, str]:
@@ -451,8 +461,9 @@ def profile_command(request: ProfileRequest,
             on_rerun(note)
         try:
             if refused is None:
-                output = _isolated(request.out, request.out / RERUN_DIR / SCRATCH_DIR,
-                                   RERUN_DIR, fitted, on_window, request.policy)
+                output = _kept_run(output, _isolated(
+                    request.out, request.out / RERUN_DIR / SCRATCH_DIR, RERUN_DIR, fitted,
+                    on_window, request.policy))
         except ScratchError as exc:
             note = f"{short}, too few for a profiler window; {exc}"
             announced = False
@@ -504,15 +515,56 @@ def _isolated(out: Path, top: Path, label: str, config: ProfileConfig,
     finally:
         rerun = scratch.finish(label, out / PARTS_DIR)
     output.run.reruns.append(rerun)
-    if rerun.confined and rerun.wrote_outside and output.exit_code != 0 \
-            and not output.run.interrupted:
-        refused = (f"it was refused writing outside its scratch copy ({rerun.wrote_outside[0]}"
-                   f"{' and more' if len(rerun.wrote_outside) > 1 else ''}): a run in a copy "
-                   "may write only there, so no file of yours changes. If that folder holds "
-                   "nothing of yours, --rerun-writable FOLDER lets the runs write it")
+    if output.exit_code != 0 and not output.run.interrupted:
+        output.refused = refused_writes(rerun, scratch.why_linked)
+    if output.refused is not None:
+        refused = f"it {output.refused.what}; {output.refused.advice}"
         output.messages.append(f"{label}: {refused}")
-        output.run.notes.append(f"The run {label} failed; {refused}.")
+        output.run.notes.append(f"The run {label} failed: {refused}.")
     return output
+
+
+def _kept_run(first: ProfileOutput, second: ProfileOutput) -> ProfileOutput:
+    """A short script's re-run's output; or, where the re-run failed on its own (most often a
+    write its confinement refused: a log in /tmp), the first run's, which succeeded and is the
+    user's own: it stands, with its exit code, the re-run's record and a line saying why the
+    re-run does not count."""
+    if second.exit_code == 0 or second.run.interrupted:
+        return second
+    refused = second.refused
+    line = (f"the re-run {refused.what if refused else f'exited with code {second.exit_code}'}"
+            "; the first run's results stand" + (f"; {refused.advice}" if refused else ""))
+    first.run.reruns += second.run.reruns
+    first.run.notes.append(f"{line[0].upper()}{line[1:]}.")
+    first.messages.append(line)
+    return first
+
+
+def refused_writes(rerun: Rerun, why_linked: Callable[[str], str | None]) -> Refused | None:
+    """Why a confined re-run failed, where it was refused a write: what it could not write,
+    and the advice that applies: a file of the working directory the copy only links
+    (`why_linked` says why, and what to do), else the folder --rerun-writable would allow
+    where that flag may name it. None when nothing was refused."""
+    if not (rerun.confined and rerun.wrote_outside):
+        return None
+    first = rerun.wrote_outside[0]
+    more = " and more" if len(rerun.wrote_outside) > 1 or rerun.more_outside else ""
+    said = (f"could not write {first}{more}: refused by confinement (a run in a copy may "
+            "write only there, so no file of yours changes)")
+    return Refused(said, why_linked(first) or _where_instead(Path(first).parent, rerun.source))
+
+
+def _where_instead(folder: Path, source: str) -> str:
+    """What to do about a refused write into `folder`, which the copy does not link: only a
+    folder outside the working directory (`source`) can be allowed (--rerun-writable)."""
+    if folder.is_relative_to(source):
+        return ("that path is your folder's own, not the copy's: have the script write by a "
+                "path relative to its working directory")
+    if Path(source).is_relative_to(folder):
+        return (f"{folder} holds the working directory, which no run in a copy may write: "
+                "have the script write in a folder of its own and allow that one with "
+                "--rerun-writable FOLDER")
+    return f"if {folder} holds nothing of yours, --rerun-writable {folder} lets the runs write it"
 
 
 def _profile_once(out: Path, config: ProfileConfig,
