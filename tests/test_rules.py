@@ -30,6 +30,7 @@ from gpudiag.model.facts import (
     LoaderEpoch,
     LoaderFacts,
     LoaderUse,
+    MemoryTimeline,
     OptimizerFacts,
     SaveRecord,
     ScriptFacts,
@@ -340,6 +341,41 @@ def gd204(*, restart_ms: float = 30.0, passes: int = 15, persistent: bool = Fals
     facts = StageFacts(script=ScriptFacts(steps=steps, warmup=5, timed=30,
                                           step_clock="optimizer.step()", timeline=timeline,
                                           loaders=[use]))
+    return make_run(make_stage("train.py", facts=facts))
+
+
+def gd403(*, per_step: float, steps: int = 60, device: str = "cuda", every: int = 1,
+          jump_at: int | None = None, planned: int | None = None,
+          total_mib: float = 80_000.0) -> RunResult:
+    """A run whose memory at each step's end grows `per_step` MiB every `every` steps past
+    step 2 (the optimizer's state made at step 1), from 2 GiB; `jump_at`: one step that
+    grows 500 MiB once instead (a cache filled once); gpudiag's window at steps 35-37 adds
+    300 MiB of its own buffers that stay."""
+    series, now = [], 1024.0
+    for i in range(steps):
+        if i == 1:
+            now += 1024.0  # the optimizer's state, made at its first step
+        if i > 2 and jump_at is None and i % every == 0:
+            now += per_step * every
+        if jump_at is not None and i == jump_at:
+            now += 500.0
+        if i == 36:
+            now += 300.0
+        series.append(now)
+    memory = MemoryTimeline(
+        device=device,  # type: ignore[arg-type]
+        allocated_mib=series if device == "cuda" else [],
+        reserved_mib=[m + 512 for m in series] if device == "cuda" else [],
+        peak_mib=[m + 256 for m in series] if device == "cuda" else [],
+        resident_mib=[m + 3000 for m in series],
+        device_total_mib=total_mib if device == "cuda" else None,
+        host_total_mib=total_mib if device == "cpu" else None)
+    timeline = StepTimeline(step_ms=[STEP_MS] * steps, steps=steps,
+                            total_ms=STEP_MS * steps, window_start=35, window_end=37,
+                            planned_steps=planned)
+    facts = StageFacts(script=ScriptFacts(steps=steps, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", timeline=timeline,
+                                          memory=memory))
     return make_run(make_stage("train.py", facts=facts))
 
 
@@ -775,6 +811,10 @@ CASES: dict[str, Case] = {
     "GD402": Case(P(gd402, frees=0.5), "train", "warning",
                   {"frees_per_step": 0.5, "free_ms_per_step": 5.0},
                   (P(gd402, frees=0.49),)),
+    "GD403": Case(P(gd403, per_step=64.0 / 50), "train.py", "warning",
+                  {"series": "allocated", "mib_per_step": 1.28, "steps_counted": 50},
+                  (P(gd403, per_step=63.0 / 50), P(gd403, per_step=0.0, jump_at=20),
+                   P(gd403, per_step=8.0, steps=15))),
     "GD501": Case(P(gd501, thermal=0.1), "train-fp16", "warning",
                   {"throttle_share": {"hw_slowdown": 0.1, "power_cap": 0.0}},
                   (P(gd501, thermal=0.099),)),
@@ -940,6 +980,24 @@ def test_rule_near_miss(code: str, index: int) -> None:
 
 
 # Rule-specific behaviour beyond the threshold pairs.
+
+
+def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_plan() -> None:
+    """131 MB of logits kept a step (the issue's fine-tuning script) on an 80 GB device: the
+    rate, what is held now, and the steps left; critical where those come before the steps
+    the run plans, found on a leak every 10 steps too, and on a CPU's resident set."""
+    (f,) = findings_of("GD403", gd403(per_step=125.0, planned=100_000))
+    assert f.severity == "critical" and f.evidence["mib_per_step"] == pytest.approx(125.0)
+    now = f.evidence["now_mib"]
+    assert f.evidence["steps_left"] == pytest.approx((80_000 - now) / 125.0, abs=1)
+    assert "the GPU runs out in ~" in f.title and "plans 100,000 steps" in f.title
+    (f,) = findings_of("GD403", gd403(per_step=125.0, planned=200))
+    assert f.severity == "warning"
+    (f,) = findings_of("GD403", gd403(per_step=20.0, every=10))
+    assert f.evidence["mib_per_step"] == pytest.approx(20.0, rel=0.25)
+    (f,) = findings_of("GD403", gd403(per_step=4.0, device="cpu"))
+    assert f.evidence["series"] == "resident" and "resident set" in f.title
+    assert "the machine runs out" in f.title
 
 
 @pytest.mark.parametrize(("share", "severity"), [

@@ -1,16 +1,21 @@
-"""GD4xx, device memory: memory pressure and allocator churn."""
+"""GD4xx, memory: pressure, growth and allocator churn."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
-from gpudiag.model.results import RunResult
+from gpudiag.model.facts import MemoryTimeline
+from gpudiag.model.results import RunResult, StageResult
 
 RESERVED_WARNING, FRAGMENTATION = 0.90, 0.20
 MIN_FREES = 0.5
+# Growth: over at least GROWTH_MIN_STEPS steps' changes (gpudiag's window apart), at least
+# GROWTH_MIN_MIB in all, in each half at least GROWTH_HALF of it (a leak, not one jump).
+GROWTH_MIN_STEPS, GROWTH_MIN_MIB, GROWTH_HALF, GROWTH_SKIP = 10, 64.0, 0.25, 3
 
 
 @rule(
@@ -97,4 +102,125 @@ def empty_cache_in_loop(run: RunResult) -> Iterator[Draft]:
                                "free's device sync come on top (at most: with the step's GPU "
                                "idle share); --try-fixes measures it"},
             fix="Delete the torch.cuda.empty_cache() call from the step.",
+        )
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Memory that grows step after step."""
+
+    series: str  # "allocated" (CUDA's tensors) or "resident" (the process, on a CPU)
+    mib: float  # grown over the counted steps
+    steps: int  # step changes counted
+    first: int  # the first step counted
+    now_mib: float  # at the last step listed
+    limit_mib: float | None  # what it runs into: the device, or the host's memory
+
+    @property
+    def mib_per_step(self) -> float:
+        return self.mib / self.steps
+
+    @property
+    def steps_left(self) -> float | None:
+        if self.limit_mib is None or self.mib <= 0:
+            return None
+        return max(0.0, self.limit_mib - self.now_mib) / self.mib_per_step
+
+
+def growth(memory: MemoryTimeline, warmup: int,
+           window: tuple[int | None, int | None]) -> Growth | None:
+    """The step-to-step changes of what tensors hold (CUDA) or of the process (a CPU), from
+    the end of gpudiag's warm-up (and at least GROWTH_SKIP steps: an optimizer creates its
+    state at its first step) on, less those into and out of gpudiag's profiler window (its
+    buffers); a leak when they add up to GROWTH_MIN_MIB and each half of them holds at least
+    GROWTH_HALF of it (growth that goes on, not a cache filled once)."""
+    cuda = memory.device == "cuda"
+    series = memory.allocated_mib if cuda else memory.resident_mib
+    first = max(warmup, GROWTH_SKIP)
+    start, end = window
+    skipped = set() if start is None else set(range(start, (end or start) + 2))
+    changes = [series[i] - series[i - 1] for i in range(first + 1, len(series))
+               if i not in skipped]
+    if len(changes) < GROWTH_MIN_STEPS:
+        return None
+    total = sum(changes)
+    half = len(changes) // 2
+    if total < GROWTH_MIN_MIB or min(sum(changes[:half]), sum(changes[half:])) \
+            < GROWTH_HALF * total:
+        return None
+    return Growth(series="allocated" if cuda else "resident", mib=total, steps=len(changes),
+                  first=first, now_mib=series[-1],
+                  limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
+
+
+def _step_s(stage: StageResult) -> float | None:
+    return stage.ms_per_iter / 1e3 if stage.ms_per_iter else None
+
+
+def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
+    left = found.steps_left
+    if left is None:
+        return "how much memory is left is unknown"
+    step_s = _step_s(stage)
+    when = f", ~{left * step_s / 60:,.0f} min at this pace" if step_s else ""
+    where = "the GPU" if found.series == "allocated" else "the machine"
+    plan = f" (the run plans {planned:,} steps)" if planned else ""
+    return f"{where} runs out in ~{left:,.0f} more steps{when}{plan}"
+
+
+@rule(
+    "GD403", "memory-growth", concern="memory",
+    summary="Memory that grows step after step: tensors kept from every step.",
+    why=("A training step's memory is the same every step once the optimizer has made its "
+         "state: what grows is kept by the script, most often a list of each step's outputs or "
+         "losses (with their autograd graphs, when not detached). It ends in an out-of-memory "
+         "error hours into the run, or in a smaller batch than the GPU could hold."),
+    fix=("Keep what you log as Python numbers or detached, reduced tensors (loss.detach(), or "
+         ".item() every N steps); keep only what the end-of-run metric needs (a running sum, a "
+         "slice), on the CPU if it must be kept whole."),
+    prices=NoPart("a risk of running out of memory, not time"),
+    thresholds=(Threshold("min_growth_mib", GROWTH_MIN_MIB,
+                          "grown at least 64 MiB over the steps counted"),
+                Threshold("min_steps", GROWTH_MIN_STEPS,
+                          "at least 10 step-to-step changes counted"),
+                Threshold("half_share", GROWTH_HALF,
+                          "each half of the steps holds a quarter of the growth: it goes on"),
+                Threshold("skipped_steps", GROWTH_SKIP,
+                          "the first steps make the optimizer's state: not counted")),
+    references=("https://pytorch.org/docs/stable/torch_cuda_memory.html",
+                "https://pytorch.org/docs/stable/notes/faq.html"
+                "#my-model-reports-cuda-runtime-error-2-out-of-memory"),
+)
+def memory_growth(run: RunResult) -> Iterator[Draft]:
+    """What tensors hold on the device (a CPU run: the process's resident set) grows step
+    after step past the warm-up: a warning, critical where the device runs out before the
+    steps the run plans."""
+    for stage in run.ok_stages():
+        script = stage.facts.script
+        if script is None or script.memory is None:
+            continue
+        timeline = script.timeline
+        window = (timeline.window_start, timeline.window_end) if timeline else (None, None)
+        found = growth(script.memory, script.warmup, window)
+        if found is None:
+            continue
+        planned = timeline.planned_steps if timeline else None
+        left = found.steps_left
+        dies = left is not None and planned is not None and \
+            len(script.memory.resident_mib) + left < planned
+        held = "on the GPU" if found.series == "allocated" else \
+            "in the process (its resident set; torch keeps no CPU count)"
+        yield Draft(
+            severity="critical" if dies else "warning", stage=stage.name,
+            title=(f"Memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
+                   f"+{found.mib:,.0f} MiB over {found.steps} steps, "
+                   f"{found.now_mib:,.0f} MiB now; {_runs_out(found, stage, planned)}"),
+            impact=0.0,
+            evidence={"series": found.series, "mib_per_step": round(found.mib_per_step, 2),
+                      "grown_mib": round(found.mib, 1), "steps_counted": found.steps,
+                      "from_step": found.first, "now_mib": round(found.now_mib, 1),
+                      "limit_mib": found.limit_mib,
+                      "steps_left": None if left is None else round(left)},
+            fix=("Find what keeps each step's tensors (a list appended every step, a running "
+                 "total that keeps its graph) and keep numbers or detached slices instead."),
         )

@@ -424,6 +424,28 @@ class ConvLayout:
 
 
 @dataclass
+class MemoryTimeline:
+    """The script's memory at each step's end, every step the timeline lists (cheap counters:
+    gpudiag/measure/profile/inscript/watches/memory.py). On CUDA the caching allocator's bytes
+    held by tensors, bytes it reserved from the driver, and the highest held so far (the
+    allocator's own peak, never reset: the script may read it); on any device the process's
+    resident set. Fewer entries than the timeline's steps: the run's end came mid-step."""
+
+    device: Literal["cuda", "cpu"]
+    allocated_mib: list[float] = field(default_factory=list)  # CUDA: held by tensors now
+    reserved_mib: list[float] = field(default_factory=list)  # CUDA: the allocator's segments
+    peak_mib: list[float] = field(default_factory=list)  # CUDA: highest allocated so far
+    resident_mib: list[float] = field(default_factory=list)  # the process's resident set
+    device_total_mib: float | None = None
+    host_total_mib: float | None = None  # the machine's physical memory
+    # The allocator's counters at the run's end (torch.cuda.memory_stats): cudaMalloc retries
+    # after freeing its cache, and out-of-memory errors it raised.
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    note: str = ""  # what this device cannot tell
+
+
+@dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
 
@@ -448,6 +470,7 @@ class ScriptFacts:
     fsdp: FsdpFacts | None = None  # FSDP2's units (fully_shard), where the script shards
     debug: list[DebugSetting] = field(default_factory=list)  # debug settings on while stepping
     conv_layout: ConvLayout | None = None  # the first Conv2d's input (None: no convolution)
+    memory: MemoryTimeline | None = None  # each step's memory (None: a run before it was read)
     # (warm-up, timed, profiled) when the recorder fitted its schedule to the steps the script
     # planned (timeline.planned_steps), fewer than the asked schedule needs: one run, no re-run.
     fitted_schedule: tuple[int, int, int] | None = None

@@ -51,9 +51,15 @@ from gpudiag.measure.telemetry import open_sampler
 from gpudiag.measure.timed_window import Window, fill_timed
 from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import GPM_PERIOD_S, SAMPLE_PERIOD_S, ProfileConfig
-from gpudiag.model.facts import HostSamples, ScriptFacts, StageFacts, StepTimeline
+from gpudiag.model.facts import (
+    HostSamples,
+    MemoryTimeline,
+    ScriptFacts,
+    StageFacts,
+    StepTimeline,
+)
 from gpudiag.model.profilepart import ProfilePart, WindowTrace
-from gpudiag.model.results import Env, StageResult, TimingStats
+from gpudiag.model.results import Env, MemoryStats, StageResult, TimingStats
 
 NO_GPM_PERIOD_S = 1e9
 MAX_STEPS = 100_000  # steps recorded at most: bounds the event list of a long run
@@ -399,7 +405,8 @@ class Recorder:
             return result
         window = Window(warmup_ms=warmup_ms, iter_ms=timed,
                         timer="cuda-events" if self.cuda else "host-clock",
-                        telemetry=self.telemetry or result.telemetry, phases_ms=draft.phases_ms)
+                        telemetry=self.telemetry or result.telemetry, phases_ms=draft.phases_ms,
+                        memory=_device_peaks(draft.script.memory))
         status = result.status
         fill_timed(result, window, samples_per_step=self.config.samples_per_step or
                    draft.samples_per_step)
@@ -523,6 +530,15 @@ def _rank() -> tuple[int | None, int]:
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
     return (int(rank) if rank is not None and rank.isdigit() else None,
             int(os.environ.get("WORLD_SIZE", "1") or 1))
+
+
+def _device_peaks(memory: MemoryTimeline | None) -> MemoryStats | None:
+    """The stage's device memory summary (the run table's peak) from its per-step counters."""
+    if memory is None or memory.device != "cuda" or not memory.peak_mib:
+        return None
+    return MemoryStats(peak_allocated_mib=max(memory.peak_mib),
+                       peak_reserved_mib=max(memory.reserved_mib),
+                       device_total_mib=memory.device_total_mib)
 
 
 def _stage_name() -> str:

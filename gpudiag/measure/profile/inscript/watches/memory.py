@@ -1,0 +1,110 @@
+"""The script's memory at each step's end: on CUDA the caching allocator's counters (bytes held
+by tensors, bytes reserved from the driver, the highest held so far), on any device the
+process's resident set. Cheap enough for every step (a few microseconds: counters the allocator
+keeps, and one read of /proc/self/statm), so growth shows over the whole run, not only the
+profiler window. Never changes what the script can read: the allocator's peak is not reset
+(a script or its framework may report it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from gpudiag.measure.profile.inscript.timeline import TIMELINE_STEPS
+from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
+from gpudiag.model.facts import MemoryTimeline
+
+_MIB = 1024 * 1024
+_STATM = Path("/proc/self/statm")
+CPU_NOTE = ("on a CPU torch's allocator keeps no count of its own: the process's resident set "
+            "stands in (it holds Python's and every library's memory too)")
+
+
+def _open_statm() -> int | None:
+    try:
+        return os.open(_STATM, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+_PAGE_MIB = os.sysconf("SC_PAGE_SIZE") / _MIB if hasattr(os, "sysconf") else 4096 / _MIB
+
+
+def resident_mib(statm: int | None) -> float:
+    """The process's resident set now, from `statm` held open (Linux: a pread of a few
+    microseconds), or its highest so far where only that is known (getrusage: KiB on Linux,
+    bytes on macOS)."""
+    if statm is not None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(os.pread(statm, 128, 0).split()[1]) * _PAGE_MIB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / _MIB if sys.platform == "darwin" else peak / 1024
+
+
+def _host_total_mib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PHYS_PAGES") * _PAGE_MIB, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class MemoryWatch(Watch):
+    """Each step's memory, read at its boundary."""
+
+    label = "memory"
+
+    def __init__(self, clock: StepClock) -> None:
+        super().__init__(clock)
+        self.allocated: list[float] = []
+        self.reserved: list[float] = []
+        self.peak: list[float] = []
+        self.resident: list[float] = []
+        self.cuda = False
+        self.statm = _open_statm()
+
+    def step_ended(self) -> None:
+        if len(self.resident) >= TIMELINE_STEPS:
+            return
+        # CUDA in use: the allocator has been initialised by the script (reading it otherwise
+        # would initialise CUDA in a CPU script's process).
+        if not self.cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda = torch.cuda.memory_reserved() > 0
+            if self.cuda:  # earlier steps held nothing on the device
+                zeros = [0.0] * len(self.resident)
+                self.allocated, self.reserved, self.peak = zeros, list(zeros), list(zeros)
+        if self.cuda:
+            self.allocated.append(round(torch.cuda.memory_allocated() / _MIB, 1))
+            self.reserved.append(round(torch.cuda.memory_reserved() / _MIB, 1))
+            self.peak.append(round(torch.cuda.max_memory_allocated() / _MIB, 1))
+        self.resident.append(round(resident_mib(self.statm), 1))
+
+    def fill(self, draft: StageDraft) -> None:
+        listed = len(draft.timeline.step_ms)
+        if not self.resident:
+            return
+        memory = MemoryTimeline(device="cuda" if self.cuda else "cpu",
+                                allocated_mib=self.allocated[:listed],
+                                reserved_mib=self.reserved[:listed],
+                                peak_mib=self.peak[:listed],
+                                resident_mib=self.resident[:listed],
+                                host_total_mib=_host_total_mib())
+        if self.cuda:
+            stats = torch.cuda.memory_stats()
+            memory.alloc_retries = int(stats.get("num_alloc_retries", 0))
+            memory.ooms = int(stats.get("num_ooms", 0))
+            memory.device_total_mib = round(
+                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                / _MIB, 1)
+        else:
+            memory.note = CPU_NOTE + ("" if self.statm is not None else
+                                      "; on this system only its highest so far")
+        draft.script.memory = memory
+
+
+WATCH = MemoryWatch
