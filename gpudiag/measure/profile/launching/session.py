@@ -395,6 +395,8 @@ def bootstrap_failures(parts_dir: Path) -> list[str]:
 
 
 def _clear(parts_dir: Path) -> None:
+    if parts_dir.is_symlink():  # planted by an earlier confined run: gpudiag's is a folder
+        parts_dir.unlink()
     parts_dir.mkdir(parents=True, exist_ok=True)
     for pattern in (protocol.PART_GLOB, protocol.BOOTSTRAP_ERROR_GLOB,
                     protocol.WINDOW_DONE_GLOB, protocol.WINDOW_FILES_GLOB,
