@@ -79,10 +79,10 @@ def prepare_run_dir(out: Path | None, default: Path, *, force: bool = False) -> 
     """The run's own directory, created empty: `out` when given (an existing non-empty one only
     with `force`, and only if gpudiag made it for a run), else a fresh `default`."""
     where = out or default
-    out = named_by_user(out) if out is not None else None
     try:
         if out is None:
             return _make_fresh(default, unique=True)
+        out = named_by_user(out)
         if out.exists() and not out.is_dir():
             raise BadInput(f"--out {out}: exists and is not a directory")
         if out.is_dir() and any(out.iterdir()):
