@@ -19,6 +19,7 @@ from gpudiag.model.atomic import (
     LINKED_FOLDER,
     atomic_file,
     fresh_stream,
+    own_folder,
     write_bytes_atomic,
     write_text_atomic,
 )
@@ -196,3 +197,16 @@ def test_a_parts_folder_planted_as_a_link_is_replaced_not_emptied(tmp_path: Path
     assert user.read_bytes() == USERS
     assert parts.is_dir() and not parts.is_symlink()
     assert list(parts.iterdir()) == []
+
+
+def test_gpudiags_own_subfolders_replace_a_planted_link(tmp_path: Path) -> None:
+    """fixes/ -> ~/project left by a diagnosis run (it could write the run folder): the fix
+    runs' folder fixes/<label>/ is made in a folder of gpudiag's, not in the user's."""
+    user = _user_file(tmp_path)
+    run_dir = tmp_path / "run"
+    _plant(run_dir / "fixes", user.parent)
+    made = own_folder(own_folder(run_dir / "fixes") / "compile")
+    assert made == run_dir / "fixes" / "compile" and made.is_dir()
+    assert not (run_dir / "fixes").is_symlink()
+    assert [p.name for p in user.parent.iterdir()] == ["ckpt.pt"]
+    assert user.read_bytes() == USERS

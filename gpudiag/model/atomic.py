@@ -39,6 +39,16 @@ def named_by_user(path: Path) -> Path:
     return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
+def own_folder(path: Path) -> Path:
+    """`path`, a folder gpudiag makes in a run folder (parts/, fixes/<label>/, rerun/), made
+    where missing. A link there is none of gpudiag's (a run that could write the run folder
+    planted it): it is removed, so nothing is written, or cleared, where it points."""
+    if path.is_symlink():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to a new file beside `path`, then rename it over `path`."""
     write_bytes_atomic(path, text.encode())
