@@ -1,13 +1,14 @@
 """Every file gpudiag writes goes through here (tests/test_architecture.py holds the rest of
-gpudiag to it). A file is made under a fresh name nobody could have planted (O_CREAT|O_EXCL|
-O_NOFOLLOW in its folder) and renamed over its final name: a reader (or a Ctrl-C) sees the old
-file or the new one, never half; and a symbolic link at the name is replaced, never written
-through (rename(2) replaces the link itself). A run folder may hold what a confined re-run, a
-profiled script or whoever made it (a CI artifact) put there, and gpudiag is not confined: a
-link `samples.csv -> ~/project/ckpt.pt` must not make it truncate the user's checkpoint.
+gpudiag to it, and lists the few exceptions with why). A file is made under a fresh name
+nobody could have planted (O_CREAT|O_EXCL|O_NOFOLLOW in its folder) and renamed over its final
+name: a reader (or a Ctrl-C) sees the old file or the new one, never half; and a symbolic link
+at the name is replaced, never written through (rename(2) replaces the link itself). A run
+folder may hold what a confined re-run, a profiled script or whoever made it (a CI artifact)
+put there, and gpudiag is not confined: a link `samples.csv -> ~/project/ckpt.pt` must not
+make it truncate the user's checkpoint.
 
 The folder itself is opened without following a link either: gpudiag writes into no folder
-that is a symbolic link (`parts -> ~/project`). That is ELOOP, an OSError naming the folder,
+that is a symbolic link (`parts -> ~/project`). That is ELOOP, an OSError naming the file,
 which the command line says in one line with exit 2 (a path it cannot write). A link the user
 names (`--out latest`, `report latest`, a `--markdown` file in a linked folder, a linked
 `.gpudiag/`) is theirs: `named_by_user` resolves it before anything is written."""
