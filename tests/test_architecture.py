@@ -182,6 +182,9 @@ DIRECT_WRITES_ALLOWED = {
     ("gpudiag/measure/telemetry/worker.py", "open"): "its rows file, which mkstemp made",
     ("gpudiag/measure/stages/checkpoint.py", "open"): "the measured save itself, in a folder "
                                                       "mkdtemp made for the stage",
+    ("gpudiag/measure/stages/checkpoint.py", "save"): "torch.save, measured, in that folder",
+    ("gpudiag/measure/profile/inscript/recorder.py", "touch"): "the script's own process marks "
+                                                               "a window done (never truncates)",
     ("gpudiag/measure/gatejob.py", "copy2"): "untracked files into a worktree gpudiag made",
     ("gpudiag/measure/profile/launching/scratch.py", "open"): "a scratch copy's file, made "
                                                               "with O_EXCL ('xb')",
@@ -189,14 +192,14 @@ DIRECT_WRITES_ALLOWED = {
     ("gpudiag/measure/profile/inscript/bootstrap/sitecustomize.py", "write_text"):
         "standard library only (gpudiag may not import): the process's own pid-named file",
 }
-_WRITE_METHODS = {"write_text", "write_bytes"}
+_WRITE_METHODS = {"write_text", "write_bytes", "touch"}
 _COPIES = {"copy", "copy2", "copyfile", "copytree"}
 
 
 def _direct_writes(path: Path) -> list[tuple[int, str]]:
     """Calls that write a file by path: `.write_text(`, `.write_bytes(`, `.to_csv(path)`,
     `.savefig(x)` where x is not a file `atomic_file` opened, `open(..., "w"/"a"/"x"/"+")`
-    and `.open` alike, `shutil.copy*`."""
+    and `.open` alike, `shutil.copy*`, `torch.save`, `.touch()`."""
     tree = ast.parse(path.read_text())
     atomic_names = {item.optional_vars.id for n in ast.walk(tree) if isinstance(n, ast.With)
                     for item in n.items if isinstance(item.optional_vars, ast.Name)
@@ -216,16 +219,17 @@ def _direct_writes(path: Path) -> list[tuple[int, str]]:
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         first = node.args[0] if node.args else None
+        owner = getattr(func.value, "id", "") if isinstance(func, ast.Attribute) else ""
         if ((name in _WRITE_METHODS and isinstance(func, ast.Attribute))
-                or (name == "to_csv" and (node.args or (node.keywords and any(
-                    k.arg == "path_or_buf" for k in node.keywords))))
+                or (name == "to_csv" and (node.args or any(k.arg == "path_or_buf"
+                                                            for k in node.keywords)))
                 or (name == "savefig" and not (isinstance(first, ast.Name)
                                                and first.id in atomic_names))
                 or (name == "open" and isinstance(func, ast.Name) and writes_mode(node, 1))
                 or (name == "open" and isinstance(func, ast.Attribute)
-                    and getattr(func.value, "id", "") != "os" and writes_mode(node, 0))
-                or (name in _COPIES and getattr(func.value if isinstance(func, ast.Attribute)
-                                                 else None, "id", "") == "shutil")):
+                    and owner != "os" and writes_mode(node, 0))
+                or (name in _COPIES and owner == "shutil")
+                or (name == "save" and owner == "torch")):
             found.append((node.lineno, name))
     return found
 
@@ -249,7 +253,7 @@ def test_the_direct_write_check_sees_each_spelling(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
         'p.write_text("x")\nopen(p, "a")\np.open("wb")\ndf.to_csv(p)\nfig.savefig(p)\n'
-        'shutil.copy2(a, b)\n'
+        'shutil.copy2(a, b)\ntorch.save(state, p)\np.touch()\n'
         'open(p)\np.open()\ntext = df.to_csv()\nos.open(p, flags)\n'
         'with atomic_file(p) as fh:\n    fig.savefig(fh)\n')
-    assert [line for line, _name in _direct_writes(sample)] == [1, 2, 3, 4, 5, 6]
+    assert [line for line, _name in _direct_writes(sample)] == [1, 2, 3, 4, 5, 6, 7, 8]
