@@ -25,6 +25,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# Names in the run folder that a confined run links to the user's checkpoint: what gpudiag
+# writes there after it (and the plots' old predictable temporary name).
+PLANTED = ("run.json", "samples.csv", "trace.json", "report.md", ".step-times.png.tmp")
 # A script that does to its folder what the red team's did: rotates checkpoints, appends to
 # its log, overwrites a checkpoint, writes beside __file__, runs git, reads ../data, writes a
 # file whose name is not UTF-8 outside its folder. It runs STEPS steps; gpudiag stops it early.
@@ -33,6 +36,7 @@ SCRIPT = """
     from pathlib import Path
     import gpudiag
 
+    PLANTED = {planted!r}
     here = Path(__file__).resolve().parent
     action = sys.argv[1]
     for step in range(40):
@@ -64,6 +68,11 @@ SCRIPT = """
                     os.remove(sys.argv[2])
                 except PermissionError:
                     pass  # refused: the run goes on
+            elif action == "plant":  # a confined run may write its run folder: links there
+                run = Path(os.environ["GPUDIAG_PROFILE_OUT"]).parent
+                for name in PLANTED:
+                    (run / name).unlink(missing_ok=True)
+                    (run / name).symlink_to(sys.argv[2].removeprefix("to:"))
             elif action == "odd-name":
                 try:
                     open(os.fsdecode(sys.argv[2].encode() + b"/caf\\xe9.txt"), "w").write("x")
@@ -142,11 +151,13 @@ def run_case(case: Case, root: Path, build: Callable[[Path], None], args: list[s
              stop_when: Callable[[Path], Callable[[], bool]] | None = None) -> Case:
     project = root / case.name / "proj"
     project.mkdir(parents=True)
-    (project / "train.py").write_text(textwrap.dedent(SCRIPT))
+    (project / "train.py").write_text(textwrap.dedent(SCRIPT).replace("{planted!r}",
+                                                                      repr(PLANTED)))
     (project.parent / "data").mkdir()
     (project.parent / "data" / "x.txt").write_text("beside")
     build(project)
-    args = [str(project / "train.py") if a == "SCRIPT" else a for a in args]
+    args = [str(project / "train.py") if a == "SCRIPT" else a.replace("{project}", str(project))
+            for a in args]
     before = _hashes(project.parent, project / "run")
     started = time.perf_counter()
     code, output = _profile(project, args,
@@ -162,6 +173,56 @@ def run_case(case: Case, root: Path, build: Callable[[Path], None], args: list[s
     case.passed = (case.unchanged and not case.traceback and not case.left_running
                    and expect(case, output, project))
     return case
+
+
+def _issue56_cases(root: Path) -> list[Case]:
+    """Issue 56's classes: a --rerun-writable folder inside the working directory, a short
+    script's re-run refused its log, links planted in the run folder."""
+    cases: list[Case] = []
+
+    def kept_data(p: Path) -> None:
+        (p / "data").mkdir()
+        (p / "data" / "keep.txt").write_text("the user's")
+
+    inside = root / "rerun-writable-inside" / "proj"
+    cases.append(run_case(
+        Case("rerun-writable-inside", "--rerun-writable data (inside the working "
+             "directory), the script deleting data/keep.txt by its absolute path"),
+        root, kept_data, ["--rerun-writable", "data", "--stop-after-window", "--",
+                          sys.executable, "train.py", "delete-kept",
+                          str(inside / "data" / "keep.txt")],
+        lambda c, o, p: c.exit_code == 2 and len(o.strip().splitlines()) == 1
+        and "it is inside the working directory" in o))
+    logs = root / "logs"
+    logs.mkdir()
+    cases.append(run_case(
+        Case("rerun-refused-log", "a short script logging to a file outside its folder: "
+             "its re-run is refused the log"),
+        root, lambda p: None, ["--", sys.executable, "train.py", "short-log",
+                               str(logs / "app.log")],
+        lambda c, o, p: c.exit_code == 0 and (logs / "app.log").read_text() == "start\n"
+        and "the re-run could not write" in o and "first run's results stand" in o))
+
+    def links_replaced(c: Case, o: str, p: Path) -> bool:
+        """gpudiag wrote its files over the links, not through them; then the run folder,
+        as a CI artifact with trace.json -> the checkpoint, is rendered by `report`."""
+        replaced = all((p / "run" / name).is_file() and not (p / "run" / name).is_symlink()
+                       for name in PLANTED if not name.startswith("."))
+        (p / "run" / "trace.json").unlink()
+        (p / "run" / "trace.json").symlink_to(p / "ckpt.pt")
+        report = subprocess.run([sys.executable, "-m", "gpudiag", "report", str(p / "run")],
+                                cwd=p, capture_output=True, text=True, check=False)
+        return (c.exit_code == 0 and replaced and report.returncode == 0
+                and (p / "ckpt.pt").read_text() == "the user's"
+                and not (p / "run" / "trace.json").is_symlink())
+
+    cases.append(run_case(
+        Case("links-in-run-folder", "a confined run links run.json, samples.csv, "
+             "trace.json, report.md to ckpt.pt; then `report` of that folder"),
+        root, lambda p: (p / "ckpt.pt").write_text("the user's"),
+        ["--stop-after-window", "--", sys.executable, "train.py", "plant",
+         "to:{project}/ckpt.pt"], links_replaced))  # "to:": not moved into the copy
+    return cases
 
 
 def main() -> None:
@@ -232,28 +293,7 @@ def main() -> None:
             lambda c, o, p: c.exit_code == 0 and not any(elsewhere.iterdir())
             and "caf\\xe9" in (p / "run" / "report.md").read_text()))
 
-        def kept_data(p: Path) -> None:
-            (p / "data").mkdir()
-            (p / "data" / "keep.txt").write_text("the user's")
-
-        inside = root / "rerun-writable-inside" / "proj"
-        cases.append(run_case(
-            Case("rerun-writable-inside", "--rerun-writable data (inside the working "
-                 "directory), the script deleting data/keep.txt by its absolute path"),
-            root, kept_data, ["--rerun-writable", "data", "--stop-after-window", "--",
-                              sys.executable, "train.py", "delete-kept",
-                              str(inside / "data" / "keep.txt")],
-            lambda c, o, p: c.exit_code == 2 and len(o.strip().splitlines()) == 1
-            and "it is inside the working directory" in o))
-        logs = root / "logs"
-        logs.mkdir()
-        cases.append(run_case(
-            Case("rerun-refused-log", "a short script logging to a file outside its folder: "
-                 "its re-run is refused the log"),
-            root, lambda p: None, ["--", sys.executable, "train.py", "short-log",
-                                   str(logs / "app.log")],
-            lambda c, o, p: c.exit_code == 0 and (logs / "app.log").read_text() == "start\n"
-            and "the re-run could not write" in o and "first run's results stand" in o))
+        cases += _issue56_cases(root)
 
         def copy_started(p: Path) -> Callable[[], bool]:
             return (p / "run" / "rerun" / "cwd").exists

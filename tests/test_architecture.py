@@ -171,3 +171,89 @@ def test_every_import_inside_a_function_says_why() -> None:
                     if not re.search(r"#\s*noqa: [A-Z0-9, ]*PLC0415\s+\(\w", line):
                         silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not silent, silent
+
+
+# Every file gpudiag writes goes through gpudiag/model/atomic.py (a new name made O_EXCL and
+# O_NOFOLLOW, renamed over the final one), since a run folder may hold links a confined re-run
+# or another person planted. These write otherwise, each for the reason given.
+DIRECT_WRITES_ALLOWED = {
+    ("gpudiag/cli/edges.py", "open"): "os.devnull, for a reader that left (BrokenPipeError)",
+    ("gpudiag/cli/gating.py", "open"): "$GITHUB_STEP_SUMMARY: the CI's own file, appended to",
+    ("gpudiag/measure/telemetry/worker.py", "open"): "its rows file, which mkstemp made",
+    ("gpudiag/measure/stages/checkpoint.py", "open"): "the measured save itself, in a folder "
+                                                      "mkdtemp made for the stage",
+    ("gpudiag/measure/stages/checkpoint.py", "save"): "torch.save, measured, in that folder",
+    ("gpudiag/measure/profile/inscript/recorder.py", "touch"): "the script's own process marks "
+                                                               "a window done (never truncates)",
+    ("gpudiag/measure/gatejob.py", "copy2"): "untracked files into a worktree gpudiag made",
+    ("gpudiag/measure/profile/launching/scratch.py", "open"): "a scratch copy's file, made "
+                                                              "with O_EXCL ('xb')",
+    ("gpudiag/measure/profile/launching/scratch.py", "copyfile"): "over that O_EXCL file",
+    ("gpudiag/measure/profile/inscript/bootstrap/sitecustomize.py", "write_text"):
+        "standard library only (gpudiag may not import): the process's own pid-named file",
+}
+_WRITE_METHODS = {"write_text", "write_bytes", "touch"}
+_COPIES = {"copy", "copy2", "copyfile", "copytree"}
+
+
+def _direct_writes(path: Path) -> list[tuple[int, str]]:
+    """Calls that write a file by path: `.write_text(`, `.write_bytes(`, `.to_csv(path)`,
+    `.savefig(x)` where x is not a file `atomic_file` opened, `open(..., "w"/"a"/"x"/"+")`
+    and `.open` alike, `shutil.copy*`, `torch.save`, `.touch()`."""
+    tree = ast.parse(path.read_text())
+    atomic_names = {item.optional_vars.id for n in ast.walk(tree) if isinstance(n, ast.With)
+                    for item in n.items if isinstance(item.optional_vars, ast.Name)
+                    and isinstance(item.context_expr, ast.Call)
+                    and getattr(item.context_expr.func, "id", "") == "atomic_file"}
+
+    def writes_mode(call: ast.Call, position: int) -> bool:
+        modes = [*call.args[position:position + 1], *(k.value for k in call.keywords
+                                                       if k.arg == "mode")]
+        return any(isinstance(m, ast.Constant) and isinstance(m.value, str)
+                   and set(m.value) & set("wax+") for m in modes)
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        first = node.args[0] if node.args else None
+        owner = getattr(func.value, "id", "") if isinstance(func, ast.Attribute) else ""
+        if ((name in _WRITE_METHODS and isinstance(func, ast.Attribute))
+                or (name == "to_csv" and (node.args or any(k.arg == "path_or_buf"
+                                                            for k in node.keywords)))
+                or (name == "savefig" and not (isinstance(first, ast.Name)
+                                               and first.id in atomic_names))
+                or (name == "open" and isinstance(func, ast.Name) and writes_mode(node, 1))
+                or (name == "open" and isinstance(func, ast.Attribute)
+                    and owner != "os" and writes_mode(node, 0))
+                or (name in _COPIES and owner == "shutil")
+                or (name == "save" and owner == "torch")):
+            found.append((node.lineno, name))
+    return found
+
+
+def test_every_file_gpudiag_writes_goes_through_the_atomic_writer() -> None:
+    """A new `write_text(`, `.to_csv(path)`, `savefig(path)`, `open(path, "w")` or
+    `shutil.copy` in gpudiag/ writes through a link a script could have planted: use
+    gpudiag/model/atomic.py (write_text_atomic, write_bytes_atomic, atomic_file for pandas
+    and matplotlib, fresh_stream for a child's log), or say here why not."""
+    direct = [f"{rel}:{line} {name}" for path in sorted(PACKAGE.rglob("*.py"))
+              if (rel := str(path.relative_to(ROOT))) != "gpudiag/model/atomic.py"
+              for line, name in _direct_writes(path)
+              if (rel, name) not in DIRECT_WRITES_ALLOWED]
+    assert not direct, direct
+    used = {(str(path.relative_to(ROOT)), name) for path in PACKAGE.rglob("*.py")
+            for _line, name in _direct_writes(path)}
+    assert set(DIRECT_WRITES_ALLOWED) <= used, set(DIRECT_WRITES_ALLOWED) - used  # none stale
+
+
+def test_the_direct_write_check_sees_each_spelling(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        'p.write_text("x")\nopen(p, "a")\np.open("wb")\ndf.to_csv(p)\nfig.savefig(p)\n'
+        'shutil.copy2(a, b)\ntorch.save(state, p)\np.touch()\n'
+        'open(p)\np.open()\ntext = df.to_csv()\nos.open(p, flags)\n'
+        'with atomic_file(p) as fh:\n    fig.savefig(fh)\n')
+    assert [line for line, _name in _direct_writes(sample)] == [1, 2, 3, 4, 5, 6, 7, 8]

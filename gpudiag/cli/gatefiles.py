@@ -22,6 +22,7 @@ from gpudiag.measure.gatejob import (
     trials_policy,
 )
 from gpudiag.measure.interrupts import stop_on_signals
+from gpudiag.model.atomic import named_by_user
 from gpudiag.model.calibration import (
     DEFAULT_CALIBRATION,
     MIN_CALIBRATION_TRIALS,
@@ -122,7 +123,7 @@ def baseline_save(
     """Save a small, stable copy of a run (no traces, no evidence) as a gate baseline."""
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise BadInput(f"--name {name!r}: use a plain file name")
-    target = directory / f"{name}.json"
+    target = named_by_user(directory) / f"{name}.json"  # a linked --dir is the user's
     if target.is_dir():
         raise BadInput(f"{target}: is a directory")
     baseline = baseline_of(load_run_set(run_path))

@@ -30,6 +30,7 @@ from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.confine import ConfinementPolicy, confined, confinement_policy, how_kept
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
+from gpudiag.model.atomic import fresh_stream
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import ConfineOptions, GateOptions, RunOptions, to_argv
 from gpudiag.model.results import RunResult
@@ -223,7 +224,7 @@ def run_one(trial: TrialCommand, checkout: Path, out_dir: Path) -> RunResult | N
     out_dir.mkdir(parents=True, exist_ok=True)  # the trial may write only in it (confined)
     env = side_env(checkout)
     with ExitStack() as stack:
-        sink = stack.enter_context(log.open("wb")) if log is not None else None
+        sink = stack.enter_context(fresh_stream(log)) if log is not None else None
         writable = None if trial.policy is None else stack.enter_context(
             confined([*_own_git(checkout), out_dir], Path.cwd().resolve(), env, trial.policy))
         code, stopped_by = wait_child(subprocess.Popen(

@@ -18,7 +18,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from gpudiag.model.atomic import write_text_atomic
+from gpudiag.model.atomic import named_by_user, write_text_atomic
 from gpudiag.model.errors import BadInput
 from gpudiag.model.runfile import RunFileError, from_jsonable, read_json_file, to_jsonable
 
@@ -126,4 +126,6 @@ def load_calibration(path: Path) -> Calibration:
 
 def save_calibration(calibration: Calibration, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(to_jsonable(calibration), indent=1) + "\n")
+    # A linked .gpudiag/ is the user's own (shared storage): written where it points.
+    write_text_atomic(named_by_user(path.parent) / path.name,
+                      json.dumps(to_jsonable(calibration), indent=1) + "\n")

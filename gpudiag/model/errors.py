@@ -38,7 +38,8 @@ class ExitCode(IntEnum):
     BAD_INPUT = 2, (
         "bad input: an unknown model, stage or rule; a size out of range or too large for the "
         "machine; no such device; an unusable or occupied `--out`; a file gpudiag would "
-        "overwrite; a run.json that does not fit the schema or contradicts itself; incomparable "
+        "overwrite; a folder in a run folder that is a symbolic link (gpudiag writes through "
+        "none); a run.json that does not fit the schema or contradicts itself; incomparable "
         "runs (other workload, precision, GPU, driver or torch); the same run on both sides; an "
         "interrupted baseline; a command `profile` cannot start; a `--rerun-writable` folder "
         "inside the working directory or holding it")

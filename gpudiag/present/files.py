@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from gpudiag.model.atomic import write_text_atomic
+from gpudiag.model.atomic import named_by_user, write_text_atomic
 from gpudiag.model.errors import BadInput
 from gpudiag.model.results import RunResult
 from gpudiag.model.runfile import RUN_MARKER, save_run
@@ -64,7 +64,7 @@ def _make_fresh(path: Path, *, unique: bool) -> Path:
 
 
 def _mark(path: Path) -> Path:
-    (path / RUN_MARKER).write_text("made by gpudiag for one run; --force may replace it\n")
+    write_text_atomic(path / RUN_MARKER, "made by gpudiag for one run; --force may replace it\n")
     return path
 
 
@@ -82,6 +82,7 @@ def prepare_run_dir(out: Path | None, default: Path, *, force: bool = False) -> 
     try:
         if out is None:
             return _make_fresh(default, unique=True)
+        out = named_by_user(out)
         if out.exists() and not out.is_dir():
             raise BadInput(f"--out {out}: exists and is not a directory")
         if out.is_dir() and any(out.iterdir()):
@@ -119,7 +120,7 @@ def writable_output_file(path: Path, flag: str, *, force: bool) -> Path:
 def write_output_file(path: Path, text: str, flag: str) -> None:
     """Write a user-named output file atomically; an OSError is one line naming the flag."""
     try:
-        write_text_atomic(path, text)
+        write_text_atomic(named_by_user(path.parent) / path.name, text)
     except OSError as exc:
         raise BadInput(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
 
@@ -131,7 +132,7 @@ def write_run_dir(path: Path, run: RunResult, samples: pd.DataFrame | None = Non
     during a run) the PNG plots the report links."""
     samples = pd.DataFrame() if samples is None else samples
     save_run(run, path / RUN_FILE)
-    samples.to_csv(path / SAMPLES_FILE, index=False, float_format="%.6g")
+    write_text_atomic(path / SAMPLES_FILE, samples.to_csv(index=False, float_format="%.6g"))
     write_trace(path / TRACE_FILE, run, samples)
     drawn = write_plots(path, run, samples) if plots else []
     write_text_atomic(path / REPORT_FILE, render_markdown(run, drawn))
@@ -149,7 +150,10 @@ def read_samples(path: Path) -> pd.DataFrame:
 
 def rerender_run_dir(path: Path, run: RunResult, *, save: bool = False) -> None:
     """Write report.md, the trace and the plots again for `run`, saved in `path` (and run.json
-    too with `save`, after the caller diagnosed it anew)."""
+    too with `save`, after the caller diagnosed it anew). `path` is the folder the user named
+    (a link resolved); inside it a link is replaced, never written through: a run folder from
+    elsewhere (a CI artifact) may hold `trace.json -> ~/.bashrc`."""
+    path = named_by_user(path)
     if save:
         save_run(run, path / RUN_FILE)
     samples = read_samples(path)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from gpudiag.model.atomic import atomic_file
 from gpudiag.model.results import RunResult
 
 if TYPE_CHECKING:
@@ -39,15 +40,11 @@ def _figure(width: float = 9.0, height: float = 4.0) -> tuple[Figure, Axes]:
 
 
 def _save(fig: Figure, path: Path) -> None:
-    """Drawn beside `path` and renamed over it: a full disk leaves no truncated PNG."""
+    """Drawn into a new file beside `path` and renamed over it: a full disk leaves no truncated
+    PNG, and a link planted at the name is replaced, not written through (model/atomic.py)."""
     fig.tight_layout()
-    partial = path.with_name(f".{path.name}.tmp")
-    try:
-        fig.savefig(partial, dpi=DPI, facecolor="white", format="png")
-        partial.replace(path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    with atomic_file(path) as fh:
+        fig.savefig(fh, dpi=DPI, facecolor="white", format="png")
 
 
 def throughput_plot(run: RunResult, path: Path) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.results import RunResult
 
 TRACE_FILE = "trace.json"
@@ -89,4 +90,4 @@ def build_trace(run: RunResult, samples: pd.DataFrame) -> dict[str, Any]:
 
 
 def write_trace(path: Path, run: RunResult, samples: pd.DataFrame) -> None:
-    path.write_text(json.dumps(build_trace(run, samples)))
+    write_text_atomic(path, json.dumps(build_trace(run, samples)))

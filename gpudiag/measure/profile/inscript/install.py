@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from gpudiag.measure.profile.inscript import writewatch
 from gpudiag.measure.profile.inscript.afterimport import when_imported
 from gpudiag.measure.profile.protocol import ENV_OUT, bootstrap_error_name, config_from_env
+from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.profilepart import BootstrapError
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def _start_recorder() -> None:
         with contextlib.suppress(OSError):
             out = Path(os.environ[ENV_OUT])
             out.mkdir(parents=True, exist_ok=True)
-            (out / bootstrap_error_name(os.getpid())).write_text(json.dumps(
+            write_text_atomic(out / bootstrap_error_name(os.getpid()), json.dumps(
                 dataclasses.asdict(BootstrapError(python=sys.executable,
                                                   error=f"{type(exc).__name__}: {exc}"))))
     finally:

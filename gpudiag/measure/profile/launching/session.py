@@ -56,6 +56,7 @@ from gpudiag.measure.profile.launching.scratch import (
     make_scratch,
 )
 from gpudiag.measure.profile.launching.windows import window_evidence
+from gpudiag.model.atomic import own_folder
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.errors import BadInput
 from gpudiag.model.profilepart import WindowTrace
@@ -405,7 +406,7 @@ def bootstrap_failures(parts_dir: Path) -> list[str]:
 
 
 def _clear(parts_dir: Path) -> None:
-    parts_dir.mkdir(parents=True, exist_ok=True)
+    own_folder(parts_dir)  # an earlier confined run of this run folder may have linked it
     for pattern in (protocol.PART_GLOB, protocol.BOOTSTRAP_ERROR_GLOB,
                     protocol.WINDOW_DONE_GLOB, protocol.WINDOW_FILES_GLOB,
                     protocol.WRITES_GLOB, protocol.WINDOW_VOTE_GLOB):
@@ -462,8 +463,8 @@ def profile_command(request: ProfileRequest,
         try:
             if refused is None:
                 output = _kept_run(output, _isolated(
-                    request.out, request.out / RERUN_DIR / SCRATCH_DIR, RERUN_DIR, fitted,
-                    on_window, request.policy))
+                    request.out, own_folder(request.out / RERUN_DIR) / SCRATCH_DIR, RERUN_DIR,
+                    fitted, on_window, request.policy))
         except ScratchError as exc:
             note = f"{short}, too few for a profiler window; {exc}"
             announced = False

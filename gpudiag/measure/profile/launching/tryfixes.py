@@ -21,6 +21,7 @@ from gpudiag.measure.profile.launching.session import (
     ProfileRequest,
     profile_command,
 )
+from gpudiag.model.atomic import own_folder
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import BASELINE_RUNS, COMBINED_RUN
 from gpudiag.model.results import Rerun, RunResult
@@ -61,8 +62,9 @@ def run_fixes(run_dir: Path, diagnosed: ProfileConfig, remedies: Sequence[str], 
 
     def measure(names: tuple[str, ...], label: str) -> bool:
         on_start(label)
-        out_dir = run_dir / FIXES_DIR / label
-        out_dir.mkdir(parents=True, exist_ok=True)
+        # The diagnosis run could write the run folder: a link it left at fixes/ or
+        # fixes/<label>/ is replaced by gpudiag's own folder, never followed.
+        out_dir = own_folder(own_folder(run_dir / FIXES_DIR) / label)
         config = dataclasses.replace(diagnosed, remedies=names)
         try:
             output = profile_command(ProfileRequest(config, out_dir, rerun=False, isolate=label,

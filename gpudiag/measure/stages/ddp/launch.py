@@ -29,6 +29,7 @@ from gpudiag.measure.interrupts import stop_error, wait_child
 from gpudiag.measure.stages.ddp.worker import PARTS_FILE
 from gpudiag.measure.stages.ladder import precision_of
 from gpudiag.measure.timed_window import Window, fill_timed
+from gpudiag.model.atomic import fresh_stream, write_text_atomic
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import (
     DdpFacts,
@@ -82,10 +83,10 @@ def _failure_line(log: str) -> str:
 def launch_ranks(config: RunConfig, work: Path) -> list[dict[str, Any]]:
     """Run the ranks; return every rank's part (this node's alone when not node 0)."""
     config_file = work / "config.json"
-    config_file.write_text(json.dumps(to_jsonable(config)))
+    write_text_atomic(config_file, json.dumps(to_jsonable(config)))
     out = work / "parts"
     log_path = work / "launch.log"
-    with log_path.open("w") as log:
+    with fresh_stream(log_path) as log:
         process = subprocess.Popen(child_command(launch_command(config, config_file, out)),
                                    stdout=log,
                                    stderr=subprocess.STDOUT)

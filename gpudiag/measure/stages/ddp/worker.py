@@ -40,6 +40,7 @@ from gpudiag.measure.stages.ladder import LEARNING_RATE, WEIGHT_DECAY, train_ste
 from gpudiag.measure.telemetry import Sampler, open_sampler
 from gpudiag.measure.timed_window import measure_window
 from gpudiag.measure.timing import PhaseRecorder
+from gpudiag.model.atomic import write_text_atomic
 from gpudiag.model.config import RunConfig
 from gpudiag.model.facts import DdpVariant
 from gpudiag.model.results import TimingStats
@@ -208,11 +209,11 @@ def run_rank(config: RunConfig, out: Path) -> None:
             _release(device)  # the next variant builds its own model
     part["allreduce"] = allreduce_probe(part["variants"][0]["grad_bytes"], device)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank-{rank}.json").write_text(json.dumps(part))
+    write_text_atomic(out / f"rank-{rank}.json", json.dumps(part))
     parts: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(part, parts, dst=0)
     if rank == 0:
-        (out / PARTS_FILE).write_text(json.dumps(parts))
+        write_text_atomic(out / PARTS_FILE, json.dumps(parts))
     # Leave together: a rank that tears its gloo pairs down while a peer still talks to it
     # makes that peer abort (SIGABRT, seen on the CPU about one run in three).
     dist.barrier()
