@@ -112,6 +112,15 @@ def test_clean_script_has_no_warning(tmp_path: Path) -> None:
     assert "data_wait" in stage.phases_ms
     # torch.optim loads Dynamo (torch 2.13): loaded is not compiled.
     assert stage.facts.script is not None and stage.facts.script.compiles is None
+    # Every step's memory (issue 57): the process's resident set on a CPU, said so; drawn and
+    # in trace.json; a script that keeps nothing does not grow.
+    memory, timeline = stage.facts.script.memory, stage.facts.script.timeline
+    assert memory is not None and timeline is not None and memory.device == "cpu"
+    assert len(timeline.step_ms) - 1 <= len(memory.resident_mib) <= len(timeline.step_ms)
+    assert min(memory.resident_mib) > 50 and not memory.allocated_mib and memory.note
+    assert "memory.png" in drawn and "GD403" not in {f.id for f in run.findings}
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    assert sum(e.get("name") == "memory MiB" for e in trace["traceEvents"]) >= 10
 
 
 @pytest.mark.heavy

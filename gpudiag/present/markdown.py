@@ -24,7 +24,8 @@ PHASE_ORDER = ("data_wait", "h2d_copy", "forward", "backward", "optimizer")
 
 PLOT_CAPTIONS = {"throughput.png": "Throughput and mean power per stage",
                  "timeline.png": "Power and SM/tensor activity over the run",
-                 "step-times.png": "Step-time distribution per stage"}
+                 "step-times.png": "Step-time distribution per stage",
+                 "memory.png": "Memory at each step's end"}
 
 
 def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> str:

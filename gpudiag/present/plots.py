@@ -1,8 +1,9 @@
 """Plots for the run directory (PNG, linked from report.md by relative paths).
 
-Three pictures: throughput per stage with mean power on a second axis; the whole run's power and
-SM/tensor activity over time with each stage's window shaded and named; and each stage's
-step-time distribution, where spikes (checkpoint saves, stalls) show. White cards with dark
+Four pictures: throughput per stage with mean power on a second axis; the whole run's power and
+SM/tensor activity over time with each stage's window shaded and named; each stage's
+step-time distribution, where spikes (checkpoint saves, stalls) show; and a profiled script's
+memory at each step's end, where growth shows. White cards with dark
 text and mid-tone colours, so they read in dark and light viewers alike.
 """
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PLOTS = {"throughput": "throughput.png", "timeline": "timeline.png",
-         "steps": "step-times.png"}
+         "steps": "step-times.png", "memory": "memory.png"}
 BLUE, ORANGE, GREEN, GREY = "#1f77b4", "#d9730d", "#2a9d4b", "#888888"
 DPI = 110
 
@@ -135,6 +136,37 @@ def steps_plot(run: RunResult, path: Path) -> bool:
     return True
 
 
+def memory_plot(run: RunResult, path: Path) -> bool:
+    """Each profiled stage's memory at every step's end: on CUDA what tensors hold, what the
+    allocator reserved and the highest held so far, against the device's size; the process's
+    resident set on every device (a CPU's only measure)."""
+    kept = [(s.name, s.facts.script.memory) for s in run.stages
+            if s.facts.script is not None and s.facts.script.memory is not None
+            and len(s.facts.script.memory.resident_mib) >= 2]
+    if not kept:
+        return False
+    fig, ax = _figure(9.0, 4.0)
+    for name, memory in kept:
+        label = f"{name}: " if len(kept) > 1 else ""
+        gib = [[m / 1024 for m in series] for series in (
+            memory.allocated_mib, memory.reserved_mib, memory.peak_mib, memory.resident_mib)]
+        for series, colour, what in zip(gib, (BLUE, GREEN, ORANGE, GREY), (
+                "allocated (tensors)", "reserved (allocator)", "peak so far",
+                "process resident"), strict=True):
+            if series:
+                ax.plot(range(len(series)), series, color=colour, linewidth=1,
+                        label=label + what)
+        if memory.device_total_mib:
+            ax.axhline(memory.device_total_mib / 1024, color=BLUE, linestyle=":", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB at the step's end")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("Memory at each step's end (dotted: the device's size)")
+    _save(fig, path)
+    return True
+
+
 def write_plots(path: Path, run: RunResult, samples: pd.DataFrame) -> list[str]:
     """Write what can be drawn; the file names written. Without matplotlib, nothing."""
     try:
@@ -144,7 +176,8 @@ def write_plots(path: Path, run: RunResult, samples: pd.DataFrame) -> list[str]:
     written = []
     for key, ok in (("throughput", throughput_plot(run, path / PLOTS["throughput"])),
                     ("timeline", timeline_plot(run, samples, path / PLOTS["timeline"])),
-                    ("steps", steps_plot(run, path / PLOTS["steps"]))):
+                    ("steps", steps_plot(run, path / PLOTS["steps"])),
+                    ("memory", memory_plot(run, path / PLOTS["memory"]))):
         if ok:
             written.append(PLOTS[key])
     return written

@@ -22,6 +22,7 @@ from gpudiag.model.results import RunResult
 
 TRACE_FILE = "trace.json"
 PID = 1
+MEMORY_PID = 100  # a process per profiled stage: its memory on the script's own clock
 TID_STAGES, TID_STEPS, TID_FINDINGS = 1, 2, 3
 COUNTERS = {"power_instant_w": "power W", "kernel_active_pct": "kernel-active %",
             "sm_active_pct": "SM active %", "tensor_active_pct": "tensor %",
@@ -83,10 +84,36 @@ def build_trace(run: RunResult, samples: pd.DataFrame) -> dict[str, Any]:
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     events.append({"ph": "C", "pid": PID, "name": label, "ts": float(t) * us,
                                    "args": {label: float(value)}})
+    events += _memory_counters(run)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"clock": "seconds since the telemetry sampler started" if measured
                           else "approximate: stages laid end to end from their wall times",
                           "gpu": run.env.gpu_name, "created_utc": run.created_utc}}
+
+
+def _memory_counters(run: RunResult) -> list[dict[str, Any]]:
+    """A profiled script's memory at each step's end, as counter tracks of a process of its
+    own on the script's clock (from its start, step by step: the timeline's steps, not the
+    timed window the stages above are laid out on)."""
+    events: list[dict[str, Any]] = []
+    for k, stage in enumerate(run.stages):
+        script = stage.facts.script
+        if script is None or script.memory is None or script.timeline is None:
+            continue
+        pid = MEMORY_PID + k
+        events.append({"ph": "M", "pid": pid, "name": "process_name",
+                       "args": {"name": f"{stage.name}: memory at each step's end (MiB)"}})
+        memory = script.memory
+        ends = itertools.accumulate(script.timeline.step_ms)
+        for i, end_ms in enumerate(ends):
+            values = {name: series[i] for name, series in (
+                ("allocated", memory.allocated_mib), ("reserved", memory.reserved_mib),
+                ("peak", memory.peak_mib), ("resident", memory.resident_mib))
+                if i < len(series)}
+            if values:
+                events.append({"ph": "C", "pid": pid, "name": "memory MiB",
+                               "ts": end_ms * 1e3, "args": values})
+    return events
 
 
 def write_trace(path: Path, run: RunResult, samples: pd.DataFrame) -> None:

@@ -1,0 +1,144 @@
+"""Memory as evidence (issue 57): each step's memory read at its end by the in-script watch
+(gpudiag/measure/profile/inscript/watches/memory.py) on a CPU and, forced, on CUDA; what the
+profiled stage's peak, the plot and trace.json make of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from conftest import script_run, script_stage
+
+from gpudiag.measure.profile.inscript import recorder as recorder_module
+from gpudiag.measure.profile.inscript.watches import StageDraft
+from gpudiag.measure.profile.inscript.watches import memory as watch_module
+from gpudiag.measure.profile.inscript.watches.memory import MemoryWatch
+from gpudiag.model.facts import MemoryTimeline, ScriptFacts, StageFacts, StepTimeline
+from gpudiag.model.results import RunResult
+from gpudiag.present.plots import memory_plot
+from gpudiag.present.trace import build_trace
+
+MIB = 1024 * 1024
+
+
+class _Clock:
+    steps = 0
+    host_marks = (0.0,)
+
+
+def _filled(watch: MemoryWatch, steps: int) -> ScriptFacts:
+    timeline = StepTimeline(step_ms=[10.0] * steps)
+    script = ScriptFacts(steps=steps, warmup=2, timed=4, step_clock="optimizer.step()",
+                         timeline=timeline)
+    watch.fill(StageDraft(StageFacts(script=script), script, timeline, timed=range(2, 6)))
+    return script
+
+
+def test_a_cpu_scripts_steps_are_its_resident_set_said_so() -> None:
+    watch = MemoryWatch(_Clock())
+    kept = []
+    for _ in range(6):
+        kept.append(torch.ones(4 * MIB // 4))  # 4 MiB a step, touched: resident
+        watch.step_ended()
+    memory = _filled(watch, 6).memory
+    assert memory is not None and memory.device == "cpu"
+    assert len(memory.resident_mib) == 6 and not memory.allocated_mib
+    assert memory.resident_mib[-1] - memory.resident_mib[0] >= 4 * 5 * 0.9
+    assert "resident set stands in" in memory.note
+    assert memory.host_total_mib and memory.host_total_mib > memory.resident_mib[-1]
+
+
+def test_without_proc_the_highest_so_far_is_read_and_said() -> None:
+    watch = MemoryWatch(_Clock())
+    watch.statm = None  # a system without /proc/self/statm (macOS)
+    watch.step_ended()
+    memory = _filled(watch, 1).memory
+    assert memory is not None and memory.resident_mib[0] > 10
+    assert "only its highest so far" in memory.note
+
+
+def test_steps_past_the_timeline_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(watch_module, "TIMELINE_STEPS", 3)
+    watch = MemoryWatch(_Clock())
+    for _ in range(5):
+        watch.step_ended()
+    assert len(watch.resident) == 3
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, used: list[int]) -> None:
+    """A CUDA device whose allocator holds what `used` says (the script initialises it at
+    its third step)."""
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "is_initialized", lambda: bool(used))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda *a: (used[-1] + 512) * MIB if used
+                        else 0)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda *a: used[-1] * MIB)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: max(used) * MIB)
+    monkeypatch.setattr(cuda, "memory_stats", lambda *a: {"num_alloc_retries": 2,
+                                                          "num_ooms": 0})
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(total_memory=80 * 1024 * MIB))
+
+
+def test_a_cuda_scripts_allocator_is_read_from_the_step_it_starts_using_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    used: list[int] = []
+    _fake_cuda(monkeypatch, used)
+    watch = MemoryWatch(_Clock())
+    for step in range(5):
+        if step >= 2:
+            used.append(1000 + 100 * step)
+        watch.step_ended()
+    memory = _filled(watch, 5).memory
+    assert memory is not None and memory.device == "cuda" and not memory.note
+    assert memory.allocated_mib == [0.0, 0.0, 1200.0, 1300.0, 1400.0]
+    assert memory.reserved_mib == [0.0, 0.0, 1712.0, 1812.0, 1912.0]
+    assert memory.peak_mib[-1] == 1400.0 and len(memory.resident_mib) == 5
+    assert memory.device_total_mib == 80 * 1024 and memory.alloc_retries == 2
+    peaks = recorder_module._device_peaks(memory)
+    assert peaks is not None and peaks.peak_allocated_mib == 1400.0
+    assert peaks.peak_reserved_mib == 1912.0 and peaks.device_total_mib == 80 * 1024
+    assert recorder_module._device_peaks(MemoryTimeline(device="cpu",
+                                                        resident_mib=[1.0])) is None
+
+
+def test_a_cpu_script_in_a_cuda_machine_is_not_read_as_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA available, never initialised by the script: its allocator is not touched (that
+    would start CUDA in a CPU script's process)."""
+    _fake_cuda(monkeypatch, [])
+    watch = MemoryWatch(_Clock())
+    watch.step_ended()
+    assert not watch.cuda and watch.allocated == []
+
+
+def _run_with_memory() -> RunResult:
+    memory = MemoryTimeline(device="cuda", allocated_mib=[1000.0 + 10 * i for i in range(20)],
+                            reserved_mib=[1600.0] * 20, peak_mib=[1200.0 + 10 * i
+                                                                   for i in range(20)],
+                            resident_mib=[3000.0] * 20, device_total_mib=80_000.0)
+    timeline = StepTimeline(step_ms=[1000.0] + [20.0] * 19, steps=20)
+    stage = script_stage([20.0] * 5, timeline=timeline, memory=memory)
+    return script_run(stage, device="cuda")
+
+
+def test_the_memory_plot_and_trace_counters(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = _run_with_memory()
+    assert memory_plot(run, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    trace = build_trace(run, pd.DataFrame())
+    counters = [e for e in trace["traceEvents"] if e.get("name") == "memory MiB"]
+    assert len(counters) == 20
+    # On the script's clock: step i's counter at its end (step 0 ends after 1 s).
+    assert counters[0]["ts"] == 1000.0 * 1e3 and counters[1]["ts"] == 1020.0 * 1e3
+    assert counters[-1]["args"] == {"allocated": 1190.0, "reserved": 1600.0, "peak": 1390.0,
+                                    "resident": 3000.0}
+    json.dumps(trace)  # it is JSON
+    assert not memory_plot(script_run(script_stage([20.0] * 5)), tmp_path / "none.png")
