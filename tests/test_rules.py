@@ -233,9 +233,10 @@ def gd102(*, excess: float, data_wait: float = 0.0) -> RunResult:
 
 
 def gd103(*, syncs: float, idle_share: float = limit("GD103", "critical_idle_share"),
-          backend: str = "cuda", direct: float = 1.0) -> RunResult:
+          backend: str = "cuda", direct: float = 1.0, htod: float | None = 0.0) -> RunResult:
     line = SourceLine(location="train.py:30", function="log", calls_per_step=1,
                       direct_calls_per_step=direct, syncs_per_step=syncs,
+                      htod_copies_per_step=htod,
                       sync_idle_ms_per_step=idle_share * STEP_MS)
     # The host blocks far longer than the GPU idles: only the idle is priced.
     ev = make_evidence(backend=backend, syncs_per_step=syncs, sync_ms_per_step=80.0,
@@ -1122,6 +1123,12 @@ def test_two_reads_on_the_scripts_own_line_that_idle_the_gpu_are_named() -> None
     assert findings_of("GD103", gd103(syncs=2, idle_share=named - 1e-3)) == []
     assert findings_of("GD103", gd103(syncs=2, idle_share=warning, direct=0.0)) == []
     assert findings_of("GD103", gd103(syncs=2, idle_share=warning, backend="cpu")) == []
+    # `x.to(device)` of a batch blocks on its copy in and reads nothing back: GD202's; so do
+    # runs recorded before copies in were told apart from reads.
+    assert findings_of("GD103", gd103(syncs=2, idle_share=warning, htod=2.0)) == []
+    assert findings_of("GD103", gd103(syncs=2, idle_share=warning, htod=None)) == []
+    (f,) = findings_of("GD103", gd103(syncs=3, idle_share=warning, htod=2.0))
+    assert f.severity == "warning"
 
 
 def test_host_syncs_on_the_cpu_are_information_from_lines_that_call_torch() -> None:

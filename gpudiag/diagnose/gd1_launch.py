@@ -435,7 +435,8 @@ SYNC_THRESHOLDS = (
 )
 def host_syncs(run: RunResult) -> Iterator[Draft]:
     """At least 4 syncs per step that a Python loop finding does not already account for, or
-    fewer from the script's own line where the GPU idles at least 1% of the step after them.
+    fewer from the script's own line that reads back (syncs beyond its host-to-device copies,
+    which are GD202's) where the GPU idles at least 1% of the step after them.
     On a CPU run the count is what would block on a GPU, reported as information only."""
     for stage in run.stages_with_evidence():
         ev = stage.evidence
@@ -461,7 +462,11 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
         # idles after them, at the severity their price earns: two `.item()`s of a small step
         # cost 15% of it on an H200 (issue 55), or 2-3% (examples/step_reads.py); GradScaler's
         # one inf check, a library's, stays below the count.
-        own_and_seen = cuda and cost >= SYNC_NAMED and top.direct_calls_per_step > 0
+        # A read, not a copy in: syncs beyond the line's host-to-device copies (known only for
+        # runs that count them apart).
+        reads = top.syncs_per_step - (top.htod_copies_per_step or 0.0)
+        own_and_seen = cuda and cost >= SYNC_NAMED and top.direct_calls_per_step > 0 \
+            and top.htod_copies_per_step is not None and reads > 0
         if remaining < SYNC_MIN and not own_and_seen:
             continue
         # Every line that syncs (the window's count of each), and the time the host samples

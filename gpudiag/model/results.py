@@ -135,6 +135,9 @@ class SourceLine:
     syncs_per_step: NonNegative = 0.0
     sync_idle_ms_per_step: NonNegative = 0.0  # device idle after this line's syncs
     memcpys_per_step: NonNegative = 0.0
+    # Of those, host-to-device: a `.to(device)` that blocks syncs without reading anything
+    # back (GD202/GD203's, not a read's). None: a run recorded before they were told apart.
+    htod_copies_per_step: NonNegative | None = None
     host_ms_per_step: NonNegative = 0.0
     device_ms_per_step: NonNegative = 0.0
     median_kernel_us: NonNegative | None = None

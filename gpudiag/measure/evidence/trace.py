@@ -83,6 +83,7 @@ class _Line:
     kernels: int = 0
     syncs: int = 0
     memcpys: int = 0
+    htod_memcpys: int = 0  # of which host-to-device: a blocking one syncs, reads nothing
     direct_calls: int = 0
     calls: int = 0
     host_us: float = 0.0
@@ -497,6 +498,7 @@ def _count_device(w: _Window, runtime: _Runtime, backend: str) -> _Device:
                 line.kind_us[work] += dur
             elif cat == "gpu_memcpy":
                 line.memcpys += 1
+                line.htod_memcpys += kind.startswith("HtoD")
         elif work is not None:
             _charge_compiled(w.compiled_lines(d["name"]), dur, work)
     if backend != "cuda":
@@ -679,7 +681,8 @@ def _source_lines(w: _Window, runtime: _Runtime, per: float, step_ms: float,
             location=line.location, function=line.function, calls_per_step=line.calls * per,
             direct_calls_per_step=line.direct_calls * per, ops_per_step=line.ops * per,
             kernels_per_step=line.kernels * per, syncs_per_step=line.syncs * per,
-            memcpys_per_step=line.memcpys * per, host_ms_per_step=line.host_us * per / 1e3,
+            memcpys_per_step=line.memcpys * per, htod_copies_per_step=line.htod_memcpys * per,
+            host_ms_per_step=line.host_us * per / 1e3,
             device_ms_per_step=line.device_us * per / 1e3,
             median_kernel_us=statistics.median(line.kernel_us) if line.kernel_us else None,
             sync_idle_ms_per_step=_idle_after(runtime.line_sync_ends[line.location],
