@@ -77,8 +77,10 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, used: list[int]) -> None:
     monkeypatch.setattr(cuda, "is_initialized", lambda: bool(used))
     monkeypatch.setattr(cuda, "memory_reserved", lambda *a: (used[-1] + 512) * MIB if used
                         else 0)
-    monkeypatch.setattr(cuda, "memory_allocated", lambda *a: used[-1] * MIB)
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: max(used) * MIB)
+    monkeypatch.setattr(cuda, "memory_stats_as_nested_dict", lambda *a: {
+        "allocated_bytes": {"all": {"current": used[-1] * MIB, "peak": max(used) * MIB}},
+        "reserved_bytes": {"all": {"current": (used[-1] + 512) * MIB}},
+        "num_device_alloc": len(used)})
     monkeypatch.setattr(cuda, "memory_stats", lambda *a: {"num_alloc_retries": 2,
                                                           "num_ooms": 0})
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
@@ -100,6 +102,7 @@ def test_a_cuda_scripts_allocator_is_read_from_the_step_it_starts_using_it(
     assert memory.allocated_mib == [0.0, 0.0, 1200.0, 1300.0, 1400.0]
     assert memory.reserved_mib == [0.0, 0.0, 1712.0, 1812.0, 1912.0]
     assert memory.peak_mib[-1] == 1400.0 and len(memory.resident_mib) == 5
+    assert memory.device_allocs == [0, 0, 1, 2, 3]
     assert memory.device_total_mib == 80 * 1024 and memory.alloc_retries == 2
     peaks = recorder_module._device_peaks(memory)
     assert peaks is not None and peaks.peak_allocated_mib == 1400.0

@@ -46,3 +46,12 @@ def pct(value: float) -> str:
 def pct_above_zero(value: float) -> str:
     """pct(), but a share that rounds to 0% yet is not nothing reads "under 1%"."""
     return "under 1%" if 0 < value < 0.005 else pct(value)
+
+
+def duration(ms: float) -> str:
+    """A time as a reader says it: ms below a second, then s, min, h."""
+    if ms < 1e3:
+        return f"{ms:,.0f} ms"
+    if ms < 120e3:
+        return f"{ms / 1e3:,.1f} s"
+    return f"{ms / 60e3:,.0f} min" if ms < 2 * 3600e3 else f"{ms / 3600e3:,.1f} h"

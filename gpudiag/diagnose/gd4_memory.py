@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.common import duration, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
 from gpudiag.model.facts import MemoryTimeline
@@ -153,16 +153,11 @@ def growth(memory: MemoryTimeline, warmup: int,
                   limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
 
 
-def _step_s(stage: StageResult) -> float | None:
-    return stage.ms_per_iter / 1e3 if stage.ms_per_iter else None
-
-
 def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
     left = found.steps_left
     if left is None:
         return "how much memory is left is unknown"
-    step_s = _step_s(stage)
-    when = f", ~{left * step_s / 60:,.0f} min at this pace" if step_s else ""
+    when = f", ~{duration(left * stage.ms_per_iter)} at this pace" if stage.ms_per_iter else ""
     where = "the GPU" if found.series == "allocated" else "the machine"
     plan = f" (the run plans {planned:,} steps)" if planned else ""
     return f"{where} runs out in ~{left:,.0f} more steps{when}{plan}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 
-from gpudiag.diagnose.common import pct
+from gpudiag.diagnose.common import duration, pct
 from gpudiag.diagnose.ledger import LoopParts, NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.diagnose.timeline import stage_account
@@ -54,10 +54,6 @@ def _name(function: str, location: str, site: str | None) -> str:
     if location.startswith("torch/") and site is not None:
         return f"the compiled code called at {site}"
     return f"{function}() ({location})"
-
-
-def _duration(ms: float) -> str:
-    return f"{ms / 1e3:,.1f} s" if ms >= 1e3 else f"{ms:,.0f} ms"
 
 
 def _compilations(events: list[CompileEvent]) -> int:
@@ -128,12 +124,12 @@ def compile_recompiles(run: RunResult) -> Iterator[Draft]:
                        .most_common(MAX_REASONS)]
             called = _call_site(events)
             site = called or location
-            versus = f" for {_duration(training)} of training steps" if training else ""
+            versus = f" for {duration(training)} of training steps" if training else ""
             yield Draft(
                 severity=severity_for(share, warning=WARNING_SHARE, critical=CRITICAL_SHARE),
                 stage=stage.name,
                 title=(f"torch.compile recompiled {_name(function, location, called)} "
-                       f"{len(recompiles)} times, {_duration(seconds * 1e3)} of compiling"
+                       f"{len(recompiles)} times, {duration(seconds * 1e3)} of compiling"
                        f"{versus} ({pct(share)} of the "
                        f"{'training loop' if part_share is not None else 'time seen'}): "
                        f"{reasons[0]}"),

@@ -436,6 +436,9 @@ class MemoryTimeline:
     reserved_mib: list[float] = field(default_factory=list)  # CUDA: the allocator's segments
     peak_mib: list[float] = field(default_factory=list)  # CUDA: highest allocated so far
     resident_mib: list[float] = field(default_factory=list)  # the process's resident set
+    # CUDA: the allocator's cudaMalloc calls so far (in steady state none: each is a device
+    # sync and a cost the allocator's cache exists to avoid)
+    device_allocs: list[int] = field(default_factory=list)
     device_total_mib: float | None = None
     host_total_mib: float | None = None  # the machine's physical memory
     # The allocator's counters at the run's end (torch.cuda.memory_stats): cudaMalloc retries
