@@ -26,6 +26,7 @@ PLOTS = {"throughput": "throughput.png", "timeline": "timeline.png",
          "steps": "step-times.png", "memory": "memory.png"}
 BLUE, ORANGE, GREEN, GREY = "#1f77b4", "#d9730d", "#2a9d4b", "#888888"
 DPI = 110
+NEAR_DEVICE = 0.5  # memory above this share of the device's size: its size drawn as a line
 
 
 def _figure(width: float = 9.0, height: float = 4.0) -> tuple[Figure, Axes]:
@@ -156,13 +157,18 @@ def memory_plot(run: RunResult, path: Path) -> bool:
             if series:
                 ax.plot(range(len(series)), series, color=colour, linewidth=1,
                         label=label + what)
-        if memory.device_total_mib:
-            ax.axhline(memory.device_total_mib / 1024, color=BLUE, linestyle=":", linewidth=1)
+    totals = [m.device_total_mib for _, m in kept if m.device_total_mib]
+    highest = max(max(s, default=0.0) for _, m in kept for s in (
+        m.allocated_mib, m.reserved_mib, m.peak_mib, m.resident_mib))
+    size = f"the device holds {max(totals) / 1024:,.0f} GiB" if totals else ""
+    if totals and highest >= NEAR_DEVICE * max(totals):  # near it: drawn (dotted)
+        ax.axhline(max(totals) / 1024, color=BLUE, linestyle=":", linewidth=1)
+        size += ", dotted"
     ax.set_xlabel("step")
     ax.set_ylabel("GiB at the step's end")
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("Memory at each step's end (dotted: the device's size)")
+    ax.set_title("Memory at each step's end" + (f" ({size})" if size else ""))
     _save(fig, path)
     return True
 
