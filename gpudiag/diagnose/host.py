@@ -93,7 +93,9 @@ class StepAccount:
 
 
 def _torch_lines(stage: StageResult) -> tuple[set[str], dict[str, float]]:
-    """Lines the profiler window saw issue torch operators, and their syncs per step."""
+    """Lines the profiler window saw issue torch operators, and their syncs per step; a
+    library's lines the syncs were made at too (the window charges their operators to the
+    user's line that called the library)."""
     ev = stage.evidence
     if ev is None:
         return set(), {}
@@ -102,7 +104,30 @@ def _torch_lines(stage: StageResult) -> tuple[set[str], dict[str, float]]:
     issued |= {s.location for s in ev.source_lines if s.calls_per_step > 0}
     syncs = {c.location: c.syncs for c in counts if c.syncs > 0}
     syncs.update({s.location: s.syncs_per_step for s in ev.source_lines if s.syncs_per_step})
+    for c in counts:
+        for via, n in c.sync_vias.items():
+            syncs[via] = syncs.get(via, 0.0) + n
+            issued.add(via)
     return issued, syncs
+
+
+class _CallResolver:
+    """What a sample at a C call or operator was doing, by the profiler window's record of
+    its line: on a GPU, a line the window saw sync is where the thread waits for the device
+    (`if torch.isnan(loss) or ...`: the bool() its source does not name); else a line that
+    issued torch operators is torch's, any other Python's. Without a window, a call."""
+
+    def __init__(self, stage: StageResult) -> None:
+        self.issued, self.syncs = _torch_lines(stage)
+        self.windowed = stage.evidence is not None
+        self.cuda = stage.evidence is not None and stage.evidence.backend == "cuda"
+
+    def __call__(self, kind: HostKind, location: str) -> HostKind:
+        if kind != "call" or not self.windowed:
+            return kind
+        if self.cuda and self.syncs.get(location, 0.0) > 0:
+            return "sync"
+        return "torch" if location in self.issued else "python"
 
 
 def step_account(stage: StageResult) -> StepAccount | None:
@@ -112,8 +137,7 @@ def step_account(stage: StageResult) -> StepAccount | None:
     if host is None or host.samples < MIN_SAMPLES or not host.steady_steps \
             or host.sampled_ms <= 0:
         return None
-    issued, syncs = _torch_lines(stage)
-    windowed = stage.evidence is not None
+    resolved = _CallResolver(stage)
     step_ms = host.per_step(host.steady_wall_ms)
     # Samples weigh the time since the one before: over many steps they add up to the steps'
     # wall time, give or take sampling noise (scaled away); well short of it is time no
@@ -124,11 +148,6 @@ def step_account(stage: StageResult) -> StepAccount | None:
     def per_step(ms: float) -> float:
         return host.per_step(ms) * scale
 
-    def resolved(kind: HostKind, location: str) -> HostKind:
-        if kind != "call" or not windowed:
-            return kind
-        return "torch" if location in issued else "python"
-
     per_line: dict[str, HostLineTime] = {}
     vias: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for sample in host.lines:
@@ -136,19 +155,24 @@ def step_account(stage: StageResult) -> StepAccount | None:
         ms = per_step(sample.ms)
         line = per_line.setdefault(sample.location, HostLineTime(
             sample.location, sample.function, host.text.get(sample.location, ""), 0.0, 0.0,
-            syncs_per_step=syncs.get(sample.location, 0.0)))
+            syncs_per_step=resolved.syncs.get(sample.location, 0.0)))
         line.ms_per_step += ms
         line.kinds[kind] = line.kinds.get(kind, 0.0) + ms
         if sample.via:
             vias[sample.location][sample.via] += ms
     parts = {kind: per_step(host.kind_ms.get(kind, 0.0)) for kind in HOST_KINDS}
-    if windowed:
+    if resolved.windowed:
         # Calls are told apart line by line; those on lines past the MAX_LINES listed, by
         # no window record of torch work there, are Python's.
-        call_torch = sum(per_step(s.ms) for s in host.lines
-                         if s.kind == "call" and s.location in issued)
-        parts["torch"] += min(call_torch, parts["call"])
-        parts["python"] += max(0.0, parts["call"] - call_torch)
+        calls: dict[HostKind, float] = defaultdict(float)
+        for s in host.lines:
+            if s.kind == "call":
+                calls[resolved("call", s.location)] += per_step(s.ms)
+        left = parts["call"]
+        for kind in ("sync", "torch"):
+            parts[kind] += min(calls[kind], left)
+            left -= min(calls[kind], left)
+        parts["python"] += left
         parts["call"] = 0.0
     sampled = per_step(host.sampled_ms)
     for line in per_line.values():
