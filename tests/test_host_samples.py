@@ -305,6 +305,10 @@ def test_a_librarys_sync_is_the_host_waiting_named_by_its_setting_not_host_work(
     assert syncs.severity == "warning" and syncs.evidence["price_is_bound"] is True
     assert 0.15 <= syncs.impact <= (evidence.idle_fraction or 0.0) + 1e-9
     assert "logging_nan_inf_filter=False" in syncs.fix and "trainer.py:1847" in syncs.fix
+    # A step holding collectives idles its GPU for the other ranks too: no such bound there.
+    evidence.collective_ms_per_step = 1.0
+    (syncs,) = [f for f in evaluate(run) if f.id == "GD103"]
+    assert syncs.severity == "info" and syncs.evidence["price_is_bound"] is False
 
 
 def test_time_no_sample_saw_is_a_part_of_its_own_not_hidden() -> None:
