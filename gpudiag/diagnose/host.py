@@ -93,9 +93,7 @@ class StepAccount:
 
 
 def _torch_lines(stage: StageResult) -> tuple[set[str], dict[str, float]]:
-    """Lines the profiler window saw issue torch operators, and their syncs per step; a
-    library's lines the syncs were made at too (the window charges their operators to the
-    user's line that called the library)."""
+    """Lines the profiler window saw issue torch operators, and their syncs per step."""
     ev = stage.evidence
     if ev is None:
         return set(), {}
@@ -104,28 +102,40 @@ def _torch_lines(stage: StageResult) -> tuple[set[str], dict[str, float]]:
     issued |= {s.location for s in ev.source_lines if s.calls_per_step > 0}
     syncs = {c.location: c.syncs for c in counts if c.syncs > 0}
     syncs.update({s.location: s.syncs_per_step for s in ev.source_lines if s.syncs_per_step})
-    for c in counts:
-        for via, n in c.sync_vias.items():
-            syncs[via] = syncs.get(via, 0.0) + n
-            issued.add(via)
     return issued, syncs
+
+
+def _sync_sites(stage: StageResult) -> set[tuple[str, str]]:
+    """Where the window saw syncs made, as a host sample is charged: (the user's line, the
+    library line it went through, or ""). A library's line a sync went through is a site of
+    its own too: its loop's samples are charged to it (HF Trainer's NaN check of the loss)."""
+    ev = stage.evidence
+    sites: set[tuple[str, str]] = set()
+    for c in ev.line_counts if ev is not None and ev.line_counts else []:
+        if c.syncs > sum(c.sync_vias.values()):
+            sites.add((c.location, ""))
+        for via in c.sync_vias:
+            sites |= {(c.location, via), (via, "")}
+    return sites
 
 
 class _CallResolver:
     """What a sample at a C call or operator was doing, by the profiler window's record of
-    its line: on a GPU, a line the window saw sync is where the thread waits for the device
-    (`if torch.isnan(loss) or ...`: the bool() its source does not name); else a line that
-    issued torch operators is torch's, any other Python's. Without a window, a call."""
+    its line: on a GPU, a call made where the window saw syncs made (the same line, through
+    the same library line) is the thread waiting for the device (`if torch.isnan(loss) or
+    ...`: the bool() its source does not name); else a line that issued torch operators is
+    torch's, any other Python's. Without a window, a call."""
 
     def __init__(self, stage: StageResult) -> None:
         self.issued, self.syncs = _torch_lines(stage)
         self.windowed = stage.evidence is not None
-        self.cuda = stage.evidence is not None and stage.evidence.backend == "cuda"
+        cuda = stage.evidence is not None and stage.evidence.backend == "cuda"
+        self.sync_sites = _sync_sites(stage) if cuda else set()
 
-    def __call__(self, kind: HostKind, location: str) -> HostKind:
+    def __call__(self, kind: HostKind, location: str, via: str) -> HostKind:
         if kind != "call" or not self.windowed:
             return kind
-        if self.cuda and self.syncs.get(location, 0.0) > 0:
+        if (location, via) in self.sync_sites:
             return "sync"
         return "torch" if location in self.issued else "python"
 
@@ -151,7 +161,7 @@ def step_account(stage: StageResult) -> StepAccount | None:
     per_line: dict[str, HostLineTime] = {}
     vias: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for sample in host.lines:
-        kind = resolved(sample.kind, sample.location)
+        kind = resolved(sample.kind, sample.location, sample.via)
         ms = per_step(sample.ms)
         line = per_line.setdefault(sample.location, HostLineTime(
             sample.location, sample.function, host.text.get(sample.location, ""), 0.0, 0.0,
@@ -167,7 +177,7 @@ def step_account(stage: StageResult) -> StepAccount | None:
         calls: dict[HostKind, float] = defaultdict(float)
         for s in host.lines:
             if s.kind == "call":
-                calls[resolved("call", s.location)] += per_step(s.ms)
+                calls[resolved("call", s.location, s.via)] += per_step(s.ms)
         left = parts["call"]
         for kind in ("sync", "torch"):
             parts[kind] += min(calls[kind], left)
