@@ -4,9 +4,11 @@
 gpudiag) and by the user's line. The parts add up to the sampled step: every share a finding
 quotes of "the step" is of this one.
 
-A sample at a C call or operator whose target its source does not name (`x.sum()`, `a @ b`)
-is told torch or not by the profiler window: torch when the window saw that line issue torch
-operators, else Python/numpy; without a window it stays "a call, torch or not".
+A sample at a C call or operator whose target its source does not name (`x.sum()`, `a @ b`,
+`if torch.isnan(loss)`) is told apart by the profiler window: on a GPU, blocked in a sync
+where the window saw syncs made from there (the line, or the library line it went through);
+torch where the window saw that line issue torch operators; else Python/numpy. Without a
+window it stays "a call, torch or not".
 """
 
 from __future__ import annotations
