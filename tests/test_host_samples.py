@@ -19,14 +19,16 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from conftest import profile_script, script_line, script_stage, write_script
+from conftest import EXAMPLES, profile_script, script_line, script_stage, write_script
 
+from gpudiag.diagnose import evaluate
 from gpudiag.diagnose.host import step_account
 from gpudiag.diagnose.timeline import periodic_groups
 from gpudiag.measure.profile.inscript import threadtimer
 from gpudiag.measure.profile.inscript.hostsampler import Clock, HostSampler
 from gpudiag.model.facts import HostLine, HostSamples
 from gpudiag.model.results import Evidence, Finding, LineCount, RunResult
+from gpudiag.model.runfile import load_run
 
 BLOCK_S = 0.4
 
@@ -274,6 +276,39 @@ def test_the_step_waterfall_adds_up_and_the_window_decides_what_a_call_was() -> 
     # Without a window, a call stays unknown: "torch or not".
     unknown = step_account(script_stage(STEPS_MS, host=_host(lines)))
     assert unknown is not None and unknown.parts["call"] == pytest.approx(5.0)
+
+
+def test_a_librarys_sync_is_the_host_waiting_named_by_its_setting_not_host_work() -> None:
+    """examples/hf_trainer.py on an H200 (reports/examples/h200-issue55/hf_trainer): GD105
+    called 8.2 ms a step at transformers/trainer.py:1847, `and (torch.isnan(tr_loss_step) or
+    torch.isinf(tr_loss_step))`, host-only work. It is the bool() of those tensors: a read-back
+    of every step's loss (TrainingArguments' logging_nan_inf_filter, on by default), where the
+    host waits for the device, and then launches the rest of the step with the GPU idle (23%).
+    By hand, 200 steps, three runs each way: 32.3 ms a step with the filter, 27.5 without
+    (15% saved). The window now records which library line each sync went through; with it,
+    the wait is a sync, not Python, and GD103 names the setting, its price a bound that holds
+    the measured saving."""
+    run = load_run(EXAMPLES / "h200-issue55" / "hf_trainer")
+    assert [f.location for f in run.findings if f.id == "GD105"] == \
+        ["transformers/trainer.py:1847"]  # as recorded, before the window knew the sync's line
+    evidence = run.stages[0].evidence
+    assert evidence is not None and evidence.line_counts
+    # isnan's and isinf's bool() each step, inside trainer.train() (examples/hf_trainer.py:38).
+    evidence.line_counts[0].sync_vias = {"transformers/trainer.py:1847": 2.0}
+    account = step_account(run.stages[0])
+    assert account is not None
+    (nan_check,) = [line for line in account.lines if line.location.endswith(".py:1847")]
+    assert nan_check.main_kind == "sync" and nan_check.ms("python", "call") == 0.0
+    findings = evaluate(run)
+    assert "GD105" not in [f.id for f in findings]
+    (syncs,) = [f for f in findings if f.id == "GD103"]
+    assert syncs.severity == "warning" and syncs.evidence["price_is_bound"] is True
+    assert 0.15 <= syncs.impact <= (evidence.idle_fraction or 0.0) + 1e-9
+    assert "logging_nan_inf_filter=False" in syncs.fix and "trainer.py:1847" in syncs.fix
+    # A step holding collectives idles its GPU for the other ranks too: no such bound there.
+    evidence.collective_ms_per_step = 1.0
+    (syncs,) = [f for f in evaluate(run) if f.id == "GD103"]
+    assert syncs.severity == "info" and syncs.evidence["price_is_bound"] is False
 
 
 def test_time_no_sample_saw_is_a_part_of_its_own_not_hidden() -> None:

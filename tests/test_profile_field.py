@@ -459,3 +459,48 @@ def test_a_save_every_7_and_an_evaluation_every_10_each_named_and_priced_shares_
     assert save.impact + evaluation.impact == pytest.approx(truth_share, rel=0.2)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "Where the run's time went" in report and "evaluate()" in report
+
+
+def test_lightning_ddp_trains_the_same_job_under_gpudiag(tmp_path: Path) -> None:
+    """Issue 56: Lightning rebuilds the DataLoader for its DistributedSampler from
+    `inspect.signature(DataLoader.__init__)`; a hook that lost the signature made a 2-rank job
+    train with batch size 1 (1,600 steps a rank instead of 50). Plain, 2,048 samples over two
+    ranks in batches of 32 are 32 steps a rank of 32 each: every rank sees exactly that under
+    gpudiag, gpudiag records that batch, and (issue 55) the job gets no warning-level finding,
+    none at Lightning's every-step `self.advance(data_fetcher)`."""
+    pytest.importorskip("lightning")
+    script = write_script(tmp_path / "lit_ddp.py", """
+        import torch
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(32, 2)
+                self.sizes = []
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                self.sizes.append(len(x))
+                return torch.nn.functional.cross_entropy(self.net(x), y)
+            def on_train_end(self):
+                print(f"rank {self.global_rank} steps {len(self.sizes)} "
+                      f"batches {sorted(set(self.sizes))}", flush=True)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        if __name__ == "__main__":
+            g = torch.Generator().manual_seed(0)
+            data = TensorDataset(torch.randn(2048, 32, generator=g),
+                                 torch.randint(0, 2, (2048,), generator=g))
+            L.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy="ddp",
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False).fit(Model(), DataLoader(data, batch_size=32))
+    """)
+    code, run, output = _profile(tmp_path, script)
+    assert code == 0, output
+    for rank in (0, 1):
+        assert f"rank {rank} steps 32 batches [32]" in output, output
+    assert len(run.stages) == 2 and all(s.samples_per_step == 32 for s in run.stages), \
+        [(s.name, s.samples_per_step) for s in run.stages]
+    assert not [f for f in run.findings if f.severity != "info"], run.findings

@@ -244,6 +244,23 @@ def test_synchronising_runtime_calls_are_counted_per_line() -> None:
     assert line(ev, "model.py:10").syncs_per_step == 1.0
 
 
+def test_a_sync_inside_a_library_is_counted_at_the_library_line_it_went_through() -> None:
+    """HF Trainer's NaN check: `trainer.train()` is the user's line, the bool() of
+    `torch.isnan(loss)` at transformers/trainer.py's line is where the host waits; on a GPU
+    (a runtime sync) and on a CPU (a syncing operator) alike."""
+    nan_check = "transformers/trainer.py:1847"
+    through = op(annotation("train.py:38", "main", False, via=nan_check), 0, 100,
+                 cat="user_annotation")
+    events = [through, launch("cudaMemcpyAsync", 10, corr=1, dur=5.0),
+              launch("cudaStreamSynchronize", 20, corr=2, dur=30.0),
+              ann("train.py:38", "main", 200, 50),  # the model's own calls, no library line
+              launch("cudaStreamSynchronize", 210, corr=3, dur=5.0)]
+    (count,) = run(events, steps=2).line_counts
+    assert count.syncs == 1.0 and count.sync_vias == {nan_check: 0.5}
+    cpu = [through, op("aten::is_nonzero", 10, 20), op("aten::_local_scalar_dense", 12, 10)]
+    assert run(cpu, backend="cpu").line_counts[0].sync_vias == {nan_check: 1.0}
+
+
 def test_sync_idle_is_the_device_gap_after_each_sync() -> None:
     events = [
         kernel("a", 0, 50.0, corr=1),

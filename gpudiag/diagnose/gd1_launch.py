@@ -15,7 +15,7 @@ from gpudiag.diagnose.gd1_optimizer import (
     optimizer_severity,
     slow_optimizer,
 )
-from gpudiag.diagnose.host import SHORT_KIND, step_account
+from gpudiag.diagnose.host import SHORT_KIND, HostLineTime, step_account
 from gpudiag.diagnose.ledger import StepPart, Symptom, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import OptimizerFacts
@@ -452,11 +452,25 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
         remaining = (ev.syncs_per_step - (loop.syncs_per_step if loop else 0.0) if cuda
                      else sum(s.syncs_per_step for s in lines))
         # What syncs cost is the device idle they leave behind, as a share of the profiled step
-        # (instrumentation slows the host's refill and the step alike).
+        # (instrumentation slows the host's refill and the step alike) ...
         idle = sum(s.sync_idle_ms_per_step for s in lines)
         cost = idle / ev.step_ms if cuda and ev.step_ms else 0.0
         if not lines:
             continue
+        # ... or, where the host waits at them a share of the step while the GPU idles a
+        # share, the run-ahead they take: a host that needs nearly the device's time to
+        # launch a step never gets ahead again, and the GPU starves between launches long
+        # after the sync's own idle (HF Trainer's NaN check: 1 ms idle after it, 15% saved
+        # without it on an H200). At most the smaller of the two shares: a bound. Not where
+        # the step holds collectives: its GPU then idles for the other ranks too (a 2-rank
+        # DeepSpeed job's rank 0 idled 84% of its step, its syncs held 21%).
+        step = step_account(stage)
+        waits = step.lines_of("sync") if step is not None else []
+        lead = min(step.share(sum(line.ms("sync") for line in waits)), ev.idle_fraction) \
+            if cuda and step is not None and ev.idle_fraction is not None \
+            and not ev.collective_ms_per_step else 0.0
+        bound = lead > cost
+        cost = max(cost, lead)
         top = lines[0]
         # Fewer reads are named where the script's own line makes them and the GPU measurably
         # idles after them, at the severity their price earns: two `.item()`s of a small step
@@ -475,14 +489,15 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
                  if c.syncs > 0 and (loop is None or c.location != loop.location)} \
             if cuda and ev.line_counts else {s.location: round(s.syncs_per_step, 1)
                                              for s in lines}
-        step = step_account(stage)
-        blocked = {line.location: round(line.ms("sync"), 2)
-                   for line in (step.lines_of("sync") if step is not None else [])}
+        blocked = {line.location: round(line.ms("sync"), 2) for line in waits}
         yield Draft(
             severity=severity_for(cost, warning=SYNC_WARNING, critical=SYNC_CRITICAL,
                                   cap="critical" if cuda else "info"),
             stage=stage.name,
-            title=((f"{remaining:.0f} host-device syncs per step leave the GPU idle "
+            title=((f"{remaining:.0f} host-device syncs per step cost up to {pct(cost)} of "
+                    "the step: the host waits at them, then launches with the GPU idle"
+                    if bound else
+                    f"{remaining:.0f} host-device syncs per step leave the GPU idle "
                     f"{pct(cost)} of the step" if cuda else
                     f"{remaining:.0f} reads per step that would block the host on a GPU "
                     "(.item(), .nonzero(), ...; none blocks on this CPU)")
@@ -494,12 +509,33 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
                       "blocked_ms_per_step": round(ev.sync_ms_per_step, 2),
                       "idle_after_syncs_ms_per_step": round(idle, 2),
                       "lines": every,
-                      "sampled_blocked_ms_per_step": blocked},
-            fix=_anomaly_first(stage) + (
+                      "sampled_blocked_ms_per_step": blocked,
+                      "price_is_bound": bound},
+            fix=_anomaly_first(stage) + _library_sync(waits) + (
                 f"At {top.location}: keep the value on the device instead of reading it back "
                 "every step (log every N steps; use torch.where or masks instead of Python "
                 "branches on tensors; avoid .item(), .cpu(), .nonzero())."),
         )
+
+
+# Syncs a library makes every step by one of its settings: (its file, a fragment of the
+# syncing line's source, the setting that turns it off). Matched on the source, not the line
+# number, which moves between versions.
+LIBRARY_SYNCS = (
+    ("transformers/trainer.py", "isnan(tr_loss_step)",
+     "TrainingArguments(..., logging_nan_inf_filter=False): the Trainer reads every step's "
+     "loss back to check it for NaN or inf (its default), only to filter what it logs"),
+)
+
+
+def _library_sync(waits: list[HostLineTime]) -> str:
+    """The library setting behind the busiest sync the host samples saw, where one is."""
+    for line in waits:
+        for path, fragment, setting in LIBRARY_SYNCS:
+            if line.location.startswith(path + ":") and fragment in line.text:
+                return (f"{line.location} (`{line.text.strip()}`) waits "
+                        f"{line.ms('sync'):.1f} ms a step: set {setting}. ")
+    return ""
 
 
 def _anomaly_first(stage: StageResult) -> str:

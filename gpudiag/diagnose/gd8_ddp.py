@@ -419,7 +419,10 @@ class _Rank:
 class _Job:
     """The ranks of one profiled DDP job. A collective ends when the last rank arrives, so a
     rank's time in it is waiting for the last rank plus the transfer; call by call, the rank
-    that held it least (the last to arrive, who waits nothing) shows the transfer."""
+    that held it least (the last to arrive, who waits nothing) shows the transfer. Where ranks
+    take turns arriving last (two ranks on a loaded CPU, each descheduled in turn), even that
+    holds waits: on a CPU the job's own probe, an all-reduce of the gradients' size timed
+    after a barrier, bounds what the transfer takes."""
 
     ranks: list[_Rank]
 
@@ -459,6 +462,14 @@ class _Job:
 
     @property
     def comm_ms(self) -> float:
+        """The transfer per step: the least any rank held the collectives call by call
+        (least_held_ms), on a CPU no more than the job's probe says the step's all-reduces
+        take (probed_ms)."""
+        bound = self.probed_ms
+        return self.least_held_ms if bound is None else min(self.least_held_ms, bound)
+
+    @property
+    def least_held_ms(self) -> float:
         """The transfer per step, as measured in the window: call by call the least any rank
         held it (a rank that waits for a late peer in one step and is late itself in the
         next waits in neither sum), never more than the least a rank held its collectives
@@ -469,6 +480,30 @@ class _Job:
             return held
         steps = self.ranks[0].evidence.steps
         return min(held, sum(min(times) for times in zip(*calls, strict=True)) / steps)
+
+    @property
+    def probed_ms(self) -> float | None:
+        """What the step's all-reduces take by the probe (the slowest rank's): the gradients'
+        bytes at its time per byte where it was capped below them, once per bucket (each
+        bucket at most the whole), once per round (micro-steps that all-reduced). None
+        without a probe (FSDP; a job the watch did not see built), and on GPUs: there the
+        held time is NCCL's kernels alone on the device, and a round in the step costs more
+        than the probe's lone all-reduce (reports/examples/h200x2-ddp-no-sync/nvlink: 0.8 ms
+        a round saved by no_sync(), 0.37 ms probed). On a CPU it is gloo's wall time, waits
+        included."""
+        if self.transfer.evidence.backend == "cuda":
+            return None
+        known = [r.stage.facts.ddp_job for r in self.ranks]
+        probes = [(k, k.allreduce_probe) for k in known
+                  if k is not None and k.allreduce_probe is not None and k.grad_bytes]
+        if not probes:
+            return None
+        job, _ = probes[0]
+        whole = max(p.ms * max(1.0, job.grad_bytes / max(p.bytes, 1)) for _, p in probes)
+        cap = job.bucket_mb * 2**20 if job.bucket_mb else None
+        buckets = math.ceil(job.grad_bytes / cap) if cap else 1
+        rounds = max(1.0, self.transfer.evidence.microsteps_with_collectives_per_step)
+        return whole * buckets * rounds
 
     @property
     def share(self) -> float:
@@ -795,6 +830,9 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
         ev = lead.evidence
         measured = ("with nothing else on the GPU" if ev.backend == "cuda" else
                     "by gloo's work time, call by call on the rank that arrived last")
+        if job.comm_ms < job.least_held_ms:
+            measured = (f"by the job's all-reduce probe (the ranks hold it "
+                        f"{job.least_held_ms:.1f} ms or more, the rest waiting for each other)")
         impact, severity = job.share, severity_for(job.share, warning=COMM_BOUND_SHARE,
                                                    critical=COMM_CRITICAL_SHARE)
         knob = _knob_first(job)
@@ -821,6 +859,8 @@ def collective_bound_step(run: RunResult) -> Iterator[Draft]:
                       "collective_calls_per_step": ev.collective_calls_per_step,
                       "collective_calls_by_kind": ev.collective_calls_by_kind,
                       "rank_waits_ms_per_step": job.waits(),
+                      "probed_ms_per_step": None if job.probed_ms is None
+                      else round(job.probed_ms, 2),
                       "samples_per_step": lead.stage.samples_per_step, **facts},
             impact=impact,
             fix=f"{link} {cure}".strip())

@@ -4,9 +4,11 @@
 gpudiag) and by the user's line. The parts add up to the sampled step: every share a finding
 quotes of "the step" is of this one.
 
-A sample at a C call or operator whose target its source does not name (`x.sum()`, `a @ b`)
-is told torch or not by the profiler window: torch when the window saw that line issue torch
-operators, else Python/numpy; without a window it stays "a call, torch or not".
+A sample at a C call or operator whose target its source does not name (`x.sum()`, `a @ b`,
+`if torch.isnan(loss)`) is told apart by the profiler window: on a GPU, blocked in a sync
+where the window saw syncs made from there (the line, or the library line it went through);
+torch where the window saw that line issue torch operators; else Python/numpy. Without a
+window it stays "a call, torch or not".
 """
 
 from __future__ import annotations
@@ -105,6 +107,41 @@ def _torch_lines(stage: StageResult) -> tuple[set[str], dict[str, float]]:
     return issued, syncs
 
 
+def _sync_sites(stage: StageResult) -> set[tuple[str, str]]:
+    """Where the window saw syncs made, as a host sample is charged: (the user's line, the
+    library line it went through, or ""). A library's line a sync went through is a site of
+    its own too: its loop's samples are charged to it (HF Trainer's NaN check of the loss)."""
+    ev = stage.evidence
+    sites: set[tuple[str, str]] = set()
+    for c in ev.line_counts if ev is not None and ev.line_counts else []:
+        if c.syncs > sum(c.sync_vias.values()):
+            sites.add((c.location, ""))
+        for via in c.sync_vias:
+            sites |= {(c.location, via), (via, "")}
+    return sites
+
+
+class _CallResolver:
+    """What a sample at a C call or operator was doing, by the profiler window's record of
+    its line: on a GPU, a call made where the window saw syncs made (the same line, through
+    the same library line) is the thread waiting for the device (`if torch.isnan(loss) or
+    ...`: the bool() its source does not name); else a line that issued torch operators is
+    torch's, any other Python's. Without a window, a call."""
+
+    def __init__(self, stage: StageResult) -> None:
+        self.issued, self.syncs = _torch_lines(stage)
+        self.windowed = stage.evidence is not None
+        cuda = stage.evidence is not None and stage.evidence.backend == "cuda"
+        self.sync_sites = _sync_sites(stage) if cuda else set()
+
+    def __call__(self, kind: HostKind, location: str, via: str) -> HostKind:
+        if kind != "call" or not self.windowed:
+            return kind
+        if (location, via) in self.sync_sites:
+            return "sync"
+        return "torch" if location in self.issued else "python"
+
+
 def step_account(stage: StageResult) -> StepAccount | None:
     """The stage's steady step from its host samples, or None without enough of them."""
     script = stage.facts.script
@@ -112,8 +149,7 @@ def step_account(stage: StageResult) -> StepAccount | None:
     if host is None or host.samples < MIN_SAMPLES or not host.steady_steps \
             or host.sampled_ms <= 0:
         return None
-    issued, syncs = _torch_lines(stage)
-    windowed = stage.evidence is not None
+    resolved = _CallResolver(stage)
     step_ms = host.per_step(host.steady_wall_ms)
     # Samples weigh the time since the one before: over many steps they add up to the steps'
     # wall time, give or take sampling noise (scaled away); well short of it is time no
@@ -124,31 +160,31 @@ def step_account(stage: StageResult) -> StepAccount | None:
     def per_step(ms: float) -> float:
         return host.per_step(ms) * scale
 
-    def resolved(kind: HostKind, location: str) -> HostKind:
-        if kind != "call" or not windowed:
-            return kind
-        return "torch" if location in issued else "python"
-
     per_line: dict[str, HostLineTime] = {}
     vias: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for sample in host.lines:
-        kind = resolved(sample.kind, sample.location)
+        kind = resolved(sample.kind, sample.location, sample.via)
         ms = per_step(sample.ms)
         line = per_line.setdefault(sample.location, HostLineTime(
             sample.location, sample.function, host.text.get(sample.location, ""), 0.0, 0.0,
-            syncs_per_step=syncs.get(sample.location, 0.0)))
+            syncs_per_step=resolved.syncs.get(sample.location, 0.0)))
         line.ms_per_step += ms
         line.kinds[kind] = line.kinds.get(kind, 0.0) + ms
         if sample.via:
             vias[sample.location][sample.via] += ms
     parts = {kind: per_step(host.kind_ms.get(kind, 0.0)) for kind in HOST_KINDS}
-    if windowed:
+    if resolved.windowed:
         # Calls are told apart line by line; those on lines past the MAX_LINES listed, by
         # no window record of torch work there, are Python's.
-        call_torch = sum(per_step(s.ms) for s in host.lines
-                         if s.kind == "call" and s.location in issued)
-        parts["torch"] += min(call_torch, parts["call"])
-        parts["python"] += max(0.0, parts["call"] - call_torch)
+        calls: dict[HostKind, float] = defaultdict(float)
+        for s in host.lines:
+            if s.kind == "call":
+                calls[resolved("call", s.location, s.via)] += per_step(s.ms)
+        left = parts["call"]
+        for kind in ("sync", "torch"):
+            parts[kind] += min(calls[kind], left)
+            left -= min(calls[kind], left)
+        parts["python"] += left
         parts["call"] = 0.0
     sampled = per_step(host.sampled_ms)
     for line in per_line.values():

@@ -193,11 +193,14 @@ def _period(steps: Sequence[int]) -> int | None:
 def stage_account(stage: StageResult) -> RunAccount | None:
     """A profiled script's whole run, when it recorded its timeline (with its host samples,
     to name the line of periodic work; its schedule, for gpudiag's own steps; its timed
-    steps, the device's clock where the step is asynchronous)."""
+    steps, the device's clock where the step is asynchronous). Only CUDA events time a
+    device's step: a CPU's timed steps are host-clock steps like the timeline's, and a loaded
+    machine's differ from them by chance, not by a launch queue (a CPU has none)."""
     script = stage.facts.script
     if script is None or script.timeline is None:
         return None
-    device = statistics.median(stage.iter_ms) if stage.iter_ms else None
+    device = statistics.median(stage.iter_ms) if stage.iter_ms \
+        and stage.timer == "cuda-events" else None
     return account(script.timeline, script.host, script.compiles, warmup=script.warmup,
                    device_step_ms=device)
 

@@ -171,6 +171,9 @@ class LineCount:
     copies: NonNegative = 0.0
     device_ms: NonNegative = 0.0
     sync_idle_ms: NonNegative = 0.0
+    # Of its syncs, those made inside a library, by the library's line (`trainer.train()`'s
+    # syncs at transformers/trainer.py's NaN check of the loss).
+    sync_vias: dict[str, NonNegative] = field(default_factory=dict)
     # Device (CPU: operator) ms by kind.
     kind_ms: dict[str, NonNegative] = field(default_factory=dict)
     # What the line's operators compute and move per step, from the shapes the profiler

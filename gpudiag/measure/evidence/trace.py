@@ -90,6 +90,7 @@ class _Line:
     device_us: float = 0.0
     kernel_us: list[float] = field(default_factory=list)
     vias: Counter[str] = field(default_factory=Counter)  # library frame -> calls through it
+    sync_vias: Counter[str] = field(default_factory=Counter)  # library frame -> syncs there
     kind_us: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     flops: float = 0.0
     bytes: float = 0.0
@@ -393,8 +394,20 @@ def _count_host(w: _Window, backend: str) -> tuple[list[dict[str, Any]], int]:
                 syncs += 1
                 owner = w.line_of(o)
                 if owner is not None:
-                    w.stats(owner).syncs += 1
+                    _count_sync(w, owner)
     return top_ops, syncs
+
+
+def _count_sync(w: _Window, owner: dict[str, Any]) -> _Line:
+    """One sync, charged to its line and to the library line it went through: there a library
+    syncs (HF Trainer's NaN check of every step's loss), which the host samples see the
+    thread blocked at."""
+    line = w.stats(owner)
+    line.syncs += 1
+    site = parse_annotation(owner["name"])
+    if site is not None and site.via:
+        line.sync_vias[site.via] += 1
+    return line
 
 
 @dataclass
@@ -426,8 +439,7 @@ def _count_runtime(w: _Window) -> _Runtime:
             counts.sync_ends.append(_end(r))
             owner = w.line_of(r)
             if owner is not None:
-                w.stats(owner).syncs += 1
-                counts.line_sync_ends[w.stats(owner).location].append(_end(r))
+                counts.line_sync_ends[_count_sync(w, owner).location].append(_end(r))
         elif name in EMPTY_CACHE_CALLS:
             counts.empty_cache += 1
             counts.free_us += float(r.get("dur", 0.0))
@@ -657,6 +669,7 @@ def _line_counts(w: _Window, runtime: _Runtime, per: float) -> list[LineCount]:
     return sorted(
         (LineCount(location=line.location, function=line.function, ops=line.ops * per,
                    kernels=line.kernels * per, syncs=line.syncs * per,
+                   sync_vias={via: n * per for via, n in sorted(line.sync_vias.items())},
                    copies=line.memcpys * per, device_ms=line.device_us * per / 1e3,
                    sync_idle_ms=_idle_after(runtime.line_sync_ends[line.location],
                                             w.busy) * per / 1e3,
