@@ -261,11 +261,18 @@ LOOP = """
 
 
 def test_exit_code_and_crash_still_report(tmp_path: Path) -> None:
-    code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
-        after="if step == 25: raise RuntimeError('boom')")), timed=10)
+    """A crash keeps its exit code and the steps before it; the crash here is the CPU
+    allocator's out-of-memory error, which gets a report of its own (GD404, issue 57)."""
+    script = _script(tmp_path, LOOP.format(
+        after="if step == 25: torch.empty(2**50, dtype=torch.uint8)  # 1 PiB"))
+    code, run, _ = profile(tmp_path, sys.executable, script, timed=10)
     stage = run.stages[0]  # a crash is a crash: status error, the steps before it kept
     assert code == 1 and stage.status == "error" and len(stage.iter_ms) == 10
-    assert "RuntimeError: boom" in stage.error and "raise RuntimeError" in stage.traceback
+    assert "DefaultCPUAllocator" in stage.error and "torch.empty(2**50" in stage.traceback
+    (oom,) = [f for f in run.findings if f.id == "GD404"]
+    assert oom.severity == "critical" and oom.location == f"{Path(script).name}:{10}"
+    assert oom.title.startswith("Out of memory at step 26: 1,048,576.00 GiB requested of the "
+                                "machine's")  # 2**50 bytes, on this CPU
     code, run, _ = profile(tmp_path, sys.executable, _script(tmp_path, LOOP.format(
         after="pass") + "    sys.exit(3)\n"), timed=10)
     assert code == 3 and run.stages[0].ok

@@ -32,6 +32,7 @@ from gpudiag.model.facts import (
     LoaderUse,
     MemoryTimeline,
     OptimizerFacts,
+    OutOfMemory,
     SaveRecord,
     ScriptFacts,
     SingleDevice,
@@ -378,6 +379,29 @@ def gd403(*, per_step: float, steps: int = 60, device: str = "cuda", every: int 
                                           step_clock="optimizer.step()", timeline=timeline,
                                           memory=memory))
     return make_run(make_stage("train.py", facts=facts))
+
+
+def gd404(*, oom: bool = True, per_step: float = 0.0, cached: float = 100.0,
+          numel: int = 500_000_000) -> RunResult:
+    """A script that died of CUDA's out-of-memory error at step 40 asking 2 GiB, 78 GiB held by
+    tensors on an 80 GB device, its AdamW stepping `numel` elements; memory grew `per_step`
+    a step before; the allocator's cache held `cached` MiB beyond the tensors. `oom` False: it
+    died of another error."""
+    run = gd403(per_step=per_step, steps=40, total_mib=81_920.0)
+    stage = run.stages[0]
+    script = stage.facts.script
+    assert script is not None and script.memory is not None
+    stage.status, stage.error = "error", "the script raised torch.OutOfMemoryError"
+    script.optimizers = [OptimizerFacts(name="AdamW", module="torch.optim.adamw",
+                                        implementation="foreach", chosen="default",
+                                        parameters=100, numel=numel)]
+    script.memory.peak_mib = [79_000.0] * 40
+    if oom:
+        script.memory.oom = OutOfMemory(
+            device="cuda", step=40, message="CUDA out of memory. Tried to allocate 2.00 GiB.",
+            requested_mib=2048.0, allocated_mib=78_000.0, reserved_mib=78_000.0 + cached,
+            device_total_mib=81_920.0, device_free_mib=1200.0, line="train.py:77")
+    return run
 
 
 def gd201(*, share: float) -> RunResult:
@@ -816,6 +840,10 @@ CASES: dict[str, Case] = {
                   {"series": "allocated", "mib_per_step": 1.28, "steps_counted": 50},
                   (P(gd403, per_step=63.0 / 50), P(gd403, per_step=0.0, jump_at=20),
                    P(gd403, per_step=8.0, steps=15))),
+    "GD404": Case(P(gd404), "train.py", "critical",
+                  {"device": "cuda", "step": 40, "requested_mib": 2048.0,
+                   "allocated_mib": 78_000.0},
+                  (P(gd404, oom=False),)),
     "GD501": Case(P(gd501, thermal=0.1), "train-fp16", "warning",
                   {"throttle_share": {"hw_slowdown": 0.1, "power_cap": 0.0}},
                   (P(gd501, thermal=0.099),)),
@@ -981,6 +1009,26 @@ def test_rule_near_miss(code: str, index: int) -> None:
 
 
 # Rule-specific behaviour beyond the threshold pairs.
+
+
+def test_out_of_memory_lists_the_knobs_that_would_fit_in_bytes() -> None:
+    """A 500M-parameter AdamW job out of memory at step 40 (issue 57): the failing line, and
+    what fits, each in bytes: the growth first where memory grew, the allocator's cache where
+    it held the request, the optimizer's 3.73 GiB of fp32 moments (8-bit saves three
+    quarters), then the step's own allocations beyond weights, gradients and state."""
+    (f,) = findings_of("GD404", gd404())
+    assert f.location == "train.py:77" and f.severity == "critical"
+    assert f.title == ("Out of memory at step 40: 2.00 GiB requested with 76.17 GiB held by "
+                       "tensors (76.27 GiB reserved) of the GPU's 80.00 GiB")
+    knobs = f.evidence["knobs"]
+    assert knobs[0].startswith("the optimizer's state, 3.73 GiB in fp32")
+    assert "three quarters (2.79 GiB)" in knobs[0]
+    assert knobs[1].startswith("the step's own allocations (activations and temporaries), "
+                               "~69.70 GiB")
+    (grown,) = findings_of("GD404", gd404(per_step=125.0, cached=4096.0))
+    assert grown.evidence["knobs"][0].startswith("memory grew 125.0 MiB a step")
+    assert "expandable_segments:True" in grown.evidence["knobs"][1]
+    assert "(1) memory grew" in grown.fix and "(2) the allocator held 4.00 GiB" in grown.fix
 
 
 def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_plan() -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gpudiag.diagnose.common import duration, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
-from gpudiag.model.facts import MemoryTimeline
+from gpudiag.model.facts import MemoryTimeline, OutOfMemory
 from gpudiag.model.results import RunResult, StageResult
 
 RESERVED_WARNING, FRAGMENTATION = 0.90, 0.20
@@ -16,6 +16,7 @@ MIN_FREES = 0.5
 # Growth: over at least GROWTH_MIN_STEPS steps' changes (gpudiag's window apart), at least
 # GROWTH_MIN_MIB in all, in each half at least GROWTH_HALF of it (a leak, not one jump).
 GROWTH_MIN_STEPS, GROWTH_MIN_MIB, GROWTH_HALF, GROWTH_SKIP = 10, 64.0, 0.25, 3
+_MIB = 1024 * 1024
 
 
 @rule(
@@ -218,4 +219,105 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
                       "steps_left": None if left is None else round(left)},
             fix=("Find what keeps each step's tensors (a list appended every step, a running "
                  "total that keeps its graph) and keep numbers or detached slices instead."),
+        )
+
+
+# Bytes an optimizer keeps per fp32 parameter element: torch.optim's Adam family two moments,
+# RMSprop and Adagrad one (torch/optim/adam.py, rmsprop.py, adagrad.py); SGD's momentum buffer
+# only with momentum, which the facts do not say: not counted.
+STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "RMSprop": 4,
+               "Adagrad": 4}
+ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
+KNOB_MIN_MIB = 64.0  # a knob that frees less than this is not worth listing
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:,.2f} GiB" if mib >= 1024 else f"{mib:,.0f} MiB"
+
+
+def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
+               warmup: int) -> list[str]:
+    """What would make the step fit, each priced in bytes from what the run measured, in the
+    order they are worth trying: what grew, what the cache held, the optimizer's state, the
+    step's own allocations."""
+    knobs = []
+    timeline = stage.facts.script.timeline if stage.facts.script else None
+    found = growth(memory, warmup, (timeline.window_start, timeline.window_end)
+                   if timeline else (None, None))
+    if found is not None:
+        knobs.append(f"memory grew {found.mib_per_step:,.1f} MiB a step from step "
+                     f"{found.first}: {_gib(found.mib)} kept by the script (GD403); keep "
+                     "numbers or detached slices instead")
+    if oom.reserved_mib is not None and oom.allocated_mib is not None:
+        cached = oom.reserved_mib - oom.allocated_mib
+        if oom.requested_mib and cached >= oom.requested_mib:
+            knobs.append(f"the allocator held {_gib(cached)} cached but in pieces none of which "
+                         f"fit {_gib(oom.requested_mib)}: PYTORCH_CUDA_ALLOC_CONF="
+                         "expandable_segments:True grows a segment instead (no code change)")
+    script = stage.facts.script
+    state = sum(STATE_BYTES.get(o.name, 0) * o.numel for o in script.optimizers) / _MIB \
+        if script else 0.0
+    adam = script is not None and any(o.name in ADAM_FAMILY for o in script.optimizers)
+    if state >= KNOB_MIN_MIB:
+        knobs.append(f"the optimizer's state, {_gib(state)} in fp32: "
+                     + (f"bf16 state saves half, 8-bit (bitsandbytes' AdamW8bit) three "
+                        f"quarters ({_gib(state * 0.75)}); " if adam else "")
+                     + "sharding it (ZeRO-1, FSDP) divides it by the GPUs")
+    weights = 8 * sum(o.numel for o in script.optimizers) / _MIB if script else 0.0
+    peak = max(memory.peak_mib, default=0.0)
+    step_own = peak - weights - state if peak and weights else None
+    if step_own is not None and step_own >= KNOB_MIN_MIB:
+        knobs.append(f"the step's own allocations (activations and temporaries), ~"
+                     f"{_gib(step_own)} at the peak beyond the fp32 weights, gradients and "
+                     "state (an estimate): half the micro-batch with 2 accumulation steps "
+                     f"saves about half ({_gib(step_own / 2)}); activation checkpointing of "
+                     "the model's blocks most of them, for ~20-30% more time")
+    return knobs
+
+
+@rule(
+    "GD404", "out-of-memory", concern="memory",
+    summary="The run died of an allocation that failed: what held memory, and what would fit.",
+    why=("An out-of-memory error ends the run with PyTorch's traceback and a size; what held "
+         "the memory, whether it grew, and which setting would make the step fit are what the "
+         "engineer needs next."),
+    fix=("In the order the finding lists: stop what grows, let the allocator reuse its cache, "
+         "lighten or shard the optimizer's state, then shrink what one step allocates (a "
+         "smaller micro-batch with gradient accumulation, activation checkpointing)."),
+    prices=NoPart("the run died: each knob is priced in the bytes it frees, not in time"),
+    references=("https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-"
+                "pytorch-cuda-alloc-conf",
+                "https://pytorch.org/docs/stable/torch_cuda_memory.html"),
+)
+def out_of_memory(run: RunResult) -> Iterator[Draft]:
+    """A profiled script that died of CUDA's out-of-memory error (or the CPU allocator's): the
+    allocation, the memory held then, and the knobs that would make it fit, in bytes."""
+    for stage in run.stages:
+        script = stage.facts.script
+        memory = script.memory if script else None
+        if script is None or memory is None or memory.oom is None:
+            continue
+        oom = memory.oom
+        where = "the GPU" if oom.device == "cuda" else "the machine"
+        held = (f" with {_gib(oom.allocated_mib)} held by tensors ({_gib(oom.reserved_mib)} "
+                "reserved)" if oom.allocated_mib is not None and oom.reserved_mib is not None
+                else "")
+        total = memory.device_total_mib or oom.device_total_mib if oom.device == "cuda" \
+            else memory.host_total_mib
+        of = f" of {where}'s {_gib(total)}" if total else f" on {where}"
+        asked = f"{_gib(oom.requested_mib)} requested" if oom.requested_mib else \
+            "an allocation failed"
+        knobs = _oom_knobs(stage, memory, oom, script.warmup)
+        yield Draft(
+            severity="critical", stage=stage.name, location=oom.line,
+            title=f"Out of memory at step {oom.step}: {asked}{held}{of}",
+            impact=0.0,
+            evidence={"device": oom.device, "step": oom.step, "message": oom.message,
+                      "requested_mib": oom.requested_mib, "allocated_mib": oom.allocated_mib,
+                      "reserved_mib": oom.reserved_mib, "free_mib": oom.device_free_mib,
+                      "peak_mib": max(memory.peak_mib, default=None), "knobs": knobs},
+            fix=("; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + "."
+                 if knobs else "No owner of the memory was measured before the failure: run "
+                 "fewer steps or a smaller batch under gpudiag profile to see what the step "
+                 "holds."),
         )

@@ -424,6 +424,22 @@ class ConvLayout:
 
 
 @dataclass
+class OutOfMemory:
+    """The allocation a script died of (CUDA's out-of-memory error, or the CPU allocator's),
+    and where its memory stood then."""
+
+    device: Literal["cuda", "cpu"]
+    step: int  # steps the script had ended before it
+    message: str  # the error's first sentence or two, as torch said it
+    requested_mib: float | None = None  # the allocation that failed
+    allocated_mib: float | None = None  # CUDA: held by tensors at the failure
+    reserved_mib: float | None = None  # CUDA: the allocator's segments then
+    device_total_mib: float | None = None
+    device_free_mib: float | None = None  # what the driver had left (torch's message)
+    line: str | None = None  # "path:line": the script's line whose call failed
+
+
+@dataclass
 class MemoryTimeline:
     """The script's memory at each step's end, every step the timeline lists (cheap counters:
     gpudiag/measure/profile/inscript/watches/memory.py). On CUDA the caching allocator's bytes
@@ -446,6 +462,7 @@ class MemoryTimeline:
     alloc_retries: int | None = None
     ooms: int | None = None
     note: str = ""  # what this device cannot tell
+    oom: OutOfMemory | None = None  # the run died of an allocation that failed
 
 
 @dataclass

@@ -497,6 +497,11 @@ class Recorder:
         lines = traceback.format_exception(exc_type, exc, tb)
         self.crash = [line for chunk in lines[-CRASH_LINES:] for line in chunk.splitlines(True)
                       ][-CRASH_LINES:]
+        for watch in self.watches:
+            try:
+                watch.crashed(exc)
+            except Exception as error:  # a watch never hides the script's crash
+                self.error = f"{watch.label}: {type(error).__name__}: {error}"
 
     def _environment(self) -> Env:
         """The machine and the settings the script trains with (its TF32 flags, say), read in

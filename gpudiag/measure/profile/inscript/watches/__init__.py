@@ -76,6 +76,9 @@ class Watch:
         """The window closed at a step boundary, every rank of a job at the same one: a
         collective may run here."""
 
+    def crashed(self, exc: BaseException) -> None:
+        """The script raised `exc` and did not catch it (its `finish` and `fill` follow)."""
+
     def finish(self) -> None:
         """The run's end: what it reads once. An error is named in the part, with `label`."""
 
