@@ -452,36 +452,19 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
         remaining = (ev.syncs_per_step - (loop.syncs_per_step if loop else 0.0) if cuda
                      else sum(s.syncs_per_step for s in lines))
         # What syncs cost is the device idle they leave behind, as a share of the profiled step
-        # (instrumentation slows the host's refill and the step alike) ...
+        # (instrumentation slows the host's refill and the step alike), or the run-ahead they
+        # take where that is more (a bound: _run_ahead_share).
         idle = sum(s.sync_idle_ms_per_step for s in lines)
         cost = idle / ev.step_ms if cuda and ev.step_ms else 0.0
         if not lines:
             continue
-        # ... or, where the host waits at them a share of the step while the GPU idles a
-        # share, the run-ahead they take: a host that needs nearly the device's time to
-        # launch a step never gets ahead again, and the GPU starves between launches long
-        # after the sync's own idle (HF Trainer's NaN check: 1 ms idle after it, 15% saved
-        # without it on an H200). At most the smaller of the two shares: a bound. Not where
-        # the step holds collectives: its GPU then idles for the other ranks too (a 2-rank
-        # DeepSpeed job's rank 0 idled 84% of its step, its syncs held 21%).
         step = step_account(stage)
         waits = step.lines_of("sync") if step is not None else []
-        lead = min(step.share(sum(line.ms("sync") for line in waits)), ev.idle_fraction) \
-            if cuda and step is not None and ev.idle_fraction is not None \
-            and not ev.collective_ms_per_step else 0.0
+        lead = _run_ahead_share(stage, waits) if cuda else 0.0
         bound = lead > cost
         cost = max(cost, lead)
         top = lines[0]
-        # Fewer reads are named where the script's own line makes them and the GPU measurably
-        # idles after them, at the severity their price earns: two `.item()`s of a small step
-        # cost 15% of it on an H200 (issue 55), or 2-3% (examples/step_reads.py); GradScaler's
-        # one inf check, a library's, stays below the count.
-        # A read, not a copy in: syncs beyond the line's host-to-device copies (known only for
-        # runs that count them apart).
-        reads = top.syncs_per_step - (top.htod_copies_per_step or 0.0)
-        own_and_seen = cuda and cost >= SYNC_NAMED and top.direct_calls_per_step > 0 \
-            and top.htod_copies_per_step is not None and reads > 0
-        if remaining < SYNC_MIN and not own_and_seen:
+        if remaining < SYNC_MIN and not (cuda and _own_reads_seen(top, cost)):
             continue
         # Every line that syncs (the window's count of each), and the time the host samples
         # saw each blocked, where they did.
@@ -516,6 +499,32 @@ def host_syncs(run: RunResult) -> Iterator[Draft]:
                 "every step (log every N steps; use torch.where or masks instead of Python "
                 "branches on tensors; avoid .item(), .cpu(), .nonzero())."),
         )
+
+
+def _run_ahead_share(stage: StageResult, waits: list[HostLineTime]) -> float:
+    """What syncs cost beyond their own idle, where the host waits at them a share of the
+    step while the GPU idles a share: the run-ahead they take. A host that needs nearly the
+    device's time to launch a step never gets ahead again, and the GPU starves between
+    launches long after the sync's own idle (HF Trainer's NaN check: 1 ms idle after it, 15%
+    saved without it on an H200). At most the smaller of the two shares: a bound. Not where
+    the step holds collectives: its GPU then idles for the other ranks too (a 2-rank
+    DeepSpeed job's rank 0 idled 84% of its step, its syncs held 21%)."""
+    ev, step = stage.evidence, step_account(stage)
+    if ev is None or step is None or ev.idle_fraction is None or ev.collective_ms_per_step:
+        return 0.0
+    return min(step.share(sum(line.ms("sync") for line in waits)), ev.idle_fraction)
+
+
+def _own_reads_seen(top: SourceLine, cost: float) -> bool:
+    """Fewer reads than the count are named where the script's own line makes them and the
+    GPU measurably idles after them, at the severity their price earns: two `.item()`s of a
+    small step cost 15% of it on an H200 (issue 55), or 2-3% (examples/step_reads.py);
+    GradScaler's one inf check, a library's, stays below the count. A read, not a copy in:
+    syncs beyond the line's host-to-device copies (known only for runs that count them
+    apart)."""
+    reads = top.syncs_per_step - (top.htod_copies_per_step or 0.0)
+    return cost >= SYNC_NAMED and top.direct_calls_per_step > 0 \
+        and top.htod_copies_per_step is not None and reads > 0
 
 
 # Syncs a library makes every step by one of its settings: (its file, a fragment of the

@@ -16,7 +16,6 @@ MIN_FREES = 0.5
 # Growth: over at least GROWTH_MIN_STEPS steps' changes (gpudiag's window apart), at least
 # GROWTH_MIN_MIB in all, in each half at least GROWTH_HALF of it (a leak, not one jump).
 GROWTH_MIN_STEPS, GROWTH_MIN_MIB, GROWTH_HALF, GROWTH_SKIP = 10, 64.0, 0.25, 3
-_MIB = 1024 * 1024
 
 
 @rule(
@@ -164,6 +163,15 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
     return f"{where} runs out in ~{left:,.0f} more steps{when}{plan}"
 
 
+GROWTH_THRESHOLDS = (
+    Threshold("min_growth_mib", GROWTH_MIN_MIB, "grown at least 64 MiB over the steps counted"),
+    Threshold("min_steps", GROWTH_MIN_STEPS, "at least 10 step-to-step changes counted"),
+    Threshold("half_share", GROWTH_HALF,
+              "each half of the steps holds a quarter of the growth: it goes on"),
+    Threshold("skipped_steps", GROWTH_SKIP,
+              "the first steps make the optimizer's state: not counted"))
+
+
 @rule(
     "GD403", "memory-growth", concern="memory",
     summary="Memory that grows step after step: tensors kept from every step.",
@@ -175,14 +183,7 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
          ".item() every N steps); keep only what the end-of-run metric needs (a running sum, a "
          "slice), on the CPU if it must be kept whole."),
     prices=NoPart("a risk of running out of memory, not time"),
-    thresholds=(Threshold("min_growth_mib", GROWTH_MIN_MIB,
-                          "grown at least 64 MiB over the steps counted"),
-                Threshold("min_steps", GROWTH_MIN_STEPS,
-                          "at least 10 step-to-step changes counted"),
-                Threshold("half_share", GROWTH_HALF,
-                          "each half of the steps holds a quarter of the growth: it goes on"),
-                Threshold("skipped_steps", GROWTH_SKIP,
-                          "the first steps make the optimizer's state: not counted")),
+    thresholds=GROWTH_THRESHOLDS,
     references=("https://pytorch.org/docs/stable/torch_cuda_memory.html",
                 "https://pytorch.org/docs/stable/notes/faq.html"
                 "#my-model-reports-cuda-runtime-error-2-out-of-memory"),
@@ -255,7 +256,7 @@ def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
                          f"fit {_gib(oom.requested_mib)}: PYTORCH_CUDA_ALLOC_CONF="
                          "expandable_segments:True grows a segment instead (no code change)")
     script = stage.facts.script
-    state = sum(STATE_BYTES.get(o.name, 0) * o.numel for o in script.optimizers) / _MIB \
+    state = sum(STATE_BYTES.get(o.name, 0) * o.numel for o in script.optimizers) / 2**20 \
         if script else 0.0
     adam = script is not None and any(o.name in ADAM_FAMILY for o in script.optimizers)
     if state >= KNOB_MIN_MIB:
@@ -263,7 +264,7 @@ def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
                      + (f"bf16 state saves half, 8-bit (bitsandbytes' AdamW8bit) three "
                         f"quarters ({_gib(state * 0.75)}); " if adam else "")
                      + "sharding it (ZeRO-1, FSDP) divides it by the GPUs")
-    weights = 8 * sum(o.numel for o in script.optimizers) / _MIB if script else 0.0
+    weights = 8 * sum(o.numel for o in script.optimizers) / 2**20 if script else 0.0
     peak = max(memory.peak_mib, default=0.0)
     step_own = peak - weights - state if peak and weights else None
     if step_own is not None and step_own >= KNOB_MIN_MIB:
@@ -285,6 +286,9 @@ def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
          "lighten or shard the optimizer's state, then shrink what one step allocates (a "
          "smaller micro-batch with gradient accumulation, activation checkpointing)."),
     prices=NoPart("the run died: each knob is priced in the bytes it frees, not in time"),
+    thresholds=(Threshold("min_knob_mib", KNOB_MIN_MIB,
+                          "a knob freeing less than 64 MiB is not listed"),
+                *GROWTH_THRESHOLDS),
     references=("https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-"
                 "pytorch-cuda-alloc-conf",
                 "https://pytorch.org/docs/stable/torch_cuda_memory.html"),
