@@ -108,6 +108,22 @@ def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
     assert "warning: GITHUB_STEP_SUMMARY" in done.stderr
 
 
+def test_a_run_whose_steps_its_own_evidence_contradicts_is_refused(tmp_path: Path) -> None:
+    """The head's steps saved from the wrong window (a warm-up's 2 us where its stage's
+    kernels take ~75 ms a step): refused in one line, exit 2, never a pass."""
+    from gpudiag.model.runfile import load_run, save_run
+
+    run = load_run(ROOT / "tests" / "data" / "h100-dgca-run.json")
+    save_run(run, tmp_path / "base" / "run.json")
+    for stage in run.stages:
+        stage.iter_ms = [0.002 + 1e-6 * k for k in range(len(stage.iter_ms))]
+    save_run(run, tmp_path / "head" / "run.json")
+    done = _gpudiag(tmp_path, "gate", "base", "head")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "head/run.json: stages[0].iter_ms: a mean step of 0.002" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "PASS" not in done.stdout
+
+
 def _committed(repo: Path, files: dict[str, str]) -> Path:
     """A git repository at `repo` holding `files` (name -> text) in one commit."""
     for name, text in files.items():

@@ -363,6 +363,13 @@ IMPOSSIBLE_CASES = [
         ("samples-per-step-vs-batch", "stages[0].samples_per_step",
          _set(("stages", 0, "samples_per_step"), 64)),
         ("trials-vs-steps", "stages[0].trials", _contradicting_trial),
+        # Warm-up's microseconds saved as the timed steps: fewer than the events counted.
+        ("steps-shorter-than-their-events", "stages[0].iter_ms: a mean step of 0.002 ms",
+         lambda d: (_evidence()(d), d["stages"][0].update(iter_ms=[0.002] * 40))),
+        ("steps-shorter-than-their-kernels", "stages[0].iter_ms: a mean step of 3 ms is "
+         "shorter than the 9.5 ms of device work", lambda d: (
+             _evidence(backend="cuda", compute_busy_ms_per_step=9.5)(d),
+             d["stages"][0].update(iter_ms=[3.0] * 40))),
         ("trial-samples-per-step", "stages[0].trials[0].samples_per_step", lambda d: d[
             "stages"][0].update(trials=[{"ms_per_iter": 10.03, "iters": 40,
                                          "samples_per_step": 16}])),
