@@ -10,7 +10,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -155,6 +158,42 @@ def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path)
     (tmp_path / "unmounted").rename(tmp_path / "drive")
     assert subprocess.run(["git", "status", "--short"], cwd=mine, check=False,
                           capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_killed_gates_worktree_is_removed_by_the_next_gate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gate SIGKILLed inside its base checkout leaves the worktree registered and its folder;
+    the next gate removes both, and nothing of a live gate's or of the user's."""
+    from gpudiag.measure.gatejob import base_checkout
+
+    repo = _committed(tmp_path / "repo", {"a.txt": "a\n"})
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    mine = tmp_path / "feature"
+    git(repo, "worktree", "add", "-q", "-b", "feature", str(mine))
+    code = ("import sys, time; from pathlib import Path; "
+            "from gpudiag.measure.gatejob import base_checkout\n"
+            "with base_checkout('HEAD', Path(sys.argv[1])):\n"
+            "    print('in', flush=True); time.sleep(60)\n")
+    killed, live = (subprocess.Popen([sys.executable, "-c", code, str(repo)],
+                                     stdout=subprocess.PIPE, text=True) for _ in range(2))
+    try:
+        for gate in (killed, live):
+            assert gate.stdout is not None and gate.stdout.readline() == "in\n"
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert len(_worktrees(repo)) == 4 and len(list(temp.iterdir())) == 2
+        with base_checkout("HEAD", repo):
+            assert len(_worktrees(repo)) == 4  # the killed one's gone, this one's in
+        assert [t for t in _worktrees(repo) if f"-{killed.pid}-" in str(t)] == []
+        assert mine in _worktrees(repo)
+        assert [p.name.split("-")[2] for p in temp.iterdir()] == [str(live.pid)]
+    finally:
+        live.kill()
+        live.wait()
 
 
 @pytest.mark.slow

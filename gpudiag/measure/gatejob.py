@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.confine import ConfinementPolicy, confined, confinement_policy, how_kept
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
+from gpudiag.measure.ownedtemp import is_stale, owned_folder, owner_pid, remove_stale
 from gpudiag.model.atomic import fresh_stream
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import ConfineOptions, GateOptions, RunOptions, to_argv
@@ -60,21 +60,43 @@ def repository_top(cwd: Path, who: str = "--base-ref") -> Path:
 def _worktree(top: Path, commit: str, cwd: Path) -> Iterator[tuple[Path, Path]]:
     """A detached worktree of `commit`: (its top, `cwd`'s place in it); removed on exit,
     whatever happens."""
-    tmp = Path(tempfile.mkdtemp(prefix="gpudiag-gate-"))
-    _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
-    # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up alone.
-    # `git worktree prune` would also drop the user's worktrees whose directory is missing
-    # at that moment (an unmounted drive, a moved folder).
-    admin: Path | None = None
-    try:
-        admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
-        yield tmp / "tree", tmp / "tree" / cwd.resolve().relative_to(top.resolve())
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=top,
-                       capture_output=True, check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if admin is not None and admin.parent.name == "worktrees" and admin.is_dir():
+    remove_stale_worktrees(top)
+    with owned_folder(GATE_FOLDERS) as tmp:
+        _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
+        # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up
+        # alone. `git worktree prune` would also drop the user's worktrees whose directory is
+        # missing at that moment (an unmounted drive, a moved folder).
+        admin: Path | None = None
+        try:
+            admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
+            yield tmp / "tree", tmp / "tree" / cwd.resolve().relative_to(top.resolve())
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")],
+                           cwd=top, capture_output=True, check=False)
+            if admin is not None and admin.parent.name == "worktrees" and admin.is_dir():
+                shutil.rmtree(admin, ignore_errors=True)
+
+
+# The kind of gpudiag's owned temporary folders (ownedtemp.py) holding a gate's worktrees.
+GATE_FOLDERS = "gate"
+
+
+def remove_stale_worktrees(top: Path) -> None:
+    """What killed gates and calibrations left: their folders in the temporary directory, and
+    this repository's entries (.git/worktrees/<name>) of the worktrees that were in them. Only
+    those: a live gate's are locked, and `git worktree prune` would also drop the user's
+    worktrees whose folder is missing at that moment."""
+    common = top / _git(top, "rev-parse", "--git-common-dir")
+    entries = common / "worktrees"
+    for admin in sorted(entries.iterdir()) if entries.is_dir() else []:
+        try:  # `gitdir` names the worktree's .git file: <folder>/tree/.git
+            folder = Path((admin / "gitdir").read_text().strip()).parent.parent
+        except OSError:
+            continue
+        if owner_pid(folder, GATE_FOLDERS) is not None and is_stale(folder, GATE_FOLDERS):
+            shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(admin, ignore_errors=True)
+    remove_stale(GATE_FOLDERS)  # another repository's: its entry goes at its next gate
 
 
 @contextmanager
