@@ -288,6 +288,36 @@ def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path:
         assert data == outside
 
 
+@pytest.mark.slow
+def test_an_ignored_environment_in_the_repository_runs_the_command_on_both_sides(
+        tmp_path: Path) -> None:
+    """`.venv/bin/python train.py` with .venv/ ignored by git (uv's and poetry's layout): no
+    worktree has it, so each side runs the user's interpreter, unresolved (a venv's python is
+    a link out of it), and is told so; a program in git, or found on PATH, stays the side's."""
+    from gpudiag.measure.confine import ConfinementPolicy
+    from gpudiag.measure.gatejob import base_checkout, command_note, command_trial
+
+    repo = _committed(tmp_path / "repo", {"train.py": "print('trained')\n",
+                                         "run.sh": "exit 0\n", ".gitignore": ".venv/\n"})
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)
+    trial = command_trial([".venv/bin/python", "train.py"], None, repo)
+    assert trial.program == str(python)
+    with in_folder(repo), base_checkout("HEAD", repo) as base:
+        argv = trial.argv(base, tmp_path / "out")
+        assert argv[-2:] == [str(python), "train.py"] and not (base / ".venv").exists()
+        ran = subprocess.run(argv[-2:], cwd=base, capture_output=True, text=True, check=True)
+        assert ran.stdout == "trained\n"
+    absolute = command_trial([str(python), "train.py"], None, repo)
+    assert absolute.program == str(python)
+    for tracked in (["./run.sh"], ["python", "train.py"], ["missing/python", "train.py"]):
+        assert command_trial(tracked, None, repo).program is None
+    note = command_note([], ConfinementPolicy(), program=trial.program)
+    kept = "read-only" if ConfinementPolicy().confined else "as it is"
+    assert f"its program is your {python} (ignored by git), {kept}" in note
+
+
 def _worktrees(repo: Path) -> list[Path]:
     listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=repo,
                             capture_output=True, text=True, check=True).stdout

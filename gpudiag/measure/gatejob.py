@@ -211,6 +211,8 @@ class TrialCommand:
     # The user's command runs confined to its checkout (confine.py); None: gpudiag's own
     # workload (`--model`), which writes only its run folder.
     policy: ConfinementPolicy | None = None
+    # The command's program from the user's checkout, where no checkout has it (`kept_program`).
+    program: str | None = None
 
     def argv(self, checkout: Path, out_dir: Path) -> list[str]:
         out = ["--out", str(out_dir.resolve())]
@@ -222,11 +224,12 @@ class TrialCommand:
         declared = ([] if self.samples_per_step is None
                     else ["--samples-per-step", str(self.samples_per_step)])
         # One process a trial: a short script is timed on the steps it has.
+        command = [self.program, *self.command[1:]] if self.program else self.command
         return [sys.executable, "-m", "gpudiag", "profile", *out, "--no-plots", "--no-rerun",
-                *declared, "--", *(self._moved(arg, checkout) for arg in self.command)]
+                *declared, "--", *(self._moved(arg, checkout) for arg in command)]
 
     def _moved(self, arg: str, checkout: Path) -> str:
-        if self.top is None or not arg.startswith("/"):
+        if self.top is None or not arg.startswith("/") or arg == self.program:
             return arg
         try:
             inside = Path(arg).resolve().relative_to(self.top.resolve())
@@ -359,11 +362,14 @@ def trials_policy(confine: ConfineOptions, command: Sequence[str],
 
 
 def command_note(shared: Sequence[str], policy: ConfinementPolicy, *,
-                 who: str = "gate: each side runs") -> str:
+                 who: str = "gate: each side runs", program: str | None = None) -> str:
     """What running the user's command does with the user's files, said before it runs."""
     note = (f"{who} in a temporary checkout (this checkout with its uncommitted changes and "
             "untracked files, for the head); what the command writes there is removed with "
             f"it{how_kept(policy, 'its checkout', watched=False)}")
+    if program is not None:  # git ignores it: no checkout has it
+        note += (f"; its program is your {program} (ignored by git), "
+                 f"{'read-only' if policy.confined else 'as it is'}")
     if not shared:
         return note
     return note + (f"; {', '.join(shared)} linked into it read-only (--share)" if policy.confined
@@ -371,13 +377,40 @@ def command_note(shared: Sequence[str], policy: ConfinementPolicy, *,
                    "writes there reaches your files")
 
 
+def kept_program(command: Sequence[str], cwd: Path, top: Path) -> str | None:
+    """The user's own path of the command's program where it lies in the repository and git
+    ignores it: a virtual environment in the project (`.venv/bin/python train.py`, as uv and
+    poetry make it), which no worktree holds. Trials run that interpreter from the user's
+    checkout (only reading it: a trial writes in its own checkout alone); None for a program
+    found on PATH or one the checkouts have."""
+    program = command[0] if command else ""
+    if "/" not in program:
+        return None
+    # Its folder resolved, not the file: a venv's python is a link out of the venv, and its
+    # pyvenv.cfg is found beside the path it is started by.
+    given = cwd / program
+    path = given.parent.resolve() / given.name
+    if not path.is_file() or not path.parent.is_relative_to(top.resolve()):
+        return None
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--", str(path)], cwd=top,
+                             capture_output=True, check=False)
+    return str(path) if ignored.returncode == 0 else None
+
+
+def command_trial(command: Sequence[str], policy: ConfinementPolicy | None, cwd: Path, *,
+                  who: str = "--base-ref", samples_per_step: int | None = None) -> TrialCommand:
+    """What each trial of the user's `command` runs, from `cwd` (`who` needs a repository)."""
+    top = repository_top(cwd, who)
+    return TrialCommand(command=tuple(command), top=top, samples_per_step=samples_per_step,
+                        policy=policy, program=kept_program(command, cwd, top))
+
+
 def gate_trial(options: RunOptions, gate: GateOptions, command: Sequence[str],
                policy: ConfinementPolicy | None, cwd: Path) -> TrialCommand:
     """What each of `gate --base-ref`'s trials runs, checked before anything is checked out
     or created: gpudiag's workload with `options`, or the user's `command`."""
     if command:
-        return TrialCommand(command=tuple(command), top=repository_top(cwd),
-                            samples_per_step=gate.samples_per_step, policy=policy)
+        return command_trial(command, policy, cwd, samples_per_step=gate.samples_per_step)
     from gpudiag.measure.plan import check_run_options  # noqa: PLC0415  (torch)
 
     check_run_options(options)
