@@ -274,6 +274,42 @@ def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
 
 
 @pytest.mark.slow
+def test_submodules_are_checked_out_offline_from_the_users_copies(tmp_path: Path) -> None:
+    """A submodule (its remote gone: offline) is in both sides' worktrees: the base's at the
+    commit it records, the head's as the user's copy is (moved, with a change); one the user
+    has not checked out stays empty; a commit the user's copy lacks is named in one line
+    before any trial. The user's checkout is left as it was."""
+    from gpudiag.measure.gatejob import base_checkout, head_checkout
+    from gpudiag.model.errors import BadInput
+
+    lib = _committed(tmp_path / "lib", {"v.txt": "1\n"})
+    repo = _committed(tmp_path / "repo", {"train.py": "steps = 1\n"})
+    for name in ("lib", "docs"):
+        git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), name)
+    git(repo, "commit", "-qm", "submodules")
+    git(repo, "submodule", "deinit", "-q", "docs")  # the user never checked it out
+    (repo / "lib" / "v.txt").write_text("2\n")
+    git(repo / "lib", "commit", "-qam", "2")
+    (repo / "lib" / "v.txt").write_text("3\n")  # and changed it since
+    shutil.rmtree(lib)  # no remote to fetch from
+    status = git(repo, "status", "--porcelain")
+    with base_checkout("HEAD", repo) as base:
+        assert (base / "lib" / "v.txt").read_text() == "1\n"
+        assert (base / "docs").is_dir() and not list((base / "docs").iterdir())
+    with head_checkout(repo) as head:
+        assert (head / "lib" / "v.txt").read_text() == "3\n"
+    assert git(repo, "status", "--porcelain") == status and _worktrees(repo) == [repo]
+    git(repo, "commit", "-qam", "lib at 2")
+    git(repo / "lib", "reset", "-q", "--hard", "HEAD~1")
+    git(repo / "lib", "reflog", "expire", "--expire=now", "--all")
+    git(repo / "lib", "gc", "-q", "--prune=now")  # commit 2 gone from the user's copy
+    with pytest.raises(BadInput, match=r"submodule lib: your checkout's copy lacks commit"), \
+            base_checkout("HEAD", repo):
+        pass
+    assert _worktrees(repo) == [repo]
+
+
+@pytest.mark.slow
 def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path: Path) -> None:
     """`python /repo/sub/train.py` from /repo/sub: each side's trial runs its checkout's file,
     not the head's; a path outside the repository stays as given."""

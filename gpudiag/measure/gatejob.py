@@ -1,7 +1,8 @@
 """`gpudiag gate --base-ref REF`: the base and the head measured in one job, on one machine,
 interleaved, so that drift between machines or hours never enters the comparison.
 
-The base is a temporary git worktree of REF (removed afterwards); each trial is a fresh
+The base is a temporary git worktree of REF (removed afterwards; its submodules cloned from
+the user's own copies, offline; a killed gate's removed by the next); each trial is a fresh
 `python -m gpudiag run` (or, for the user's own command, `gpudiag profile -- COMMAND`) whose
 working directory is the side's checkout, so relative paths (`--model models/net.py`,
 `python train.py`) and the side's own modules resolve to that side's code: Python puts a `-m`
@@ -56,10 +57,46 @@ def repository_top(cwd: Path, who: str = "--base-ref") -> Path:
                        "checkouts are git worktrees)") from None
 
 
+def _as_it_is(repo: Path) -> str:
+    """A commit of `repo`'s checkout as it is: HEAD with its tracked files' changes (`git
+    stash create` makes a commit of them and touches nothing else)."""
+    # `stash create` fails, silently, on an index whose files' stat data went stale (a copied
+    # or freshly checked-out tree, as on a CI runner): refreshed first, as `git status` does.
+    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=repo, capture_output=True,
+                   check=False)
+    # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
+    return (_git(repo, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
+                 "stash", "create") or _git(repo, "rev-parse", "HEAD"))
+
+
+def _submodules(tree: Path, source: Path, *, as_it_is: bool) -> None:
+    """The submodules of the worktree `tree` checked out, recursively, from the user's own
+    copies of them in `source` (its checkout): offline, each a clone sharing that copy's
+    objects, at the commit `tree` records (the base's), or `as_it_is`, at the user's copy as
+    it is (the head's). One the user's checkout has not checked out stays empty, as there."""
+    gitlinks = [line.split("\t", 1) for line in _git(tree, "ls-tree", "-r", "-z", "HEAD")
+                .split("\0") if line.startswith("160000 ")]
+    for entry, path in gitlinks:
+        origin = source / path
+        if not (origin / ".git").exists():  # not checked out in the user's checkout
+            continue
+        commit = _as_it_is(origin) if as_it_is else entry.split()[2]
+        try:
+            _git(origin, "cat-file", "-e", f"{commit}^{{commit}}")
+        except BadInput:
+            raise BadInput(f"submodule {path}: your checkout's copy lacks commit {commit[:12]}, "
+                           f"which the base records; the gate checks submodules out offline "
+                           f"from your copies: fetch it first (`git -C {path} fetch`)") from None
+        _git(tree, "clone", "--quiet", "--no-checkout", "--shared", str(origin), path)
+        _git(tree / path, "checkout", "--quiet", "--detach", commit)
+        _submodules(tree / path, origin, as_it_is=as_it_is)
+
+
 @contextmanager
-def _worktree(top: Path, commit: str, cwd: Path) -> Iterator[tuple[Path, Path]]:
-    """A detached worktree of `commit`: (its top, `cwd`'s place in it); removed on exit,
-    whatever happens."""
+def _worktree(top: Path, commit: str, cwd: Path, *,
+              as_it_is: bool = False) -> Iterator[tuple[Path, Path]]:
+    """A detached worktree of `commit` with its submodules (`as_it_is`: the user's copies as
+    they are): (its top, `cwd`'s place in it); removed on exit, whatever happens."""
     remove_stale_worktrees(top)
     with owned_folder(GATE_FOLDERS) as tmp:
         _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
@@ -69,6 +106,7 @@ def _worktree(top: Path, commit: str, cwd: Path) -> Iterator[tuple[Path, Path]]:
         admin: Path | None = None
         try:
             admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
+            _submodules(tmp / "tree", top, as_it_is=as_it_is)
             yield tmp / "tree", tmp / "tree" / cwd.resolve().relative_to(top.resolve())
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")],
@@ -146,19 +184,13 @@ def _untracked(top: Path) -> list[Path]:
 @contextmanager
 def head_checkout(cwd: Path) -> Iterator[Path]:
     """This checkout as it is, in a worktree of its own: HEAD with the tracked files' changes
-    (`git stash create` makes a commit of them and touches nothing) and the untracked files
-    git does not ignore copied in (not links: one would write through to the user's files;
-    within a budget); positioned at `cwd`'s place, removed on exit."""
+    (`_as_it_is`), its submodules' likewise, and the untracked files git does not ignore
+    copied in (not links: one would write through to the user's files; within a budget; a
+    submodule's are not); positioned at `cwd`'s place, removed on exit."""
     top = repository_top(cwd)
-    # `stash create` fails, silently, on an index whose files' stat data went stale (a copied
-    # or freshly checked-out tree, as on a CI runner): refreshed first, as `git status` does.
-    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=top, capture_output=True,
-                   check=False)
-    # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
-    commit = (_git(top, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
-                   "stash", "create") or _git(top, "rev-parse", "HEAD"))
+    commit = _as_it_is(top)
     untracked = _untracked(top)
-    with _worktree(top, commit, cwd) as (tree, place):
+    with _worktree(top, commit, cwd, as_it_is=True) as (tree, place):
         for relative in untracked:
             (tree / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(top / relative, tree / relative)
