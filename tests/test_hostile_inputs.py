@@ -493,6 +493,26 @@ def test_hostile_input_is_refused_cleanly(case: Case, tmp_path: Path,
     assert _snapshot(ws) == before
 
 
+def test_steps_near_their_evidence_are_no_contradiction() -> None:
+    """Near misses of the steps-against-evidence checks load: a window whose one heavy step
+    (an evaluation) lifts its mean device time past the timed steps, collectives that spin
+    past the step, a CPU window's operators (their times inflated by the profiler)."""
+    from gpudiag.model.runfile import run_from_dict
+
+    for evidence, step_ms in [
+        (_evidence(backend="cuda", compute_busy_ms_per_step=8.0,
+                   device_ms_by_step=[2.0, 2.0, 20.0]), 3.0),
+        (_evidence(backend="cuda", device_busy_ms_per_step=140.0,
+                   collective_ms_per_step=130.0, compute_busy_ms_per_step=9.0), 12.0),
+        (_evidence(backend="cpu", compute_busy_ms_per_step=50.0), 3.0),
+        (_evidence(ops_per_step=120.0), 0.013),  # 9.2 operators a microsecond
+    ]:
+        data = _valid_dict()
+        evidence(data)
+        data["stages"][0]["iter_ms"] = [step_ms] * 40
+        assert run_from_dict(data).stages[0].evidence is not None
+
+
 def test_unwritable_step_summary_is_a_warning_not_a_regression(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GITHUB_STEP_SUMMARY pointing at a directory: the gate's own verdict (0 here) stands,

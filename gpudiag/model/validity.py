@@ -66,6 +66,18 @@ def _check_evidence(ev: Evidence, where: str) -> None:
                                f"{ev.step_ms:g} ms step is impossible")
 
 
+def _device_work_ms(ev: Evidence) -> float | None:
+    """The device work a step of the window surely did: the window's compute per step (not
+    its collectives, whose kernels spin while a peer is late and can exceed the step), and no
+    more than its lightest step's kernels (one heavy step, an evaluation, weighs on the mean)."""
+    busy = ev.compute_busy_ms_per_step
+    if busy is None and not ev.collective_ms_per_step:
+        busy = ev.device_busy_ms_per_step
+    if busy is None or not ev.device_ms_by_step:
+        return busy
+    return min(busy, *ev.device_ms_by_step)
+
+
 def _check_steps_against_evidence(stage: StageResult, where: str) -> None:
     """The timed steps are no shorter than the work the same stage's profiler window saw each
     step do: not fewer than a microsecond per ten counted events (host launches, operator
@@ -81,10 +93,7 @@ def _check_steps_against_evidence(stage: StageResult, where: str) -> None:
             raise SchemaError(f"{where}.iter_ms: a mean step of {mean_ms:.4g} ms cannot hold the "
                               f"{value:g} {name.removesuffix('_per_step')} per step its "
                               "evidence counted")
-    # Compute alone: collectives' kernels spin while a peer is late and can exceed the step.
-    busy = ev.compute_busy_ms_per_step
-    if busy is None and not ev.collective_ms_per_step:
-        busy = ev.device_busy_ms_per_step
+    busy = _device_work_ms(ev)
     if ev.backend == "cuda" and busy is not None and mean_ms < MIN_STEP_OF_DEVICE_WORK * busy:
         raise SchemaError(f"{where}.iter_ms: a mean step of {mean_ms:.4g} ms is shorter than "
                           f"the {busy:.4g} ms of device work per step its evidence measured")
