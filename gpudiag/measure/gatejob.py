@@ -97,7 +97,7 @@ def _worktree(top: Path, commit: str, cwd: Path, *,
               as_it_is: bool = False) -> Iterator[tuple[Path, Path]]:
     """A detached worktree of `commit` with its submodules (`as_it_is`: the user's copies as
     they are): (its top, `cwd`'s place in it); removed on exit, whatever happens."""
-    remove_stale_worktrees(top)
+    _remove_stale_worktrees(top)
     with owned_folder(GATE_FOLDERS) as tmp:
         _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
         # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up
@@ -119,7 +119,7 @@ def _worktree(top: Path, commit: str, cwd: Path, *,
 GATE_FOLDERS = "gate"
 
 
-def remove_stale_worktrees(top: Path) -> None:
+def _remove_stale_worktrees(top: Path) -> None:
     """What killed gates and calibrations left: their folders in the temporary directory, and
     this repository's entries (.git/worktrees/<name>) of the worktrees that were in them. Only
     those: a live gate's are locked, and `git worktree prune` would also drop the user's
