@@ -1,8 +1,10 @@
 """Issue 38's red-team classes at field scale, re-run: folders a unit test cannot hold (50,001
 files, 20,100 files, a 2.2 GiB log, made sparse or empty), and issue 56's (--rerun-writable
-inside the working directory, a short script's re-run refused its log), each profiled as a
-user would, with the user's folder hashed before and after, gpudiag's exit code, its output
-searched for a traceback, and the processes it left. Writes a JSON record and a markdown table:
+inside the working directory, a short script's re-run refused its log; a gate of a venv or a
+submodule in the repository, after a killed gate, of a run its evidence contradicts), each
+profiled (or gated) as a user would, with the user's folder hashed before and after,
+gpudiag's exit code, its output searched for a traceback, and the processes it left.
+Writes a JSON record and a markdown table:
 
     python benchmarks/nothing_lost.py --out reports/examples/nothing-lost
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -225,6 +228,156 @@ def _issue56_cases(root: Path) -> list[Case]:
     return cases
 
 
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "init.defaultBranch=main"]
+
+
+def _git(folder: Path, *args: str) -> None:
+    subprocess.run([*GIT, *args], cwd=folder, check=True, capture_output=True)
+
+
+def _committed(folder: Path) -> Path:
+    """`folder` as a git repository holding the red team's script, committed."""
+    folder.mkdir(parents=True)
+    (folder / "train.py").write_text(textwrap.dedent(SCRIPT).replace("{planted!r}",
+                                                                     repr(PLANTED)))
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        _git(folder, *args)
+    return folder
+
+
+def gate_case(case: Case, project: Path, args: list[str], expect: Callable[[Case, str], bool],
+              env: dict[str, str] | None = None) -> Case:
+    """`gpudiag gate ARGS` from `project` (a repository), its files (.git aside: the gate's
+    worktrees are registered there while it runs) hashed before and after."""
+    before = _hashes(project, project / ".git")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "gate", *args], cwd=project,
+                          capture_output=True, text=True, check=False, env=env)
+    case.seconds = round(time.perf_counter() - started, 1)
+    output = done.stdout + done.stderr
+    case.exit_code = done.returncode
+    case.unchanged = _hashes(project, project / ".git") == before
+    case.traceback = "Traceback" in output
+    case.left_running = _own_processes(str(project))
+    case.said = [line for line in output.splitlines() if "gate:" in line or "error" in line][:6]
+    case.passed = (case.unchanged and not case.traceback and not case.left_running
+                   and expect(case, output))
+    return case
+
+
+def _measured(project: Path) -> bool:
+    """Both sides of a gate's one trial wrote a run with timed steps."""
+    runs = [json.loads((project.parent / "out" / side / "trial-1" / "run.json").read_text())
+            for side in ("base", "head")
+            if (project.parent / "out" / side / "trial-1" / "run.json").is_file()]
+    return len(runs) == 2 and all(run["stages"] and run["stages"][0]["iter_ms"] for run in runs)
+
+
+def _venv_of_this_python(folder: Path) -> None:
+    """A virtual environment at `folder` with this one's packages, as uv makes one: its
+    python a link to the base interpreter, found a venv by the pyvenv.cfg beside it."""
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    (folder / "lib").symlink_to(Path(sys.prefix) / "lib", target_is_directory=True)
+    (folder / "pyvenv.cfg").write_text(f"home = {Path(sys.executable).resolve().parent}\n"
+                                       "include-system-site-packages = false\n")
+
+
+def _issue56_gate_cases(root: Path) -> list[Case]:
+    """Issue 56's gate classes: a venv inside the repository, a submodule, a killed gate's
+    worktrees and bytecode folder, a run whose steps its own evidence contradicts."""
+    cases: list[Case] = []
+    one = ["--trials", "1", "--max-trials", "1", "--on-inconclusive", "pass"]
+    venv = _committed(root / "gate-venv-in-repo" / "proj")
+    (venv / ".gitignore").write_text(".venv/\n")
+    _git(venv, "add", "-A")
+    _git(venv, "commit", "-qm", "ignore the venv")
+    _venv_of_this_python(venv / ".venv")
+    cases.append(gate_case(
+        Case("gate-venv-in-repo", "gate --base-ref of .venv/bin/python train.py, the venv "
+             "in the repository and ignored by git"),
+        venv, ["--base-ref", "HEAD", *one, "--out", str(venv.parent / "out"), "--",
+               ".venv/bin/python", "train.py", "steps"],
+        lambda c, o: c.exit_code == 0 and _measured(venv) and "(ignored by git)" in o))
+
+    lib = _committed(root / "gate-submodule" / "lib")
+    (lib / "helper.py").write_text("STEPS = 40\n")
+    _git(lib, "add", "-A")
+    _git(lib, "commit", "-qm", "helper")
+    sub = _committed(root / "gate-submodule" / "proj")
+    _git(sub, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "lib")
+    (sub / "train.py").write_text("import lib.helper\n" + (sub / "train.py").read_text())
+    _git(sub, "commit", "-qam", "uses its submodule")
+    (lib / ".git").rename(lib / "gone.git")  # offline: its remote unreachable
+    cases.append(gate_case(
+        Case("gate-submodule", "gate --base-ref of a script importing a git submodule, its "
+             "remote unreachable"),
+        sub, ["--base-ref", "HEAD", *one, "--out", str(sub.parent / "out"), "--",
+              sys.executable, "train.py", "steps"],
+        lambda c, o: c.exit_code == 0 and _measured(sub)))
+    cases.append(_killed_gate_case(root, one))
+    cases.append(_contradicting_run_case(root))
+    return cases
+
+
+def _killed_gate_case(root: Path, one: list[str]) -> Case:
+    """A gate SIGKILLed during its first trial; the next gate removes its worktrees and its
+    folders (and a killed job's bytecode folder), and is measured."""
+    project = _committed(root / "gate-killed" / "proj")
+    temp = root / "gate-killed" / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    dead = 2**22 + 1  # above Linux's largest pid_max: no process has it
+    (temp / f"gpudiag-bytecode-{dead}-left").mkdir()
+    killed = subprocess.Popen([sys.executable, "-m", "gpudiag", "gate", "--base-ref", "HEAD",
+                               *one, "--out", str(project.parent / "killed"), "--",
+                               sys.executable, "train.py", "steps"],
+                              cwd=project, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (project.parent / "killed" / "base").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    left = subprocess.run(["git", "worktree", "list"], cwd=project, capture_output=True,
+                          text=True, check=True).stdout.count("\n")
+
+    def cleaned(c: Case, o: str) -> bool:
+        listed = subprocess.run(["git", "worktree", "list"], cwd=project, capture_output=True,
+                                text=True, check=True).stdout
+        c.said.append(f"worktrees after the kill: {left}, after the next gate: "
+                      f"{listed.count(chr(10))}; left in TMPDIR: "
+                      f"{sorted(p.name for p in temp.iterdir())}")
+        return (left == 3 and c.exit_code == 0 and listed.count("\n") == 1
+                and not any(temp.iterdir()) and _measured(project))
+
+    return gate_case(
+        Case("gate-killed", "a gate SIGKILLed in its first trial (two worktrees and its "
+             "folders left, and a killed job's bytecode folder), then the next gate"),
+        project, ["--base-ref", "HEAD", *one, "--out", str(project.parent / "out"), "--",
+                  sys.executable, "train.py", "steps"], cleaned, env=env)
+
+
+def _contradicting_run_case(root: Path) -> Case:
+    """A head run whose timed steps are its warm-up's microseconds, against a stage whose
+    kernels take ~75 ms a step: refused (exit 2, one line), never a pass."""
+    source = Path(__file__).resolve().parents[1] / "tests" / "data" / "h100-dgca-run.json"
+    project = root / "gate-contradicting-run" / "proj"
+    for side in ("base", "head"):
+        data = json.loads(source.read_text())
+        if side == "head":
+            for stage in data["stages"]:
+                stage["iter_ms"] = [0.002 + 1e-6 * k for k in range(len(stage["iter_ms"]))]
+        (project / side).mkdir(parents=True)
+        (project / side / "run.json").write_text(json.dumps(data))
+    return gate_case(
+        Case("gate-contradicting-run", "gate of a head run.json whose steps are 2 us where "
+             "its own evidence measured ~75 ms of kernels a step"),
+        project, ["base", "head"],
+        lambda c, o: c.exit_code == 2 and len(o.strip().splitlines()) == 1
+        and "stages[0].iter_ms: a mean step of 0.002" in o and "PASS" not in o)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -294,6 +447,7 @@ def main() -> None:
             and "caf\\xe9" in (p / "run" / "report.md").read_text()))
 
         cases += _issue56_cases(root)
+        cases += _issue56_gate_cases(root)
 
         def copy_started(p: Path) -> Callable[[], bool]:
             return (p / "run" / "rerun" / "cwd").exists

@@ -10,7 +10,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -108,6 +111,22 @@ def test_an_unwritable_step_summary_is_a_warning(tmp_path: Path) -> None:
     assert "warning: GITHUB_STEP_SUMMARY" in done.stderr
 
 
+def test_a_run_whose_steps_its_own_evidence_contradicts_is_refused(tmp_path: Path) -> None:
+    """The head's steps saved from the wrong window (a warm-up's 2 us where its stage's
+    kernels take ~75 ms a step): refused in one line, exit 2, never a pass."""
+    from gpudiag.model.runfile import load_run, save_run
+
+    run = load_run(ROOT / "tests" / "data" / "h100-dgca-run.json")
+    save_run(run, tmp_path / "base" / "run.json")
+    for stage in run.stages:
+        stage.iter_ms = [0.002 + 1e-6 * k for k in range(len(stage.iter_ms))]
+    save_run(run, tmp_path / "head" / "run.json")
+    done = _gpudiag(tmp_path, "gate", "base", "head")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "head/run.json: stages[0].iter_ms: a mean step of 0.002" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "PASS" not in done.stdout
+
+
 def _committed(repo: Path, files: dict[str, str]) -> Path:
     """A git repository at `repo` holding `files` (name -> text) in one commit."""
     for name, text in files.items():
@@ -139,6 +158,42 @@ def test_the_base_checkout_leaves_the_users_worktrees_registered(tmp_path: Path)
     (tmp_path / "unmounted").rename(tmp_path / "drive")
     assert subprocess.run(["git", "status", "--short"], cwd=mine, check=False,
                           capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_killed_gates_worktree_is_removed_by_the_next_gate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gate SIGKILLed inside its base checkout leaves the worktree registered and its folder;
+    the next gate removes both, and nothing of a live gate's or of the user's."""
+    from gpudiag.measure.gatejob import base_checkout
+
+    repo = _committed(tmp_path / "repo", {"a.txt": "a\n"})
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    mine = tmp_path / "feature"
+    git(repo, "worktree", "add", "-q", "-b", "feature", str(mine))
+    code = ("import sys, time; from pathlib import Path; "
+            "from gpudiag.measure.gatejob import base_checkout\n"
+            "with base_checkout('HEAD', Path(sys.argv[1])):\n"
+            "    print('in', flush=True); time.sleep(60)\n")
+    killed, live = (subprocess.Popen([sys.executable, "-c", code, str(repo)],
+                                     stdout=subprocess.PIPE, text=True) for _ in range(2))
+    try:
+        for gate in (killed, live):
+            assert gate.stdout is not None and gate.stdout.readline() == "in\n"
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert len(_worktrees(repo)) == 4 and len(list(temp.iterdir())) == 2
+        with base_checkout("HEAD", repo):
+            assert len(_worktrees(repo)) == 4  # the killed one's gone, this one's in
+        assert [t for t in _worktrees(repo) if f"-{killed.pid}-" in str(t)] == []
+        assert mine in _worktrees(repo)
+        assert [p.name.split("-")[2] for p in temp.iterdir()] == [str(live.pid)]
+    finally:
+        live.kill()
+        live.wait()
 
 
 @pytest.mark.slow
@@ -219,6 +274,42 @@ def test_a_head_with_an_untracked_environment_is_refused_before_any_copy(
 
 
 @pytest.mark.slow
+def test_submodules_are_checked_out_offline_from_the_users_copies(tmp_path: Path) -> None:
+    """A submodule (its remote gone: offline) is in both sides' worktrees: the base's at the
+    commit it records, the head's as the user's copy is (moved, with a change); one the user
+    has not checked out stays empty; a commit the user's copy lacks is named in one line
+    before any trial. The user's checkout is left as it was."""
+    from gpudiag.measure.gatejob import base_checkout, head_checkout
+    from gpudiag.model.errors import BadInput
+
+    lib = _committed(tmp_path / "lib", {"v.txt": "1\n"})
+    repo = _committed(tmp_path / "repo", {"train.py": "steps = 1\n"})
+    for name in ("lib", "docs"):
+        git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), name)
+    git(repo, "commit", "-qm", "submodules")
+    git(repo, "submodule", "deinit", "-q", "docs")  # the user never checked it out
+    (repo / "lib" / "v.txt").write_text("2\n")
+    git(repo / "lib", "commit", "-qam", "2")
+    (repo / "lib" / "v.txt").write_text("3\n")  # and changed it since
+    shutil.rmtree(lib)  # no remote to fetch from
+    status = git(repo, "status", "--porcelain")
+    with base_checkout("HEAD", repo) as base:
+        assert (base / "lib" / "v.txt").read_text() == "1\n"
+        assert (base / "docs").is_dir() and not list((base / "docs").iterdir())
+    with head_checkout(repo) as head:
+        assert (head / "lib" / "v.txt").read_text() == "3\n"
+    assert git(repo, "status", "--porcelain") == status and _worktrees(repo) == [repo]
+    git(repo, "commit", "-qam", "lib at 2")
+    git(repo / "lib", "reset", "-q", "--hard", "HEAD~1")
+    git(repo / "lib", "reflog", "expire", "--expire=now", "--all")
+    git(repo / "lib", "gc", "-q", "--prune=now")  # commit 2 gone from the user's copy
+    with pytest.raises(BadInput, match=r"submodule lib: your checkout's copy lacks commit"), \
+            base_checkout("HEAD", repo):
+        pass
+    assert _worktrees(repo) == [repo]
+
+
+@pytest.mark.slow
 def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path: Path) -> None:
     """`python /repo/sub/train.py` from /repo/sub: each side's trial runs its checkout's file,
     not the head's; a path outside the repository stays as given."""
@@ -231,6 +322,36 @@ def test_a_commands_absolute_path_into_the_repository_is_the_sides_own(tmp_path:
         *_, script, data = trial.argv(base, tmp_path / "out")
         assert script == str(base / "train.py") and Path(script).is_file()
         assert data == outside
+
+
+@pytest.mark.slow
+def test_an_ignored_environment_in_the_repository_runs_the_command_on_both_sides(
+        tmp_path: Path) -> None:
+    """`.venv/bin/python train.py` with .venv/ ignored by git (uv's and poetry's layout): no
+    worktree has it, so each side runs the user's interpreter, unresolved (a venv's python is
+    a link out of it), and is told so; a program in git, or found on PATH, stays the side's."""
+    from gpudiag.measure.confine import ConfinementPolicy
+    from gpudiag.measure.gatejob import base_checkout, command_note, command_trial
+
+    repo = _committed(tmp_path / "repo", {"train.py": "print('trained')\n",
+                                         "run.sh": "exit 0\n", ".gitignore": ".venv/\n"})
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)
+    trial = command_trial([".venv/bin/python", "train.py"], None, repo)
+    assert trial.program == str(python)
+    with in_folder(repo), base_checkout("HEAD", repo) as base:
+        argv = trial.argv(base, tmp_path / "out")
+        assert argv[-2:] == [str(python), "train.py"] and not (base / ".venv").exists()
+        ran = subprocess.run(argv[-2:], cwd=base, capture_output=True, text=True, check=True)
+        assert ran.stdout == "trained\n"
+    absolute = command_trial([str(python), "train.py"], None, repo)
+    assert absolute.program == str(python)
+    for tracked in (["./run.sh"], ["python", "train.py"], ["missing/python", "train.py"]):
+        assert command_trial(tracked, None, repo).program is None
+    note = command_note([], ConfinementPolicy(), program=trial.program)
+    kept = "read-only" if ConfinementPolicy().confined else "as it is"
+    assert f"its program is your {python} (ignored by git), {kept}" in note
 
 
 def _worktrees(repo: Path) -> list[Path]:

@@ -363,6 +363,13 @@ IMPOSSIBLE_CASES = [
         ("samples-per-step-vs-batch", "stages[0].samples_per_step",
          _set(("stages", 0, "samples_per_step"), 64)),
         ("trials-vs-steps", "stages[0].trials", _contradicting_trial),
+        # Warm-up's microseconds saved as the timed steps: fewer than the events counted.
+        ("steps-shorter-than-their-events", "stages[0].iter_ms: a mean step of 0.002 ms",
+         lambda d: (_evidence()(d), d["stages"][0].update(iter_ms=[0.002] * 40))),
+        ("steps-shorter-than-their-kernels", "stages[0].iter_ms: a mean step of 3 ms is "
+         "shorter than the 9.5 ms of device work", lambda d: (
+             _evidence(backend="cuda", compute_busy_ms_per_step=9.5)(d),
+             d["stages"][0].update(iter_ms=[3.0] * 40))),
         ("trial-samples-per-step", "stages[0].trials[0].samples_per_step", lambda d: d[
             "stages"][0].update(trials=[{"ms_per_iter": 10.03, "iters": 40,
                                          "samples_per_step": 16}])),
@@ -484,6 +491,26 @@ def test_hostile_input_is_refused_cleanly(case: Case, tmp_path: Path,
     assert case.message.replace("{ws}", str(ws)) in lines[0], lines[0]
     assert "Traceback" not in result.output
     assert _snapshot(ws) == before
+
+
+def test_steps_near_their_evidence_are_no_contradiction() -> None:
+    """Near misses of the steps-against-evidence checks load: a window whose one heavy step
+    (an evaluation) lifts its mean device time past the timed steps, collectives that spin
+    past the step, a CPU window's operators (their times inflated by the profiler)."""
+    from gpudiag.model.runfile import run_from_dict
+
+    for evidence, step_ms in [
+        (_evidence(backend="cuda", compute_busy_ms_per_step=8.0,
+                   device_ms_by_step=[2.0, 2.0, 20.0]), 3.0),
+        (_evidence(backend="cuda", device_busy_ms_per_step=140.0,
+                   collective_ms_per_step=130.0, compute_busy_ms_per_step=9.0), 12.0),
+        (_evidence(backend="cpu", compute_busy_ms_per_step=50.0), 3.0),
+        (_evidence(ops_per_step=120.0), 0.013),  # 9.2 operators a microsecond
+    ]:
+        data = _valid_dict()
+        evidence(data)
+        data["stages"][0]["iter_ms"] = [step_ms] * 40
+        assert run_from_dict(data).stages[0].evidence is not None
 
 
 def test_unwritable_step_summary_is_a_warning_not_a_regression(

@@ -15,10 +15,9 @@ from gpudiag.cli.runs import run_ladder
 from gpudiag.diagnose.trials import baseline_of, load_run_set
 from gpudiag.measure.confine import ConfinementPolicy
 from gpudiag.measure.gatejob import (
-    TrialCommand,
     calibration_job,
     command_note,
-    repository_top,
+    command_trial,
     trials_policy,
 )
 from gpudiag.measure.interrupts import stop_on_signals
@@ -98,14 +97,14 @@ def _command_trials(command: list[str], share: list[str], out: Path, trials: int
     checkout of this one (the user's files untouched), into out/trial-K."""
     from gpudiag.present import prepare_run_dir  # noqa: PLC0415  (pandas)
 
-    trial = TrialCommand(command=tuple(command), top=repository_top(Path.cwd(), "calibrate"),
-                         policy=policy)
+    trial = command_trial(command, policy, Path.cwd(), who="calibrate")
     with stop_on_signals() as stop:
         runs = calibration_job(
             trial, Path.cwd(), trials, share=share,
             out_dir=lambda: prepare_run_dir(out, out, force=force),
             on_start=lambda _: stderr.print(
-                command_note(share, policy, who="calibrate: the trials run"), soft_wrap=True),
+                command_note(share, policy, who="calibrate: the trials run",
+                             program=trial.program), soft_wrap=True),
             on_trial=lambda k: stderr.print(f"trial {k}/{trials}"))
     if len(runs) < trials:
         raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)

@@ -112,7 +112,8 @@ def _measure_both(options: RunOptions, own: GateOptions, request: GateRequest,
                      f"{own.trials} to {own.max_trials} trials a side, in {out_dir}",
                      soft_wrap=True)
         if policy is not None:  # the user's command: where it runs, what it may write
-            stderr.print(command_note(own.share, policy), soft_wrap=True)
+            stderr.print(command_note(own.share, policy, program=trial.program),
+                         soft_wrap=True)
 
     # SIGTERM (a CI job's timeout) and SIGHUP stop the gate as Ctrl-C does: the running trial
     # gets the signal and its grace, the base's worktree is removed, the exit says which.

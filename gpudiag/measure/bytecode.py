@@ -11,10 +11,11 @@ compiles torch again: 6.3 s of an 18 s calibration trial on an H100 host, `impor
 Such a job's processes then write their bytecode into a folder of gpudiag's own, named by
 PYTHONPYCACHEPREFIX (https://docs.python.org/3/using/cmdline.html#envvar-PYTHONPYCACHEPREFIX:
 bytecode is read and written only beneath it, never beside the sources), removed when the job
-ends: the first compiles, the others read. Where torch's bytecode is cached already or will be,
-nothing changes (a prefix would make the first process compile everything again). That is
-judged by the interpreter gpudiag runs under: a command run by another one, whose bytecode is
-kept, compiles once into the folder. What a process measures is unaffected: imports are never
+ends (after a SIGKILL, by the next job: ownedtemp.py): the first compiles, the others read.
+Where torch's bytecode is cached already or will be, nothing changes (a prefix would make the
+first process compile everything again). That is judged by the interpreter gpudiag runs
+under: a command run by another one, whose bytecode is kept, compiles once into the folder.
+What a process measures is unaffected: imports are never
 inside a timed step.
 """
 
@@ -23,15 +24,17 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from gpudiag.measure.ownedtemp import owned_folder, remove_stale
 
 PREFIX = "PYTHONPYCACHEPREFIX"
 DONT_WRITE = "PYTHONDONTWRITEBYTECODE"
 # The package every measured process imports, whose bytecode stands for all of them.
 PROBE = "torch"
+# The kind of gpudiag's owned temporary folders (ownedtemp.py) holding a job's bytecode.
+BYTECODE_FOLDERS = "bytecode"
 
 
 def bytecode_is_kept(environ: Mapping[str, str], package: str = PROBE) -> bool:
@@ -56,19 +59,19 @@ def shared_bytecode() -> Iterator[Path | None]:
     """While it lasts, the processes gpudiag starts keep their bytecode in a temporary folder
     (yielded; removed at the end) where they would compile it each time; None where they keep
     it already. Sets this process's environment, which children inherit; restores it."""
+    remove_stale(BYTECODE_FOLDERS)  # a killed job's (~100 MB), whatever this one needs
     if bytecode_is_kept(os.environ):
         yield None
         return
-    folder = Path(tempfile.mkdtemp(prefix="gpudiag-bytecode-"))
     saved = {name: os.environ.get(name) for name in (PREFIX, DONT_WRITE)}
-    os.environ[PREFIX] = str(folder)
-    os.environ.pop(DONT_WRITE, None)  # written beneath the prefix only, never beside sources
-    try:
-        yield folder
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(folder, ignore_errors=True)
+    with owned_folder(BYTECODE_FOLDERS) as folder:
+        os.environ[PREFIX] = str(folder)
+        os.environ.pop(DONT_WRITE, None)  # written beneath the prefix only, never beside sources
+        try:
+            yield folder
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

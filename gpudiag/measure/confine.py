@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.measure.childexec import landlock_abi
+from gpudiag.measure.ownedtemp import owned_folder, remove_stale
 from gpudiag.model.errors import BadInput
 
 # A confined run's folders it may write (os.pathsep between them), as its environment names
@@ -133,13 +134,19 @@ def confined(own: Sequence[Path], source: Path, env: dict[str, str],
     if not policy.confined:
         yield None
         return
+    remove_stale(CONFINED_FOLDERS)  # a killed job's
     # Short: a Unix socket's path there (multiprocessing's) must fit 108 bytes, which a run
     # folder's may not.
-    with tempfile.TemporaryDirectory(prefix="gpudiag-", ignore_cleanup_errors=True) as temporary:
-        writable = confined_writable([*own, Path(temporary)], source, env, policy.writable)
+    with owned_folder(CONFINED_FOLDERS) as folder:
+        temporary = str(folder)
+        writable = confined_writable([*own, folder], source, env, policy.writable)
         env.update({"TMPDIR": temporary, "TEMP": temporary, "TMP": temporary,
                     ENV_WRITABLE: os.pathsep.join(writable)})
         yield writable
+
+
+# The kind of gpudiag's owned temporary folders (ownedtemp.py): a confined run's TMPDIR.
+CONFINED_FOLDERS = "tmp"
 
 
 def confined_writable(own: Sequence[Path], source: Path, env: dict[str, str],

@@ -1,7 +1,8 @@
 """`gpudiag gate --base-ref REF`: the base and the head measured in one job, on one machine,
 interleaved, so that drift between machines or hours never enters the comparison.
 
-The base is a temporary git worktree of REF (removed afterwards); each trial is a fresh
+The base is a temporary git worktree of REF (removed afterwards; its submodules cloned from
+the user's own copies, offline; a killed gate's removed by the next); each trial is a fresh
 `python -m gpudiag run` (or, for the user's own command, `gpudiag profile -- COMMAND`) whose
 working directory is the side's checkout, so relative paths (`--model models/net.py`,
 `python train.py`) and the side's own modules resolve to that side's code: Python puts a `-m`
@@ -20,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.confine import ConfinementPolicy, confined, confinement_policy, how_kept
 from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
+from gpudiag.measure.ownedtemp import is_stale, owned_folder, owner_pid, remove_stale
 from gpudiag.model.atomic import fresh_stream
 from gpudiag.model.errors import BadInput, HeadBroke
 from gpudiag.model.options import ConfineOptions, GateOptions, RunOptions, to_argv
@@ -56,25 +57,84 @@ def repository_top(cwd: Path, who: str = "--base-ref") -> Path:
                        "checkouts are git worktrees)") from None
 
 
+def _as_it_is(repo: Path) -> str:
+    """A commit of `repo`'s checkout as it is: HEAD with its tracked files' changes (`git
+    stash create` makes a commit of them and touches nothing else)."""
+    # `stash create` fails, silently, on an index whose files' stat data went stale (a copied
+    # or freshly checked-out tree, as on a CI runner): refreshed first, as `git status` does.
+    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=repo, capture_output=True,
+                   check=False)
+    # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
+    return (_git(repo, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
+                 "stash", "create") or _git(repo, "rev-parse", "HEAD"))
+
+
+def _submodules(tree: Path, source: Path, *, as_it_is: bool) -> None:
+    """The submodules of the worktree `tree` checked out, recursively, from the user's own
+    copies of them in `source` (its checkout): offline, each a clone sharing that copy's
+    objects, at the commit `tree` records (the base's), or `as_it_is`, at the user's copy as
+    it is (the head's). One the user's checkout has not checked out stays empty, as there."""
+    gitlinks = [line.split("\t", 1) for line in _git(tree, "ls-tree", "-r", "-z", "HEAD")
+                .split("\0") if line.startswith("160000 ")]
+    for entry, path in gitlinks:
+        origin = source / path
+        if not (origin / ".git").exists():  # not checked out in the user's checkout
+            continue
+        commit = _as_it_is(origin) if as_it_is else entry.split()[2]
+        try:
+            _git(origin, "cat-file", "-e", f"{commit}^{{commit}}")
+        except BadInput:
+            raise BadInput(f"submodule {path}: your checkout's copy lacks commit {commit[:12]}, "
+                           f"which the base records; the gate checks submodules out offline "
+                           f"from your copies: fetch it first (`git -C {path} fetch`)") from None
+        _git(tree, "clone", "--quiet", "--no-checkout", "--shared", str(origin), path)
+        _git(tree / path, "checkout", "--quiet", "--detach", commit)
+        _submodules(tree / path, origin, as_it_is=as_it_is)
+
+
 @contextmanager
-def _worktree(top: Path, commit: str, cwd: Path) -> Iterator[tuple[Path, Path]]:
-    """A detached worktree of `commit`: (its top, `cwd`'s place in it); removed on exit,
-    whatever happens."""
-    tmp = Path(tempfile.mkdtemp(prefix="gpudiag-gate-"))
-    _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
-    # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up alone.
-    # `git worktree prune` would also drop the user's worktrees whose directory is missing
-    # at that moment (an unmounted drive, a moved folder).
-    admin: Path | None = None
-    try:
-        admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
-        yield tmp / "tree", tmp / "tree" / cwd.resolve().relative_to(top.resolve())
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")], cwd=top,
-                       capture_output=True, check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if admin is not None and admin.parent.name == "worktrees" and admin.is_dir():
+def _worktree(top: Path, commit: str, cwd: Path, *,
+              as_it_is: bool = False) -> Iterator[tuple[Path, Path]]:
+    """A detached worktree of `commit` with its submodules (`as_it_is`: the user's copies as
+    they are): (its top, `cwd`'s place in it); removed on exit, whatever happens."""
+    _remove_stale_worktrees(top)
+    with owned_folder(GATE_FOLDERS) as tmp:
+        _git(top, "worktree", "add", "--detach", "--quiet", str(tmp / "tree"), commit)
+        # Our worktree's own entry in the repository (.git/worktrees/<name>): cleaned up
+        # alone. `git worktree prune` would also drop the user's worktrees whose directory is
+        # missing at that moment (an unmounted drive, a moved folder).
+        admin: Path | None = None
+        try:
+            admin = Path(_git(tmp / "tree", "rev-parse", "--absolute-git-dir"))
+            _submodules(tmp / "tree", top, as_it_is=as_it_is)
+            yield tmp / "tree", tmp / "tree" / cwd.resolve().relative_to(top.resolve())
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "tree")],
+                           cwd=top, capture_output=True, check=False)
+            if admin is not None and admin.parent.name == "worktrees" and admin.is_dir():
+                shutil.rmtree(admin, ignore_errors=True)
+
+
+# The kind of gpudiag's owned temporary folders (ownedtemp.py) holding a gate's worktrees.
+GATE_FOLDERS = "gate"
+
+
+def _remove_stale_worktrees(top: Path) -> None:
+    """What killed gates and calibrations left: their folders in the temporary directory, and
+    this repository's entries (.git/worktrees/<name>) of the worktrees that were in them. Only
+    those: a live gate's are locked, and `git worktree prune` would also drop the user's
+    worktrees whose folder is missing at that moment."""
+    common = top / _git(top, "rev-parse", "--git-common-dir")
+    entries = common / "worktrees"
+    for admin in sorted(entries.iterdir()) if entries.is_dir() else []:
+        try:  # `gitdir` names the worktree's .git file: <folder>/tree/.git
+            folder = Path((admin / "gitdir").read_text().strip()).parent.parent
+        except OSError:
+            continue
+        if owner_pid(folder, GATE_FOLDERS) is not None and is_stale(folder, GATE_FOLDERS):
+            shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(admin, ignore_errors=True)
+    remove_stale(GATE_FOLDERS)  # another repository's: its entry goes at its next gate
 
 
 @contextmanager
@@ -124,19 +184,13 @@ def _untracked(top: Path) -> list[Path]:
 @contextmanager
 def head_checkout(cwd: Path) -> Iterator[Path]:
     """This checkout as it is, in a worktree of its own: HEAD with the tracked files' changes
-    (`git stash create` makes a commit of them and touches nothing) and the untracked files
-    git does not ignore copied in (not links: one would write through to the user's files;
-    within a budget); positioned at `cwd`'s place, removed on exit."""
+    (`_as_it_is`), its submodules' likewise, and the untracked files git does not ignore
+    copied in (not links: one would write through to the user's files; within a budget; a
+    submodule's are not); positioned at `cwd`'s place, removed on exit."""
     top = repository_top(cwd)
-    # `stash create` fails, silently, on an index whose files' stat data went stale (a copied
-    # or freshly checked-out tree, as on a CI runner): refreshed first, as `git status` does.
-    subprocess.run(["git", "update-index", "-q", "--refresh"], cwd=top, capture_output=True,
-                   check=False)
-    # `stash create` writes a commit: an identity of its own, as a CI runner may have none.
-    commit = (_git(top, "-c", "user.name=gpudiag", "-c", "user.email=gpudiag@localhost",
-                   "stash", "create") or _git(top, "rev-parse", "HEAD"))
+    commit = _as_it_is(top)
     untracked = _untracked(top)
-    with _worktree(top, commit, cwd) as (tree, place):
+    with _worktree(top, commit, cwd, as_it_is=True) as (tree, place):
         for relative in untracked:
             (tree / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(top / relative, tree / relative)
@@ -189,6 +243,8 @@ class TrialCommand:
     # The user's command runs confined to its checkout (confine.py); None: gpudiag's own
     # workload (`--model`), which writes only its run folder.
     policy: ConfinementPolicy | None = None
+    # The command's program from the user's checkout, where no checkout has it (`kept_program`).
+    program: str | None = None
 
     def argv(self, checkout: Path, out_dir: Path) -> list[str]:
         out = ["--out", str(out_dir.resolve())]
@@ -200,11 +256,12 @@ class TrialCommand:
         declared = ([] if self.samples_per_step is None
                     else ["--samples-per-step", str(self.samples_per_step)])
         # One process a trial: a short script is timed on the steps it has.
+        command = [self.program, *self.command[1:]] if self.program else self.command
         return [sys.executable, "-m", "gpudiag", "profile", *out, "--no-plots", "--no-rerun",
-                *declared, "--", *(self._moved(arg, checkout) for arg in self.command)]
+                *declared, "--", *(self._moved(arg, checkout) for arg in command)]
 
     def _moved(self, arg: str, checkout: Path) -> str:
-        if self.top is None or not arg.startswith("/"):
+        if self.top is None or not arg.startswith("/") or arg == self.program:
             return arg
         try:
             inside = Path(arg).resolve().relative_to(self.top.resolve())
@@ -337,11 +394,14 @@ def trials_policy(confine: ConfineOptions, command: Sequence[str],
 
 
 def command_note(shared: Sequence[str], policy: ConfinementPolicy, *,
-                 who: str = "gate: each side runs") -> str:
+                 who: str = "gate: each side runs", program: str | None = None) -> str:
     """What running the user's command does with the user's files, said before it runs."""
     note = (f"{who} in a temporary checkout (this checkout with its uncommitted changes and "
             "untracked files, for the head); what the command writes there is removed with "
             f"it{how_kept(policy, 'its checkout', watched=False)}")
+    if program is not None:  # git ignores it: no checkout has it
+        note += (f"; its program is your {program} (ignored by git), "
+                 f"{'read-only' if policy.confined else 'as it is'}")
     if not shared:
         return note
     return note + (f"; {', '.join(shared)} linked into it read-only (--share)" if policy.confined
@@ -349,13 +409,40 @@ def command_note(shared: Sequence[str], policy: ConfinementPolicy, *,
                    "writes there reaches your files")
 
 
+def kept_program(command: Sequence[str], cwd: Path, top: Path) -> str | None:
+    """The user's own path of the command's program where it lies in the repository and git
+    ignores it: a virtual environment in the project (`.venv/bin/python train.py`, as uv and
+    poetry make it), which no worktree holds. Trials run that interpreter from the user's
+    checkout (only reading it: a trial writes in its own checkout alone); None for a program
+    found on PATH or one the checkouts have."""
+    program = command[0] if command else ""
+    if "/" not in program:
+        return None
+    # Its folder resolved, not the file: a venv's python is a link out of the venv, and its
+    # pyvenv.cfg is found beside the path it is started by.
+    given = cwd / program
+    path = given.parent.resolve() / given.name
+    if not path.is_file() or not path.parent.is_relative_to(top.resolve()):
+        return None
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--", str(path)], cwd=top,
+                             capture_output=True, check=False)
+    return str(path) if ignored.returncode == 0 else None
+
+
+def command_trial(command: Sequence[str], policy: ConfinementPolicy | None, cwd: Path, *,
+                  who: str = "--base-ref", samples_per_step: int | None = None) -> TrialCommand:
+    """What each trial of the user's `command` runs, from `cwd` (`who` needs a repository)."""
+    top = repository_top(cwd, who)
+    return TrialCommand(command=tuple(command), top=top, samples_per_step=samples_per_step,
+                        policy=policy, program=kept_program(command, cwd, top))
+
+
 def gate_trial(options: RunOptions, gate: GateOptions, command: Sequence[str],
                policy: ConfinementPolicy | None, cwd: Path) -> TrialCommand:
     """What each of `gate --base-ref`'s trials runs, checked before anything is checked out
     or created: gpudiag's workload with `options`, or the user's `command`."""
     if command:
-        return TrialCommand(command=tuple(command), top=repository_top(cwd),
-                            samples_per_step=gate.samples_per_step, policy=policy)
+        return command_trial(command, policy, cwd, samples_per_step=gate.samples_per_step)
     from gpudiag.measure.plan import check_run_options  # noqa: PLC0415  (torch)
 
     check_run_options(options)

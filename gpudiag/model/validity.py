@@ -19,6 +19,11 @@ MAX_EVENTS_PER_US = 10.0
 # Step times sum to at most the time that measured them (the stage's window, the run's
 # duration); this slack covers clocks read at slightly different moments.
 CLOCK_SLACK_REL, CLOCK_SLACK_MS = 0.02, 5.0
+# A stage's steps take, on average, at least the device work each one queues: a GPU runs a
+# step's kernels no faster for being timed. The kernel time is measured in the stage's profiler
+# window, other steps of the same stage; this share allows those to differ from the timed ones
+# (measured runs' timed mean was never below 0.8 of it, reports/examples/).
+MIN_STEP_OF_DEVICE_WORK = 0.5
 _COUNTED = ("kernels_per_step", "launches_per_step", "ops_per_step", "syncs_per_step",
             "memset_per_step", "collective_calls_per_step")
 
@@ -59,6 +64,39 @@ def _check_evidence(ev: Evidence, where: str) -> None:
         if value > MAX_EVENTS_PER_US * step_us:
             raise SchemaError(f"{where}.evidence.{name}: {value:g} per step in a "
                                f"{ev.step_ms:g} ms step is impossible")
+
+
+def _device_work_ms(ev: Evidence) -> float | None:
+    """The device work a step of the window surely did: the window's compute per step (not
+    its collectives, whose kernels spin while a peer is late and can exceed the step), and no
+    more than its lightest step's kernels (one heavy step, an evaluation, weighs on the mean)."""
+    busy = ev.compute_busy_ms_per_step
+    if busy is None and not ev.collective_ms_per_step:
+        busy = ev.device_busy_ms_per_step
+    if busy is None or not ev.device_ms_by_step:
+        return busy
+    return min(busy, *ev.device_ms_by_step)
+
+
+def _check_steps_against_evidence(stage: StageResult, where: str) -> None:
+    """The timed steps are no shorter than the work the same stage's profiler window saw each
+    step do: not fewer than a microsecond per ten counted events (host launches, operator
+    calls), and on a GPU not shorter than a share of its kernels' busy time. Steps saved from
+    the wrong window (a warm-up's microseconds as the timed ones) contradict both."""
+    ev = stage.evidence
+    if ev is None or not stage.iter_ms:
+        return
+    mean_ms = sum(stage.iter_ms) / len(stage.iter_ms)
+    for name in _COUNTED:
+        value = getattr(ev, name)
+        if value > MAX_EVENTS_PER_US * mean_ms * 1e3:
+            raise SchemaError(f"{where}.iter_ms: a mean step of {mean_ms:.4g} ms cannot hold the "
+                              f"{value:g} {name.removesuffix('_per_step')} per step its "
+                              "evidence counted")
+    busy = _device_work_ms(ev)
+    if ev.backend == "cuda" and busy is not None and mean_ms < MIN_STEP_OF_DEVICE_WORK * busy:
+        raise SchemaError(f"{where}.iter_ms: a mean step of {mean_ms:.4g} ms is shorter than "
+                          f"the {busy:.4g} ms of device work per step its evidence measured")
 
 
 def _check_flops(stage: StageResult, where: str) -> None:
@@ -106,3 +144,4 @@ def check_run(run: RunResult) -> None:
         _check_flops(stage, where)
         if stage.evidence is not None:
             _check_evidence(stage.evidence, where)
+            _check_steps_against_evidence(stage, where)
