@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -427,6 +428,7 @@ def test_the_announcement_says_how_far_this_kernel_keeps_a_run(
     """Each kernel's branch, forced: no Landlock (the user consented), one too old to refuse a
     truncate by path (Linux 5.13-6.1), and one that refuses every write."""
     monkeypatch.setattr(confinement, "landlock_abi", lambda: abi)
+    monkeypatch.setattr(confinement, "shm_of_its_own", lambda: True)
     policy = confinement.ConfinementPolicy(unconfined=True)
     text = confinement.how_kept(policy, "the copy")
     assert said in text
@@ -460,6 +462,7 @@ def test_a_gate_trial_is_not_promised_a_list_of_its_writes(
     """Only a profile's scratch copies are watched; a gate's or calibrate's trials are not, so
     neither their announcement nor their refusal says writes are listed afterwards."""
     monkeypatch.setattr(confinement, "landlock_abi", lambda: 0)
+    monkeypatch.setattr(confinement, "shm_of_its_own", lambda: False)
     consented = confinement.ConfinementPolicy(unconfined=True)
     assert "listed" not in confinement.how_kept(consented, "its checkout", watched=False)
     refusal = confinement.confinement_refusal(confinement.ConfinementPolicy(), "gate",
@@ -548,3 +551,146 @@ def test_a_failed_rerun_of_a_short_script_leaves_the_first_run_standing() -> Non
     assert "the re-run exited with code 3" in session._kept_run(first, crashed).messages[-1]
     good = session.ProfileOutput(script_run(), exit_code=0)
     assert session._kept_run(first, good) is good
+
+
+@pytest.mark.parametrize("abi", [1, 3, 5, 6, 7, 9])
+def test_the_ruleset_takes_what_each_abi_has(abi: int) -> None:
+    """Issue 56, beyond the files, each kernel's branch forced: signals and abstract unix
+    sockets are scoped from ABI 6 (the ruleset's `scoped` field, which an older kernel's
+    shorter attribute lacks), a pathname socket's connection is a right from ABI 9; a rule on
+    one file (a device) grants only a file's rights."""
+    assert confine.scopes(abi) == (confine.SCOPE_ABSTRACT_UNIX_SOCKET | confine.SCOPE_SIGNAL
+                                   if abi >= 6 else 0)
+    assert confine.ruleset_size(abi) == (24 if abi >= 6 else 16 if abi >= 4 else 8)
+    assert bool(confine.write_access(abi) & confine.RESOLVE_UNIX) == (abi >= 9)
+    assert confine.file_access(abi) & ~(confine.WRITE_FILE | confine.TRUNCATE) == 0
+    assert bool(confine.file_access(abi) & confine.TRUNCATE) == (abi >= 3)
+
+
+@pytest.mark.parametrize(("abi", "own_shm", "kept", "loose"), [
+    (5, False, [], ["/dev/shm's files (compared afterwards)", "signals to your other processes "
+                    "and their abstract unix sockets (Landlock ABI 6; this kernel's is 5)",
+                    "connecting to a unix socket by its path (Landlock ABI 9)"]),
+    (7, True, ["/dev/shm its own", "it cannot signal your other processes or reach their "
+               "abstract sockets"], ["connecting to a unix socket by its path"]),
+    (9, True, ["nor connect to a unix socket outside its own folders"], [])])
+def test_the_run_says_what_this_kernel_leaves_open(
+        abi: int, own_shm: bool, kept: list[str], loose: list[str]) -> None:
+    """The line said before anything runs: what is confined and what is not, by the kernel's
+    ABI and whether a run gets a /dev/shm of its own; a file's metadata never is."""
+    said = confinement.beyond_files(abi, own_shm, watched=True)
+    before, _, after = said.partition("not confined: ")
+    assert "/proc is read-only to it" in before
+    assert all(k in before for k in kept) and all(k in after for k in loose)
+    assert "a file's mode, owner, times and extended attributes (compared afterwards, mode " \
+           "and times put back)" in after
+    assert ("signal" in after) == (abi < 6) and ("by its path" in after) == (abi < 9)
+    assert ("/dev/shm" in after) == (not own_shm)
+    assert "compared" not in confinement.beyond_files(abi, own_shm, watched=False)
+
+
+def test_a_confined_run_gets_devices_but_not_shm_proc_or_disks(tmp_path: Path) -> None:
+    """/dev's devices stay writable (a GPU, /dev/null); /dev/shm (ordinary files, a user's
+    among them), /proc (/proc/sys as root) and block devices (a disk written raw) are not in
+    the list (childexec adds the run's own /dev/shm and /proc/PID)."""
+    (tmp_path / "own").mkdir()
+    writable = confined_writable([tmp_path / "own"], tmp_path / "work", {}, [])
+    assert "/dev/null" in writable and str(tmp_path / "own") in writable
+    assert not {"/dev", "/dev/shm", "/proc"} & set(writable)
+    assert not any(Path(w).is_block_device() for w in writable)
+
+
+BEYOND_FILES = """
+    import json, os, socket, sys
+    victim, abstract, pathname, shm = sys.argv[1:5]
+    tried = {}
+    def attempt(name, action):
+        try:
+            action()
+            tried[name] = "done"
+        except OSError as exc:
+            tried[name] = type(exc).__name__
+    attempt("signal outside", lambda: os.kill(int(victim), 0))
+    attempt("abstract socket", lambda: socket.socket(socket.AF_UNIX).connect("\\0" + abstract))
+    attempt("pathname socket", lambda: socket.socket(socket.AF_UNIX).connect(pathname))
+    attempt("proc sys", lambda: open("/proc/sys/kernel/hostname", "w").close())
+    attempt("own comm", lambda: open("/proc/self/comm", "w").write("rerun"))
+    attempt("user's shm file", lambda: open(shm, "r+").write("over"))
+    attempt("new shm file", lambda: open("/dev/shm/gpudiag-own", "w").write("x"))
+    attempt("dev null", lambda: open("/dev/null", "w").write("x"))
+    print(json.dumps(tried))
+"""
+
+
+@landlock
+@pytest.mark.slow
+def test_a_confined_run_reaches_nothing_of_the_users_beyond_its_files(tmp_path: Path) -> None:
+    """Issue 56: a re-run signalled another process of the user's, reached one through an
+    abstract socket, appended to a file in /dev/shm and (as root) could write /proc/sys. On a
+    kernel with Landlock ABI 6 the first two are refused; /dev/shm is the run's own where it
+    can have one; /proc is read-only but its own entry. A pathname socket is reached below
+    ABI 9 (said so before the run)."""
+    abi = confine.landlock_abi()
+    victim = subprocess.Popen(["sleep", "30"])
+    name = f"gpudiag-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX) as abstract, socket.socket(socket.AF_UNIX) as named:
+        abstract.bind("\0" + name)
+        abstract.listen()
+        named.bind(str(tmp_path / "s"))
+        named.listen()
+        users = Path("/dev/shm") / f"{name}-users"
+        users.write_text("the user's")
+        script = tmp_path / "beyond.py"
+        script.write_text(textwrap.dedent(BEYOND_FILES))
+        (tmp_path / "own").mkdir()
+        try:
+            done = subprocess.run(confine.child_command(
+                [sys.executable, str(script), str(victim.pid), name, str(tmp_path / "s"),
+                 str(users)], confined_writable([tmp_path / "own"], tmp_path, {}, [])),
+                capture_output=True, text=True, timeout=30, check=False)
+            assert done.returncode == 0, done.stderr
+            tried = json.loads(done.stdout)
+            kept = users.read_text() == "the user's"
+        finally:
+            users.unlink()
+            victim.kill()
+    scoped = "PermissionError" if abi >= confine.SCOPE_ABI else "done"
+    own_shm = confinement.shm_of_its_own()
+    assert tried == {"signal outside": scoped, "abstract socket": scoped,
+                     "pathname socket": "done" if abi < confine.RESOLVE_UNIX_ABI else tried[
+                         "pathname socket"],
+                     "proc sys": "PermissionError", "own comm": "done",
+                     "user's shm file": "FileNotFoundError" if own_shm else "done",
+                     "new shm file": "done", "dev null": "done"}
+    assert kept == own_shm  # else the machine's /dev/shm: compared after a re-run (scratch.py)
+    assert not Path("/dev/shm/gpudiag-own").exists() or not own_shm
+
+
+@landlock
+@pytest.mark.slow
+@pytest.mark.parametrize("abi", [5, 6])
+def test_an_older_abi_is_asked_for_what_it_has(abi: int) -> None:
+    """Both branches on this kernel, the ABI forced: a ruleset of ABI 5's size (no `scoped`)
+    is accepted and leaves a signal outside possible; ABI 6's refuses it."""
+    if confine.landlock_abi() < abi:
+        pytest.skip(f"the kernel's Landlock is older than ABI {abi}")
+    victim = subprocess.Popen(["sleep", "30"])
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(confine.__file__).parent)!r})
+        import childexec
+        childexec.landlock_abi = lambda: {abi}
+        childexec.restrict_writes([])
+        try:
+            os.kill({victim.pid}, 0)
+            print("reached")
+        except PermissionError:
+            print("refused")
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True,
+                              text=True, timeout=30, check=False)
+    finally:
+        victim.kill()
+    assert done.stdout.strip() == ("refused" if abi >= confine.SCOPE_ABI else "reached"), \
+        done.stderr
