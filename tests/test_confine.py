@@ -25,11 +25,11 @@ from gpudiag.measure import childexec as confine
 from gpudiag.measure import confine as confinement
 from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
-from gpudiag.measure.profile.launching import scratch, session
+from gpudiag.measure.profile.launching import scratch, session, userfiles
 from gpudiag.measure.profile.launching.scratch import make_scratch
 from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.results import MeasuredFix, Rerun
-from gpudiag.present.fixes import fixes_table, reruns_markdown
+from gpudiag.present.fixes import fixes_table, rerun_warning, reruns_markdown
 
 landlock = pytest.mark.skipif(confine.landlock_abi() < 1, reason="the kernel has no Landlock")
 
@@ -694,3 +694,101 @@ def test_an_older_abi_is_asked_for_what_it_has(abi: int) -> None:
         victim.kill()
     assert done.stdout.strip() == ("refused" if abi >= confine.SCOPE_ABI else "reached"), \
         done.stderr
+
+
+def test_what_no_confinement_refuses_is_compared_and_put_back(tmp_path: Path) -> None:
+    """Issue 56: Landlock has no right for a file's attributes, so a re-run changed the mode
+    (chmod 000), times and a user.* attribute of the user's files and deleted one in
+    /dev/shm, and the record compared none of them. Each change is now said, file by file,
+    and the mode, times and attributes put back."""
+    names = ["model.py", "ckpt.pt", "notes.txt", "gone.txt"]
+    for name in names:
+        (tmp_path / name).write_text(name)
+    states = userfiles.record(tmp_path / name for name in names)
+    os.chmod(tmp_path / "model.py", 0)  # noqa: PTH101  (as the re-run did, by path)
+    os.utime(tmp_path / "notes.txt", ns=(1, 1))
+    (tmp_path / "ckpt.pt").write_text("overwritten, longer")
+    (tmp_path / "gone.txt").unlink()
+    xattrs = True
+    try:
+        os.setxattr(tmp_path / "notes.txt", "user.gpudiag", b"x")
+    except OSError:  # a filesystem without user attributes
+        xattrs = False
+    lines = userfiles.touched(states)
+    said = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines}
+    assert said[str(tmp_path / "model.py")] == "the mode from 0644 to 0000 (the mode put back)"
+    assert said[str(tmp_path / "gone.txt")] == "deleted"
+    assert said[str(tmp_path / "ckpt.pt")].startswith("the size from 7 to 19 bytes, the "
+                                                     "modification time")
+    assert "put back" not in said[str(tmp_path / "ckpt.pt")]  # contents: said, never hidden
+    notes = said[str(tmp_path / "notes.txt")]
+    assert notes.startswith("the modification time") and "the times put back" in notes
+    assert ("the extended attributes (user.gpudiag)" in notes) == xattrs
+    assert (tmp_path / "model.py").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "notes.txt").stat().st_mtime_ns == states[tmp_path / "notes.txt"].mtime_ns
+    if xattrs:
+        assert os.listxattr(tmp_path / "notes.txt") == []
+    assert userfiles.touched(userfiles.record(tmp_path / n for n in names[:3])) == []
+
+
+def test_a_linked_files_contents_are_said_once(tmp_path: Path) -> None:
+    """A linked file a re-run wrote is listed as changed (linked, not copied); its record
+    adds only what else changed."""
+    (tmp_path / "big.bin").write_text("B")
+    states = userfiles.record([tmp_path / "big.bin"])
+    (tmp_path / "big.bin").write_text("BB")
+    assert userfiles.touched(states, contents_said=[tmp_path / "big.bin"]) == []
+    rerun = Rerun(label="loader", source=str(tmp_path), cwd=str(tmp_path / "c"),
+                  touched=["/p/a: the mode from 0644 to 0000 (the mode put back)"],
+                  touched_count=3)
+    warned = rerun_warning(rerun)
+    assert warned == ("loader: CHANGED your files while it ran: /p/a: the mode from 0644 to "
+                      "0000 (the mode put back); and 2 more")
+
+
+CHMODS = """
+    import os, sys
+    os.chmod(sys.argv[1], 0)  # through the link in the copy: the user's file
+    os.chmod(sys.argv[2], 0o600)  # by absolute path
+    os.utime(sys.argv[2], (0, 0))
+    try:
+        os.unlink(sys.argv[3])  # the machine's /dev/shm, where the run has none of its own
+    except OSError:
+        pass
+"""
+
+
+@landlock
+@pytest.mark.slow
+def test_a_confined_rerun_that_chmods_the_users_files_is_told_and_undone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end to end case: a confined re-run chmods a linked file and one by absolute path,
+    touches its times and deletes a file in /dev/shm; its record says each, and what was put
+    back."""
+    monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is linked, not copied
+    source, out = _user_folder(tmp_path)
+    shm = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}"
+    shm.write_text("the user's")
+    try:
+        made = make_scratch(source, out / "cwd", leave_out=out, confined=True)
+        script = tmp_path / "chmods.py"
+        script.write_text(textwrap.dedent(CHMODS))
+        env = dict(os.environ)
+        done = subprocess.run(confine.child_command(
+            [sys.executable, str(script), "big.bin", str(source / "train.py"), str(shm)],
+            confined_writable([out], source, env, [])), cwd=made.root, env=env,
+            capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 0, done.stderr
+        rerun = made.finish("rerun", out / "parts")
+        assert shm.exists() == confinement.shm_of_its_own()
+    finally:
+        shm.unlink(missing_ok=True)
+    said = "; ".join(rerun.touched)
+    assert f"{source / 'big.bin'}: the mode from 0644 to 0000 (the mode put back)" in said
+    assert f"{source / 'train.py'}: the modification time, the mode from 0644 to 0600" in said
+    assert (f"{shm}: deleted" in said) != confinement.shm_of_its_own()
+    assert (source / "big.bin").stat().st_mode & 0o777 == 0o644
+    assert (source / "train.py").stat().st_mode & 0o777 == 0o644
+    assert (source / "train.py").stat().st_mtime > 1
+    assert "**CHANGED while it ran:**" in "\n".join(reruns_markdown(
+        script_run(reruns=[rerun])))
