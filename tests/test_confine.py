@@ -582,8 +582,8 @@ def test_the_run_says_what_this_kernel_leaves_open(
     before, _, after = said.partition("not confined: ")
     assert "/proc is read-only to it" in before
     assert all(k in before for k in kept) and all(k in after for k in loose)
-    assert "a file's mode, owner, times and extended attributes (compared afterwards, mode " \
-           "and times put back)" in after
+    assert "a file's mode, owner, times and extended attributes (compared afterwards and put " \
+           "back)" in after
     assert ("signal" in after) == (abi < 6) and ("by its path" in after) == (abi < 9)
     assert ("/dev/shm" in after) == (not own_shm)
     assert "compared" not in confinement.beyond_files(abi, own_shm, watched=False)

@@ -108,7 +108,7 @@ def beyond_files(abi: int, own_shm: bool, *, watched: bool) -> str:
         kept.append("it cannot signal your other processes or reach their abstract sockets")
     if abi >= RESOLVE_UNIX_ABI:
         kept.append("nor connect to a unix socket outside its own folders")
-    compared = " (compared afterwards, mode and times put back)" if watched else ""
+    compared = " (compared afterwards and put back)" if watched else ""
     loose = [f"a file's mode, owner, times and extended attributes{compared}",
              "the network"]
     if not own_shm:

@@ -268,8 +268,10 @@ def make_scratch(source: Path, top: Path, leave_out: Path, *,
     except OSError as exc:
         raise ScratchError(f"cannot copy {source} for a re-run: {exc.strerror or exc}") from None
     try:
-        scratch.states = userfiles.record(
-            [*(source / rel for rel, _ in plan.files), *userfiles.shm_files()])
+        # Folders linked whole (a dataset, .git) by their own state only: not walked.
+        scratch.states = userfiles.record([*(source / rel for rel, _ in plan.files),
+                                           *(source / rel for rel in plan.whole),
+                                           *userfiles.shm_files()])
         _mirror(scratch, parents)
         _fill(scratch, plan, written_since)
     except BaseException as exc:
