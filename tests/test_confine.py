@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -792,3 +793,33 @@ def test_a_confined_rerun_that_chmods_the_users_files_is_told_and_undone(
     assert (source / "train.py").stat().st_mtime > 1
     assert "**CHANGED while it ran:**" in "\n".join(reruns_markdown(
         script_run(reruns=[rerun])))
+
+
+@landlock
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
+                    or not Path("/usr/bin/python3").exists(),
+                    reason="needs root to start a process as another user (setpriv), and a "
+                    "Python that user may run")
+def test_a_user_without_root_gets_a_shm_of_its_own_where_user_namespaces_allow(
+        tmp_path: Path) -> None:
+    """Not root: the run's /dev/shm is made in a user namespace of its own, its user and group
+    the same inside; a semaphore (DataLoader workers' queues) still works there."""
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    python = "/usr/bin/python3"  # the system's: the user may not reach this environment's
+    probe = subprocess.run([*nobody, python, "-I", "-S", confine.__file__, "--shm-probe"],
+                           capture_output=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.skip("this kernel allows no unprivileged user namespaces")
+    mine = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}"
+    mine.write_text("root's")
+    try:
+        command = confine.child_command([python, "-c", "import os, multiprocessing; "
+                                         "multiprocessing.Lock(); print(os.getuid(), "
+                                         "os.listdir('/dev/shm'))"], [str(tmp_path)])
+        done = subprocess.run([*nobody, python, *command[1:]], capture_output=True, text=True,
+                              timeout=30, check=False)
+    finally:
+        mine.unlink()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["65534", "[]"]
