@@ -225,7 +225,7 @@ def _beyond_files(cases: list[Case], root: Path) -> None:
                  "user's"), root, lambda p: None,
             ["--stop-after-window", "--", sys.executable, "train.py", "kill", str(victim.pid)],
             # Refused from Landlock ABI 6; before it, said before anything runs.
-            lambda c, o, p: c.exit_code == 0 and (victim.poll() is None or "signals to your "
+            lambda c, o, p: c.exit_code == 0 and (victim.poll() is None or "signalling your "
                                                   "other processes" in " ".join(o.split()))))
     finally:
         victim.kill()

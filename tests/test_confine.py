@@ -569,8 +569,9 @@ def test_the_ruleset_takes_what_each_abi_has(abi: int) -> None:
 
 
 @pytest.mark.parametrize(("abi", "own_shm", "kept", "loose"), [
-    (5, False, [], ["/dev/shm's files (compared afterwards)", "signals to your other processes "
-                    "and their abstract unix sockets (Landlock ABI 6; this kernel's is 5)",
+    (5, False, [], ["/dev/shm's files (compared afterwards)", "signalling your other "
+                    "processes and connecting to their abstract unix sockets (Landlock ABI 6; "
+                    "this kernel's is 5)",
                     "connecting to a unix socket by its path (Landlock ABI 9)"]),
     (7, True, ["/dev/shm its own", "it cannot signal your other processes or reach their "
                "abstract sockets"], ["connecting to a unix socket by its path"]),

@@ -21,7 +21,7 @@ command is (a shell, torchrun, Python), and is inherited by all it starts.
   Landlock ABI 6 it may neither signal nor connect to an abstract unix socket of a process
   outside its confinement, from ABI 9 neither connect to a pathname socket outside its own
   folders ("Scope flags" and LANDLOCK_ACCESS_FS_RESOLVE_UNIX in the kernel's Landlock
-  documentation). confine.py's `not_confined` says what this kernel leaves open.
+  documentation). confine.py's `beyond_files` says what this kernel leaves open.
 
 `python -I -S childexec.py --parent PID [--writable JSON] -- COMMAND...`: standard library
 only, no gpudiag import, ~15 ms: it runs before anything else in the process.

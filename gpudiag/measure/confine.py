@@ -102,8 +102,7 @@ def beyond_files(abi: int, own_shm: bool, *, watched: bool) -> str:
     Landlock `abi` where a run gets a /dev/shm of its own or not (`own_shm`), as the clause
     that ends how_kept's; `watched`: the user's files are compared after it (a profile's
     re-runs)."""
-    kept = ["/proc is read-only to it"]
-    kept.append("/dev/shm its own" if own_shm else "")
+    kept = ["/proc is read-only to it", *(["/dev/shm its own"] if own_shm else [])]
     if abi >= SCOPE_ABI:
         kept.append("it cannot signal your other processes or reach their abstract sockets")
     if abi >= RESOLVE_UNIX_ABI:
@@ -114,13 +113,14 @@ def beyond_files(abi: int, own_shm: bool, *, watched: bool) -> str:
     if not own_shm:
         loose.insert(0, "/dev/shm's files" + (" (compared afterwards)" if watched else ""))
     if abi < SCOPE_ABI:
-        loose.append(f"signals to your other processes and their abstract unix sockets "
+        loose.append(f"signalling your other processes and connecting to their abstract "
+                     f"unix sockets "
                      f"(Landlock ABI {SCOPE_ABI}; this kernel's is {abi})")
     if abi < RESOLVE_UNIX_ABI:
         loose.append(f"connecting to a unix socket by its path (Landlock ABI {RESOLVE_UNIX_ABI})")
     if os.geteuid() == 0:
         loose.append("as root, a file's flags (chattr)")
-    return f"; {', '.join(k for k in kept if k)}; not confined: {', '.join(loose)}"
+    return f"; {', '.join(kept)}; not confined: {', '.join(loose)}"
 
 
 @functools.cache
