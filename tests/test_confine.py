@@ -824,3 +824,28 @@ def test_a_user_without_root_gets_a_shm_of_its_own_where_user_namespaces_allow(
         mine.unlink()
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["65534", "[]"]
+
+
+def test_the_machines_shm_is_compared_where_a_run_has_none_of_its_own(tmp_path: Path) -> None:
+    """The other branch (no mount namespace for the run: a container without the right, a
+    kernel without user namespaces): the re-run writes the machine's /dev/shm, whose files
+    are recorded with the copy and compared after it: a file appended to or deleted there is
+    said, where report.md said "nothing seen"."""
+    appended = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}-a"
+    deleted = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}-d"
+    for path in (appended, deleted):
+        path.write_text("the user's")
+    source, out = _user_folder(tmp_path)
+    try:
+        made = make_scratch(source, out / "cwd", leave_out=out, confined=True)
+        with appended.open("a") as shared:  # as the re-run did
+            shared.write(" and more")
+        deleted.unlink()
+        rerun = made.finish("rerun", out / "parts")
+    finally:
+        appended.unlink()
+        deleted.unlink(missing_ok=True)
+    assert f"{deleted}: deleted" in rerun.touched
+    assert any(line.startswith(f"{appended}: the size from 10 to 19 bytes")
+               for line in rerun.touched)
+    assert "nothing seen" not in "\n".join(reruns_markdown(script_run(reruns=[rerun])))
