@@ -1,10 +1,11 @@
 """Issue 38's red-team classes at field scale, re-run: folders a unit test cannot hold (50,001
 files, 20,100 files, a 2.2 GiB log, made sparse or empty), and issue 56's (--rerun-writable
-inside the working directory, a short script's re-run refused its log; a gate of a venv or a
-submodule in the repository, after a killed gate, of a run its evidence contradicts), each
-profiled (or gated) as a user would, with the user's folder hashed before and after,
-gpudiag's exit code, its output searched for a traceback, and the processes it left.
-Writes a JSON record and a markdown table:
+inside the working directory, a short script's re-run refused its log, links planted in the
+run folder, a file of the user's in /dev/shm, a chmod through a link, a signal to another
+process; a gate of a venv or a submodule in the repository, after a killed gate, of a run its
+evidence contradicts), each profiled (or gated) as a user would, with the user's folder
+hashed before and after, gpudiag's exit code, its output searched for a traceback, and the
+processes it left. Writes a JSON record and a markdown table:
 
     python benchmarks/nothing_lost.py --out reports/examples/nothing-lost
 
@@ -76,6 +77,23 @@ SCRIPT = """
                 for name in PLANTED:
                     (run / name).unlink(missing_ok=True)
                     (run / name).symlink_to(sys.argv[2].removeprefix("to:"))
+            elif action == "shm":  # a file of the user's in /dev/shm: appended, deleted
+                try:
+                    with open(sys.argv[2], "a") as shared:
+                        shared.write("appended")
+                    os.remove(sys.argv[2])
+                except OSError:
+                    pass  # not there: the run's /dev/shm is its own
+            elif action == "chmod":  # through a link into the copy, and by absolute path
+                os.chmod("weights.bin", 0)
+                absolute = sys.argv[2].removeprefix("at:")  # as a config names it, unmoved
+                os.chmod(absolute, 0)
+                os.utime(absolute, (0, 0))
+            elif action == "kill":  # another process of the user's
+                try:
+                    os.kill(int(sys.argv[2]), 15)
+                except PermissionError:
+                    pass  # refused: the run goes on
             elif action == "odd-name":
                 try:
                     open(os.fsdecode(sys.argv[2].encode() + b"/caf\\xe9.txt"), "w").write("x")
@@ -378,6 +396,55 @@ def _contradicting_run_case(root: Path) -> Case:
         and "stages[0].iter_ms: a mean step of 0.002" in o and "PASS" not in o)
 
 
+def _beyond_files(cases: list[Case], root: Path) -> None:
+    """Issue 56's cases beyond a file's contents: the user's file in /dev/shm, a chmod
+    through a link and by absolute path, a signal to another process of the user's."""
+    shared = Path("/dev/shm") / f"nothing-lost-{root.name}"
+    shared.write_text("the user's")
+    try:
+        cases.append(run_case(
+            Case("dev-shm", "the re-run appends to and deletes a file of the user's in "
+                 "/dev/shm"), root, lambda p: None,
+            ["--stop-after-window", "--", sys.executable, "train.py", "shm", str(shared)],
+            # Out of its reach (a /dev/shm of its own), or the change is said.
+            lambda c, o, p: c.exit_code == 0 and (
+                (shared.exists() and shared.read_text() == "the user's")
+                or f"{shared}: deleted" in (p / "run" / "report.md").read_text())))
+    finally:
+        shared.unlink(missing_ok=True)
+
+    def linked_weights(p: Path) -> None:
+        with (p / "weights.bin").open("wb") as weights:
+            weights.truncate(int(2.2 * 2**30))  # past the copy budget: linked, not copied
+        (p / "config.yaml").write_text("lr: 1")
+
+    chmodded = root / "chmod-through-link" / "proj"
+
+    def modes_back(c: Case, o: str, p: Path) -> bool:
+        report = " ".join((p / "run" / "report.md").read_text().split())
+        return (c.exit_code == 0 and all((p / n).stat().st_mode & 0o777 == 0o644
+                                         for n in ("weights.bin", "config.yaml"))
+                and "weights.bin: the mode from 0644 to 0000 (the mode put back)" in report
+                and "config.yaml: the modification time, the mode from 0644 to 0000" in report)
+
+    cases.append(run_case(
+        Case("chmod-through-link", "the re-run chmods 000 a file linked into its copy and one "
+             "by absolute path, and sets the latter's times"), root, linked_weights,
+        ["--stop-after-window", "--", sys.executable, "train.py", "chmod",
+         f"at:{chmodded / 'config.yaml'}"], modes_back))
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        cases.append(run_case(
+            Case("signal-outside", "the re-run sends SIGTERM to another process of the "
+                 "user's"), root, lambda p: None,
+            ["--stop-after-window", "--", sys.executable, "train.py", "kill", str(victim.pid)],
+            # Refused from Landlock ABI 6; before it, said before anything runs.
+            lambda c, o, p: c.exit_code == 0 and (victim.poll() is None or "signalling your "
+                                                  "other processes" in " ".join(o.split()))))
+    finally:
+        victim.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -447,6 +514,7 @@ def main() -> None:
             and "caf\\xe9" in (p / "run" / "report.md").read_text()))
 
         cases += _issue56_cases(root)
+        _beyond_files(cases, root)
         cases += _issue56_gate_cases(root)
 
         def copy_started(p: Path) -> Callable[[], bool]:

@@ -189,6 +189,8 @@ DIRECT_WRITES_ALLOWED = {
     ("gpudiag/measure/profile/launching/scratch.py", "open"): "a scratch copy's file, made "
                                                               "with O_EXCL ('xb')",
     ("gpudiag/measure/profile/launching/scratch.py", "copyfile"): "over that O_EXCL file",
+    ("gpudiag/measure/childexec.py", "open"): "the kernel's /proc/self/uid_map and gid_map "
+                                              "of a new user namespace (never a file's)",
     ("gpudiag/measure/profile/inscript/bootstrap/sitecustomize.py", "write_text"):
         "standard library only (gpudiag may not import): the process's own pid-named file",
 }

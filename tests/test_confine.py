@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,11 +26,11 @@ from gpudiag.measure import childexec as confine
 from gpudiag.measure import confine as confinement
 from gpudiag.measure.confine import confined_writable
 from gpudiag.measure.interrupts import stop_on_signals
-from gpudiag.measure.profile.launching import scratch, session
+from gpudiag.measure.profile.launching import scratch, session, userfiles
 from gpudiag.measure.profile.launching.scratch import make_scratch
 from gpudiag.model.errors import BadInput, ExitCode
 from gpudiag.model.results import MeasuredFix, Rerun
-from gpudiag.present.fixes import fixes_table, reruns_markdown
+from gpudiag.present.fixes import fixes_table, rerun_warning, reruns_markdown
 
 landlock = pytest.mark.skipif(confine.landlock_abi() < 1, reason="the kernel has no Landlock")
 
@@ -427,6 +429,7 @@ def test_the_announcement_says_how_far_this_kernel_keeps_a_run(
     """Each kernel's branch, forced: no Landlock (the user consented), one too old to refuse a
     truncate by path (Linux 5.13-6.1), and one that refuses every write."""
     monkeypatch.setattr(confinement, "landlock_abi", lambda: abi)
+    monkeypatch.setattr(confinement, "shm_of_its_own", lambda: True)
     policy = confinement.ConfinementPolicy(unconfined=True)
     text = confinement.how_kept(policy, "the copy")
     assert said in text
@@ -460,6 +463,7 @@ def test_a_gate_trial_is_not_promised_a_list_of_its_writes(
     """Only a profile's scratch copies are watched; a gate's or calibrate's trials are not, so
     neither their announcement nor their refusal says writes are listed afterwards."""
     monkeypatch.setattr(confinement, "landlock_abi", lambda: 0)
+    monkeypatch.setattr(confinement, "shm_of_its_own", lambda: False)
     consented = confinement.ConfinementPolicy(unconfined=True)
     assert "listed" not in confinement.how_kept(consented, "its checkout", watched=False)
     refusal = confinement.confinement_refusal(confinement.ConfinementPolicy(), "gate",
@@ -548,3 +552,300 @@ def test_a_failed_rerun_of_a_short_script_leaves_the_first_run_standing() -> Non
     assert "the re-run exited with code 3" in session._kept_run(first, crashed).messages[-1]
     good = session.ProfileOutput(script_run(), exit_code=0)
     assert session._kept_run(first, good) is good
+
+
+@pytest.mark.parametrize("abi", [1, 3, 5, 6, 7, 9])
+def test_the_ruleset_takes_what_each_abi_has(abi: int) -> None:
+    """Issue 56, beyond the files, each kernel's branch forced: signals and abstract unix
+    sockets are scoped from ABI 6 (the ruleset's `scoped` field, which an older kernel's
+    shorter attribute lacks), a pathname socket's connection is a right from ABI 9; a rule on
+    one file (a device) grants only a file's rights."""
+    assert confine.scopes(abi) == (confine.SCOPE_ABSTRACT_UNIX_SOCKET | confine.SCOPE_SIGNAL
+                                   if abi >= 6 else 0)
+    assert confine.ruleset_size(abi) == (24 if abi >= 6 else 16 if abi >= 4 else 8)
+    assert bool(confine.write_access(abi) & confine.RESOLVE_UNIX) == (abi >= 9)
+    assert confine.file_access(abi) & ~(confine.WRITE_FILE | confine.TRUNCATE) == 0
+    assert bool(confine.file_access(abi) & confine.TRUNCATE) == (abi >= 3)
+
+
+@pytest.mark.parametrize(("abi", "own_shm", "kept", "loose"), [
+    (5, False, [], ["/dev/shm's files (compared afterwards)", "signalling your other "
+                    "processes and connecting to their abstract unix sockets (Landlock ABI 6; "
+                    "this kernel's is 5)",
+                    "connecting to a unix socket by its path (Landlock ABI 9)"]),
+    (7, True, ["/dev/shm its own", "it cannot signal your other processes or reach their "
+               "abstract sockets"], ["connecting to a unix socket by its path"]),
+    (9, True, ["nor connect to a unix socket outside its own folders"], [])])
+def test_the_run_says_what_this_kernel_leaves_open(
+        abi: int, own_shm: bool, kept: list[str], loose: list[str]) -> None:
+    """The line said before anything runs: what is confined and what is not, by the kernel's
+    ABI and whether a run gets a /dev/shm of its own; a file's metadata never is."""
+    said = confinement.beyond_files(abi, own_shm, watched=True)
+    before, _, after = said.partition("not confined: ")
+    assert "/proc is read-only to it" in before
+    assert all(k in before for k in kept) and all(k in after for k in loose)
+    assert "a file's mode, owner, times and extended attributes (compared afterwards and put " \
+           "back)" in after
+    assert ("signal" in after) == (abi < 6) and ("by its path" in after) == (abi < 9)
+    assert ("/dev/shm" in after) == (not own_shm)
+    assert "compared" not in confinement.beyond_files(abi, own_shm, watched=False)
+
+
+def test_a_confined_run_gets_devices_but_not_shm_proc_or_disks(tmp_path: Path) -> None:
+    """/dev's devices stay writable (a GPU, /dev/null); /dev/shm (ordinary files, a user's
+    among them), /proc (/proc/sys as root) and block devices (a disk written raw) are not in
+    the list (childexec adds the run's own /dev/shm and /proc/PID)."""
+    (tmp_path / "own").mkdir()
+    writable = confined_writable([tmp_path / "own"], tmp_path / "work", {}, [])
+    assert "/dev/null" in writable and str(tmp_path / "own") in writable
+    assert not {"/dev", "/dev/shm", "/proc"} & set(writable)
+    assert not any(Path(w).is_block_device() for w in writable)
+
+
+BEYOND_FILES = """
+    import json, os, socket, sys
+    victim, abstract, pathname, shm = sys.argv[1:5]
+    tried = {}
+    def attempt(name, action):
+        try:
+            action()
+            tried[name] = "done"
+        except OSError as exc:
+            tried[name] = type(exc).__name__
+    attempt("signal outside", lambda: os.kill(int(victim), 0))
+    attempt("abstract socket", lambda: socket.socket(socket.AF_UNIX).connect("\\0" + abstract))
+    attempt("pathname socket", lambda: socket.socket(socket.AF_UNIX).connect(pathname))
+    attempt("proc sys", lambda: open("/proc/sys/kernel/hostname", "w").close())
+    attempt("own comm", lambda: open("/proc/self/comm", "w").write("rerun"))
+    attempt("user's shm file", lambda: open(shm, "r+").write("over"))
+    attempt("new shm file", lambda: open("/dev/shm/gpudiag-own", "w").write("x"))
+    attempt("dev null", lambda: open("/dev/null", "w").write("x"))
+    print(json.dumps(tried))
+"""
+
+
+@landlock
+@pytest.mark.slow
+def test_a_confined_run_reaches_nothing_of_the_users_beyond_its_files(tmp_path: Path) -> None:
+    """Issue 56: a re-run signalled another process of the user's, reached one through an
+    abstract socket, appended to a file in /dev/shm and (as root) could write /proc/sys. On a
+    kernel with Landlock ABI 6 the first two are refused; /dev/shm is the run's own where it
+    can have one; /proc is read-only but its own entry. A pathname socket is reached below
+    ABI 9 (said so before the run)."""
+    abi = confine.landlock_abi()
+    victim = subprocess.Popen(["sleep", "30"])
+    name = f"gpudiag-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX) as abstract, socket.socket(socket.AF_UNIX) as named:
+        abstract.bind("\0" + name)
+        abstract.listen()
+        named.bind(str(tmp_path / "s"))
+        named.listen()
+        users = Path("/dev/shm") / f"{name}-users"
+        users.write_text("the user's")
+        script = tmp_path / "beyond.py"
+        script.write_text(textwrap.dedent(BEYOND_FILES))
+        (tmp_path / "own").mkdir()
+        try:
+            done = subprocess.run(confine.child_command(
+                [sys.executable, str(script), str(victim.pid), name, str(tmp_path / "s"),
+                 str(users)], confined_writable([tmp_path / "own"], tmp_path, {}, [])),
+                capture_output=True, text=True, timeout=30, check=False)
+            assert done.returncode == 0, done.stderr
+            tried = json.loads(done.stdout)
+            kept = users.read_text() == "the user's"
+        finally:
+            users.unlink()
+            victim.kill()
+    scoped = "PermissionError" if abi >= confine.SCOPE_ABI else "done"
+    own_shm = confinement.shm_of_its_own()
+    assert tried == {"signal outside": scoped, "abstract socket": scoped,
+                     "pathname socket": "done" if abi < confine.RESOLVE_UNIX_ABI else tried[
+                         "pathname socket"],
+                     "proc sys": "PermissionError", "own comm": "done",
+                     "user's shm file": "FileNotFoundError" if own_shm else "done",
+                     "new shm file": "done", "dev null": "done"}
+    assert kept == own_shm  # else the machine's /dev/shm: compared after a re-run (scratch.py)
+    assert not Path("/dev/shm/gpudiag-own").exists() or not own_shm
+
+
+@landlock
+@pytest.mark.slow
+@pytest.mark.parametrize("abi", [5, 6])
+def test_an_older_abi_is_asked_for_what_it_has(abi: int) -> None:
+    """Both branches on this kernel, the ABI forced: a ruleset of ABI 5's size (no `scoped`)
+    is accepted and leaves a signal outside possible; ABI 6's refuses it."""
+    if confine.landlock_abi() < abi:
+        pytest.skip(f"the kernel's Landlock is older than ABI {abi}")
+    victim = subprocess.Popen(["sleep", "30"])
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(confine.__file__).parent)!r})
+        import childexec
+        childexec.landlock_abi = lambda: {abi}
+        childexec.restrict_writes([])
+        try:
+            os.kill({victim.pid}, 0)
+            print("reached")
+        except PermissionError:
+            print("refused")
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True,
+                              text=True, timeout=30, check=False)
+    finally:
+        victim.kill()
+    assert done.stdout.strip() == ("refused" if abi >= confine.SCOPE_ABI else "reached"), \
+        done.stderr
+
+
+def test_what_no_confinement_refuses_is_compared_and_put_back(tmp_path: Path) -> None:
+    """Issue 56: Landlock has no right for a file's attributes, so a re-run changed the mode
+    (chmod 000), times and a user.* attribute of the user's files and deleted one in
+    /dev/shm, and the record compared none of them. Each change is now said, file by file,
+    and the mode, times and attributes put back."""
+    names = ["model.py", "ckpt.pt", "notes.txt", "gone.txt"]
+    for name in names:
+        (tmp_path / name).write_text(name)
+    states = userfiles.record(tmp_path / name for name in names)
+    os.chmod(tmp_path / "model.py", 0)  # noqa: PTH101  (as the re-run did, by path)
+    os.utime(tmp_path / "notes.txt", ns=(1, 1))
+    (tmp_path / "ckpt.pt").write_text("overwritten, longer")
+    (tmp_path / "gone.txt").unlink()
+    xattrs = True
+    try:
+        os.setxattr(tmp_path / "notes.txt", "user.gpudiag", b"x")
+    except OSError:  # a filesystem without user attributes
+        xattrs = False
+    lines = userfiles.touched(states)
+    said = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines}
+    assert said[str(tmp_path / "model.py")] == "the mode from 0644 to 0000 (the mode put back)"
+    assert said[str(tmp_path / "gone.txt")] == "deleted"
+    assert said[str(tmp_path / "ckpt.pt")].startswith("the size from 7 to 19 bytes, the "
+                                                     "modification time")
+    assert "put back" not in said[str(tmp_path / "ckpt.pt")]  # contents: said, never hidden
+    notes = said[str(tmp_path / "notes.txt")]
+    assert notes.startswith("the modification time") and "the times put back" in notes
+    assert ("the extended attributes (user.gpudiag)" in notes) == xattrs
+    assert (tmp_path / "model.py").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "notes.txt").stat().st_mtime_ns == states[tmp_path / "notes.txt"].mtime_ns
+    if xattrs:
+        assert os.listxattr(tmp_path / "notes.txt") == []
+    assert userfiles.touched(userfiles.record(tmp_path / n for n in names[:3])) == []
+
+
+def test_a_linked_files_contents_are_said_once(tmp_path: Path) -> None:
+    """A linked file a re-run wrote is listed as changed (linked, not copied); its record
+    adds only what else changed."""
+    (tmp_path / "big.bin").write_text("B")
+    states = userfiles.record([tmp_path / "big.bin"])
+    (tmp_path / "big.bin").write_text("BB")
+    assert userfiles.touched(states, contents_said=[tmp_path / "big.bin"]) == []
+    rerun = Rerun(label="loader", source=str(tmp_path), cwd=str(tmp_path / "c"),
+                  touched=["/p/a: the mode from 0644 to 0000 (the mode put back)"],
+                  touched_count=3)
+    warned = rerun_warning(rerun)
+    assert warned == ("loader: CHANGED your files while it ran: /p/a: the mode from 0644 to "
+                      "0000 (the mode put back); and 2 more")
+
+
+CHMODS = """
+    import os, sys
+    os.chmod(sys.argv[1], 0)  # through the link in the copy: the user's file
+    os.chmod(sys.argv[2], 0o600)  # by absolute path
+    os.utime(sys.argv[2], (0, 0))
+    try:
+        os.unlink(sys.argv[3])  # the machine's /dev/shm, where the run has none of its own
+    except OSError:
+        pass
+"""
+
+
+@landlock
+@pytest.mark.slow
+def test_a_confined_rerun_that_chmods_the_users_files_is_told_and_undone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end to end case: a confined re-run chmods a linked file and one by absolute path,
+    touches its times and deletes a file in /dev/shm; its record says each, and what was put
+    back."""
+    monkeypatch.setattr(scratch, "MAX_COPY_BYTES", 100)  # big.bin is linked, not copied
+    source, out = _user_folder(tmp_path)
+    shm = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}"
+    shm.write_text("the user's")
+    try:
+        made = make_scratch(source, out / "cwd", leave_out=out, confined=True)
+        script = tmp_path / "chmods.py"
+        script.write_text(textwrap.dedent(CHMODS))
+        env = dict(os.environ)
+        done = subprocess.run(confine.child_command(
+            [sys.executable, str(script), "big.bin", str(source / "train.py"), str(shm)],
+            confined_writable([out], source, env, [])), cwd=made.root, env=env,
+            capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 0, done.stderr
+        rerun = made.finish("rerun", out / "parts")
+        assert shm.exists() == confinement.shm_of_its_own()
+    finally:
+        shm.unlink(missing_ok=True)
+    said = "; ".join(rerun.touched)
+    assert f"{source / 'big.bin'}: the mode from 0644 to 0000 (the mode put back)" in said
+    assert f"{source / 'train.py'}: the modification time, the mode from 0644 to 0600" in said
+    assert (f"{shm}: deleted" in said) != confinement.shm_of_its_own()
+    assert (source / "big.bin").stat().st_mode & 0o777 == 0o644
+    assert (source / "train.py").stat().st_mode & 0o777 == 0o644
+    assert (source / "train.py").stat().st_mtime > 1
+    assert "**CHANGED while it ran:**" in "\n".join(reruns_markdown(
+        script_run(reruns=[rerun])))
+
+
+@landlock
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
+                    or not Path("/usr/bin/python3").exists(),
+                    reason="needs root to start a process as another user (setpriv), and a "
+                    "Python that user may run")
+def test_a_user_without_root_gets_a_shm_of_its_own_where_user_namespaces_allow(
+        tmp_path: Path) -> None:
+    """Not root: the run's /dev/shm is made in a user namespace of its own, its user and group
+    the same inside; a semaphore (DataLoader workers' queues) still works there."""
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    python = "/usr/bin/python3"  # the system's: the user may not reach this environment's
+    probe = subprocess.run([*nobody, python, "-I", "-S", confine.__file__, "--shm-probe"],
+                           capture_output=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.skip("this kernel allows no unprivileged user namespaces")
+    mine = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}"
+    mine.write_text("root's")
+    try:
+        command = confine.child_command([python, "-c", "import os, multiprocessing; "
+                                         "multiprocessing.Lock(); print(os.getuid(), "
+                                         "os.listdir('/dev/shm'))"], [str(tmp_path)])
+        done = subprocess.run([*nobody, python, *command[1:]], capture_output=True, text=True,
+                              timeout=30, check=False)
+    finally:
+        mine.unlink()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["65534", "[]"]
+
+
+def test_the_machines_shm_is_compared_where_a_run_has_none_of_its_own(tmp_path: Path) -> None:
+    """The other branch (no mount namespace for the run: a container without the right, a
+    kernel without user namespaces): the re-run writes the machine's /dev/shm, whose files
+    are recorded with the copy and compared after it: a file appended to or deleted there is
+    said, where report.md said "nothing seen"."""
+    appended = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}-a"
+    deleted = Path("/dev/shm") / f"gpudiag-test-{os.getpid()}-d"
+    for path in (appended, deleted):
+        path.write_text("the user's")
+    source, out = _user_folder(tmp_path)
+    try:
+        made = make_scratch(source, out / "cwd", leave_out=out, confined=True)
+        with appended.open("a") as shared:  # as the re-run did
+            shared.write(" and more")
+        deleted.unlink()
+        rerun = made.finish("rerun", out / "parts")
+    finally:
+        appended.unlink()
+        deleted.unlink(missing_ok=True)
+    assert f"{deleted}: deleted" in rerun.touched
+    assert any(line.startswith(f"{appended}: the size from 10 to 19 bytes")
+               for line in rerun.touched)
+    assert "nothing seen" not in "\n".join(reruns_markdown(script_run(reruns=[rerun])))

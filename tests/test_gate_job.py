@@ -396,10 +396,15 @@ def test_a_gate_job_checks_out_both_sides_before_its_run_folder(tmp_path: Path) 
     assert _worktrees(repo) == [repo]
 
 
-def test_only_a_users_command_has_a_trials_policy_and_a_note_before_it_runs() -> None:
+def test_only_a_users_command_has_a_trials_policy_and_a_note_before_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """gpudiag's workload writes only its run folders: no policy. A user's command is said to
     run in a temporary checkout before it does, with what --share links into it."""
+    from gpudiag.measure import confine
     from gpudiag.measure.confine import ConfinementPolicy
+
+    # What this kernel leaves open is asked of a process of its own: not in the fast tier.
+    monkeypatch.setattr(confine, "shm_of_its_own", lambda: True)
     from gpudiag.measure.gatejob import command_note, trials_policy
     from gpudiag.model.options import ConfineOptions
 

@@ -13,17 +13,22 @@ starts). Where the kernel cannot, nothing runs there without the user's consent
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import os
 import platform
 import re
+import stat
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudiag.measure.childexec import landlock_abi
+from gpudiag.measure import childexec
+from gpudiag.measure.childexec import RESOLVE_UNIX_ABI, SCOPE_ABI, SHM, landlock_abi
 from gpudiag.measure.ownedtemp import owned_folder, remove_stale
 from gpudiag.model.errors import BadInput
 
@@ -90,7 +95,48 @@ def how_kept(policy: ConfinementPolicy, where: str, *, watched: bool = True) -> 
     if abi < TRUNCATE_ABI:
         clause += (f" (but not a truncate by path, which this kernel's Landlock, ABI {abi}, "
                    "cannot refuse" + (": one is listed afterwards)" if watched else ")"))
-    return clause
+    return clause + beyond_files(abi, shm_of_its_own(), watched=watched)
+
+
+def beyond_files(abi: int, own_shm: bool, *, watched: bool) -> str:
+    """What a confined run may and may not reach beyond writing files, on a kernel of this
+    Landlock `abi` where a run gets a /dev/shm of its own or not (`own_shm`), as the clause
+    that ends how_kept's; `watched`: the user's files are compared after it (a profile's
+    re-runs)."""
+    kept = ["/proc is read-only to it", *(["/dev/shm its own"] if own_shm else [])]
+    if abi >= SCOPE_ABI:
+        kept.append("it cannot signal your other processes or reach their abstract sockets")
+    if abi >= RESOLVE_UNIX_ABI:
+        kept.append("nor connect to a unix socket outside its own folders")
+    compared = " (compared afterwards and put back)" if watched else ""
+    loose = [f"a file's mode, owner, times and extended attributes{compared}",
+             "the network"]
+    if not own_shm:
+        loose.insert(0, "/dev/shm's files" + (" (compared afterwards)" if watched else ""))
+    if abi < SCOPE_ABI:
+        loose.append(f"signalling your other processes and connecting to their abstract "
+                     f"unix sockets "
+                     f"(Landlock ABI {SCOPE_ABI}; this kernel's is {abi})")
+    if abi < RESOLVE_UNIX_ABI:
+        loose.append(f"connecting to a unix socket by its path (Landlock ABI {RESOLVE_UNIX_ABI})")
+    if os.geteuid() == 0:
+        loose.append("as root, a file's flags (chattr)")
+    return f"; {', '.join(kept)}; not confined: {', '.join(loose)}"
+
+
+@functools.cache
+def shm_of_its_own() -> bool:
+    """Whether a confined run gets a /dev/shm of its own here (childexec.private_shm: root,
+    or unprivileged user namespaces), asked of a process made for the question (~20 ms), as
+    the run's own process will make it."""
+    if landlock_abi() < 1:
+        return False
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", childexec.__file__, "--shm-probe"],
+                              capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def confinement_policy(writable: Sequence[str], *, unconfined: bool, isolated: str | None,
@@ -166,16 +212,30 @@ def confined_writable(own: Sequence[Path], source: Path, env: dict[str, str],
         # now, empty, as a folder beneath it could not be allowed before it exists.
         with contextlib.suppress(OSError):
             cache.mkdir(parents=True, exist_ok=True)
-    places = [*own, Path("/dev"), Path("/proc"), *caches]
+    # /dev's devices, not /dev/shm (ordinary files, the user's among them: childexec gives the
+    # run one of its own where it can); /proc read-only but the run's own /proc/PID
+    # (childexec allows both).
+    places = [*own, *_devices(), *caches]
     # The user's folders: never one inside `source` either (confinement_policy refused it).
     users = [Path(os.path.realpath(p)) for p in allowed]
     places += [p for p in users if not p.is_relative_to(source)]
     writable = []
     for place in places:
         real = Path(os.path.realpath(place))
-        if real.is_dir() and not source.is_relative_to(real):
+        if real.exists() and not source.is_relative_to(real):
             writable.append(str(real))
     return writable
+
+
+def _devices() -> list[Path]:
+    """/dev's entries but /dev/shm, links (/dev/fd, /dev/stdin: into /proc) and block devices
+    (a disk, written raw, would be the user's files too)."""
+    try:
+        entries = list(os.scandir("/dev"))
+    except OSError:
+        return []
+    return [Path(e.path) for e in entries if e.path != SHM and not e.is_symlink()
+            and not stat.S_ISBLK(e.stat(follow_symlinks=False).st_mode)]
 
 
 def _user() -> str:

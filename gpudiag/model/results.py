@@ -496,6 +496,11 @@ class Rerun:
     wrote_outside: list[str] = field(default_factory=list)
     more_outside: bool = False
     changed_linked: list[str] = field(default_factory=list)  # linked files that changed meanwhile
+    # What changed meanwhile of the user's files that no confinement refuses (a mode, an
+    # owner, times, extended attributes; the machine's /dev/shm), one line each, with what
+    # gpudiag put back; `touched_count` all of them.
+    touched: list[str] = field(default_factory=list)
+    touched_count: Count = 0
     # The kernel confined its writes to its own folder (Landlock): linked paths were read-only
     # to it, and `wrote_outside` lists what it tried, refused.
     confined: bool = False

@@ -222,10 +222,18 @@ def rerun_warning(rerun: Rerun) -> str | None:
     if rerun.changed_linked:
         parts.append("CHANGED your file(s), linked not copied: "
                      + _listed(rerun.changed_linked))
+    if rerun.touched:
+        parts.append("CHANGED your files while it ran: " + _touched(rerun))
     if rerun.wrote_outside:
         parts.append(_outside_verb(rerun) + " outside its scratch copy: "
                      + _listed(rerun.wrote_outside, more=rerun.more_outside))
     return f"{rerun.label}: {'; '.join(parts)}" if parts else None
+
+
+def _touched(rerun: Rerun) -> str:
+    """Each line names a file and may hold commas: they are kept apart by semicolons."""
+    rest = rerun.touched_count - len(rerun.touched)
+    return "; ".join(rerun.touched) + (f"; and {rest} more" if rest > 0 else "")
 
 
 def _outside_verb(rerun: Rerun) -> str:
@@ -266,6 +274,8 @@ def reruns_markdown(run: RunResult) -> list[str]:
         linked = _listed(rerun.linked, rerun.linked_count) or "-"
         outside = [f"**CHANGED (linked, not copied):** {_listed(rerun.changed_linked)}"
                    ] if rerun.changed_linked else []
+        if rerun.touched:
+            outside.append(f"**CHANGED while it ran:** {_touched(rerun)}")
         if rerun.wrote_outside:
             outside.append(_listed(rerun.wrote_outside, more=rerun.more_outside))
         rows.append([rerun.label, f"`{_shown(rerun.cwd, source)}`", f"{rerun.copied:,}",

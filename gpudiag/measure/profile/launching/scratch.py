@@ -20,7 +20,8 @@ allowing: those a re-run writes. A
 linked file or folder is read-only to the re-run where the kernel confines its writes
 (measure/childexec.py: Landlock); elsewhere the re-run runs only with the user's consent,
 and each linked file's size, time and inode are compared after it. gpudiag's run folders
-are left out.
+are left out. What no confinement refuses (a file's mode, owner, times, extended attributes;
+the machine's /dev/shm) is recorded for every file walked and compared after it (userfiles.py).
 
 After the run the copies it left unchanged are removed: the copy then holds what the re-run
 wrote.
@@ -39,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.measure.profile import protocol
+from gpudiag.measure.profile.launching import userfiles
+from gpudiag.measure.profile.launching.userfiles import FileState
 from gpudiag.model.results import Rerun
 from gpudiag.model.runfile import RUN_MARKER
 
@@ -88,6 +91,8 @@ class Scratch:
     linked: dict[Path, Key | None] = field(default_factory=dict)  # user's path -> file's key
     unmirrored: list[str] = field(default_factory=list)  # parents too large to mirror
     confined: bool = False
+    # The user's files walked and /dev/shm's, as they were: what no confinement refuses.
+    states: dict[Path, FileState] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         return {protocol.ENV_SCRATCH: str(self.root), "PWD": str(self.root)}
@@ -137,8 +142,9 @@ class Scratch:
     def finish(self, label: str, parts_dir: Path) -> Rerun:
         """The re-run's record: linked files that changed, what it wrote outside; the copies
         it left unchanged removed."""
-        changed = [shown(path) for path, key in self.linked.items()
+        changed = [path for path, key in self.linked.items()
                    if key is not None and _stat_key(path) != key]
+        touched = userfiles.touched(self.states, contents_said=changed)
         self._prune()
         outside, more = outside_writes(parts_dir)
         named = [shown(p.relative_to(self.source)) + ("/" if key is None else "")
@@ -146,8 +152,9 @@ class Scratch:
         return Rerun(label=label, source=shown(self.source), cwd=shown(self.root),
                      copied=len(self.copies), linked=named[:MAX_LISTED],
                      linked_count=len(named), wrote_outside=outside, more_outside=more,
-                     changed_linked=changed[:MAX_LISTED], confined=self.confined,
-                     unmirrored=self.unmirrored, mirrored=True)
+                     changed_linked=[shown(p) for p in changed[:MAX_LISTED]],
+                     touched=touched[:MAX_LISTED], touched_count=len(touched),
+                     confined=self.confined, unmirrored=self.unmirrored, mirrored=True)
 
     def _prune(self) -> None:
         for path, key in self.copies.items():
@@ -261,6 +268,10 @@ def make_scratch(source: Path, top: Path, leave_out: Path, *,
     except OSError as exc:
         raise ScratchError(f"cannot copy {source} for a re-run: {exc.strerror or exc}") from None
     try:
+        # Folders linked whole (a dataset, .git) by their own state only: not walked.
+        scratch.states = userfiles.record([*(source / rel for rel, _ in plan.files),
+                                           *(source / rel for rel in plan.whole),
+                                           *userfiles.shm_files()])
         _mirror(scratch, parents)
         _fill(scratch, plan, written_since)
     except BaseException as exc:
