@@ -404,6 +404,23 @@ def gd404(*, oom: bool = True, per_step: float = 0.0, cached: float = 100.0,
     return run
 
 
+def gd405(*, mallocs: float = 0.0, retries: int = 0, per_step: float = 0.0,
+          frees: float = 0.0) -> RunResult:
+    """A CUDA script of 60 steps whose allocator called cudaMalloc `mallocs` times a step past
+    its start-up (the window's steps 35-37 make their own), retried `retries` times; memory
+    grew `per_step` MiB a step; the script emptied the cache `frees` times a step."""
+    run = gd403(per_step=per_step)
+    script = run.stages[0].facts.script
+    assert script is not None and script.memory is not None
+    counts, made = [], 0.0
+    for i in range(60):
+        made += 40 if i < 3 else (25 if i in (35, 36, 37) else mallocs)
+        counts.append(int(made))
+    script.memory.device_allocs, script.memory.alloc_retries = counts, retries
+    run.stages[0].evidence = make_evidence(empty_cache_per_step=frees)
+    return run
+
+
 def gd201(*, share: float) -> RunResult:
     return make_run(make_stage("data-train", data_wait_ms=share * STEP_MS,
                                facts=StageFacts(loader=LoaderFacts(num_workers=1,
@@ -844,6 +861,10 @@ CASES: dict[str, Case] = {
                   {"device": "cuda", "step": 40, "requested_mib": 2048.0,
                    "allocated_mib": 78_000.0},
                   (P(gd404, oom=False),)),
+    "GD405": Case(P(gd405, mallocs=1.0), "train.py", "warning",
+                  {"mallocs_per_step": 1.0, "alloc_retries": 0},
+                  (P(gd405, mallocs=0.49), P(gd405, mallocs=2.0, per_step=10.0),
+                   P(gd405, mallocs=2.0, frees=1.0))),
     "GD501": Case(P(gd501, thermal=0.1), "train-fp16", "warning",
                   {"throttle_share": {"hw_slowdown": 0.1, "power_cap": 0.0}},
                   (P(gd501, thermal=0.099),)),
@@ -1009,6 +1030,20 @@ def test_rule_near_miss(code: str, index: int) -> None:
 
 
 # Rule-specific behaviour beyond the threshold pairs.
+
+
+def test_allocator_misses_name_retries_and_rare_mallocs_and_take_the_remedys_price() -> None:
+    """A retry is a warning whatever the count; a cudaMalloc every 10 steps is information;
+    once --try-fixes measured expandable segments, that saving is the price."""
+    (f,) = findings_of("GD405", gd405(retries=3))
+    assert f.severity == "warning" and "3 retries after freeing the whole cache" in f.title
+    (g,) = findings_of("GD405", gd405(mallocs=0.1))
+    assert g.severity == "info" and "0.10 cudaMalloc calls a step" in g.title
+    run = gd405(mallocs=1.0)
+    run.fixes = [MeasuredFix(remedy="expandable-segments", title="t", findings=["GD405"],
+                             speedup=1.25)]
+    (h,) = findings_of("GD405", run)
+    assert h.impact == pytest.approx(0.2) and "measured 20% faster" in h.title
 
 
 def test_out_of_memory_lists_the_knobs_that_would_fit_in_bytes() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
+    AllocatorConfRecord,
     AsyncSaveRecord,
     Bf16AutocastRecord,
     ChannelsLastRecord,
@@ -612,7 +614,32 @@ RECORDS: dict[type[RemedyRecord], tuple[RemedyRecord | None, RemedyRecord]] = {
     DebugOffRecord: (DebugOffRecord(),
                      DebugOffRecord([DebugOff("CUDA_LAUNCH_BLOCKING=1"),
                                      DebugOff("anomaly detection", "t.py:7")])),
+    AllocatorConfRecord: (None,  # acts on the environment whatever the script does
+                          AllocatorConfRecord(before="max_split_size_mb:128",
+                                              after="max_split_size_mb:128,"
+                                                    "expandable_segments:True")),
 }
+
+
+def test_expandable_segments_join_what_the_environment_had_before_cuda_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An environment change, no file: PYTORCH_CUDA_ALLOC_CONF keeps the script's other
+    settings and gets expandable_segments:True (replacing a False); once CUDA has started the
+    allocator has read it: too late, said so, nothing changed."""
+    from gpudiag.measure.profile.inscript.remedies import ALLOC_CONF, Applied
+
+    monkeypatch.setenv(ALLOC_CONF, "max_split_size_mb:128,expandable_segments:False")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    record = Applied(["expandable-segments"]).observe().expandable_segments
+    assert record is not None and record.unchanged() is None
+    assert record.after == "max_split_size_mb:128,expandable_segments:True"
+    assert os.environ[ALLOC_CONF] == record.after
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    late = Applied(["expandable-segments"]).observe().expandable_segments
+    assert late is not None and late.unchanged() == "CUDA had started before the setting " \
+        "could apply"
+    already = AllocatorConfRecord(before="expandable_segments:True")
+    assert already.unchanged() == "the script's environment had expandable segments already"
 
 
 def test_every_remedy_has_a_record_that_answers_for_itself() -> None:

@@ -55,3 +55,11 @@ def duration(ms: float) -> str:
     if ms < 120e3:
         return f"{ms / 1e3:,.1f} s"
     return f"{ms / 60e3:,.0f} min" if ms < 2 * 3600e3 else f"{ms / 3600e3:,.1f} h"
+
+
+def measured_saving(run: RunResult, remedy: str) -> float | None:
+    """The share of the mean step `remedy` saved, as --try-fixes measured it (None: not
+    measured, or it changed nothing)."""
+    fix = next((f for f in run.fixes if f.remedy == remedy and f.status == "measured"
+                and not f.changed_nothing and f.speedup), None)
+    return None if fix is None or fix.speedup is None else max(0.0, 1.0 - 1.0 / fix.speedup)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gpudiag.diagnose.common import on_gpu, pct
+from gpudiag.diagnose.common import measured_saving, on_gpu, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
 from gpudiag.model.facts import DebugKind, DebugSetting
@@ -61,13 +61,6 @@ def _on(stage: StageResult, kinds: tuple[DebugKind, ...]) -> list[DebugSetting]:
             and (d.timed_steps_on > 0 or (script.timed == 0 and d.steps_on > 0))]
 
 
-def _measured(run: RunResult, remedy: str) -> float | None:
-    """The share of the step turning the settings off saved, as --try-fixes measured it."""
-    fix = next((f for f in run.fixes if f.remedy == remedy and f.status == "measured"
-                and not f.changed_nothing and f.speedup), None)
-    return None if fix is None or fix.speedup is None else max(0.0, 1.0 - 1.0 / fix.speedup)
-
-
 def _drafts(run: RunResult, kinds: tuple[DebugKind, ...], remedy: str) -> Iterator[Draft]:
     for stage in run.ok_stages():
         settings = _on(stage, kinds)
@@ -75,7 +68,7 @@ def _drafts(run: RunResult, kinds: tuple[DebugKind, ...], remedy: str) -> Iterat
             continue
         gpu = on_gpu(run, stage)
         acting = [d for d in settings if gpu or d.kind not in CUDA_ONLY]
-        saving = _measured(run, remedy)
+        saving = measured_saving(run, remedy)
         severity: Severity = (
             "info" if not acting or (saving is not None and saving < MIN_MEASURED_SAVING)
             else "critical" if saving is not None and saving >= CRITICAL_MEASURED_SAVING

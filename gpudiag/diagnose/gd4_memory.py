@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gpudiag.diagnose.common import duration, pct
+from gpudiag.diagnose.common import duration, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
 from gpudiag.model.facts import MemoryTimeline, OutOfMemory
@@ -324,4 +324,79 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
                  if knobs else "No owner of the memory was measured before the failure: run "
                  "fewer steps or a smaller batch under gpudiag profile to see what the step "
                  "holds."),
+        )
+
+
+MALLOC_MIN, MALLOC_WARNING = 0.05, 0.5  # cudaMalloc calls a steady step: named, warned
+
+
+def _steady_mallocs(memory: MemoryTimeline, warmup: int,
+                    window: tuple[int | None, int | None]) -> tuple[float, int]:
+    """cudaMalloc calls per step past the warm-up and the optimizer's first steps, gpudiag's
+    window apart (its buffers); and the steps counted."""
+    counts = memory.device_allocs
+    first = max(warmup, GROWTH_SKIP)
+    start, end = window
+    skipped = set() if start is None else set(range(start, (end or start) + 2))
+    changes = [counts[i] - counts[i - 1] for i in range(first + 1, len(counts))
+               if i not in skipped]
+    return (sum(changes) / len(changes) if changes else 0.0), len(changes)
+
+
+@rule(
+    "GD405", "allocator-misses", concern="memory",
+    summary="The CUDA allocator asking the driver for memory in steady state, or retrying.",
+    why=("The caching allocator exists so that a step's allocations come from its cache: a "
+         "cudaMalloc in steady state (tensor sizes that keep changing, memory cut into pieces "
+         "no request fits) synchronises the device and costs milliseconds, and a retry means "
+         "it freed its whole cache to find room: the edge of out-of-memory."),
+    fix=("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow instead of new "
+         "blocks per size); keep tensor sizes steady (pad variable lengths to a few buckets)."),
+    prices=NoPart("what --try-fixes measured with expandable segments; the allocator's calls "
+                  "are no part of the step's accounts"),
+    thresholds=(Threshold("min_mallocs_per_step", MALLOC_MIN,
+                          "a cudaMalloc every 20 steady steps is named"),
+                Threshold("warning_mallocs_per_step", MALLOC_WARNING,
+                          "one every other step is a warning (so is any retry)"),
+                *GROWTH_THRESHOLDS),
+    references=("https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-"
+                "pytorch-cuda-alloc-conf",),
+)
+def allocator_misses(run: RunResult) -> Iterator[Draft]:
+    """A profiled CUDA script whose allocator called cudaMalloc past its warm-up at least once
+    every 20 steps (a warning from one every other step), or retried after freeing its cache
+    (a warning); not where memory grows (GD403: growth needs new memory) or the script empties
+    the cache every step (GD402 names it)."""
+    for stage in run.ok_stages():
+        script = stage.facts.script
+        memory = script.memory if script else None
+        if script is None or memory is None or memory.device != "cuda":
+            continue
+        timeline = script.timeline
+        window = (timeline.window_start, timeline.window_end) if timeline else (None, None)
+        if growth(memory, script.warmup, window) is not None or (
+                stage.evidence is not None and stage.evidence.empty_cache_per_step >= MIN_FREES):
+            continue
+        mallocs, counted = _steady_mallocs(memory, script.warmup, window)
+        retries = memory.alloc_retries or 0
+        if (mallocs < MALLOC_MIN or counted < GROWTH_MIN_STEPS) and not retries:
+            continue
+        saved = measured_saving(run, "expandable-segments")
+        price = (f"turning expandable segments on measured {pct(saved)} faster" if saved
+                 is not None else "not priced: `gpudiag profile --try-fixes` measures "
+                 "expandable segments")
+        said = [f"{mallocs:.2f} cudaMalloc calls a step past warm-up"] if mallocs >= MALLOC_MIN \
+            else []
+        said += [f"{retries} retries after freeing the whole cache"] if retries else []
+        yield Draft(
+            severity="warning" if retries or mallocs >= MALLOC_WARNING else "info",
+            stage=stage.name, impact=saved or 0.0,
+            title=f"The CUDA allocator misses its cache: {' and '.join(said)}; {price}",
+            evidence={"mallocs_per_step": round(mallocs, 3), "steps_counted": counted,
+                      "alloc_retries": retries, "measured_saving": saved,
+                      "reserved_mib": max(memory.reserved_mib, default=None),
+                      "peak_mib": max(memory.peak_mib, default=None)},
+            fix=("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the job's "
+                 "environment; where tensor sizes vary step to step (sequence lengths), pad "
+                 "them to a few fixed sizes."),
         )

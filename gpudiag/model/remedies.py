@@ -127,6 +127,16 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "after building the model: `model = model.to(memory_format=torch.channels_last)`; "
            "where its input is made: `x = x.to(memory_format=torch.channels_last)`",
            cuda_only=True),
+    # The caching allocator maps more memory into a segment as it needs it instead of asking
+    # cudaMalloc for a new block of a fitting size: no fragmentation between sizes, fewer
+    # cudaMalloc calls and retries (pytorch.org/docs/stable/notes/cuda.html,
+    # "expandable_segments"). An environment change: the script's files are untouched.
+    Remedy("expandable-segments", "the CUDA allocator's expandable segments", ("GD405",),
+           "exact",
+           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (added to what the script's "
+           "environment had) before CUDA starts",
+           "in the job's environment: `export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` "
+           "(or add it to what PYTORCH_CUDA_ALLOC_CONF holds)", cuda_only=True),
     Remedy("ddp-no-sync", "DDP all-reduces once per optimizer step, not per micro-step",
            ("GD802",), "exact",
            "every DistributedDataParallel forward run as under model.no_sync(), and the "
@@ -441,6 +451,24 @@ class DebugOffRecord(RemedyRecord):
 
 
 @dataclass
+class AllocatorConfRecord(RemedyRecord):
+    before: str | None = None  # PYTORCH_CUDA_ALLOC_CONF as the script's environment had it
+    after: str | None = None  # as the run had it
+    late: bool = False  # CUDA had started already: the setting came too late to apply
+
+    def unchanged(self) -> str | None:
+        if self.late:
+            return "CUDA had started before the setting could apply"
+        if self.before is not None and "expandable_segments:True" in self.before:
+            return "the script's environment had expandable segments already"
+        return None
+
+    @property
+    def site(self) -> str | None:
+        return None  # the environment, no line of the script
+
+
+@dataclass
 class RemedyEvidence:
     """What the remedies applied in one process saw, one record per remedy (None: not
     applied). A field is its remedy's name with underscores (run.json's keys of schema 3 and
@@ -460,6 +488,7 @@ class RemedyEvidence:
     no_debug: DebugOffRecord | None = None
     nondeterministic: DebugOffRecord | None = None
     channels_last: ChannelsLastRecord | None = None
+    expandable_segments: AllocatorConfRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

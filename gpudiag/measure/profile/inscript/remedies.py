@@ -41,6 +41,7 @@ from gpudiag.measure.profile.inscript.watches.debug import LAUNCH_BLOCKING, laun
 from gpudiag.measure.profile.inscript.watches.fsdp import when_fsdp_imported
 from gpudiag.model.remedies import (
     REMEDIES,
+    AllocatorConfRecord,
     AsyncSaveRecord,
     Bf16AutocastRecord,
     ChannelsLastRecord,
@@ -656,6 +657,27 @@ def _nondeterministic(seen: RemedyEvidence) -> Callable[[], None]:
     return lambda: None
 
 
+# --- the CUDA allocator's expandable segments -----------------------------------------------
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+
+
+def _expandable_segments(seen: RemedyEvidence) -> Callable[[], None]:
+    """PYTORCH_CUDA_ALLOC_CONF given expandable_segments:True before CUDA's allocator reads
+    it (its first allocation): appended to what the environment had, replacing an
+    expandable_segments:False there."""
+    before = os.environ.get(ALLOC_CONF)
+    record = seen.expandable_segments = AllocatorConfRecord(before=before)
+    if torch.cuda.is_initialized():
+        record.late = True
+        return lambda: None
+    kept = [o for o in (before or "").split(",") if o and not o.startswith("expandable_segments")]
+    os.environ[ALLOC_CONF] = ",".join([*kept, EXPANDABLE])
+    record.after = os.environ[ALLOC_CONF]
+    return lambda: None
+
+
 APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "tf32": _tf32, "bf16-autocast": _bf16_autocast, "loader": _loader,
     "persistent-workers": _persistent_workers, "pinned": _pinned,
@@ -663,7 +685,7 @@ APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "async-save": _async_save, "fsdp-keep-gathered": _fsdp_keep_gathered,
     "ddp-no-sync": _ddp_no_sync, "compile-model": _compile_model,
     "no-debug": _no_debug, "nondeterministic": _nondeterministic,
-    "channels-last": _channels_last,
+    "channels-last": _channels_last, "expandable-segments": _expandable_segments,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
