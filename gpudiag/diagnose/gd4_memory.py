@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gpudiag.diagnose.common import pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
-from gpudiag.model.facts import MemoryTimeline
+from gpudiag.model.facts import KeptTensors, MemoryTimeline
 from gpudiag.model.results import RunResult, StageResult
 
 RESERVED_WARNING, FRAGMENTATION = 0.90, 0.20
@@ -170,7 +170,8 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
 
 @rule(
     "GD403", "memory-growth", concern="memory",
-    summary="Memory that grows step after step: tensors kept from every step.",
+    summary=("Memory that grows step after step: tensors kept from every step, named where "
+             "the script keeps them."),
     why=("A training step's memory is the same every step once the optimizer has made its "
          "state: what grows is kept by the script, most often a list of each step's outputs or "
          "losses (with their autograd graphs, when not detached). It ends in an out-of-memory "
@@ -194,7 +195,9 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
 def memory_growth(run: RunResult) -> Iterator[Draft]:
     """What tensors hold on the device (a CPU run: the process's resident set) grows step
     after step past the warm-up: a warning, critical where the device runs out before the
-    steps the run plans."""
+    steps the run plans. Where the script's namespaces showed what grew (ScriptFacts.kept: a
+    list gaining a tensor a step, a total keeping its graph), the finding names it, at the
+    line that adds to it, with a fix for that line."""
     for stage in run.ok_stages():
         script = stage.facts.script
         if script is None or script.memory is None:
@@ -210,17 +213,72 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
             len(script.memory.resident_mib) + left < planned
         held = "on the GPU" if found.series == "allocated" else \
             "in the process (its resident set; torch keeps no CPU count)"
+        grows = (f"memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
+                 f"+{found.mib:,.0f} MiB over {found.steps} steps, "
+                 f"{found.now_mib:,.0f} MiB now; {_runs_out(found, stage, planned)}")
+        kept = _keeping(script.kept)
+        evidence = {"series": found.series, "mib_per_step": round(found.mib_per_step, 2),
+                    "grown_mib": round(found.mib, 1), "steps_counted": found.steps,
+                    "from_step": found.first, "now_mib": round(found.now_mib, 1),
+                    "limit_mib": found.limit_mib,
+                    "steps_left": None if left is None else round(left)}
+        if kept is not None:
+            evidence["kept"] = {"name": kept.name, "kind": kept.kind, "at": kept.location,
+                                "added_per_step": kept.added_per_step,
+                                "mib_per_step": round(kept.bytes_per_step / 2**20, 2),
+                                "graph_kept": kept.graph_kept}
         yield Draft(
             severity="critical" if dies else "warning", stage=stage.name,
-            title=(f"Memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
-                   f"+{found.mib:,.0f} MiB over {found.steps} steps, "
-                   f"{found.now_mib:,.0f} MiB now; {_runs_out(found, stage, planned)}"),
-            impact=0.0,
-            evidence={"series": found.series, "mib_per_step": round(found.mib_per_step, 2),
-                      "grown_mib": round(found.mib, 1), "steps_counted": found.steps,
-                      "from_step": found.first, "now_mib": round(found.now_mib, 1),
-                      "limit_mib": found.limit_mib,
-                      "steps_left": None if left is None else round(left)},
-            fix=("Find what keeps each step's tensors (a list appended every step, a running "
+            title=(f"{_what_keeps(kept)}: {grows}" if kept is not None
+                   else grows[0].upper() + grows[1:]),
+            impact=0.0, evidence=evidence, location=kept.location if kept else None,
+            fix=(_kept_fix(kept, on_gpu=found.series == "allocated") if kept is not None else
+                 "Find what keeps each step's tensors (a list appended every step, a running "
                  "total that keeps its graph) and keep numbers or detached slices instead."),
         )
+
+
+def _keeping(kept: list[KeptTensors]) -> KeptTensors | None:
+    """What keeps the most from every step: the container adding the most bytes a step,
+    else a tensor whose autograd graph grows (its saved tensors are not counted)."""
+    if not kept:
+        return None
+    return max(kept, key=lambda k: (k.bytes_per_step, k.kind == "tensor with its graph",
+                                    k.added_per_step))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.0f} KiB"
+
+
+def _what_keeps(kept: KeptTensors) -> str:
+    """"`history` (a list at train.py:58) gains 1 tensor (131.0 MiB, with its autograd graph)
+    a step"."""
+    at = f" at {kept.location}" if kept.location else ""
+    if kept.kind == "tensor with its graph":
+        return (f"`{kept.name}` (a tensor{at}) keeps its autograd graph, "
+                f"{kept.added_per_step:,.0f} more nodes a step (each step's saved tensors)")
+    container = kept.kind.split(" ")[0]
+    count = f"{kept.added_per_step:,.2g}"
+    noun = "tensor" if kept.added_per_step == 1 else "tensors"
+    graph = ", with its autograd graph" if kept.graph_kept else ""
+    return (f"`{kept.name}` (a {container}{at}) gains {count} {noun} "
+            f"({_size(kept.bytes_per_step)}{graph}) a step")
+
+
+def _kept_fix(kept: KeptTensors, *, on_gpu: bool) -> str:
+    """The change at the line that keeps them."""
+    at = f" at {kept.location}" if kept.location else ""
+    if kept.kind == "tensor with its graph":
+        return (f"Accumulate a number, not the graph{at}: `{kept.name} += loss.item()` (or "
+                "`loss.detach()`, read with .item() when logged); each step's graph, with the "
+                "activations it saved, is freed after its backward then.")
+    steps = []
+    if kept.graph_kept:
+        steps.append("add `.detach()` to what is kept (its autograd graph holds the step's "
+                     "activations too)")
+    steps.append("keep only what the end-of-run metric needs: `.item()` for a number, a running "
+                 "sum, or a slice copied out (`x[:, -1].clone()`: a view keeps its whole tensor)")
+    if on_gpu:
+        steps.append("or `.cpu()` to hold it in host memory")
+    return f"At the line that adds to `{kept.name}`{at}: " + "; ".join(steps) + "."
