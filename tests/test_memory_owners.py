@@ -7,12 +7,13 @@ by GD403 at its append line, beside its twin that keeps a number."""
 from __future__ import annotations
 
 import collections
+import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import profile_script, script_line, write_script
+from conftest import profile_command, script_line, write_script
 
 from gpudiag.measure.profile.inscript.heldtensors import (
     adding_line,
@@ -152,6 +153,7 @@ LEAK = """
     import torch
     from torch import nn
 
+    torch.set_num_threads(1)  # two of these at once on a 2-core machine
     model = nn.Linear(32, 1024)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = torch.utils.data.DataLoader(torch.randn(1024 * 40, 32), batch_size=1024)
@@ -168,20 +170,24 @@ LEAK = """
 @pytest.mark.slow
 def test_a_script_keeping_each_steps_output_is_named_at_its_append(tmp_path: Path) -> None:
     """4 MiB kept a step for 40 steps (a CPU's resident set grows): GD403 at the append line,
-    naming the list and its bytes a step within 25%; its twin keeping a number gets none."""
-    options = ("--warmup", "3", "--timed", "6", "--evidence-steps", "1", "--telemetry", "off")
-    script = write_script(tmp_path / "leak" / "train.py", LEAK.format(kept="out.detach()"))
-    run = profile_script(tmp_path / "leak", script, *options).ok()
+    naming the list and its bytes a step within 25%, with the step's owners; its twin keeping
+    a number gets none. Both in one job (a stage per process), at once: one profile's cost."""
+    leak = write_script(tmp_path / "leak.py", LEAK.format(kept="out.detach()"))
+    write_script(tmp_path / "twin.py", LEAK.format(kept="out.sum().item()"))
+    run = profile_command(
+        tmp_path, ["sh", "-c", f"{sys.executable} leak.py & {sys.executable} twin.py; wait"],
+        "--warmup", "3", "--timed", "6", "--evidence-steps", "1", "--telemetry", "off").ok()
+    stages = {stage.name: stage for stage in run.stages}
     (finding,) = [f for f in run.findings if f.id == "GD403"]
-    append = script_line(script, "history.append(out.detach())")
-    assert finding.location == append and "`history` (a list at" in finding.title
+    append = script_line(leak, "history.append(out.detach())")
+    assert finding.stage == "leak.py" and finding.location == append
+    assert f"`history` (a list at {append}) gains 1 tensor" in finding.title
     assert finding.evidence["kept"]["mib_per_step"] == pytest.approx(4.0, rel=0.25)
-    script_facts = run.stages[0].facts.script
-    assert script_facts is not None and script_facts.owners is not None
-    owners = script_facts.owners
+    script = stages["leak.py"].facts.script
+    assert script is not None and script.owners is not None
+    owners = script.owners
     assert owners.parameters == (32 * 1024 + 1024) * 4 == owners.gradients
     assert owners.inputs == 1024 * 32 * 4 and owners.activations
-    twin = write_script(tmp_path / "twin" / "train.py", LEAK.format(kept="out.sum().item()"))
-    run = profile_script(tmp_path / "twin", twin, *options).ok()
-    assert "GD403" not in {f.id for f in run.findings}
-    assert run.stages[0].facts.script is not None and not run.stages[0].facts.script.kept
+    assert owners.kept == script.kept[0].bytes and owners.temporaries is None
+    twin = stages["twin.py"].facts.script
+    assert twin is not None and not twin.kept and twin.owners is not None

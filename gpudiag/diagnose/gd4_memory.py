@@ -115,6 +115,9 @@ class Growth:
     first: int  # the first step counted
     now_mib: float  # at the last step listed
     limit_mib: float | None  # what it runs into: the device, or the host's memory
+    # The rate is a kept container's (KeptTensors: its bytes a step), not the counters': a
+    # CPU's resident set, blurred by the allocator's reuse and trimming, may hide it.
+    from_kept: bool = False
 
     @property
     def mib_per_step(self) -> float:
@@ -153,6 +156,25 @@ def growth(memory: MemoryTimeline, warmup: int,
                   limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
 
 
+def kept_growth(kept: KeptTensors | None, memory: MemoryTimeline,
+                warmup: int) -> Growth | None:
+    """Growth the script's own namespaces show (a container gaining tensors' bytes every step,
+    between two looks) over the steps the counters would count, where those counters do not
+    show it step by step: held to the same GROWTH_MIN_MIB over GROWTH_MIN_STEPS steps."""
+    if kept is None or kept.bytes_per_step <= 0:
+        return None
+    cuda = memory.device == "cuda" and kept.device == "cuda"  # else the process holds them
+    series = memory.allocated_mib if cuda else memory.resident_mib
+    first = max(warmup, GROWTH_SKIP)
+    steps = len(series) - 1 - first
+    mib = kept.bytes_per_step / 2**20 * steps
+    if steps < GROWTH_MIN_STEPS or mib < GROWTH_MIN_MIB:
+        return None
+    return Growth(series="allocated" if cuda else "resident", mib=mib, steps=steps,
+                  first=first, now_mib=series[-1], from_kept=True,
+                  limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
+
+
 def _step_s(stage: StageResult) -> float | None:
     return stage.ms_per_iter / 1e3 if stage.ms_per_iter else None
 
@@ -181,7 +203,8 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
          "slice), on the CPU if it must be kept whole."),
     prices=NoPart("a risk of running out of memory, not time"),
     thresholds=(Threshold("min_growth_mib", GROWTH_MIN_MIB,
-                          "grown at least 64 MiB over the steps counted"),
+                          "grown at least 64 MiB over the steps counted (or a kept "
+                          "container's bytes a step, over them)"),
                 Threshold("min_steps", GROWTH_MIN_STEPS,
                           "at least 10 step-to-step changes counted"),
                 Threshold("half_share", GROWTH_HALF,
@@ -204,24 +227,22 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
             continue
         timeline = script.timeline
         window = (timeline.window_start, timeline.window_end) if timeline else (None, None)
-        found = growth(script.memory, script.warmup, window)
+        kept = _keeping(script.kept)
+        found = growth(script.memory, script.warmup, window) or \
+            kept_growth(kept, script.memory, script.warmup)
         if found is None:
             continue
         planned = timeline.planned_steps if timeline else None
         left = found.steps_left
         dies = left is not None and planned is not None and \
             len(script.memory.resident_mib) + left < planned
-        held = "on the GPU" if found.series == "allocated" else \
-            "in the process (its resident set; torch keeps no CPU count)"
-        grows = (f"memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
-                 f"+{found.mib:,.0f} MiB over {found.steps} steps, "
-                 f"{found.now_mib:,.0f} MiB now; {_runs_out(found, stage, planned)}")
-        kept = _keeping(script.kept)
+        grows = _grows(found, _runs_out(found, stage, planned))
         evidence = {"series": found.series, "mib_per_step": round(found.mib_per_step, 2),
                     "grown_mib": round(found.mib, 1), "steps_counted": found.steps,
                     "from_step": found.first, "now_mib": round(found.now_mib, 1),
                     "limit_mib": found.limit_mib,
-                    "steps_left": None if left is None else round(left)}
+                    "steps_left": None if left is None else round(left),
+                    "rate_from": "a kept container" if found.from_kept else "memory counters"}
         if kept is not None:
             evidence["kept"] = {"name": kept.name, "kind": kept.kind, "at": kept.location,
                                 "added_per_step": kept.added_per_step,
@@ -232,10 +253,24 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
             title=(f"{_what_keeps(kept)}: {grows}" if kept is not None
                    else grows[0].upper() + grows[1:]),
             impact=0.0, evidence=evidence, location=kept.location if kept else None,
-            fix=(_kept_fix(kept, on_gpu=found.series == "allocated") if kept is not None else
+            fix=(_kept_fix(kept) if kept is not None else
                  "Find what keeps each step's tensors (a list appended every step, a running "
                  "total that keeps its graph) and keep numbers or detached slices instead."),
         )
+
+
+def _grows(found: Growth, runs_out: str) -> str:
+    """The growth, measured by the counters (or, where they blur it, by a kept container's
+    bytes a step), and when the memory runs out."""
+    where = "on the GPU" if found.series == "allocated" else "in the process"
+    if found.from_kept:
+        return (f"~{found.mib:,.0f} MiB over {found.steps} steps, {found.now_mib:,.0f} MiB "
+                f"{where} now; {runs_out}")
+    held = where if found.series == "allocated" else \
+        f"{where} (its resident set; torch keeps no CPU count)"
+    return (f"memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
+            f"+{found.mib:,.0f} MiB over {found.steps} steps, "
+            f"{found.now_mib:,.0f} MiB now; {runs_out}")
 
 
 def _keeping(kept: list[KeptTensors]) -> KeptTensors | None:
@@ -266,7 +301,7 @@ def _what_keeps(kept: KeptTensors) -> str:
             f"({_size(kept.bytes_per_step)}{graph}) a step")
 
 
-def _kept_fix(kept: KeptTensors, *, on_gpu: bool) -> str:
+def _kept_fix(kept: KeptTensors) -> str:
     """The change at the line that keeps them."""
     at = f" at {kept.location}" if kept.location else ""
     if kept.kind == "tensor with its graph":
@@ -279,6 +314,7 @@ def _kept_fix(kept: KeptTensors, *, on_gpu: bool) -> str:
                      "activations too)")
     steps.append("keep only what the end-of-run metric needs: `.item()` for a number, a running "
                  "sum, or a slice copied out (`x[:, -1].clone()`: a view keeps its whole tensor)")
-    if on_gpu:
+    if kept.device == "cuda":
         steps.append("or `.cpu()` to hold it in host memory")
-    return f"At the line that adds to `{kept.name}`{at}: " + "; ".join(steps) + "."
+    where = f" ({kept.location})" if kept.location else ""
+    return f"At the line that adds to `{kept.name}`{where}: " + "; ".join(steps) + "."

@@ -503,6 +503,7 @@ class KeptTensors:
     bytes_per_step: float  # of those, added a step (0 for a graph: its saved tensors uncounted)
     graph_kept: bool  # its tensors keep autograd graphs (grad_fn, or requires_grad)
     found_by: Literal["append", "name", "loop"] = "append"  # how `location` was found
+    device: str = "cpu"  # where its tensors are (the largest's device type: "cuda", "cpu")
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Held:
     tensors: int  # a container's tensors; a tensor's autograd nodes
     bytes: int  # its tensors' storages, each once
     graph_kept: bool
+    device: str  # its largest tensor's device type
 
 
 def storage_key(tensor: torch.Tensor) -> StorageKey | None:
@@ -105,7 +106,8 @@ def held_by(value: Any) -> Held | None:
     if isinstance(value, torch.Tensor):
         if value.grad_fn is None:
             return None
-        return Held("tensor with its graph", graph_nodes(value), storage_bytes(value), True)
+        return Held("tensor with its graph", graph_nodes(value), storage_bytes(value), True,
+                    value.device.type)
     kind = _KINDS.get(type(value))
     if kind is None or isinstance(value, str):
         return None
@@ -113,7 +115,8 @@ def held_by(value: Any) -> Held | None:
     if not tensors:
         return None
     graph = any(t.grad_fn is not None or t.requires_grad for t in tensors)
-    return Held(kind, len(tensors), bytes_once(tensors), graph)
+    largest = max(tensors, key=lambda t: t.numel() * t.element_size())
+    return Held(kind, len(tensors), bytes_once(tensors), graph, largest.device.type)
 
 
 def _scanned(value: Any) -> bool:
@@ -174,7 +177,8 @@ def kept_between(before: Mapping[str, Held], after: Mapping[str, Held], steps: t
             tensors=last.tensors, added_per_step=round((last.tensors - first.tensors) / apart, 3),
             bytes=last.bytes,
             bytes_per_step=0.0 if graph else round(max(0, last.bytes - first.bytes) / apart, 1),
-            graph_kept=last.graph_kept, found_by=found_by if location else "loop"))
+            graph_kept=last.graph_kept, found_by=found_by if location else "loop",
+            device=last.device))
     return kept
 
 
