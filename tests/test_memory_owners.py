@@ -21,8 +21,18 @@ from gpudiag.measure.profile.inscript.heldtensors import (
     look,
     loop_namespaces,
 )
-from gpudiag.measure.profile.inscript.watches.owners import SavedCounter, settled
-from gpudiag.model.facts import KeptTensors, LoaderFacts, LoaderUse, MemoryOwners
+from gpudiag.measure.profile.inscript.schedule import Schedule
+from gpudiag.measure.profile.inscript.watches import StageDraft
+from gpudiag.measure.profile.inscript.watches.owners import OwnersWatch, SavedCounter, settled
+from gpudiag.model.facts import (
+    KeptTensors,
+    LoaderFacts,
+    LoaderUse,
+    MemoryOwners,
+    ScriptFacts,
+    StageFacts,
+    StepTimeline,
+)
 
 MIB = 2**20
 
@@ -115,13 +125,19 @@ def _owners(peak: int | None) -> MemoryOwners:
 
 
 def test_the_temporaries_are_the_peak_less_every_owner() -> None:
+    """The device's peak less the parameters, gradients, optimizer state, saved activations,
+    the training batch and what the script keeps on the device (a list on the host holds
+    none of it); a CPU has no peak, so no temporaries."""
     training = LoaderUse(site=None, settings=LoaderFacts(num_workers=0, pin_memory=False),
                          training=True, batch_bytes=10 * MIB)
     evaluation = LoaderUse(site=None, settings=LoaderFacts(num_workers=0, pin_memory=False),
                            batch_bytes=99 * MIB)
     kept = [KeptTensors(name="history", kind="list of tensors", location="train.py:9",
                         steps=(4, 40), tensors=36, added_per_step=1.0, bytes=40 * MIB,
-                        bytes_per_step=MIB, graph_kept=False),
+                        bytes_per_step=MIB, graph_kept=False, device="cuda"),
+            KeptTensors(name="on_host", kind="list of tensors", location="train.py:10",
+                        steps=(4, 40), tensors=36, added_per_step=1.0, bytes=80 * MIB,
+                        bytes_per_step=2 * MIB, graph_kept=False, device="cpu"),
             KeptTensors(name="total", kind="tensor with its graph", location=None,
                         steps=(4, 40), tensors=900, added_per_step=25.0, bytes=4,
                         bytes_per_step=0.0, graph_kept=True)]
@@ -147,6 +163,52 @@ def test_saved_tensors_are_counted_once_each_without_the_parameters() -> None:
     (site,) = counter.largest()
     assert site.location == f"tests/test_memory_owners.py:{_line('second(torch.relu(')}"
     assert counter.seconds > 0
+
+
+class _Clock:
+    def __init__(self, schedule: Schedule) -> None:
+        self.steps, self.host_marks, self.schedule = 0, [0.0], schedule
+        self.loop_code = None
+
+
+def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth() -> None:
+    """The owners watch over a loop run here (its step boundaries where optimizer.step()
+    would give them): the window's first step's saved tensors and its parameters, gradients
+    and Adam's two moments; the list gaining a step's output between the looks at steps 2
+    and 9."""
+    clock = _Clock(Schedule(warmup=3, timed=4, evidence_steps=1))
+    watch = OwnersWatch(clock)
+    model = torch.nn.Linear(16, 256)
+    opt = torch.optim.Adam(model.parameters())
+    outputs: list[torch.Tensor] = []
+    for _ in range(12):
+        x = torch.randn(32, 16)
+        out = model(x)
+        out.square().mean().backward()
+        opt.step()
+        watch._stepped(opt)
+        clock.steps += 1
+        watch.step_ended()
+        opt.zero_grad()
+        outputs.append(out.detach())
+    timeline = StepTimeline(step_ms=[1.0] * 12)
+    script = ScriptFacts(steps=12, warmup=3, timed=4, step_clock="optimizer.step()")
+    watch.fill(StageDraft(facts=StageFacts(script=script), script=script, timeline=timeline,
+                          timed=range(3, 7)))
+    owners = script.owners
+    assert owners is not None and owners.step == 7 and owners.device == "cpu"
+    weights = (16 * 256 + 256) * 4
+    assert (owners.parameters, owners.gradients) == (weights, weights)
+    assert owners.optimizer_state == 2 * weights + 2 * 4  # exp_avg, exp_avg_sq, 2 step counts
+    assert owners.activations == (32 * 16 + 32 * 256) * 4 and owners.temporaries is None
+    squared, linear = owners.activation_sites  # square() saved `out`, the layer its input
+    assert squared.location.endswith(f":{_line('out.square().mean().backward()')}")
+    assert linear.location.endswith(f":{_line('out = model(x)')}") and linear.bytes == 32 * 16 * 4
+    (kept,) = script.kept
+    assert (kept.name, kept.steps, kept.added_per_step) == ("outputs", (2, 9), 1.0)
+    assert kept.bytes_per_step == 32 * 256 * 4 and kept.found_by == "append"
+    assert kept.location == f"tests/test_memory_owners.py:{_line('outputs.append(')}"
+    assert owners.kept == kept.bytes
 
 
 LEAK = """

@@ -24,7 +24,7 @@ import torch
 from gpudiag.measure.evidence.source import display_path
 from gpudiag.model.facts import KeptKind, KeptTensors
 
-MAX_ITEMS = 200_000  # items of one container looked at (a list of a million floats: skipped)
+MAX_ITEMS = 20_000  # items of one container looked at (a data set held as a list: its first)
 MAX_NODES = 200_000  # autograd nodes of one tensor's graph counted
 _KINDS: dict[type, KeptKind] = {list: "list of tensors", dict: "dict of tensors",
                                 collections.deque: "deque of tensors",

@@ -49,6 +49,7 @@ SITES_KEPT = 5  # lines that saved the most for backward, kept
 # saved so far, SITE_LOOKUPS times a step at most: the largest are named, the cost bounded.
 SITE_SHARE, SITE_LOOKUPS = 8, 64
 FIRST_LOOK_AFTER = 2  # the optimizer makes its state at its first step: look after it
+LOOKS_APART = 5  # steps between the two looks at least: a rate a step, not one step's noise
 CPU_NOTE = ("on a CPU torch's allocator keeps no peak: the temporaries (the peak less the "
             "owners) are unknown")
 COMPILED_NOTE = ("torch.compile'd code: its saved tensors are not counted (hooking them would "
@@ -118,6 +119,7 @@ class OwnersWatch(Watch):
         self.owners: MemoryOwners | None = None
         self.first_look: tuple[int, dict[str, Held]] | None = None
         self.kept: list[KeptTensors] = []
+        self.failed: str | None = None  # what stopped it, named in the part at the end
 
     def install(self) -> None:
         register_optimizer_step_post_hook(self._stepped)
@@ -126,7 +128,16 @@ class OwnersWatch(Watch):
         self.optimizers.add(optimizer)
 
     def step_ended(self) -> None:
-        done, schedule = self.clock.steps, self.clock.schedule
+        if self.failed is not None:
+            return
+        try:
+            self._at_boundary(self.clock.steps)
+        except Exception as exc:  # never an error in the script's step: named at the end
+            self._close_hooks()
+            self.failed = f"{type(exc).__name__}: {exc}"
+
+    def _at_boundary(self, done: int) -> None:
+        schedule = self.clock.schedule
         counted = schedule.warmup + schedule.timed  # the window's first step (or the first after)
         if done == counted:
             self._start_counting()
@@ -138,8 +149,8 @@ class OwnersWatch(Watch):
             frame = self._loop_frame()
             if frame is not None:
                 self.first_look = (done, look(loop_namespaces(frame)))
-        elif self.first_look is not None and not self.kept and done >= schedule.end + 1 \
-                and done > self.first_look[0]:
+        elif self.first_look is not None and \
+                done >= max(schedule.end + 1, self.first_look[0] + LOOKS_APART):
             self._second_look(done)
 
     def _second_look(self, done: int) -> None:
@@ -224,6 +235,8 @@ class OwnersWatch(Watch):
 
     def finish(self) -> None:
         self._close_hooks()
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
 
     def fill(self, draft: StageDraft) -> None:
         draft.script.kept = list(self.kept)
@@ -233,11 +246,13 @@ class OwnersWatch(Watch):
 
 def settled(owners: MemoryOwners, loaders: list[LoaderUse],
             kept: list[KeptTensors]) -> MemoryOwners:
-    """The owners made whole: the training loader's batch, the growing tensors' bytes, and
-    (where the allocator has a peak) the temporaries, the peak less all of them."""
+    """The owners made whole: the training loader's batch, the bytes of the growing
+    containers on the owners' device, and (where the allocator has a peak) the temporaries,
+    the peak less all of them."""
     feeding = [use.batch_bytes for use in loaders if use.training and use.batch_bytes]
     inputs = feeding[0] if feeding else None
-    held = sum(k.bytes for k in kept if k.kind != "tensor with its graph") if kept else None
+    held = sum(k.bytes for k in kept if k.kind != "tensor with its graph"
+               and k.device == owners.device) if kept else None
     known = (owners.parameters + owners.gradients + owners.optimizer_state
              + (owners.activations or 0) + (inputs or 0) + (held or 0))
     rest = None if owners.peak is None else max(0, owners.peak - known)
