@@ -292,7 +292,8 @@ def _what_keeps(kept: KeptTensors) -> str:
     at = f" at {kept.location}" if kept.location else ""
     if kept.kind == "tensor with its graph":
         return (f"`{kept.name}` (a tensor{at}) keeps its autograd graph, "
-                f"{kept.added_per_step:,.0f} more nodes a step (each step's saved tensors)")
+                f"{kept.added_per_step:,.0f} more nodes a step (each step's graph, with what "
+                "backward() has not freed)")
     container = kept.kind.split(" ")[0]
     count = f"{kept.added_per_step:,.2g}"
     noun = "tensor" if kept.added_per_step == 1 else "tensors"
@@ -306,8 +307,8 @@ def _kept_fix(kept: KeptTensors) -> str:
     at = f" at {kept.location}" if kept.location else ""
     if kept.kind == "tensor with its graph":
         return (f"Accumulate a number, not the graph{at}: `{kept.name} += loss.item()` (or "
-                "`loss.detach()`, read with .item() when logged); each step's graph, with the "
-                "activations it saved, is freed after its backward then.")
+                "`loss.detach()`, read with .item() when logged); each step's graph is freed "
+                "with the step then.")
     steps = []
     if kept.graph_kept:
         steps.append("add `.detach()` to what is kept (its autograd graph holds the step's "

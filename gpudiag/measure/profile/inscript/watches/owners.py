@@ -120,6 +120,7 @@ class OwnersWatch(Watch):
         self.first_look: tuple[int, dict[str, Held]] | None = None
         self.kept: list[KeptTensors] = []
         self.failed: str | None = None  # what stopped it, named in the part at the end
+        self.uncounted = ""  # why the saved tensors were not counted
 
     def install(self) -> None:
         register_optimizer_step_post_hook(self._stepped)
@@ -180,12 +181,18 @@ class OwnersWatch(Watch):
 
     def _start_counting(self) -> None:
         if compiled():  # Dynamo guards on the saved-tensor hooks: it would recompile
+            self.uncounted = COMPILED_NOTE
             return
         skip: set[StorageKey] = set()
         bytes_once(self._parameters(), skip)
-        self.counter = SavedCounter(skip)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.counter.pack, _unpack)
-        self.hooks.__enter__()
+        counter = SavedCounter(skip)
+        hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack)
+        try:
+            hooks.__enter__()
+        except RuntimeError as exc:  # a framework disabled saved-tensor hooks here
+            self.uncounted = f"saved tensors not counted: {exc}"
+            return
+        self.counter, self.hooks = counter, hooks
 
     def _stop_counting(self, step: int) -> None:
         """The counted step ended: its saved tensors, and what the parameters, gradients and
@@ -197,7 +204,7 @@ class OwnersWatch(Watch):
         seen: set[StorageKey] = set()
         notes = [] if cuda else [CPU_NOTE]
         if counter is None:
-            notes.append(COMPILED_NOTE)
+            notes.append(self.uncounted)
         self.owners = MemoryOwners(
             device="cuda" if cuda else "cpu", step=step,
             parameters=bytes_once(params, seen),
