@@ -463,7 +463,9 @@ class MemoryOwners:
     saved for backward during the step (saved_tensors_hooks, each storage once, parameters
     left out), the training loader's batch, what earlier steps' tensors the script keeps
     (KeptTensors), and the rest of the allocator's peak: temporaries. Storages are counted
-    once each, whichever role finds them first in that order."""
+    once each, whichever role finds them first in that order; the batch a first layer saves
+    for backward is among the activations and the inputs both (the hook cannot tell it from
+    a tensor an operation made)."""
 
     device: Literal["cuda", "cpu"]
     step: int  # the step whose saved tensors were counted
