@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import profile_command, script_line, write_script
+from conftest import profile_command, script_line, script_run, script_stage, write_script
 
 from gpudiag.measure.profile.inscript.heldtensors import (
     adding_line,
@@ -29,10 +29,12 @@ from gpudiag.model.facts import (
     LoaderFacts,
     LoaderUse,
     MemoryOwners,
+    SavedSite,
     ScriptFacts,
     StageFacts,
     StepTimeline,
 )
+from gpudiag.present.markdown import render_markdown
 
 MIB = 2**20
 
@@ -209,6 +211,22 @@ def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth() -> None:
     assert kept.bytes_per_step == 32 * 256 * 4 and kept.found_by == "append"
     assert kept.location == f"tests/test_memory_owners.py:{_line('outputs.append(')}"
     assert owners.kept == kept.bytes
+
+
+def test_the_report_shows_the_owners_by_role_and_what_grows() -> None:
+    owners = settled(_owners(peak=1000 * MIB), [], [])
+    owners.activation_sites = [SavedSite("train.py:12", 300 * MIB, 24)]
+    kept = KeptTensors(name="history", kind="list of tensors", location="train.py:20",
+                       steps=(4, 40), tensors=36, added_per_step=1.0, bytes=36 * MIB,
+                       bytes_per_step=MIB, graph_kept=True, device="cuda")
+    report = render_markdown(script_run(script_stage([10.0] * 30, owners=owners, kept=[kept])))
+    section = report[report.index("### Memory owners: train.py"):]
+    assert "| activations saved for backward | 300.0 | 30% |" in section
+    assert "| temporaries (the peak less the others) | 300.0 | 30% |" in section
+    assert "`train.py:12` 300.0 MiB (24 tensors)" in section
+    assert ("`history` (a list of tensors at `train.py:20`, on the cuda): +1 tensor, 1.0 MiB "
+            "a step, with their autograd graphs") in section
+    assert "### Memory owners" not in render_markdown(script_run(script_stage([10.0] * 30)))
 
 
 LEAK = """
