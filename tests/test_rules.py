@@ -26,6 +26,7 @@ from gpudiag.model.facts import (
     FsdpUnits,
     HostLine,
     HostSamples,
+    KeptTensors,
     LinkProbe,
     LoaderEpoch,
     LoaderFacts,
@@ -348,7 +349,7 @@ def gd204(*, restart_ms: float = 30.0, passes: int = 15, persistent: bool = Fals
 
 def gd403(*, per_step: float, steps: int = 60, device: str = "cuda", every: int = 1,
           jump_at: int | None = None, planned: int | None = None,
-          total_mib: float = 80_000.0) -> RunResult:
+          total_mib: float = 80_000.0, kept: list[KeptTensors] | None = None) -> RunResult:
     """A run whose memory at each step's end grows `per_step` MiB every `every` steps past
     step 2 (the optimizer's state made at step 1), from 2 GiB; `jump_at`: one step that
     grows 500 MiB once instead (a cache filled once); gpudiag's window at steps 35-37 adds
@@ -377,7 +378,7 @@ def gd403(*, per_step: float, steps: int = 60, device: str = "cuda", every: int 
                             planned_steps=planned)
     facts = StageFacts(script=ScriptFacts(steps=steps, warmup=5, timed=30,
                                           step_clock="optimizer.step()", timeline=timeline,
-                                          memory=memory))
+                                          memory=memory, kept=kept or []))
     return make_run(make_stage("train.py", facts=facts))
 
 
@@ -419,6 +420,17 @@ def gd405(*, mallocs: float = 0.0, retries: int = 0, per_step: float = 0.0,
     script.memory.device_allocs, script.memory.alloc_retries = counts, retries
     run.stages[0].evidence = make_evidence(empty_cache_per_step=frees)
     return run
+
+
+def kept_list(mib_per_step: float, *, graph: bool = False, device: str = "cuda",
+              kind: str = "list of tensors") -> KeptTensors:
+    """`history`, gaining a tensor of `mib_per_step` a step between steps 4 and 39 at
+    train.py:58."""
+    per_step = mib_per_step * 2**20
+    return KeptTensors(name="history", kind=kind, location="train.py:58",  # type: ignore[arg-type]
+                       steps=(4, 39), tensors=36, added_per_step=1.0, bytes=int(36 * per_step),
+                       bytes_per_step=0.0 if kind == "tensor with its graph" else per_step,
+                       graph_kept=graph, device=device)
 
 
 def gd201(*, share: float) -> RunResult:
@@ -1082,6 +1094,31 @@ def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_
     (f,) = findings_of("GD403", gd403(per_step=4.0, device="cpu"))
     assert f.evidence["series"] == "resident" and "resident set" in f.title
     assert "the machine runs out" in f.title
+
+
+def test_memory_growth_names_what_keeps_it_at_the_line_that_adds_to_it() -> None:
+    """The issue's fine-tuning script: a list gaining 131 MB of logits (with their graphs) a
+    step, at its append line, with the fix for that line; a total keeping its graph; and a
+    list the counters blur (a CPU's resident set) found by its own bytes a step."""
+    (f,) = findings_of("GD403", gd403(per_step=125.0, kept=[kept_list(125.0, graph=True)]))
+    assert f.location == "train.py:58" and f.evidence["kept"]["mib_per_step"] == 125.0
+    assert f.title.startswith("`history` (a list at train.py:58) gains 1 tensor (125.0 MiB, "
+                              "with its autograd graph) a step: memory grows 125.0 MiB")
+    assert "`.detach()`" in f.fix and "`.cpu()`" in f.fix and "train.py:58" in f.fix
+    (f,) = findings_of("GD403", gd403(per_step=8.0, kept=[
+        kept_list(0.0, kind="tensor with its graph"), kept_list(0.5, device="cpu")]))
+    assert "`.detach()`" not in f.fix and "`.cpu()`" not in f.fix  # the CPU list's, no graph
+    (f,) = findings_of("GD403", gd403(per_step=8.0, kept=[
+        kept_list(0.0, kind="tensor with its graph")]))
+    assert "keeps its autograd graph" in f.title and "loss.item()" in f.fix
+    # A flat (blurred) resident set, a list gaining 4 MiB a step: ~4 MiB x 54 steps counted.
+    (f,) = findings_of("GD403", gd403(per_step=0.0, device="cpu",
+                                      kept=[kept_list(4.0, device="cpu")]))
+    assert f.evidence["rate_from"] == "a kept container" and f.location == "train.py:58"
+    assert f.evidence["mib_per_step"] == pytest.approx(4.0)
+    assert not findings_of("GD403", gd403(per_step=0.0, device="cpu",
+                                          kept=[kept_list(1.0, device="cpu")]))  # 54 MiB
+    assert not findings_of("GD403", gd403(per_step=0.0))  # nothing kept, nothing grows
 
 
 @pytest.mark.parametrize(("share", "severity"), [

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gpudiag.diagnose.common import duration, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
-from gpudiag.model.facts import MemoryTimeline, OutOfMemory
+from gpudiag.model.facts import KeptTensors, MemoryTimeline, OutOfMemory
 from gpudiag.model.results import RunResult, StageResult
 
 RESERVED_WARNING, FRAGMENTATION = 0.90, 0.20
@@ -115,6 +115,9 @@ class Growth:
     first: int  # the first step counted
     now_mib: float  # at the last step listed
     limit_mib: float | None  # what it runs into: the device, or the host's memory
+    # The rate is a kept container's (KeptTensors: its bytes a step), not the counters': a
+    # CPU's resident set, blurred by the allocator's reuse and trimming, may hide it.
+    from_kept: bool = False
 
     @property
     def mib_per_step(self) -> float:
@@ -153,6 +156,25 @@ def growth(memory: MemoryTimeline, warmup: int,
                   limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
 
 
+def kept_growth(kept: KeptTensors | None, memory: MemoryTimeline,
+                warmup: int) -> Growth | None:
+    """Growth the script's own namespaces show (a container gaining tensors' bytes every step,
+    between two looks) over the steps the counters would count, where those counters do not
+    show it step by step: held to the same GROWTH_MIN_MIB over GROWTH_MIN_STEPS steps."""
+    if kept is None or kept.bytes_per_step <= 0:
+        return None
+    cuda = memory.device == "cuda" and kept.device == "cuda"  # else the process holds them
+    series = memory.allocated_mib if cuda else memory.resident_mib
+    first = max(warmup, GROWTH_SKIP)
+    steps = len(series) - 1 - first
+    mib = kept.bytes_per_step / 2**20 * steps
+    if steps < GROWTH_MIN_STEPS or mib < GROWTH_MIN_MIB:
+        return None
+    return Growth(series="allocated" if cuda else "resident", mib=mib, steps=steps,
+                  first=first, now_mib=series[-1], from_kept=True,
+                  limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
+
+
 def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
     left = found.steps_left
     if left is None:
@@ -164,7 +186,9 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
 
 
 GROWTH_THRESHOLDS = (
-    Threshold("min_growth_mib", GROWTH_MIN_MIB, "grown at least 64 MiB over the steps counted"),
+    Threshold("min_growth_mib", GROWTH_MIN_MIB,
+              "grown at least 64 MiB over the steps counted (or a kept container's bytes a "
+              "step, over them)"),
     Threshold("min_steps", GROWTH_MIN_STEPS, "at least 10 step-to-step changes counted"),
     Threshold("half_share", GROWTH_HALF,
               "each half of the steps holds a quarter of the growth: it goes on"),
@@ -174,7 +198,8 @@ GROWTH_THRESHOLDS = (
 
 @rule(
     "GD403", "memory-growth", concern="memory",
-    summary="Memory that grows step after step: tensors kept from every step.",
+    summary=("Memory that grows step after step: tensors kept from every step, named where "
+             "the script keeps them."),
     why=("A training step's memory is the same every step once the optimizer has made its "
          "state: what grows is kept by the script, most often a list of each step's outputs or "
          "losses (with their autograd graphs, when not detached). It ends in an out-of-memory "
@@ -191,36 +216,107 @@ GROWTH_THRESHOLDS = (
 def memory_growth(run: RunResult) -> Iterator[Draft]:
     """What tensors hold on the device (a CPU run: the process's resident set) grows step
     after step past the warm-up: a warning, critical where the device runs out before the
-    steps the run plans."""
+    steps the run plans. Where the script's namespaces showed what grew (ScriptFacts.kept: a
+    list gaining a tensor a step, a total keeping its graph), the finding names it, at the
+    line that adds to it, with a fix for that line."""
     for stage in run.ok_stages():
         script = stage.facts.script
         if script is None or script.memory is None:
             continue
         timeline = script.timeline
         window = (timeline.window_start, timeline.window_end) if timeline else (None, None)
-        found = growth(script.memory, script.warmup, window)
+        kept = _keeping(script.kept)
+        found = growth(script.memory, script.warmup, window) or \
+            kept_growth(kept, script.memory, script.warmup)
         if found is None:
             continue
         planned = timeline.planned_steps if timeline else None
         left = found.steps_left
         dies = left is not None and planned is not None and \
             len(script.memory.resident_mib) + left < planned
-        held = "on the GPU" if found.series == "allocated" else \
-            "in the process (its resident set; torch keeps no CPU count)"
+        grows = _grows(found, _runs_out(found, stage, planned))
+        evidence = {"series": found.series, "mib_per_step": round(found.mib_per_step, 2),
+                    "grown_mib": round(found.mib, 1), "steps_counted": found.steps,
+                    "from_step": found.first, "now_mib": round(found.now_mib, 1),
+                    "limit_mib": found.limit_mib,
+                    "steps_left": None if left is None else round(left),
+                    "rate_from": "a kept container" if found.from_kept else "memory counters"}
+        if kept is not None:
+            evidence["kept"] = {"name": kept.name, "kind": kept.kind, "at": kept.location,
+                                "added_per_step": kept.added_per_step,
+                                "mib_per_step": round(kept.bytes_per_step / 2**20, 2),
+                                "graph_kept": kept.graph_kept}
         yield Draft(
             severity="critical" if dies else "warning", stage=stage.name,
-            title=(f"Memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
-                   f"+{found.mib:,.0f} MiB over {found.steps} steps, "
-                   f"{found.now_mib:,.0f} MiB now; {_runs_out(found, stage, planned)}"),
-            impact=0.0,
-            evidence={"series": found.series, "mib_per_step": round(found.mib_per_step, 2),
-                      "grown_mib": round(found.mib, 1), "steps_counted": found.steps,
-                      "from_step": found.first, "now_mib": round(found.now_mib, 1),
-                      "limit_mib": found.limit_mib,
-                      "steps_left": None if left is None else round(left)},
-            fix=("Find what keeps each step's tensors (a list appended every step, a running "
+            title=(f"{_what_keeps(kept)}: {grows}" if kept is not None
+                   else grows[0].upper() + grows[1:]),
+            impact=0.0, evidence=evidence, location=kept.location if kept else None,
+            fix=(_kept_fix(kept) if kept is not None else
+                 "Find what keeps each step's tensors (a list appended every step, a running "
                  "total that keeps its graph) and keep numbers or detached slices instead."),
         )
+
+
+def _grows(found: Growth, runs_out: str) -> str:
+    """The growth, measured by the counters (or, where they blur it, by a kept container's
+    bytes a step), and when the memory runs out."""
+    where = "on the GPU" if found.series == "allocated" else "in the process"
+    if found.from_kept:
+        return (f"~{found.mib:,.0f} MiB over {found.steps} steps, {found.now_mib:,.0f} MiB "
+                f"{where} now; {runs_out}")
+    held = where if found.series == "allocated" else \
+        f"{where} (its resident set; torch keeps no CPU count)"
+    return (f"memory grows {found.mib_per_step:,.1f} MiB a step {held}: "
+            f"+{found.mib:,.0f} MiB over {found.steps} steps, "
+            f"{found.now_mib:,.0f} MiB now; {runs_out}")
+
+
+def _keeping(kept: list[KeptTensors]) -> KeptTensors | None:
+    """What keeps the most from every step: the container adding the most bytes a step,
+    else a tensor whose autograd graph grows (its saved tensors are not counted)."""
+    if not kept:
+        return None
+    return max(kept, key=lambda k: (k.bytes_per_step, k.kind == "tensor with its graph",
+                                    k.added_per_step))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.0f} KiB"
+
+
+def _what_keeps(kept: KeptTensors) -> str:
+    """"`history` (a list at train.py:58) gains 1 tensor (131.0 MiB, with its autograd graph)
+    a step"."""
+    at = f" at {kept.location}" if kept.location else ""
+    if kept.kind == "tensor with its graph":
+        return (f"`{kept.name}` (a tensor{at}) keeps its autograd graph, "
+                f"{kept.added_per_step:,.0f} more nodes a step (each step's graph, with what "
+                "backward() has not freed)")
+    container = kept.kind.split(" ")[0]
+    count = f"{kept.added_per_step:,.2g}"
+    noun = "tensor" if kept.added_per_step == 1 else "tensors"
+    graph = ", with its autograd graph" if kept.graph_kept else ""
+    return (f"`{kept.name}` (a {container}{at}) gains {count} {noun} "
+            f"({_size(kept.bytes_per_step)}{graph}) a step")
+
+
+def _kept_fix(kept: KeptTensors) -> str:
+    """The change at the line that keeps them."""
+    at = f" at {kept.location}" if kept.location else ""
+    if kept.kind == "tensor with its graph":
+        return (f"Accumulate a number, not the graph{at}: `{kept.name} += loss.item()` (or "
+                "`loss.detach()`, read with .item() when logged); each step's graph is freed "
+                "with the step then.")
+    steps = []
+    if kept.graph_kept:
+        steps.append("add `.detach()` to what is kept (its autograd graph holds the step's "
+                     "activations too)")
+    steps.append("keep only what the end-of-run metric needs: `.item()` for a number, a running "
+                 "sum, or a slice copied out (`x[:, -1].clone()`: a view keeps its whole tensor)")
+    if kept.device == "cuda":
+        steps.append("or `.cpu()` to hold it in host memory")
+    where = f" ({kept.location})" if kept.location else ""
+    return f"At the line that adds to `{kept.name}`{where}: " + "; ".join(steps) + "."
 
 
 # Bytes an optimizer keeps per fp32 parameter element: torch.optim's Adam family two moments,
@@ -245,10 +341,12 @@ def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
     timeline = stage.facts.script.timeline if stage.facts.script else None
     found = growth(memory, warmup, (timeline.window_start, timeline.window_end)
                    if timeline else (None, None))
+    kept = _keeping(stage.facts.script.kept) if stage.facts.script else None
     if found is not None:
+        keeper = f"{_what_keeps(kept)}; " if kept is not None else ""
         knobs.append(f"memory grew {found.mib_per_step:,.1f} MiB a step from step "
-                     f"{found.first}: {_gib(found.mib)} kept by the script (GD403); keep "
-                     "numbers or detached slices instead")
+                     f"{found.first}: {_gib(found.mib)} kept by the script ({keeper}GD403); "
+                     "keep numbers or detached slices instead")
     if oom.reserved_mib is not None and oom.allocated_mib is not None:
         cached = oom.reserved_mib - oom.allocated_mib
         if oom.requested_mib and cached >= oom.requested_mib:

@@ -376,6 +376,7 @@ class LoaderUse:
     site: str | None  # "path:line": the script's line that built it
     settings: LoaderFacts
     batch_size: int | None = None
+    batch_bytes: int | None = None  # what its first batch's tensors hold (the step's inputs)
     iterated_at: str | None = None  # "path:line": where the script iterates it
     training: bool = False  # its batches fed the training steps
     passes: int = 0  # iter() calls, all of them
@@ -466,6 +467,68 @@ class MemoryTimeline:
 
 
 @dataclass
+class SavedSite:
+    """A line of the user's code whose operations saved tensors for backward."""
+
+    location: str  # "path:line"
+    bytes: int
+    tensors: int
+
+
+@dataclass
+class MemoryOwners:
+    """Who holds the script's memory, by role, in bytes, read over one step of the profiler
+    window (gpudiag/measure/profile/inscript/watches/owners.py): the parameters, their gradients
+    and the optimizers' state at the step's end (after optimizer.step()), the tensors autograd
+    saved for backward during the step (saved_tensors_hooks, each storage once, parameters
+    left out), the training loader's batch, what earlier steps' tensors the script keeps
+    (KeptTensors), and the rest of the allocator's peak: temporaries. Storages are counted
+    once each, whichever role finds them first in that order; the batch a first layer saves
+    for backward is among the activations and the inputs both (the hook cannot tell it from
+    a tensor an operation made)."""
+
+    device: Literal["cuda", "cpu"]
+    step: int  # the step whose saved tensors were counted
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int | None = None  # saved for backward over the step (None: not hooked)
+    inputs: int | None = None  # the training loader's batch (None: no DataLoader seen)
+    kept: int | None = None  # held by KeptTensors at the second look (None: not looked)
+    # CUDA: the allocator's highest allocated by the end of that step (never reset); a CPU's
+    # allocator keeps no count: None, and so are the temporaries.
+    peak: int | None = None
+    temporaries: int | None = None  # peak less every owner above (0 where they exceed it)
+    activation_sites: list[SavedSite] = field(default_factory=list)  # the largest, by line
+    hook_ms: float = 0.0  # what counting the saved tensors cost that step (its host time)
+    note: str = ""  # what this run could not tell
+
+
+KeptKind = Literal["list of tensors", "dict of tensors", "deque of tensors",
+                   "tuple of tensors", "set of tensors", "tensor with its graph"]
+
+
+@dataclass
+class KeptTensors:
+    """Something of the script's that holds more tensors at a later step boundary than at an
+    earlier one (two looks, after the warm-up and after the profiler window): a container in
+    the training loop's locals or the script's globals (or an attribute of an object there),
+    or a tensor whose autograd graph grows (`total += loss` without .detach())."""
+
+    name: str  # as the script names it: `history`, `self.preds`, `metrics['logits']`
+    kind: KeptKind
+    location: str | None  # "path:line": the line that adds to it (else the loop's)
+    steps: tuple[int, int]  # the step boundaries of the two looks
+    tensors: int  # held at the second look (graph: its autograd graph's nodes)
+    added_per_step: float  # tensors (graph: nodes) added a step between the looks
+    bytes: int  # what its tensors' storages hold at the second look
+    bytes_per_step: float  # of those, added a step (0 for a graph: its saved tensors uncounted)
+    graph_kept: bool  # its tensors keep autograd graphs (grad_fn, or requires_grad)
+    found_by: Literal["append", "name", "loop"] = "append"  # how `location` was found
+    device: str = "cpu"  # where its tensors are (the largest's device type: "cuda", "cpu")
+
+
+@dataclass
 class ScriptFacts:
     """How `gpudiag profile` counted a script's steps."""
 
@@ -491,6 +554,8 @@ class ScriptFacts:
     debug: list[DebugSetting] = field(default_factory=list)  # debug settings on while stepping
     conv_layout: ConvLayout | None = None  # the first Conv2d's input (None: no convolution)
     memory: MemoryTimeline | None = None  # each step's memory (None: a run before it was read)
+    owners: MemoryOwners | None = None  # who holds it, by role, over one profiled step
+    kept: list[KeptTensors] = field(default_factory=list)  # what keeps growing tensors
     # (warm-up, timed, profiled) when the recorder fitted its schedule to the steps the script
     # planned (timeline.planned_steps), fewer than the asked schedule needs: one run, no re-run.
     fitted_schedule: tuple[int, int, int] | None = None

@@ -14,12 +14,17 @@ the script decides the loader's settings, which a framework moves:
 
 The Trainer also builds its optimizer (`create_optimizer`) from `TrainingArguments(optim=...)`;
 Lightning's comes from the script's own `configure_optimizers`, a line of the script's.
+
+And whether the script has run torch.compile'd code (its watch, and the memory owners' watch,
+which then leaves autograd's saved-tensor hooks alone: Dynamo guards on them and would
+recompile).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -124,3 +129,14 @@ def _calls_of(filename: str, name: str) -> tuple[int, ...]:
     return tuple(sorted(
         node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
         and (getattr(node.func, "id", None) == name or getattr(node.func, "attr", None) == name)))
+
+
+def compiled() -> bool:
+    """Whether the process has run torch.compile'd code (Dynamo compiled a frame)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    # Dynamo's counters are a defaultdict: reading with [] would add keys the script can see.
+    counters = dynamo.utils.counters
+    return bool(counters.get("frames", {}).get("ok")
+                or counters.get("stats", {}).get("unique_graphs"))

@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import nvtx
@@ -119,6 +119,7 @@ class Recorder:
         self.host_sampler: HostSampler | None = None
         self.host: HostSamples | None = None
         self.first_stack: list[FrameType] = []  # at the first step's end, to find the loop
+        self.loop_code: CodeType | None = None  # the training loop's, found at the second
         self.telemetry: Any = None
         self.window: ProfilerWindow | None = None
         self.window_trace: WindowTrace | None = None  # the closed window, for the parent
@@ -244,9 +245,10 @@ class Recorder:
             return
         loop = loop_frame(self.first_stack, sys._getframe())
         self.first_stack = []  # frames hold their locals: let them go
+        self.loop_code = loop.f_code if loop is not None else None
         self.host_sampler = HostSampler(
             self.host_marks, thread_id=threading.get_ident(),
-            loop_code=loop.f_code if loop is not None else None, cuda=bool(self.cuda),
+            loop_code=self.loop_code, cuda=bool(self.cuda),
             warmup=self.schedule.warmup, skip=self.schedule.unsampled_steps,
             max_steps=TIMELINE_STEPS,
             period_s=1 / self.config.host_sample_hz)

@@ -16,22 +16,31 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any, Protocol
 
+from gpudiag.measure.profile.inscript.schedule import Schedule
 from gpudiag.model.facts import ScriptFacts, StageFacts, StepTimeline
 from gpudiag.model.profilepart import WindowTrace
 
 
 class StepClock(Protocol):
     """What a watch reads of the recorder: the steps ended so far (so the step in progress,
-    counted from 0) and the step marks (perf_counter seconds: the start, then each step's
-    end)."""
+    counted from 0), the step marks (perf_counter seconds: the start, then each step's end),
+    the schedule (which steps warm up, are timed, profiled) and the training loop's code
+    (found at the second step's end; None before, or where the host is not sampled)."""
 
     @property
     def steps(self) -> int: ...
 
     @property
     def host_marks(self) -> Sequence[float]: ...
+
+    @property
+    def schedule(self) -> Schedule: ...
+
+    @property
+    def loop_code(self) -> CodeType | None: ...
 
 
 @dataclass

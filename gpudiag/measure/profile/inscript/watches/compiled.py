@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from gpudiag.measure.evidence.source import call_site, display_path, frame_role
+from gpudiag.measure.profile.inscript.frameworks import compiled
 from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
 from gpudiag.model.facts import CompileEvent, CompileFacts
 from gpudiag.model.profilepart import WindowTrace
@@ -155,17 +156,6 @@ class CompiledWatch(Watch):
 
 
 WATCH = CompiledWatch
-
-
-def compiled() -> bool:
-    """Whether the process has run torch.compile'd code (Dynamo compiled a frame)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return False
-    # Dynamo's counters are a defaultdict: reading with [] would add keys the script can see.
-    counters = dynamo.utils.counters
-    return bool(counters.get("frames", {}).get("ok")
-                or counters.get("stats", {}).get("unique_graphs"))
 
 
 def _compile_counts() -> tuple[int | None, int | None]:

@@ -82,7 +82,7 @@ class LoadersWatch(Watch):
         key, step = self.key(iterator), self.clock.steps
         self.waits[(step, key)] += ms
         self.calls[key].append(step)
-        self.uses.waited(key, ms)
+        self.uses.waited(key, ms, batch)
         if self.batch_size is None:
             self.batch_size = _batch_size(batch)
 
@@ -178,6 +178,7 @@ class LoaderUses:
         self._all: list[LoaderUse] = []
         self._keys: dict[int, set[int]] = {}  # id(use) -> its iterators' keys
         self._current: dict[int, LoaderEpoch] = {}  # an iterator's key -> its pass now
+        self._batch_bytes: dict[int, int] = {}  # an iterator's key -> its first batch's bytes
 
     def built(self, loader: Any, frame: FrameType | None) -> None:
         if len(self._built) < MAX_LOADERS * 4:
@@ -212,11 +213,12 @@ class LoaderUses:
         self._keys.setdefault(id(use), set()).add(iterator)
         self._current[iterator] = epoch
 
-    def waited(self, iterator: int, ms: float) -> None:
+    def waited(self, iterator: int, ms: float, batch: Any) -> None:
         epoch = self._current.get(iterator)
         if epoch is not None:
             if epoch.batches == 0:
                 epoch.first_batch_ms = ms
+                self._batch_bytes[iterator] = _batch_bytes(batch)
             epoch.batches += 1
 
     def exhausted(self, iterator: int, ms: float) -> None:
@@ -228,7 +230,10 @@ class LoaderUses:
     def facts(self, training: set[int]) -> list[LoaderUse]:
         """Every loader seen; `training`: the iterators (by key) that fed the steps."""
         for use in self._all:
-            use.training = bool(self._keys.get(id(use), set()) & training)
+            keys = self._keys.get(id(use), set())
+            use.training = bool(keys & training)
+            use.batch_bytes = next((self._batch_bytes[k] for k in sorted(keys)
+                                    if k in self._batch_bytes), None)
         return list(self._all)
 
 
@@ -281,3 +286,14 @@ def _batch_size(batch: Any) -> int | None:
             if size:
                 return size
     return None
+
+
+def _batch_bytes(batch: Any, depth: int = 0) -> int:
+    """What a batch's tensors hold (a tensor, or those in its tuple, list or dict)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)) and depth < 2:
+        return sum(_batch_bytes(item, depth + 1) for item in batch)
+    return 0
