@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 57 on a GPU, one call: the memory timeline and growth (GD403) on
-# examples/kept_logits.py keeping every step's logits (131 MB a step) and keeping a slice, the
-# cost of reading each step's memory (the watch's step_ended, timed in a loop), and issue 55's
-# step_reads again (its run recorded before copies in were told apart from reads).
+# Issue 57 on a GPU, one call: the memory timeline, its owners and growth (GD403, named at the
+# line that keeps the tensors) on examples/kept_logits.py keeping every step's logits (131 MB a
+# step), keeping a slice, and capped at 4 GiB so that it dies of out-of-memory (GD404); and
+# the cost of reading each step's memory (the watch's step_ended, timed in a loop).
 # Run from the project root on a GPU machine; writes under $1 (default reports/memory).
 set -uo pipefail
 out=${1:-reports/memory}
@@ -16,7 +16,7 @@ profile() {  # NAME LIMIT_S GPUDIAG_OPTIONS... -- COMMAND...
 : > "$out/exits.txt"
 profile kept_logits 90 -- python3 examples/kept_logits.py
 KEEP=slice profile kept_slice 90 -- python3 examples/kept_logits.py
-profile step_reads 60 --no-plots -- python3 examples/step_reads.py
+MEM_CAP_GIB=4 profile kept_logits_capped 90 -- python3 examples/kept_logits.py
 python3 - > "$out/watch_cost.txt" <<'PY'
 import time, torch
 from gpudiag.measure.profile.inscript.watches.memory import MemoryWatch
@@ -48,6 +48,12 @@ for folder in sorted(p for p in out.iterdir() if (p / "run.json").is_file()):
     print(f"== {folder.name}")
     for f in run.findings:
         print(f"   {f.id} {f.severity} {f.location} {f.impact:.0%}: {f.title}")
+        if f.id in ("GD403", "GD404"):
+            print(f"      fix: {f.fix}")
+    for stage in run.stages:
+        owners = stage.facts.script.owners if stage.facts.script else None
+        if owners is not None:
+            print(f"   owners: {owners}")
     for stage in run.stages:
         m = stage.facts.script.memory if stage.facts.script else None
         if m is not None:
