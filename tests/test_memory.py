@@ -145,3 +145,30 @@ def test_the_memory_plot_and_trace_counters(tmp_path: Path) -> None:
                                     "resident": 3000.0}
     json.dumps(trace)  # it is JSON
     assert not memory_plot(script_run(script_stage([20.0] * 5)), tmp_path / "none.png")
+
+
+def test_an_out_of_memory_error_is_read_for_its_request_the_device_and_a_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's message as c10 writes it, the allocator's counters at the failure and a
+    per-process cap (set_per_process_memory_fraction); the CPU allocator's failure; any other
+    error is no out-of-memory."""
+    from gpudiag.measure.profile.inscript.watches.memory import out_of_memory
+
+    _fake_cuda(monkeypatch, [3600])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 0.05)
+    message = ("CUDA out of memory. Tried to allocate 250.00 MiB. GPU 0 has a total capacity "
+               "of 80.00 GiB of which 75.00 GiB is free. Including non-PyTorch memory, this "
+               "process has 4.00 GiB memory in use.")
+    oom = out_of_memory(torch.OutOfMemoryError(message), 22)
+    assert oom is not None and oom.device == "cuda" and oom.step == 22
+    assert (oom.requested_mib, oom.device_total_mib, oom.device_free_mib) == (
+        250.0, 80 * 1024.0, 75 * 1024.0)
+    assert oom.allocated_mib == 3600.0 and oom.cap_mib == 0.05 * 80 * 1024
+    assert oom.message == "CUDA out of memory. Tried to allocate 250.00 MiB."
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError as error:
+        cpu = out_of_memory(error, 3)
+    assert cpu is not None and cpu.device == "cpu" and cpu.requested_mib == 2**30
+    assert cpu.line is not None and cpu.line.startswith("tests/test_memory.py:")
+    assert out_of_memory(ValueError("no"), 1) is None

@@ -1072,6 +1072,13 @@ def test_out_of_memory_lists_the_knobs_that_would_fit_in_bytes() -> None:
     assert "three quarters (2.79 GiB)" in knobs[0]
     assert knobs[1].startswith("the step's own allocations (activations and temporaries), "
                                "~69.70 GiB")
+    capped = gd404()
+    script = capped.stages[0].facts.script
+    assert script is not None and script.memory is not None and script.memory.oom is not None
+    script.memory.oom.cap_mib = 4096.0
+    (c,) = findings_of("GD404", capped)
+    assert c.title.endswith("of the 4.00 GiB the process may use (its "
+                            "set_per_process_memory_fraction; the GPU holds 80.00 GiB)")
     (grown,) = findings_of("GD404", gd404(per_step=125.0, cached=4096.0))
     assert grown.evidence["knobs"][0].startswith("memory grew 125.0 MiB a step")
     assert "expandable_segments:True" in grown.evidence["knobs"][1]

@@ -407,6 +407,9 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
         total = memory.device_total_mib or oom.device_total_mib if oom.device == "cuda" \
             else memory.host_total_mib
         of = f" of {where}'s {_gib(total)}" if total else f" on {where}"
+        if oom.cap_mib:
+            of = (f" of the {_gib(oom.cap_mib)} the process may use (its "
+                  f"set_per_process_memory_fraction; {where} holds {_gib(total or 0.0)})")
         asked = f"{_gib(oom.requested_mib)} requested" if oom.requested_mib else \
             "an allocation failed"
         knobs = _oom_knobs(stage, memory, oom, script.warmup)

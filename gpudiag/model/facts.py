@@ -437,6 +437,9 @@ class OutOfMemory:
     reserved_mib: float | None = None  # CUDA: the allocator's segments then
     device_total_mib: float | None = None
     device_free_mib: float | None = None  # what the driver had left (torch's message)
+    # What the process may allocate where it was capped below the device
+    # (torch.cuda.set_per_process_memory_fraction), None where it was not.
+    cap_mib: float | None = None
     line: str | None = None  # "path:line": the script's line whose call failed
 
 

@@ -108,6 +108,9 @@ def out_of_memory(exc: BaseException, step: int) -> OutOfMemory | None:
         stats = torch.cuda.memory_stats_as_nested_dict()
         oom.allocated_mib = round(stats["allocated_bytes"]["all"]["current"] / _MIB, 1)
         oom.reserved_mib = round(stats["reserved_bytes"]["all"]["current"] / _MIB, 1)
+        fraction = torch.cuda.get_per_process_memory_fraction()
+        if fraction < 1.0 and oom.device_total_mib:
+            oom.cap_mib = round(fraction * oom.device_total_mib, 1)
     return oom
 
 
