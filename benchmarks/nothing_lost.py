@@ -10,15 +10,20 @@ processes it left. Writes a JSON record and a markdown table:
     python benchmarks/nothing_lost.py --out reports/examples/nothing-lost
 
 Every case's expectation is the issue's: no file of the user's changes, nothing is left
-running, no traceback, and what the re-run could not do is said.
+running, no traceback, and what the re-run could not do is said. Issue 56's stops and bad
+input (`stops_and_bad_input`: a SIGTERM or SIGHUP while gpudiag imports, a double Ctrl-C in a
+gate's trial, a library's SystemExit(3) or GeneratorExit, `--iters 99999999999999999999`, a
+removed working directory) run the gpudiag command itself: one line, README's exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from gpudiag.model.runfile import load_run
 
 # Names in the run folder that a confined run links to the user's checkpoint: what gpudiag
 # writes there after it (and the plots' old predictable temporary name).
@@ -43,6 +50,9 @@ SCRIPT = """
     PLANTED = {planted!r}
     here = Path(__file__).resolve().parent
     action = sys.argv[1]
+    if action == "slow-exit":  # its own cleanup at exit outlasts the 3 s a SIGTERM waits
+        import atexit, time
+        atexit.register(lambda: (Path(sys.argv[2]).touch(), time.sleep(3.5)))
     for step in range(40):
         if action in ("short", "short-log") and step == 4:  # fewer than it plans: run again
             break
@@ -445,6 +455,129 @@ def _beyond_files(cases: list[Case], root: Path) -> None:
         victim.kill()
 
 
+# The gpudiag command itself, as a user starts it; each case's PREFIX (Python run before
+# gpudiag's entry) makes its moment certain: a signal while gpudiag.cli is imported, a
+# library's SystemExit or GeneratorExit inside a command.
+ENTRY = "import sys\n{prefix}sys.argv[0] = 'gpudiag'\nfrom gpudiag.launch import main\nmain()\n"
+SELF_SIGNAL_WHILE_IMPORTING = (
+    "import os, signal\n"
+    "class Stop:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'gpudiag.cli':\n"
+    "            os.kill(os.getpid(), signal.{})\n"
+    "sys.meta_path.insert(0, Stop())\n")
+RAISE_IN_RULES = ("import gpudiag.present\n"
+                  "def rules_markdown(*_):\n"
+                  "    raise {}\n"
+                  "gpudiag.present.rules_markdown = rules_markdown\n")
+
+
+def command_case(case: Case, cwd: Path, args: list[str], expect: Callable[[Case, str], bool],
+                 *, prefix: str = "", stop: Callable[[subprocess.Popen[str]], None] | None = None,
+                 ) -> Case:
+    """`gpudiag ARGS` from `cwd` (its files hashed before and after), PREFIX run first;
+    `stop` signals it as a user would. What it printed is searched for a traceback; the
+    lines that matter are kept."""
+    before = _hashes(cwd, cwd / "run") if cwd.is_dir() else {}
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-c", ENTRY.format(prefix=prefix), *args],
+                               cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    if stop is not None:
+        stop(process)
+    try:
+        output, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # it ran on: the case fails, nothing is left running
+        process.kill()
+        output, _ = process.communicate()
+    case.seconds = round(time.perf_counter() - started, 1)
+    case.exit_code = process.returncode
+    case.unchanged = (_hashes(cwd, cwd / "run") if cwd.is_dir() else {}) == before
+    case.traceback = "Traceback" in output or "Exception ignored" in output
+    case.left_running = _own_processes(str(cwd)) if cwd.is_dir() else []
+    case.said = [line for line in output.splitlines() if line.startswith("gpudiag")][:6]
+    case.passed = (case.unchanged and not case.traceback and not case.left_running
+                   and expect(case, output))
+    return case
+
+
+def _double_ctrl_c(job: Path) -> Callable[[subprocess.Popen[str]], None]:
+    """A terminal's Ctrl-C (the whole group) once a gate's first trial has run a while, and
+    a second one later than the 2 s in which a repeat is the same stop."""
+    def stop(process: subprocess.Popen[str]) -> None:
+        deadline = time.monotonic() + 120
+        while not (job / "base").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(6)
+        for _ in range(2):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGINT)
+            time.sleep(2.5)
+    return stop
+
+
+def _one_line(case: Case, output: str, code: int, words: str) -> bool:
+    lines = [line for line in output.splitlines() if line.startswith("gpudiag")]
+    return case.exit_code == code and len(lines) == 1 and words in lines[0]
+
+
+def stops_and_bad_input(root: Path) -> list[Case]:
+    """Issue 56's stops and bad input: one line, the documented code, never a traceback."""
+    cases = []
+    here = root / "commands"  # the folder they start in, hashed before and after
+    here.mkdir()
+    (here / "train.py").write_text("print('the users')\n")
+    for name, signum, code in (("SIGTERM", "SIGTERM", 143), ("SIGHUP", "SIGHUP", 129)):
+        cases.append(command_case(
+            Case(f"{name.lower()}-while-importing", f"{name} while gpudiag is still importing"),
+            here, ["rules"], lambda c, o, code=code, name=name: _one_line(
+                c, o, code, f"stopped by {name}"),
+            prefix=SELF_SIGNAL_WHILE_IMPORTING.format(signum)))
+    for name, raised, said in (("systemexit-3", "SystemExit(3)", "SystemExit: 3"),
+                               ("generatorexit", "GeneratorExit()", "GeneratorExit")):
+        cases.append(command_case(
+            Case(f"{name}-from-a-library", f"a library raises {raised} inside a command"),
+            here, ["rules", "--markdown"], lambda c, o, said=said: _one_line(
+                c, o, 70, f"internal error: {said} (a bug in gpudiag"),
+            prefix=RAISE_IN_RULES.format(raised)))
+    for flag, value, limit in (("--iters", "99999999999999999999", "10,000,000"),
+                               ("--min-seconds", "1e300", "604,800")):
+        cases.append(command_case(
+            Case(f"run-{flag[2:]}-huge", f"run {flag} {value}"), root,
+            ["run", "--device", "cpu", "--preset", "tiny", flag, value, "--out",
+             str(here / f"huge{flag}")],
+            lambda c, o, flag=flag, limit=limit: _one_line(
+                c, o, 2, f"{flag} must be at most {limit}")))
+    gone = root / "removed-cwd"  # entered, then removed under it (as by another shell)
+    gone.mkdir()
+    cases.append(command_case(
+        Case("removed-working-directory", "gpudiag profile from a folder removed under it"),
+        here, ["profile", "--", sys.executable, "train.py"],
+        lambda c, o: _one_line(c, o, 2, "the working directory no longer exists"),
+        prefix=f"import os\nos.chdir({str(gone)!r})\nos.rmdir({str(gone)!r})\n"))
+    repo = root / "gate-repo"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "gpudiag", repo / "gpudiag",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for git in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"],
+                ["commit", "-q", "--allow-empty", "-m", "head"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *git], cwd=repo,
+                       check=True, capture_output=True)
+    job = root / "gate-job"
+
+    def one_worktree() -> bool:
+        listed = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
+                                text=True, check=True).stdout
+        return len(listed.strip().splitlines()) == 1
+
+    cases.append(command_case(
+        Case("ctrl-c-twice-in-gate", "a double Ctrl-C (2.5 s apart) during a gate's trial"),
+        repo, ["gate", "--base-ref", "HEAD~1", "--device", "cpu", "--preset", "tiny",
+               "--stages", "train", "--iters", "100000", "--out", str(job)],
+        lambda c, o: _one_line(c, o, 130, "stopped by SIGINT") and one_worktree(),
+        stop=_double_ctrl_c(job)))
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -527,6 +660,14 @@ def main() -> None:
             lambda c, o, p: c.exit_code == 143 and (p / "run" / "run.json").is_file()
             and not (p / "run" / "rerun" / "cwd").exists(),
             stop_when=copy_started))
+        cases.append(run_case(
+            Case("sigterm-at-exit", "SIGTERM while the script's own cleanup runs at its exit"),
+            root, lambda p: None, ["--no-rerun", "--", sys.executable, "train.py", "slow-exit",
+                                   str(root / "at-exit")],  # outside the hashed folders
+            lambda c, o, p: c.exit_code == 143 and "Exception ignored" not in o
+            and len(load_run(p / "run").stages[0].iter_ms) == 3,
+            stop_when=lambda p: (root / "at-exit").exists))
+        cases += stops_and_bad_input(root)
     for case in cases:
         print(f"{'PASS' if case.passed else 'FAIL'} {case.name}: exit {case.exit_code}, "
               f"unchanged {case.unchanged}, {case.seconds} s")

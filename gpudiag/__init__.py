@@ -17,18 +17,23 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpudiag._version import __version__
-from gpudiag.model.results import Finding, RunResult, StageResult
-from gpudiag.model.runfile import load_run, save_run
 
 if TYPE_CHECKING:
     from gpudiag.measure.models import ModelBundle, ModelOptions, ModelSpec, register_model
     from gpudiag.measure.plan import build_config
     from gpudiag.measure.runner import RunOutput, run_stages
     from gpudiag.model.config import RunConfig
+    from gpudiag.model.results import Finding, RunResult, StageResult
+    from gpudiag.model.runfile import load_run, save_run
 
 # Names that pull in torch are imported on first use, so `import gpudiag` (and the CLI's
-# --help) stays fast and reading a run.json works without torch.
+# --help) stays fast and reading a run.json works without torch. The results' too (pydantic, a
+# second): `gpudiag`'s entry (launch.py) comes after this package's import, and sets how a
+# SIGTERM or SIGHUP ends it first, before anything slow.
 _LAZY = {
+    "Finding": "gpudiag.model.results", "RunResult": "gpudiag.model.results",
+    "StageResult": "gpudiag.model.results", "load_run": "gpudiag.model.runfile",
+    "save_run": "gpudiag.model.runfile",
     "RunConfig": "gpudiag.measure.plan", "build_config": "gpudiag.measure.plan",
     "ModelBundle": "gpudiag.measure.models", "ModelOptions": "gpudiag.measure.models",
     "ModelSpec": "gpudiag.measure.models", "register_model": "gpudiag.measure.models",

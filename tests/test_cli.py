@@ -105,28 +105,41 @@ def test_help_starts_without_torch_scipy_or_pandas(argv: list[str]) -> None:
     assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-300:]
 
 
+# The signal a case sends itself while gpudiag.cli is imported (a second or two).
+_WHILE_IMPORTING = ("import os, signal\n"
+                    "class Stop:\n"
+                    "    def find_spec(self, name, path=None, target=None):\n"
+                    "        if name == 'gpudiag.cli':\n"
+                    "            os.kill(os.getpid(), signal.{})\n"
+                    "sys.meta_path.insert(0, Stop())\n")
+_APP_STOPPED = ("import gpudiag.cli.program\n"
+                "def app():\n"
+                "    raise KeyboardInterrupt\n"
+                "gpudiag.cli.program.app = app\n")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["import", "command"])
-def test_a_ctrl_c_while_gpudiag_loads_or_stops_is_130_in_one_line(where: str) -> None:
-    """A Ctrl-C while gpudiag.cli is imported (a second or two), or one that escapes a command
-    already stopping (a second Ctrl-C), ends with 130 and one line, not SIGINT's -2 and a
-    traceback. Made certain here: the import, or the app, raises the KeyboardInterrupt."""
-    raising = {
-        "import": ("class Stop:\n"
-                   "    def find_spec(self, name, path=None, target=None):\n"
-                   "        if name == 'gpudiag.cli':\n"
-                   "            raise KeyboardInterrupt\n"
-                   "sys.meta_path.insert(0, Stop())\n"),
-        "command": ("import gpudiag.cli.program\n"
-                    "def app():\n"
-                    "    raise KeyboardInterrupt\n"
-                    "gpudiag.cli.program.app = app\n"),
-    }[where]
-    code = f"import sys\n{raising}from gpudiag.launch import main\nmain()\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+@pytest.mark.parametrize(("raising", "code", "said"), [
+    (_WHILE_IMPORTING.format("SIGINT"), 130, "SIGINT (Ctrl-C)"),
+    (_WHILE_IMPORTING.format("SIGTERM"), 143, "SIGTERM"),
+    (_WHILE_IMPORTING.format("SIGHUP"), 129, "SIGHUP"),
+    (_APP_STOPPED, 130, "SIGINT (Ctrl-C)"),
+    # A second Ctrl-C as Python shuts down (issue 56: a gate's double Ctrl-C exited -2).
+    ("import atexit, os, signal, time\n"
+     "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
+     + _APP_STOPPED, 130, "SIGINT (Ctrl-C)"),
+], ids=["sigint-import", "sigterm-import", "sighup-import", "command", "twice"])
+def test_a_stop_while_gpudiag_loads_or_stops_is_its_code_in_one_line(
+        raising: str, code: int, said: str) -> None:
+    """A stop while gpudiag.cli is imported, or one that escapes a command already stopping
+    (a second Ctrl-C), ends with its code and one line, not the signal's default action (-2,
+    or SIGTERM's and SIGHUP's silent kill; issue 56) and a traceback; a second one while
+    Python shuts down changes nothing. Made certain here: the case signals itself there."""
+    program = f"import sys\n{raising}from gpudiag.launch import main\nmain()\n"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           check=False)
-    assert done.returncode == 130, (done.returncode, done.stderr)
-    assert done.stderr == "gpudiag: stopped by SIGINT (Ctrl-C)\n"
+    assert done.returncode == code, (done.returncode, done.stderr)
+    assert done.stderr == f"gpudiag: stopped by {said}\n"
 
 
 @pytest.mark.parametrize(("stop", "code", "name"), [
@@ -210,6 +223,41 @@ def test_a_bug_in_any_command_is_one_line_and_exit_70(
 
     monkeypatch.setattr(gpudiag.present, "rules_markdown", broken)
     _internal_error(invoke(["rules", "--markdown"]), temp_dir, "KeyError: 'GD101'")
+
+
+@pytest.mark.parametrize(("escaped", "said"), [
+    (SystemExit(3), "SystemExit: 3"), (SystemExit(), "SystemExit"),
+    (GeneratorExit(), "GeneratorExit")], ids=["systemexit-3", "systemexit", "generatorexit"])
+def test_a_systemexit_or_generatorexit_from_inside_is_a_bug_not_an_outcome(
+        temp_dir: Path, monkeypatch: pytest.MonkeyPatch, escaped: BaseException,
+        said: str) -> None:
+    """A library's SystemExit(3) inside a command exited 3, which reads "the gate is
+    undecided", in silence; a GeneratorExit printed a 44-line traceback and exited 1 (issue
+    56). Both are bugs: one line, 70, the traceback in its file."""
+    import gpudiag.present
+
+    def raising(*_: object) -> str:
+        raise escaped
+
+    monkeypatch.setattr(gpudiag.present, "rules_markdown", raising)
+    _internal_error(invoke(["rules", "--markdown"]), temp_dir, said)
+
+
+def test_a_working_directory_removed_under_gpudiag_is_one_line_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        ) -> None:
+    """Started from a folder removed under the shell, `profile` and `gate` ended in an
+    internal error (70), `run` in oneMKL's "FATAL ERROR" (issue 56): it is said, exit 2."""
+    from gpudiag import launch
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert launch._outcome() == ExitCode.BAD_INPUT
+    assert capsys.readouterr().err == (
+        "gpudiag: error: the working directory no longer exists (it was removed after this "
+        "shell entered it): cd to a folder that exists\n")
 
 
 def test_an_oserror_naming_no_path_is_a_bug_but_one_naming_a_path_is_bad_input(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from gpudiag.model.options import (
     RunOptions,
     check_calibrate_options,
     check_gate_options,
+    check_ranges,
     option_fields,
     options_of,
     profile_config,
@@ -111,6 +113,22 @@ def test_bad_input(kwargs: dict[str, object], message: str) -> None:
     options.update(kwargs)
     with pytest.raises(BadInput, match=message):
         build_config(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cls", [RunOptions, ProfileOptions, GateOptions])
+def test_every_number_option_is_bounded_above(cls: type[Any]) -> None:
+    """`run --iters 99999999999999999999` and `--min-seconds 1e300` were accepted and ran
+    until killed (issue 56): every number any command takes has a most a real job could need,
+    and a value past it (an int of hundreds of digits, 1e300) is one line naming the limit.
+    --host-sample-hz has its own most, with its reason (profile_config)."""
+    for f, spec, hint in option_fields(cls):
+        if not any(t in (int, float) for t in typing.get_args(hint) or (hint,)) \
+                or hint is bool or f.name == "host_sample_hz":
+            continue
+        assert spec.most is not None, f"{spec.flag} has no most"
+        huge = 10 ** 400 if int in (typing.get_args(hint) or (hint,)) else 1e300
+        with pytest.raises(BadInput, match=f"^{spec.flag} must be at most [0-9,]+ "):
+            check_ranges(cls(**{f.name: huge}))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -57,3 +57,31 @@ def test_a_stop_raised_where_python_drops_exceptions_is_raised_at_the_next_step(
         with pytest.raises(Terminated):
             handler(signal.SIGTERM, sys._getframe())  # anywhere else: raised at once
     raise_if_stopped()  # closed: nothing
+
+
+def test_the_sigterm_hook_leaves_an_exiting_script_to_end() -> None:
+    """In-process: a SIGTERM handled where the main module's code is no longer on the stack
+    (an atexit callback; here a thread, whose stack has none either) raises nothing and starts
+    no timer; the same SIGTERM while the script runs is left to the step boundary."""
+    import os
+    import signal
+    import threading
+    from types import FrameType, SimpleNamespace
+    from typing import Any
+
+    import pytest
+
+    from gpudiag.measure.profile.inscript import lifecycle
+    from gpudiag.measure.profile.inscript.recorder import Stop
+
+    recorder: Any = SimpleNamespace(pid=os.getpid(), steps=3, finished=True, stop=Stop())
+    frames: list[FrameType] = []
+    thread = threading.Thread(target=lambda: frames.append(sys._getframe()))
+    thread.start()
+    thread.join()
+    assert lifecycle._script_running(sys._getframe())  # pytest's own __main__ is below
+    assert not lifecycle._script_running(frames[0])
+    lifecycle._exit_on_sigterm(recorder, signal.SIGTERM, frames[0])  # no SystemExit
+    assert recorder.stop.seen and recorder.stop.signal is None
+    with pytest.raises(SystemExit):  # finished, yet its own code still running: exit now
+        lifecycle._exit_on_sigterm(recorder, signal.SIGTERM, sys._getframe())

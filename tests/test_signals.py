@@ -812,3 +812,35 @@ def test_a_stopped_script_is_said_to_stop_at_its_own_line_not_gpudiags() -> None
     inside = traceback.StackSummary.from_list(frames[2:])  # the script's own not on the stack
     where = _users_frame(inside)
     assert where is not None and where.filename == str(library)
+
+
+def test_a_sigterm_while_the_script_exits_is_quiet_and_keeps_its_steps(tmp_path: Path) -> None:
+    """A SIGTERM that reaches the script once its code has ended (its own atexit cleanup, or
+    the recorder writing its part; issue 56: during a re-run's copy) raised SystemExit inside
+    the atexit callback: "Exception ignored" and a traceback from lifecycle.py, and a part cut
+    short. It now lets the exit finish: 143, no traceback, every step kept."""
+    out, marker = tmp_path / "run", tmp_path / "in-atexit"
+    script = tmp_path / "train.py"
+    # Longer than lifecycle.STOP_AT_STEP_S, after which the old handler raised anyway.
+    script.write_text(textwrap.dedent(f"""
+        import atexit, time
+        from pathlib import Path
+        import gpudiag
+
+        def cleanup():
+            Path({str(marker)!r}).touch()
+            time.sleep(3.5)
+
+        atexit.register(cleanup)
+        for _ in range(8):
+            gpudiag.step()
+    """))
+    process = _start(["profile", "--no-plots", "--no-rerun", "--telemetry", "off",
+                      "--host-sample-hz", "0", "--warmup", "1", "--timed", "5", "--steps", "1",
+                      "--out", str(out), "--", sys.executable, str(script)], tmp_path)
+    code, stderr, seconds, below = _stop(process, signal.SIGTERM, group=False,
+                                         ready=marker.exists)
+    _assert_clean_stop(code, stderr, seconds, below, signal.SIGTERM)
+    run = load_run(out)
+    assert run.stages and len(run.stages[0].iter_ms) == 5, stderr
+

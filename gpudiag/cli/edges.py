@@ -45,6 +45,16 @@ class _StopEscaped(Exception):
         self.stop = stop
 
 
+class _Escaped(Exception):
+    """A BaseException neither a stop nor an Exception that left a command: a SystemExit of a
+    dependency's (its code would pass for one of gpudiag's own: 3 reads "undecided"), a
+    GeneratorExit. A bug, as any exception is; carried past Typer in this."""
+
+    def __init__(self, escaped: BaseException) -> None:
+        super().__init__(type(escaped).__name__)
+        self.escaped = escaped
+
+
 class OneLineErrors(typer.core.TyperGroup):
     """Turns usage errors, gpudiag's own errors and any other exception (a bug: its traceback
     goes to a file) into one line and a documented exit code."""
@@ -54,6 +64,10 @@ class OneLineErrors(typer.core.TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt as exc:
             raise _StopEscaped(exc) from exc
+        except Exception:
+            raise
+        except BaseException as exc:  # gpudiag's own ends are typer.Exit, an Exception
+            raise _Escaped(exc) from exc
 
     # windows_expand_args (newer click only) travels in **extra, so older Typers work too.
     def main(self, args: Sequence[str] | None = None,  # type: ignore[override]
@@ -86,7 +100,7 @@ class OneLineErrors(typer.core.TyperGroup):
         except _Aborts as exc:  # older Typers' wrapper of a KeyboardInterrupt while parsing
             code = _stopped_by(exc.__cause__ or exc.__context__)
         except Exception as exc:  # a bug in gpudiag (typer.Exit's code came back as `code`)
-            code = _internal_error(exc, argv)
+            code = _internal_error(exc.escaped if isinstance(exc, _Escaped) else exc, argv)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
@@ -97,7 +111,7 @@ def _path_error(exc: OSError) -> ExitCode:
     return ExitCode.BAD_INPUT
 
 
-def _internal_error(exc: Exception, argv: Sequence[str]) -> ExitCode:
+def _internal_error(exc: BaseException, argv: Sequence[str]) -> ExitCode:
     """One line, never a traceback on the terminal: the traceback goes to a new file."""
     typer.echo(f"gpudiag: {internal_error_line(exc, argv)}", err=True)
     return ExitCode.INTERNAL_ERROR

@@ -18,7 +18,7 @@ from gpudiag.diagnose.trials import merge_trials
 from gpudiag.measure.interrupts import signals_ignored, stop_deferred, stop_on_signals
 from gpudiag.model.config import RunConfig
 from gpudiag.model.errors import BadInput, ExitCode
-from gpudiag.model.options import RunOptions, options_of
+from gpudiag.model.options import MAX_TRIALS, RunOptions, check_most, options_of
 from gpudiag.model.results import RunResult
 from gpudiag.model.runfile import to_jsonable
 
@@ -63,6 +63,7 @@ def run_ladder(options: RunOptions, *, out: Path | None, as_json: bool, trials: 
 
     if trials < 1:
         raise BadInput(f"--trials must be positive (got {trials})")
+    check_most("--trials", trials, MAX_TRIALS)
     config, notes = build_config(options)
     run_dir = prepare_run_dir(out, default_run_dir(options.model), force=force)
     if config.checkpoint_dir is None:

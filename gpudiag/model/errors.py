@@ -42,7 +42,7 @@ class ExitCode(IntEnum):
         "none); a run.json that does not fit the schema or contradicts itself; incomparable "
         "runs (other workload, precision, GPU, driver or torch); the same run on both sides; an "
         "interrupted baseline; a command `profile` cannot start; a `--rerun-writable` folder "
-        "inside the working directory or holding it")
+        "inside the working directory or holding it; a working directory that no longer exists")
     INCONCLUSIVE = 3, (
         "the gate is undecided under `--on-inconclusive fail`: it says what it could not see "
         "and how many trials would tell")
@@ -56,7 +56,9 @@ class ExitCode(IntEnum):
         "where the base did (its trial's error is above)")
     INTERNAL_ERROR = 70, (
         "a bug in gpudiag (EX_SOFTWARE in sysexits.h): one line on stderr names the exception "
-        "and a new file in the temporary directory holding its traceback; please report it")
+        "(a `SystemExit` or `GeneratorExit` a library raised inside gpudiag included: never "
+        "passed on as one of the codes here) and a new file in the temporary directory holding "
+        "its traceback; please report it")
     HUNG_UP = 129, (
         "stopped by SIGHUP (the terminal closed, an ssh session dropped); the partial run is "
         "written, and a profiled script is stopped with it")

@@ -40,6 +40,17 @@ from gpudiag.model.remedies import FIX_SEED, REMEDIES
 
 Check = Literal["", "positive", "non-negative"]
 MAX_HOST_SAMPLE_HZ = 1000.0
+# The most any option asks for, as a real job could need it; past these a run would only run
+# until it is killed (`--iters 99999999999999999999`, `--min-seconds 1e300`), so they are bad
+# input, said with the limit.
+MAX_STEPS = 10_000_000  # timed, warm-up or steady steps: days of training at a millisecond
+MAX_PROFILED_STEPS = 1_000  # a profiler window's: each step's trace is megabytes
+MAX_SECONDS = 7 * 24 * 3600.0  # a week of timing a stage
+MAX_TRIALS = 1_000  # fresh processes a side
+MAX_PROCESSES = 1_024  # ranks or DataLoader workers on one node
+MAX_NODES = 65_536
+MAX_SAMPLES = 1_000_000_000  # samples a step trains on
+MAX_TOKENS = 100_000_000  # a sample's
 OnInconclusive = Literal["pass", "fail"]  # what an undecided gate exits with
 ON_INCONCLUSIVE: tuple[OnInconclusive, ...] = ("pass", "fail")
 
@@ -52,12 +63,14 @@ class OptionSpec:
     check: Check = ""
     choices: tuple[str, ...] = ()  # the values allowed (each element, for a tuple option)
     commas: bool = True  # a tuple option: each flag's value may list several, comma-separated
+    most: float | None = None  # the largest value a number may take
 
 
 def _option(default: Any, flag: str, help: str, *, aliases: tuple[str, ...] = (),
-            check: Check = "", choices: tuple[str, ...] = (), commas: bool = True) -> Any:
-    return field(default=default,
-                 metadata={"spec": OptionSpec(flag, help, aliases, check, choices, commas)})
+            check: Check = "", choices: tuple[str, ...] = (), commas: bool = True,
+            most: float | None = None) -> Any:
+    return field(default=default, metadata={
+        "spec": OptionSpec(flag, help, aliases, check, choices, commas, most)})
 
 
 @dataclass(frozen=True)
@@ -74,45 +87,53 @@ class RunOptions:
     stages: tuple[str, ...] | None = _option(None, "--stages", "Comma-separated stages "
                                              "(default: the whole ladder).")
     batch_size: int | None = _option(None, "--batch-size", "Samples per step.",
-                                     check="positive")
-    seq_len: int | None = _option(None, "--seq-len", "Tokens per sample.", check="positive")
+                                     check="positive", most=MAX_SAMPLES)
+    seq_len: int | None = _option(None, "--seq-len", "Tokens per sample.", check="positive",
+                                  most=MAX_TOKENS)
     iters: int | None = _option(None, "--iters", "Timed steps per stage (at least), every "
                                 "one timed; by default the preset's, ending from "
                                 f"{PRECISE_AFTER_STEPS} once their median is known within "
-                                f"+-{TIMED_PRECISION:.1%}.", check="positive")
+                                f"+-{TIMED_PRECISION:.1%}.", check="positive",
+                                most=MAX_STEPS)
     warmup: int | None = _option(None, "--warmup", "Untimed warm-up steps per stage.",
-                                 check="non-negative")
+                                 check="non-negative", most=MAX_STEPS)
     min_seconds: float | None = _option(None, "--min-seconds", "Keep timing each stage at "
                                         "least this long (a stage without device work at "
-                                        "most 1 s of it).", check="non-negative")
+                                        "most 1 s of it).", check="non-negative",
+                                        most=MAX_SECONDS)
     amp_dtype: str | None = _option(None, "--amp-dtype", "Mixed-precision dtype (default: "
                                     "fp16 on CUDA; on a CPU bf16 where native, else fp32).",
                                     choices=AMP_DTYPES)
     loader_workers: int | None = _option(None, "--workers", "DataLoader workers (default: "
-                                         "min(4, CPUs)).", check="non-negative")
+                                         "min(4, CPUs)).", check="non-negative",
+                                         most=MAX_PROCESSES)
     prompt_length: int = _option(3, "--prompt-length", "dgca: prompt slots on each side of "
-                                 "the sentence.", check="positive")
+                                 "the sentence.", check="positive", most=MAX_TOKENS)
     evidence_steps: int | None = _option(None, "--evidence-steps", "Profiled steps per stage, "
                                          "run after all timing (0: none; default: 2, or 1 "
                                          "where a profiled step takes over 0.25 s).",
-                                         check="non-negative")
+                                         check="non-negative",
+                                         most=MAX_PROFILED_STEPS)
     checkpoint_every: int = _option(10, "--checkpoint-every", "Steps between saves in the "
-                                    "checkpoint-* stages.", check="positive")
+                                    "checkpoint-* stages.", check="positive",
+                                    most=MAX_STEPS)
     checkpoint_dir: str | None = _option(None, "--checkpoint-dir", "Where checkpoint-* "
                                          "stages save (default: <out>/checkpoints).")
     keep_checkpoints: bool = _option(False, "--keep-checkpoints", "Leave the checkpoint "
                                      "files in place.")
     nproc: int | None = _option(None, "--nproc", "ddp stage: processes on this node "
-                                "(default: every visible GPU; 2 on a CPU).", check="positive")
-    nnodes: int = _option(1, "--nnodes", "ddp stage: nodes taking part.", check="positive")
+                                "(default: every visible GPU; 2 on a CPU).", check="positive",
+                                most=MAX_PROCESSES)
+    nnodes: int = _option(1, "--nnodes", "ddp stage: nodes taking part.", check="positive",
+                          most=MAX_NODES)
     node_rank: int = _option(0, "--node-rank", "ddp stage: this node's rank.",
-                             check="non-negative")
+                             check="non-negative", most=MAX_NODES - 1)
     rdzv_endpoint: str | None = _option(None, "--rdzv-endpoint", "ddp stage: HOST:PORT of "
                                         "the rendezvous (several nodes).")
     ddp_sweep: bool = _option(False, "--ddp-sweep", "ddp stage: also try bucket size, "
                               "accumulation with no_sync, bucket views, static graph.")
     ddp_accum: int = _option(1, "--ddp-accum", "ddp stage: micro-steps per optimizer step.",
-                             check="positive")
+                             check="positive", most=MAX_STEPS)
     ddp_no_sync: str = _option("correct", "--ddp-no-sync", "ddp stage: 'correct' (forward "
                                "and backward under no_sync) or 'backward-only' (the common "
                                "mistake, to see what it costs).", choices=DDP_NO_SYNC)
@@ -122,13 +143,15 @@ class RunOptions:
 class ProfileOptions:
     """A `gpudiag profile` as asked for (the command itself is its argument, not an option)."""
 
-    warmup: int = _option(5, "--warmup", "Steps before timing starts.", check="non-negative")
+    warmup: int = _option(5, "--warmup", "Steps before timing starts.", check="non-negative",
+                          most=MAX_STEPS)
     timed: int = _option(30, "--timed", "Timed steps, before the profiler window.",
-                         check="positive")
+                         check="positive", most=MAX_STEPS)
     evidence_steps: int | None = _option(None, "--evidence-steps", "Profiled steps (the "
                                          "evidence window; 0: none; default: 3, fewer once "
                                          "they took 0.25 s).", aliases=("--steps",),
-                                         check="non-negative")
+                                         check="non-negative",
+                                         most=MAX_PROFILED_STEPS)
     telemetry: str = _option("full", "--telemetry", "GPU telemetry in the script: full (NVML "
                              "and GPM), basic (NVML only) or off.", choices=PROFILE_TELEMETRY)
     host_sample_hz: float = _option(HOST_SAMPLE_HZ, "--host-sample-hz", "How often the "
@@ -140,7 +163,7 @@ class ProfileOptions:
                                            "trains on (in each process, under torchrun), for "
                                            "throughput; default: the first DataLoader batch's "
                                            "size, else throughput is steps per second.",
-                                           check="positive")
+                                           check="positive", most=MAX_SAMPLES)
     compile_lines: bool = _option(False, "--compile-lines", "Under torch.compile, charge "
                                   "Inductor's fused kernels to the source lines of the ops they "
                                   "fused (Inductor's provenance tracking: ~5% more compile "
@@ -198,10 +221,12 @@ class GateOptions:
     samples_per_step: int | None = _option(None, "--samples-per-step", "With --base-ref -- "
                                            "COMMAND: samples one step trains on, for "
                                            "throughput (default: the first DataLoader batch's "
-                                           "size, else steps per second).", check="positive")
-    trials: int = _option(1, "--trials", "With --base-ref: trials a side to start with.")
+                                           "size, else steps per second).", check="positive",
+                                           most=MAX_SAMPLES)
+    trials: int = _option(1, "--trials", "With --base-ref: trials a side to start with.",
+                          most=MAX_TRIALS)
     max_trials: int = _option(5, "--max-trials", "With --base-ref: add trials while the gate "
-                              "is inconclusive, up to this many a side.")
+                              "is inconclusive, up to this many a side.", most=MAX_TRIALS)
     on_inconclusive: str = _option("pass", "--on-inconclusive", "What an undecided gate exits "
                                    "with: pass (0, the summary says what it could not see) or "
                                    "fail (3).")
@@ -211,7 +236,7 @@ class GateOptions:
         "counter (ops, launches, kernels, syncs, copies, copy-bytes, flops, memory, graphs, "
         "graph-breaks; 0 = no increase). Repeat.", commas=False)
     min_iters: int = _option(10, "--min-iters", "Steady-state steps a side needs per stage.",
-                             check="positive")
+                             check="positive", most=MAX_STEPS)
     allow_mismatch: bool = _option(False, "--allow-mismatch/--no-allow-mismatch", "Gate runs "
                                    "of different model, preset, batch, precision, stages, GPU, "
                                    "driver or torch anyway.")
@@ -308,6 +333,7 @@ def check_calibrate_options(run_options: RunOptions, confine: ConfineOptions,
     if share and not command:
         raise BadInput("--share goes with a COMMAND")
     check_confine_options(confine, command)
+    check_most("--trials", trials, MAX_TRIALS)
     if from_run is None and trials < MIN_CALIBRATION_TRIALS:
         raise BadInput(f"--trials {trials}: a spread needs at least {MIN_CALIBRATION_TRIALS} "
                        "trials")
@@ -361,6 +387,18 @@ def check_ranges(options: Options) -> None:
             raise BadInput(f"{spec.flag} must be positive (got {value})")
         if spec.check == "non-negative" and value < 0:
             raise BadInput(f"{spec.flag} must be zero or more (got {value})")
+        check_most(spec.flag, value, spec.most)
+
+
+MAX_SAID_DIGITS = 40  # a longer number is said by its length
+
+
+def check_most(flag: str, value: float, most: float | None) -> None:
+    """A number past the most a real job could ask for, as a one-line BadInput."""
+    if most is not None and value > most:
+        said = f"{int(most):,}" if float(most).is_integer() else f"{most:,}"
+        got = str(value) if len(str(value)) <= MAX_SAID_DIGITS else f"{len(str(value))} digits"
+        raise BadInput(f"{flag} must be at most {said} (got {got})")
 
 
 def _check_choices(spec: OptionSpec, value: Any) -> None:

@@ -128,6 +128,11 @@ def _exit_on_sigterm(recorder: Recorder, signum: int, frame: FrameType | None) -
     # A signal pending at a fork runs its handler in the new child too, before multiprocessing
     # has set parent_process(): a pid other than the one that installed the hook is a child.
     if parent is None and recorder.pid == os.getpid():
+        if not _script_running(frame):
+            # Its code has ended and it is exiting (atexit: its own callbacks, then the
+            # recorder's finish, which writes the part): a SystemExit raised there would be
+            # printed as "Exception ignored" with a traceback, and would cut the part short.
+            return
         if recorder.stop.signal is None and recorder.steps and not recorder.finished:
             recorder.stop.signal = signum
             timer = threading.Timer(STOP_AT_STEP_S, _thread.interrupt_main, (signum,))
@@ -141,6 +146,17 @@ def _exit_on_sigterm(recorder: Recorder, signum: int, frame: FrameType | None) -
     if not loader_worker or parent is None or not parent.is_alive():
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def _script_running(frame: FrameType | None) -> bool:
+    """Whether the main module's own code is still on the stack: it is not once the script
+    has ended and Python runs its atexit callbacks (`python -m` and `-c` run it as a
+    `<module>` frame named __main__ too)."""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _interrupt(recorder: Recorder, signum: int, frame: FrameType | None) -> None:
