@@ -482,6 +482,19 @@ def test_a_gloo_job_bound_by_its_transfer_is_priced_on_the_transfer_alone() -> N
     assert not _one(run, "GD804")
 
 
+def test_cpu_ranks_that_take_turns_being_late_have_no_straggler() -> None:
+    """Lightning's 2 ranks on a loaded 2-core CI machine (issue 55): the scheduler makes each
+    late in turn, so each waits long in some steps; no rank's own work is slower, and GD804
+    stays silent. The same waits, always rank 0's, name rank 1."""
+    turns = script_run(_gloo_rank(0, [30.0, 1.0, 30.0, 1.0, 30.0, 1.0], steps=6),
+                       _gloo_rank(1, [1.0, 30.0, 1.0, 30.0, 1.0, 31.0], steps=6), device="cpu")
+    assert not _one(turns, "GD804")
+    steady = script_run(_gloo_rank(0, [30.0, 30.0, 30.0, 30.0, 30.0, 1.0], steps=6),
+                        _gloo_rank(1, [1.0, 1.0, 1.0, 1.0, 1.0, 30.0], steps=6), device="cpu")
+    (f,) = _one(steady, "GD804")
+    assert f.evidence["slow_rank"] == 1
+
+
 def test_collectives_held_longer_than_the_step_give_no_impossible_figures() -> None:
     """The issue's run: gloo held 12.7 ms of a 12.4 ms timed step (window 12.0 ms): the share
     is at most the whole step, nothing is negative, and no accumulation count is divided out

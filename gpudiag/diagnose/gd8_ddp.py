@@ -35,6 +35,7 @@ COMM_BOUND_SHARE = 0.30
 COMM_CRITICAL_SHARE = 0.50
 WARNING_EXTRA_ROUNDS = 0.05  # a profiled job's extra rounds holding this share of the step
 STRAGGLER_WARNING_LOST = 0.05
+STRAGGLER_STEADY = 0.8  # CPU ranks: the waiting rank waits longer in this share of steps
 SYMPTOM_RANK = 0.99  # GD803's impact, of GD802's, when extra all-reduce rounds explain it
 HOST_BOUND_IDLE = 0.5  # a GPU idle this much of the step: the host sets the pace
 # A step with less than this share of it left beside its collectives: the rest is within the
@@ -522,6 +523,24 @@ class _Job:
         """The transfer in the timed step's milliseconds: never more than the step."""
         return self.share * self.step_ms
 
+    def waits_first(self, waiter: int, other: int) -> float | None:
+        """The share of steps in which rank `waiter` waited longer than rank `other` (by
+        ranks' places in the job), call by call; None without call-by-call times."""
+        calls = self._matched_calls()
+        steps = self.ranks[0].evidence.steps if self.ranks else 0
+        if calls is None or not steps or len(calls[0]) % steps:
+            return None
+        per_step = len(calls[0]) // steps
+        least = [min(times) for times in zip(*calls, strict=True)]
+
+        def longest(times: list[float], i: int) -> float:
+            return max(t - low for t, low in zip(times[i:i + per_step], least[i:i + per_step],
+                                                 strict=True))
+
+        first = [longest(calls[waiter], i) > longest(calls[other], i)
+                 for i in range(0, len(least), per_step)]
+        return sum(first) / len(first)
+
     def waits(self) -> dict[int, float]:
         """Each rank's wait per step for a later rank, in the timed step's milliseconds. Call
         by call a rank's time above the least any rank held that call is its wait; a step's
@@ -632,6 +651,12 @@ def _long_wait(job: _Job) -> _Straggler | None:
     wait, transfer = waits[fast.rank], job.transfer_ms
     if wait <= 0 or wait < COMM_EXPLAINS * (wait + transfer) or not job.step_ms:
         return None
+    # A straggler is late step after step; ranks a loaded CPU deschedules in turn take turns
+    # being late (Lightning's 2 ranks on a 2-core CI machine), which is no rank's extra work.
+    places = {id(r): i for i, r in enumerate(job.ranks)}
+    first = job.waits_first(places[id(fast)], places[id(slow)])
+    if first is None or first < STRAGGLER_STEADY:
+        return None
     return _Straggler(
         slow, fast, lost=min(1.0, wait / job.step_ms),
         said=(f"rank {fast.rank} waits {wait:.1f} ms per step inside the all-reduce for it to "
@@ -660,7 +685,10 @@ def _long_wait(job: _Job) -> _Straggler | None:
                 Threshold("warning_lost", STRAGGLER_WARNING_LOST,
                           "the slow rank's extra work (the others' wait) over the step: "
                           "warning"),
-                Threshold("critical_lost", COMM_CRITICAL_SHARE, "... critical")),
+                Threshold("critical_lost", COMM_CRITICAL_SHARE, "... critical"),
+                Threshold("steady_share", STRAGGLER_STEADY,
+                          "CPU ranks: the waiting rank waits longer in 80% of the steps (ranks "
+                          "a loaded CPU deschedules in turn take turns being late)")),
     references=("https://pytorch.org/docs/stable/notes/ddp.html",),
 )
 def ddp_straggler(run: RunResult) -> Iterator[Draft]:
