@@ -2,7 +2,9 @@
 # Issue 57 on a GPU, one call: the memory timeline, its owners and growth (GD403, named at the
 # line that keeps the tensors) on examples/kept_logits.py keeping every step's logits (131 MB a
 # step), keeping a slice, and capped at 4 GiB so that it dies of out-of-memory (GD404); and
-# the cost of reading each step's memory (the watch's step_ended, timed in a loop).
+# the cost of reading each step's memory (the watch's step_ended, timed in a loop). With a
+# second argument `allocator`: examples/growing_lengths.py (GD405), expandable segments
+# measured by --try-fixes, instead of the kept_logits runs.
 # Run from the project root on a GPU machine; writes under $1 (default reports/memory).
 set -uo pipefail
 out=${1:-reports/memory}
@@ -14,9 +16,14 @@ profile() {  # NAME LIMIT_S GPUDIAG_OPTIONS... -- COMMAND...
   echo "$name exit $? in $((SECONDS - start)) s" | tee -a "$out/exits.txt"
 }
 : > "$out/exits.txt"
-profile kept_logits 90 -- python3 examples/kept_logits.py
-KEEP=slice profile kept_slice 90 -- python3 examples/kept_logits.py
-MEM_CAP_GIB=4 profile kept_logits_capped 90 -- python3 examples/kept_logits.py
+if [ "${2:-}" = allocator ]; then
+  profile growing_lengths 240 --try-fixes --fix expandable-segments -- \
+    python3 examples/growing_lengths.py
+else
+  profile kept_logits 90 -- python3 examples/kept_logits.py
+  KEEP=slice profile kept_slice 90 -- python3 examples/kept_logits.py
+  MEM_CAP_GIB=4 profile kept_logits_capped 90 -- python3 examples/kept_logits.py
+fi
 python3 - > "$out/watch_cost.txt" <<'PY'
 import time, torch
 from gpudiag.measure.profile.inscript.watches.memory import MemoryWatch
@@ -54,6 +61,9 @@ for folder in sorted(p for p in out.iterdir() if (p / "run.json").is_file()):
         owners = stage.facts.script.owners if stage.facts.script else None
         if owners is not None:
             print(f"   owners: {owners}")
+    for fix in run.fixes:
+        print(f"   fix {fix.remedy}: {fix.status} {fix.speedup} ({fix.speedup_low}-"
+              f"{fix.speedup_high}) {fix.equivalence}; {fix.note}")
     for stage in run.stages:
         m = stage.facts.script.memory if stage.facts.script else None
         if m is not None:
