@@ -91,6 +91,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, used: list[int]) -> None:
     monkeypatch.setattr(cuda, "memory_stats_as_nested_dict", lambda *a: {
         "allocated_bytes": {"all": {"current": used[-1] * MIB, "peak": max(used) * MIB}},
         "reserved_bytes": {"all": {"current": (used[-1] + 512) * MIB}},
+        "allocation": {"all": {"current": 10 * len(used)}},
         "num_device_alloc": len(used)})
     monkeypatch.setattr(cuda, "memory_stats", lambda *a: {"num_alloc_retries": 2,
                                                           "num_ooms": 0})
@@ -114,6 +115,7 @@ def test_a_cuda_scripts_allocator_is_read_from_the_step_it_starts_using_it(
     assert memory.reserved_mib == [0.0, 0.0, 1712.0, 1812.0, 1912.0]
     assert memory.peak_mib[-1] == 1400.0 and len(memory.resident_mib) == 5
     assert memory.device_allocs == [0, 0, 1, 2, 3]
+    assert memory.live_blocks == [0, 0, 10, 20, 30]
     assert memory.device_total_mib == 80 * 1024 and memory.alloc_retries == 2
     peaks = recorder_module._device_peaks(memory)
     assert peaks is not None and peaks.peak_allocated_mib == 1400.0

@@ -1044,6 +1044,26 @@ def test_rule_near_miss(code: str, index: int) -> None:
 # Rule-specific behaviour beyond the threshold pairs.
 
 
+def test_tensors_that_grow_without_growing_in_number_are_no_leak() -> None:
+    """examples/growing_lengths.py on an H200: the step's batch grows 4 MiB a step (a length
+    curriculum), the allocator's live allocations flat: information, no list to blame, and
+    GD405's cudaMalloc calls are named beside it; one more live allocation a step is kept
+    tensors, a warning."""
+    inputs = gd405(mallocs=2.0, per_step=4.0 * 60 / 50 + 2)
+    script = inputs.stages[0].facts.script
+    assert script is not None and script.memory is not None
+    script.memory.live_blocks = [120] * 60
+    (f,) = findings_of("GD403", inputs)
+    assert f.severity == "info" and "without growing in number" in f.title
+    assert f.evidence["more_live_blocks"] is False
+    (g,) = findings_of("GD405", inputs)
+    assert g.severity == "warning"
+    script.memory.live_blocks = [120 + i for i in range(60)]
+    (h,) = findings_of("GD403", inputs)
+    assert h.severity == "warning" and h.evidence["more_live_blocks"] is True
+    assert not findings_of("GD405", inputs)
+
+
 def test_allocator_misses_name_retries_and_rare_mallocs_and_take_the_remedys_price() -> None:
     """A retry is a warning whatever the count; a cudaMalloc every 10 steps is information;
     once --try-fixes measured expandable segments, that saving is the price."""

@@ -16,6 +16,10 @@ MIN_FREES = 0.5
 # Growth: over at least GROWTH_MIN_STEPS steps' changes (gpudiag's window apart), at least
 # GROWTH_MIN_MIB in all, in each half at least GROWTH_HALF of it (a leak, not one jump).
 GROWTH_MIN_STEPS, GROWTH_MIN_MIB, GROWTH_HALF, GROWTH_SKIP = 10, 64.0, 0.25, 3
+# Kept tensors add live allocations: at least one every 20 counted steps (and 2 in all); bytes
+# that grow without them are tensors that grew (examples/growing_lengths.py on an H200: +4 MiB
+# a step, the live allocations flat).
+MORE_BLOCKS_PER_STEP, MIN_MORE_BLOCKS = 0.05, 2
 
 
 @rule(
@@ -115,6 +119,9 @@ class Growth:
     first: int  # the first step counted
     now_mib: float  # at the last step listed
     limit_mib: float | None  # what it runs into: the device, or the host's memory
+    # CUDA: whether the live allocations grew with the bytes (kept tensors) or not (tensors
+    # that grew: larger inputs each step); None where not counted
+    more_blocks: bool | None = None
     # The rate is a kept container's (KeptTensors: its bytes a step), not the counters': a
     # CPU's resident set, blurred by the allocator's reuse and trimming, may hide it.
     from_kept: bool = False
@@ -151,8 +158,11 @@ def growth(memory: MemoryTimeline, warmup: int,
     if total < GROWTH_MIN_MIB or min(sum(changes[:half]), sum(changes[half:])) \
             < GROWTH_HALF * total:
         return None
+    blocks = memory.live_blocks if cuda and len(memory.live_blocks) == len(series) else []
+    more = None if not blocks else \
+        blocks[-1] - blocks[first] >= max(MIN_MORE_BLOCKS, MORE_BLOCKS_PER_STEP * len(changes))
     return Growth(series="allocated" if cuda else "resident", mib=total, steps=len(changes),
-                  first=first, now_mib=series[-1],
+                  first=first, now_mib=series[-1], more_blocks=more,
                   limit_mib=memory.device_total_mib if cuda else memory.host_total_mib)
 
 
@@ -193,7 +203,11 @@ GROWTH_THRESHOLDS = (
     Threshold("half_share", GROWTH_HALF,
               "each half of the steps holds a quarter of the growth: it goes on"),
     Threshold("skipped_steps", GROWTH_SKIP,
-              "the first steps make the optimizer's state: not counted"))
+              "the first steps make the optimizer's state: not counted"),
+    Threshold("more_blocks_per_step", MORE_BLOCKS_PER_STEP,
+              "CUDA: kept tensors add a live allocation every 20 steps or more; bytes that "
+              "grow without them are tensors that grew (information)"),
+    Threshold("min_more_blocks", MIN_MORE_BLOCKS, "... and at least 2 in all"))
 
 
 @rule(
@@ -246,6 +260,19 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
                                 "added_per_step": kept.added_per_step,
                                 "mib_per_step": round(kept.bytes_per_step / 2**20, 2),
                                 "graph_kept": kept.graph_kept}
+        evidence["more_live_blocks"] = found.more_blocks
+        if found.more_blocks is False and kept is None:
+            # As many tensors at every step's end, each larger: growing inputs, no leak.
+            yield Draft(
+                severity="critical" if dies else "info", stage=stage.name, impact=0.0,
+                title=("The tensors a step holds at its end grow without growing in number "
+                       "(larger inputs or buffers each step: a length curriculum, batches "
+                       f"sorted by length), not kept tensors; {grows}"),
+                evidence=evidence,
+                fix=("If the sizes grow by design, bound them (a maximum length, a few length "
+                     "buckets) so that the largest step fits; memory held at the step's end "
+                     "is its inputs' and the model's."))
+            continue
         yield Draft(
             severity="critical" if dies else "warning", stage=stage.name,
             title=(f"{_what_keeps(kept)}: {grows}" if kept is not None
@@ -466,8 +493,8 @@ def _steady_mallocs(memory: MemoryTimeline, warmup: int,
 def allocator_misses(run: RunResult) -> Iterator[Draft]:
     """A profiled CUDA script whose allocator called cudaMalloc past its warm-up at least once
     every 20 steps (a warning from one every other step), or retried after freeing its cache
-    (a warning); not where memory grows (GD403: growth needs new memory) or the script empties
-    the cache every step (GD402 names it)."""
+    (a warning); not where kept tensors grow (GD403: growth needs new memory) or the script
+    empties the cache every step (GD402 names it)."""
     for stage in run.ok_stages():
         script = stage.facts.script
         memory = script.memory if script else None
@@ -475,7 +502,8 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
             continue
         timeline = script.timeline
         window = (timeline.window_start, timeline.window_end) if timeline else (None, None)
-        if growth(memory, script.warmup, window) is not None or (
+        grown = growth(memory, script.warmup, window)
+        if (grown is not None and grown.more_blocks is not False) or (
                 stage.evidence is not None and stage.evidence.empty_cache_per_step >= MIN_FREES):
             continue
         mallocs, counted = _steady_mallocs(memory, script.warmup, window)

@@ -459,6 +459,9 @@ class MemoryTimeline:
     # CUDA: the allocator's cudaMalloc calls so far (in steady state none: each is a device
     # sync and a cost the allocator's cache exists to avoid)
     device_allocs: list[int] = field(default_factory=list)
+    # CUDA: the allocator's live allocations (tensors' blocks) at each step's end: memory that
+    # grows with them is kept tensors, without them tensors that grew (a length curriculum)
+    live_blocks: list[int] = field(default_factory=list)
     device_total_mib: float | None = None
     host_total_mib: float | None = None  # the machine's physical memory
     # The allocator's counters at the run's end (torch.cuda.memory_stats): cudaMalloc retries

@@ -125,6 +125,7 @@ class MemoryWatch(Watch):
         self.reserved: list[float] = []
         self.peak: list[float] = []
         self.mallocs: list[int] = []  # cudaMalloc calls so far, at each step's end
+        self.blocks: list[int] = []  # live allocations at each step's end
         self.oom: OutOfMemory | None = None
         self.resident: list[float] = []
         self.cuda = False
@@ -141,6 +142,7 @@ class MemoryWatch(Watch):
                 zeros = [0.0] * len(self.resident)
                 self.allocated, self.reserved, self.peak = zeros, list(zeros), list(zeros)
                 self.mallocs = [0] * len(self.resident)
+                self.blocks = [0] * len(self.resident)
         if self.cuda:
             # One read of the allocator's counters, as it keeps them (16 us on an H200;
             # torch.cuda.memory_allocated() flattens them all first: 105 us each,
@@ -150,6 +152,7 @@ class MemoryWatch(Watch):
             self.reserved.append(round(stats["reserved_bytes"]["all"]["current"] / _MIB, 1))
             self.peak.append(round(stats["allocated_bytes"]["all"]["peak"] / _MIB, 1))
             self.mallocs.append(int(stats.get("num_device_alloc", 0)))
+            self.blocks.append(int(stats["allocation"]["all"]["current"]))
         self.resident.append(round(resident_mib(self.statm), 1))
 
     def crashed(self, exc: BaseException) -> None:
@@ -164,6 +167,7 @@ class MemoryWatch(Watch):
                                 reserved_mib=self.reserved[:listed],
                                 peak_mib=self.peak[:listed],
                                 device_allocs=self.mallocs[:listed],
+                                live_blocks=self.blocks[:listed],
                                 resident_mib=self.resident[:listed],
                                 host_total_mib=_host_total_mib(), oom=self.oom)
         if self.cuda:
