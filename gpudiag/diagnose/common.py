@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from gpudiag.model.results import RunResult, SourceLine, StageResult
+from gpudiag.model.results import MeasuredFix, RunResult, SourceLine, StageResult
 
 
 def reference_stage(run: RunResult, stage: StageResult) -> StageResult | None:
@@ -57,9 +57,18 @@ def duration(ms: float) -> str:
     return f"{ms / 60e3:,.0f} min" if ms < 2 * 3600e3 else f"{ms / 3600e3:,.1f} h"
 
 
+def measured_fix(run: RunResult, remedy: str) -> MeasuredFix | None:
+    """`remedy` as --try-fixes measured it (None: not measured, or it changed nothing)."""
+    return next((f for f in run.fixes if f.remedy == remedy and f.status == "measured"
+                 and not f.changed_nothing and f.speedup), None)
+
+
 def measured_saving(run: RunResult, remedy: str) -> float | None:
-    """The share of the mean step `remedy` saved, as --try-fixes measured it (None: not
-    measured, or it changed nothing)."""
-    fix = next((f for f in run.fixes if f.remedy == remedy and f.status == "measured"
-                and not f.changed_nothing and f.speedup), None)
-    return None if fix is None or fix.speedup is None else max(0.0, 1.0 - 1.0 / fix.speedup)
+    """The share of the mean step `remedy` saved, as --try-fixes measured it: 0 where its
+    interval reaches 1 (no faster than the noise between runs); None: not measured."""
+    fix = measured_fix(run, remedy)
+    if fix is None or fix.speedup is None:
+        return None
+    if fix.speedup_low is not None and fix.speedup_low <= 1.0:
+        return 0.0
+    return max(0.0, 1.0 - 1.0 / fix.speedup)

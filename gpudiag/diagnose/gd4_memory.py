@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gpudiag.diagnose.common import duration, measured_saving, pct
+from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule
 from gpudiag.model.facts import KeptTensors, MemoryTimeline, OutOfMemory
@@ -511,14 +511,19 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
         if (mallocs < MALLOC_MIN or counted < GROWTH_MIN_STEPS) and not retries:
             continue
         saved = measured_saving(run, "expandable-segments")
-        price = (f"turning expandable segments on measured {pct(saved)} faster" if saved
-                 is not None else "not priced: `gpudiag profile --try-fixes` measures "
-                 "expandable segments")
+        fix = measured_fix(run, "expandable-segments")
+        price = ("not priced: `gpudiag profile --try-fixes` measures expandable segments"
+                 if saved is None or fix is None else
+                 f"turning expandable segments on measured {pct(saved)} faster" if saved else
+                 f"turning expandable segments on measured no faster ({fix.speedup:.2f}x, "
+                 f"{fix.speedup_low or 0:.2f}-{fix.speedup_high or 0:.2f}): the misses cost "
+                 "little here")
         said = [f"{mallocs:.2f} cudaMalloc calls a step past warm-up"] if mallocs >= MALLOC_MIN \
             else []
         said += [f"{retries} retries after freeing the whole cache"] if retries else []
         yield Draft(
-            severity="warning" if retries or mallocs >= MALLOC_WARNING else "info",
+            severity="warning" if (retries or mallocs >= MALLOC_WARNING) and saved != 0.0
+            else "info",
             stage=stage.name, impact=saved or 0.0,
             title=f"The CUDA allocator misses its cache: {' and '.join(said)}; {price}",
             evidence={"mallocs_per_step": round(mallocs, 3), "steps_counted": counted,
