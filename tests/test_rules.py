@@ -31,6 +31,7 @@ from gpudiag.model.facts import (
     LoaderEpoch,
     LoaderFacts,
     LoaderUse,
+    MemoryOwners,
     MemoryTimeline,
     OptimizerFacts,
     OutOfMemory,
@@ -1042,6 +1043,30 @@ def test_rule_near_miss(code: str, index: int) -> None:
 
 
 # Rule-specific behaviour beyond the threshold pairs.
+
+
+def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_batch_fits(
+        ) -> None:
+    """A host-paced step of 32 samples using 1.5 of 80 GiB (issue 57): its activations, batch
+    and temporaries (1 GiB) scale with the batch, its weights, gradients and state (0.5 GiB)
+    do not; a batch of ~(0.9 x 80 - 0.5) / 1 x 32 = 2,288 would fit. Without owners, nothing
+    is said of memory."""
+    run = gd102(excess=0.5)
+    stage = run.stages[1]
+    gib = 2**30
+    stage.samples_per_step = 32
+    stage.facts.script = ScriptFacts(
+        steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
+        memory=MemoryTimeline(device="cuda", device_total_mib=80 * 1024.0),
+        owners=MemoryOwners(device="cuda", step=35, parameters=gib // 8, gradients=gib // 8,
+                            optimizer_state=gib // 4, activations=gib // 2, peak=3 * gib // 2))
+    (f,) = findings_of("GD102", run)
+    assert f.evidence["largest_batch"] == 2288
+    assert ("The step uses 1.50 of the device's 80 GiB (2%) at its peak: 1.00 GiB scale with "
+            "the batch") in f.fix
+    assert "a batch of up to ~2,288 (now 32) would fit in 90% of it" in f.fix
+    (bare,) = findings_of("GD102", gd102(excess=0.5))
+    assert "largest_batch" not in bare.evidence and "GiB" not in bare.fix
 
 
 def test_tensors_that_grow_without_growing_in_number_are_no_leak() -> None:

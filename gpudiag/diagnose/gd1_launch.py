@@ -15,6 +15,7 @@ from gpudiag.diagnose.gd1_optimizer import (
     optimizer_severity,
     slow_optimizer,
 )
+from gpudiag.diagnose.headroom import headroom
 from gpudiag.diagnose.host import SHORT_KIND, HostLineTime, step_account
 from gpudiag.diagnose.ledger import StepPart, Symptom, device_time
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
@@ -355,10 +356,15 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             severity = min(severity, optimizer_severity(price), key=SEVERITY_RANK.__getitem__)
         cause = (f"Build {_named(optimizer[0])} with {ARGUMENT[optimizer[1]]} (GD106)."
                  if optimizer else _starved_fix(stage, loop))
+        room = headroom(stage)
+        if room is not None:  # a larger batch is the other lever of a host-paced step
+            evidence.update(peak_bytes=room.peak, batch_scaled_bytes=room.scaled,
+                            largest_batch=room.largest_batch)
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=cause + " Then batch small ops, remove per-step host syncs, and where shapes "
-                f"are static try {_capture_advice(stage)}.")
+                f"are static try {_capture_advice(stage)}."
+                + (f" {room.says()}" if room is not None else ""))
 
 
 def _optimizer_cause(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
