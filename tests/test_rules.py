@@ -1065,6 +1065,9 @@ def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_b
     assert ("The step uses 1.50 of the device's 80 GiB (2%) at its peak: 1.00 GiB scale with "
             "the batch") in f.fix
     assert "a batch of up to ~2,288 (now 32) would fit in 90% of it" in f.fix
+    stage.samples_per_step = None  # a script that does not say its batch
+    (g,) = findings_of("GD102", run)
+    assert "~72 times this step's batch would fit in 90% of it" in g.fix
     (bare,) = findings_of("GD102", gd102(excess=0.5))
     assert "largest_batch" not in bare.evidence and "GiB" not in bare.fix
 

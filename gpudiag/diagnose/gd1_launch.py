@@ -359,7 +359,8 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
         room = headroom(stage)
         if room is not None:  # a larger batch is the other lever of a host-paced step
             evidence.update(peak_bytes=room.peak, batch_scaled_bytes=room.scaled,
-                            largest_batch=room.largest_batch)
+                            largest_batch=room.largest_batch,
+                            batches_that_fit=None if room.times is None else round(room.times))
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=cause + " Then batch small ops, remove per-step host syncs, and where shapes "

@@ -22,12 +22,16 @@ class Headroom:
     batch: int | None  # samples a step now (None: not known)
 
     @property
-    def largest_batch(self) -> int | None:
-        """The batch whose scaled part fills USABLE of the device beside the fixed part."""
+    def times(self) -> float | None:
+        """How many times the step's batch would fit: its scaled part filling USABLE of the
+        device beside the fixed part."""
         room = USABLE * self.total - self.fixed
-        if not self.batch or self.scaled <= 0 or room <= 0:
-            return None
-        return int(self.batch * room / self.scaled)
+        return room / self.scaled if self.scaled > 0 and room > 0 else None
+
+    @property
+    def largest_batch(self) -> int | None:
+        times = self.times
+        return int(self.batch * times) if self.batch and times is not None else None
 
     def says(self) -> str:
         gib = 2**30
@@ -36,11 +40,14 @@ class Headroom:
         text = (f"The step uses {now} at its peak: {self.scaled / gib:,.2f} GiB scale with the "
                 f"batch (activations, the batch, temporaries), {self.fixed / gib:,.2f} GiB do "
                 "not (weights, gradients, optimizer state)")
-        largest = self.largest_batch
-        if largest is not None and self.batch:
-            text += (f"; a batch of up to ~{largest:,} (now {self.batch:,}) would fit in "
-                     f"{USABLE:.0%} of it (an estimate from one profiled step's owners; a "
-                     "larger batch changes the recipe: scale the learning rate with it)")
+        largest, times = self.largest_batch, self.times
+        fits = (f"a batch of up to ~{largest:,} (now {self.batch:,})" if largest is not None
+                and self.batch else f"~{times:,.0f} times this step's batch"
+                if times is not None else None)
+        if fits is not None:
+            text += (f"; {fits} would fit in {USABLE:.0%} of it (an estimate from one profiled "
+                     "step's owners; a larger batch changes the recipe: scale the learning "
+                     "rate with it)")
         return text + "."
 
 
