@@ -25,7 +25,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from gpudiag.measure.profile.inscript.remedies import APPLIERS, Applied, LossLog
 from gpudiag.measure.profile.inscript.watches import discover
@@ -175,7 +175,8 @@ def _classes_kept(replacements: list[Replaced]) -> list[str]:
 def _frameworks_see_the_same() -> None:
     """What the frameworks do with the hooked classes: Lightning's DataLoader rebuilt from its
     signature keeps the batch size, a Conv2d called by keyword, an optimizer's class."""
-    loader = DataLoader(list(range(32)), batch_size=8, shuffle=False, drop_last=True)
+    loader: DataLoader[tuple[torch.Tensor, ...]] = DataLoader(
+        TensorDataset(torch.arange(32)), batch_size=8, shuffle=False, drop_last=True)
     parameters = inspect.signature(DataLoader.__init__).parameters
     rebuilt = DataLoader(**{name: getattr(loader, name) for name in parameters  # a new sampler
                             if name not in ("self", "sampler", "batch_sampler")
