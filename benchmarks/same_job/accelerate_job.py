@@ -39,6 +39,9 @@ def main() -> None:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+    # The process group destroyed before exit: left to the interpreter's teardown, gloo's
+    # threads can abort the process ("terminate called without an active exception").
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -62,6 +62,8 @@ def main() -> None:
         dataloader_num_workers=0)
     Trainer(model=model, args=args, train_dataset=data,
             callbacks=[StepSeen(model)]).train()
+    if dist.is_initialized():  # before exit, as accelerate_job.py's
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
