@@ -133,7 +133,9 @@ def _job(job: str, tmp: Path) -> Row:
     profiled = _run([*PROFILE, "--out", str(run_dir), "--", *command], profiled_dir)
     if (run_dir / "run.json").is_file():
         profiled.gpudiag = _recorded(run_dir)
-    row = _compare(job, command, plain, profiled)
+    shown = ["python" if part == sys.executable else part.replace(f"{ROOT}/", "")
+             for part in command]  # as typed in the repository's root
+    row = _compare(job, shown, plain, profiled)
     print(f"{job}: {'pass' if row.passed else 'FAIL'} {row.steps_per_rank} batches "
           f"{row.batch_sizes} losses {'identical' if row.same_losses else 'differ'}",
           file=sys.stderr, flush=True)
