@@ -94,19 +94,17 @@ def _tf32(seen: RemedyEvidence) -> Callable[[], None]:
     def overruled(what: str) -> None:
         record.kept_on.append(Tf32Overruled(site=_site(depth=3), set=what))
 
-    def guard(cls: type[object]) -> None:
-        original = cls.__setattr__
-
+    def guard(original: Callable[[object, str, object], None]) -> Callable[..., None]:
         def __setattr__(self: object, name: str, value: object) -> None:
             if (name == "allow_tf32" and value is False) or (
                     name == "fp32_precision" and value == "ieee"):
                 overruled(f"{name} = {value!r}")
                 return
             original(self, name, value)
-        cls.__setattr__ = __setattr__  # type: ignore[method-assign]
+        return __setattr__
 
-    guard(type(torch.backends.cuda.matmul))
-    guard(type(torch.backends.cudnn))
+    _wrap(type(torch.backends.cuda.matmul), "__setattr__", guard)
+    _wrap(type(torch.backends.cudnn), "__setattr__", guard)
 
     def around(original: Callable[[str], None]) -> Callable[[str], None]:
         def set_float32_matmul_precision(precision: str) -> None:
@@ -333,11 +331,13 @@ def _pinned(seen: RemedyEvidence) -> Callable[[], None]:
 def _no_empty_cache(seen: RemedyEvidence) -> Callable[[], None]:
     record = seen.no_empty_cache = NoEmptyCacheRecord()
 
-    def skipped() -> None:
-        record.calls_skipped += 1
+    def around(_original: Callable[[], None]) -> Callable[[], None]:
+        def empty_cache() -> None:
+            record.calls_skipped += 1
+        return empty_cache
 
-    torch.cuda.empty_cache = skipped
-    torch.cuda.memory.empty_cache = skipped
+    _wrap(torch.cuda, "empty_cache", around)
+    _wrap(torch.cuda.memory, "empty_cache", around)
     return lambda: None
 
 
@@ -476,7 +476,13 @@ def _snapshot(value: Any, seen: dict[tuple[Any, ...], torch.Tensor]) -> Any:
 def _async_save(seen: RemedyEvidence) -> Callable[[], None]:
     seen.async_save = AsyncSaveRecord()
     saver = _BackgroundSaver(torch.save, seen.async_save)
-    torch.save = saver
+
+    def around(_original: Callable[..., None]) -> Callable[..., None]:
+        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            saver(obj, f, *args, **kwargs)
+        return save  # a function, as torch.save is, that names it (_wrap)
+
+    _wrap(torch, "save", around)
     return saver.flush
 
 
@@ -643,16 +649,15 @@ def _nondeterministic(seen: RemedyEvidence) -> Callable[[], None]:
             return original(mode, *args, **kwargs)
         return use_deterministic_algorithms
 
-    cudnn = type(torch.backends.cudnn)
-    original_setattr = cudnn.__setattr__
+    def guard(original: Callable[[object, str, object], None]) -> Callable[..., None]:
+        def __setattr__(self: object, name: str, value: object) -> None:
+            if name == "deterministic" and value:
+                _kept_off(record, "torch.backends.cudnn.deterministic = True")
+                return
+            original(self, name, value)
+        return __setattr__
 
-    def __setattr__(self: object, name: str, value: object) -> None:
-        if name == "deterministic" and value:
-            _kept_off(record, "torch.backends.cudnn.deterministic = True")
-            return
-        original_setattr(self, name, value)
-
-    cudnn.__setattr__ = __setattr__  # type: ignore[method-assign]
+    _wrap(type(torch.backends.cudnn), "__setattr__", guard)
     _wrap(torch, "use_deterministic_algorithms", algorithms)
     return lambda: None
 

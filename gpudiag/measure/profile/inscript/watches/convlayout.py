@@ -6,6 +6,7 @@ run torch's own code."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -80,16 +81,20 @@ class ConvLayoutWatch(Watch):
             self.built_at = _line_above(_outermost(sys._getframe(1), _module_init))
             init(conv, *args, **kwargs)
 
-        def first_forward(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-            if not torch.compiler.is_compiling():
+        def first_forward(conv: nn.Conv2d, *args: Any, **kwargs: Any) -> torch.Tensor:
+            x = args[0] if args else kwargs.get("input")  # forward(input): by keyword too
+            if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
                 setattr(nn.Conv2d, "forward", forward)  # noqa: B010  (as above)
                 self.layout = ConvLayout(
                     memory_format=memory_format(x, conv.weight), device=x.device.type,
                     dtype=str(_compute_dtype(x)), built_at=self.built_at,
                     called_at=_line_above(_outermost(sys._getframe(1), _module_call)))
-            return forward(conv, x)
+            return forward(conv, *args, **kwargs)
 
-        # Wrapped for one call each, not by watches.patch (which wraps for good).
+        # Wrapped for one call each, not by watches.patch (which wraps for good); as patch's,
+        # the wrappers keep the originals' signatures and names (frameworks read them).
+        functools.update_wrapper(first_init, init)
+        functools.update_wrapper(first_forward, forward)
         setattr(nn.Conv2d, "__init__", first_init)  # noqa: B010  (as above)
         setattr(nn.Conv2d, "forward", first_forward)  # noqa: B010  (as above)
 
