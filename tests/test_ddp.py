@@ -492,7 +492,12 @@ def test_cpu_ranks_that_take_turns_being_late_have_no_straggler() -> None:
     steady = script_run(_gloo_rank(0, [30.0, 30.0, 30.0, 30.0, 30.0, 1.0], steps=6),
                         _gloo_rank(1, [1.0, 1.0, 1.0, 1.0, 1.0, 30.0], steps=6), device="cpu")
     (f,) = _one(steady, "GD804")
-    assert f.evidence["slow_rank"] == 1
+    assert f.evidence["slow_rank"] == 1 and f.severity == "warning"
+    # Two ranks on a 2-core machine compete for its cores: a steady late rank may be the
+    # scheduler's doing there, said as information.
+    steady.env.cpu_count = 2
+    (g,) = _one(steady, "GD804")
+    assert g.severity == "info" and "its 2 ranks share 2 CPU cores" in g.title
 
 
 def test_collectives_held_longer_than_the_step_give_no_impossible_figures() -> None:

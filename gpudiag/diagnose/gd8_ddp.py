@@ -36,6 +36,7 @@ COMM_CRITICAL_SHARE = 0.50
 WARNING_EXTRA_ROUNDS = 0.05  # a profiled job's extra rounds holding this share of the step
 STRAGGLER_WARNING_LOST = 0.05
 STRAGGLER_STEADY = 0.8  # CPU ranks: the waiting rank waits longer in this share of steps
+CORES_PER_RANK = 2  # CPU ranks with fewer cores each than this compete for them
 SYMPTOM_RANK = 0.99  # GD803's impact, of GD802's, when extra all-reduce rounds explain it
 HOST_BOUND_IDLE = 0.5  # a GPU idle this much of the step: the host sets the pace
 # A step with less than this share of it left beside its collectives: the rest is within the
@@ -686,6 +687,9 @@ def _long_wait(job: _Job) -> _Straggler | None:
                           "the slow rank's extra work (the others' wait) over the step: "
                           "warning"),
                 Threshold("critical_lost", COMM_CRITICAL_SHARE, "... critical"),
+                Threshold("cores_per_rank", CORES_PER_RANK,
+                          "CPU ranks with fewer cores each share them: a straggler there is "
+                          "information (the OS may deschedule a rank)"),
                 Threshold("steady_share", STRAGGLER_STEADY,
                           "CPU ranks: the waiting rank waits longer in 80% of the steps (ranks "
                           "a loaded CPU deschedules in turn take turns being late)")),
@@ -704,11 +708,19 @@ def ddp_straggler(run: RunResult) -> Iterator[Draft]:
         if found is None:
             continue
         slow, fast = found.slow, found.fast
+        severity = severity_for(found.lost, warning=STRAGGLER_WARNING_LOST,
+                                critical=COMM_CRITICAL_SHARE)
+        cores = run.env.cpu_count
+        shared = slow.evidence.backend != "cuda" and cores is not None \
+            and len(job.ranks) * CORES_PER_RANK > cores
+        if shared:  # oversubscribed: the OS may deschedule a rank, not its work be slower
+            severity = "info"
         yield Draft(
-            severity=severity_for(found.lost, warning=STRAGGLER_WARNING_LOST,
-                                  critical=COMM_CRITICAL_SHARE),
+            severity=severity,
             stage=slow.stage.name,
-            title=f"rank {slow.rank} is a straggler: {found.said}",
+            title=f"rank {slow.rank} is a straggler: {found.said}" + (
+                f" (its {len(job.ranks)} ranks share {cores} CPU cores: a late rank may be "
+                "descheduled, not slower)" if shared else ""),
             evidence={"slow_rank": slow.rank, "fast_rank": fast.rank, **found.evidence,
                       "fast_rank_waits_ms_per_step": job.waits()[fast.rank],
                       "share_of_step_lost": round(found.lost, 3)},
