@@ -11,13 +11,20 @@ exit 70. A working directory removed under the shell is said as such, before any
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from gpudiag.measure.interrupts import STOP_SIGNALS, signal_name, signal_of, stop_error
+from gpudiag.measure.interrupts import (
+    STOP_SAID_BY_PARENT,
+    STOP_SIGNALS,
+    signal_name,
+    signal_of,
+    stop_error,
+)
 from gpudiag.model.errors import ExitCode, internal_error_line
 
 # What a stop is called in its line; a Ctrl-C by what the user pressed.
@@ -67,7 +74,8 @@ def _ran(cli_main: Callable[[], None]) -> int | str | None:
 def _stopped(exc: KeyboardInterrupt) -> int:
     _ignore_stops()  # a second stop must not cut this line short
     signum = signal_of(exc)
-    sys.stderr.write(f"gpudiag: stopped by {_SAID.get(signum, signal_name(signum))}\n")
+    if not os.environ.get(STOP_SAID_BY_PARENT):  # a gate's trial: the gate says it
+        sys.stderr.write(f"gpudiag: stopped by {_SAID.get(signum, signal_name(signum))}\n")
     return 128 + signum
 
 

@@ -264,6 +264,9 @@ def test_sigterm_to_a_gate_stops_its_trial_and_removes_its_worktree(tmp_path: Pa
         process, signal.SIGTERM, group=False,
         ready=lambda: (out / "base").is_dir() and len(_descendants(process.pid)) >= 1)
     _assert_clean_stop(code, stderr, seconds, below, signal.SIGTERM)
+    # One line, the gate's, though its trial was stopped too (issue 56: a double Ctrl-C
+    # printed none, a SIGTERM the trial's and the gate's).
+    assert stderr.count("gpudiag: stopped by SIGTERM") == 1, stderr
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=repo, capture_output=True,
                                text=True, check=True).stdout
     assert len(worktrees.strip().splitlines()) == 1, worktrees

@@ -15,7 +15,13 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from gpudiag.measure.interrupts import HungUp, Terminated, signal_name, signal_of
+from gpudiag.measure.interrupts import (
+    STOP_SAID_BY_PARENT,
+    HungUp,
+    Terminated,
+    signal_name,
+    signal_of,
+)
 from gpudiag.model.errors import ExitCode, GpudiagError, internal_error_line
 
 # Logs and pipes get the whole table; an interactive terminal gets what fits its width.
@@ -33,6 +39,13 @@ _NoArgsIsHelp: type[Exception] = (getattr(_click_errors, "NoArgsIsHelpError", No
                                   or type("_N", (Exception,), {}))
 _Aborts: tuple[type[BaseException], ...] = tuple(
     {typer.Abort, getattr(_click_errors, "Abort", typer.Abort)})
+
+
+def say_stopped(signal_said: str) -> None:
+    """A stop's one line, unless this process is a trial whose gate says it
+    (STOP_SAID_BY_PARENT)."""
+    if not os.environ.get(STOP_SAID_BY_PARENT):
+        typer.echo(f"gpudiag: stopped by {signal_said}", err=True)
 
 
 class _StopEscaped(Exception):
@@ -95,7 +108,7 @@ class OneLineErrors(typer.core.TyperGroup):
         except OSError as exc:  # a path the user gave that cannot be read or written
             code = _path_error(exc) if exc.filename else _internal_error(exc, argv)
         except _StopEscaped as exc:
-            typer.echo(f"gpudiag: stopped by {exc}", err=True)
+            say_stopped(str(exc))
             code = _stopped_by(exc.stop)
         except _Aborts as exc:  # older Typers' wrapper of a KeyboardInterrupt while parsing
             code = _stopped_by(exc.__cause__ or exc.__context__)

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpudiag.cli.edges import stderr
+from gpudiag.cli.edges import say_stopped, stderr
 from gpudiag.cli.flags import with_options
 from gpudiag.diagnose.trials import load_run_set
 from gpudiag.measure.confine import ConfinementPolicy
 from gpudiag.measure.gatejob import Interleaved, command_note, gate_job, gate_trial, trials_policy
-from gpudiag.measure.interrupts import signals_ignored, stop_on_signals
+from gpudiag.measure.interrupts import signal_name, signals_ignored, stop_on_signals
 from gpudiag.model.errors import ExitCode
 from gpudiag.model.options import (
     ConfineOptions,
@@ -130,6 +130,8 @@ def _measure_both(options: RunOptions, own: GateOptions, request: GateRequest,
         with signals_ignored():
             write_output_file(done.out_dir / "gate.md", text, "--out")
             _append_summary(text)
+            if code > 128:  # stopped by a signal: one line, the gate's (its trials say none)
+                say_stopped(signal_name(code - 128))
         raise typer.Exit(code)
     return done
 

@@ -29,7 +29,12 @@ from pathlib import Path
 from gpudiag.measure.bytecode import shared_bytecode
 from gpudiag.measure.childexec import child_command
 from gpudiag.measure.confine import ConfinementPolicy, confined, confinement_policy, how_kept
-from gpudiag.measure.interrupts import child_stopped, stop_error, wait_child
+from gpudiag.measure.interrupts import (
+    STOP_SAID_BY_PARENT,
+    child_stopped,
+    stop_error,
+    wait_child,
+)
 from gpudiag.measure.ownedtemp import is_stale, owned_folder, owner_pid, remove_stale
 from gpudiag.model.atomic import fresh_stream
 from gpudiag.model.errors import BadInput, HeadBroke
@@ -220,8 +225,10 @@ def share_into(paths: list[Path], cwd: Path, checkouts: list[Path]) -> None:
 
 def side_env(root: Path) -> dict[str, str]:
     """The environment of a trial run from checkout `root`: its `src/` ahead of installed
-    packages (an editable install would otherwise import the head's code on both sides)."""
+    packages (an editable install would otherwise import the head's code on both sides); a
+    stop is said by the gate, not by the trial."""
     env = dict(os.environ)
+    env[STOP_SAID_BY_PARENT] = "1"
     paths = [str(root / "src")] if (root / "src").is_dir() else []
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])

@@ -33,6 +33,11 @@ REPEAT_WINDOW_S = 2.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+# Set in a gate's or a calibration's trial processes: their stop is the parent's to say, in
+# its one line (a trial's own line beside it made two, or, stopped otherwise, none).
+STOP_SAID_BY_PARENT = "GPUDIAG_STOP_SAID_BY_PARENT"
+
+
 def signal_name(signum: int) -> str:
     """SIGTERM, SIGKILL, ...; a real-time signal (which has no name in signal.Signals) as
     the C library describes it, e.g. "signal 60 (Real-time signal 26)"."""
