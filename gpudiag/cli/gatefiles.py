@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from gpudiag.cli.edges import stderr
+from gpudiag.cli.edges import say_stopped, stderr
 from gpudiag.cli.flags import with_options
 from gpudiag.cli.runs import run_ladder
 from gpudiag.diagnose.trials import baseline_of, load_run_set
@@ -20,7 +20,7 @@ from gpudiag.measure.gatejob import (
     command_trial,
     trials_policy,
 )
-from gpudiag.measure.interrupts import stop_on_signals
+from gpudiag.measure.interrupts import signal_name, stop_on_signals
 from gpudiag.model.atomic import named_by_user
 from gpudiag.model.calibration import (
     DEFAULT_CALIBRATION,
@@ -107,7 +107,10 @@ def _command_trials(command: list[str], share: list[str], out: Path, trials: int
                              program=trial.program), soft_wrap=True),
             on_trial=lambda k: stderr.print(f"trial {k}/{trials}"))
     if len(runs) < trials:
-        raise typer.Exit(stop.exit_code or ExitCode.INTERRUPTED)
+        code = stop.exit_code or ExitCode.INTERRUPTED
+        if code > 128:  # stopped by a signal: one line, calibrate's (its trials say none)
+            say_stopped(signal_name(code - 128))
+        raise typer.Exit(code)
 
 
 def baseline_save(
