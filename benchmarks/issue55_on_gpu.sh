@@ -11,35 +11,13 @@
 set -uo pipefail
 out=${1:-reports/issue55}
 mkdir -p "$out"
-profile() {  # NAME LIMIT_S GPUDIAG_OPTIONS... -- COMMAND...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" python3 -m gpudiag profile --no-plots --out "$out/$name" "$@" \
-    > "$out/$name.txt" 2>&1
-  echo "$name exit $? in $((SECONDS - start)) s" | tee -a "$out/exits.txt"
-}
-: > "$out/exits.txt"
-profile cnn_layout 240 --try-fixes --fix channels-last -- python3 examples/cnn_layout.py
+. benchmarks/profile_on_gpu.sh  # profile NAME LIMIT_S OPTIONS... -- COMMAND...
+profile cnn_layout 240 --no-plots --try-fixes --fix channels-last -- python3 examples/cnn_layout.py
 timeout 60 python3 benchmarks/knobs_ab.py --cases layout --pairs 2 --out "$out/layout_ab.json" \
   > "$out/layout_ab.txt" 2>&1
-profile debug_left_on 100 --try-fixes --fix no-debug -- python3 examples/debug_left_on.py
-profile fp32_no_tf32 50 -- python3 examples/fp32_no_tf32.py
-profile blocking_save 40 -- python3 examples/blocking_save.py
-profile hf_trainer 70 -- python3 examples/hf_trainer.py
-python3 - "$out" <<'EOF' > "$out/summary.txt"
-import sys
-from pathlib import Path
-from gpudiag.model.runfile import load_run
-out = Path(sys.argv[1])
-print((out / "exits.txt").read_text())
-for folder in sorted(p for p in out.iterdir() if (p / "run.json").is_file()):
-    run = load_run(folder)
-    print(f"== {folder.name}")
-    for f in run.findings:
-        share = f" {f.account.share:.0%}" if f.account is not None else ""
-        print(f"   {f.id} {f.severity} {f.location}{share}: {f.title}")
-    for fix in run.fixes:
-        print(f"   fix {fix.remedy}: {fix.status} {fix.speedup} ({fix.speedup_low}-"
-              f"{fix.speedup_high}) {fix.equivalence} gap {fix.loss_gap}; {fix.note}")
-EOF
+profile debug_left_on 100 --no-plots --try-fixes --fix no-debug -- python3 examples/debug_left_on.py
+profile fp32_no_tf32 50 --no-plots -- python3 examples/fp32_no_tf32.py
+profile blocking_save 40 --no-plots -- python3 examples/blocking_save.py
+profile hf_trainer 70 --no-plots -- python3 examples/hf_trainer.py
+python3 benchmarks/gpu_summary.py "$out" > "$out/summary.txt"
 cat "$out/layout_ab.txt" "$out/summary.txt"

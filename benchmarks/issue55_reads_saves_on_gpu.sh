@@ -10,35 +10,11 @@
 set -uo pipefail
 out=${1:-reports/issue55-reads}
 mkdir -p "$out"
-profile() {  # NAME LIMIT_S GPUDIAG_OPTIONS... -- COMMAND...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" python3 -m gpudiag profile --no-plots --out "$out/$name" "$@" \
-    > "$out/$name.txt" 2>&1
-  echo "$name exit $? in $((SECONDS - start)) s" | tee -a "$out/exits.txt"
-}
-: > "$out/exits.txt"
-profile step_reads 60 -- python3 examples/step_reads.py
+. benchmarks/profile_on_gpu.sh  # profile NAME LIMIT_S OPTIONS... -- COMMAND...
+profile step_reads 60 --no-plots -- python3 examples/step_reads.py
 timeout 120 python3 benchmarks/knobs_ab.py --cases reads --pairs 3 --out "$out/reads_ab.json" \
   > "$out/reads_ab.txt" 2>&1
-profile blocking_save 40 -- python3 examples/blocking_save.py
-profile hf_trainer 70 -- python3 examples/hf_trainer.py
-python3 - "$out" <<'PY' > "$out/summary.txt"
-import sys
-from pathlib import Path
-from gpudiag.model.runfile import load_run
-out = Path(sys.argv[1])
-print((out / "exits.txt").read_text())
-for folder in sorted(p for p in out.iterdir() if (p / "run.json").is_file()):
-    run = load_run(folder)
-    print(f"== {folder.name}")
-    for f in run.findings:
-        share = f" {f.account.share:.0%}" if f.account is not None else f" {f.impact:.0%}"
-        print(f"   {f.id} {f.severity} {f.location}{share}: {f.title}")
-    for stage in run.stages:
-        timeline = stage.facts.script.timeline if stage.facts.script else None
-        for save in (timeline.saves if timeline else [])[:2]:
-            print(f"   save at step {save.step}: {save.blocking_ms:.1f} ms from "
-                  f"{save.stack[:12]}")
-PY
+profile blocking_save 40 --no-plots -- python3 examples/blocking_save.py
+profile hf_trainer 70 --no-plots -- python3 examples/hf_trainer.py
+python3 benchmarks/gpu_summary.py "$out" > "$out/summary.txt"
 cat "$out/reads_ab.txt" "$out/summary.txt"

@@ -9,13 +9,7 @@
 set -uo pipefail
 out=${1:-reports/memory}
 mkdir -p "$out"
-profile() {  # NAME LIMIT_S GPUDIAG_OPTIONS... -- COMMAND...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" python3 -m gpudiag profile --out "$out/$name" "$@" > "$out/$name.txt" 2>&1
-  echo "$name exit $? in $((SECONDS - start)) s" | tee -a "$out/exits.txt"
-}
-: > "$out/exits.txt"
+. benchmarks/profile_on_gpu.sh  # profile NAME LIMIT_S OPTIONS... -- COMMAND...
 if [ "${2:-}" = allocator ]; then
   profile growing_lengths 240 --try-fixes --fix expandable-segments -- \
     python3 examples/growing_lengths.py
@@ -43,34 +37,5 @@ for _ in range(20):
 samples.sort()
 print(f"step_ended on CUDA: median {samples[10]:.2f} us, min {samples[0]:.2f}, max {samples[-1]:.2f} (20 x 1000 calls)")
 PY
-python3 - "$out" <<'PY' > "$out/summary.txt"
-import sys
-from pathlib import Path
-from gpudiag.model.runfile import load_run
-out = Path(sys.argv[1])
-print((out / "exits.txt").read_text())
-print((out / "watch_cost.txt").read_text())
-for folder in sorted(p for p in out.iterdir() if (p / "run.json").is_file()):
-    run = load_run(folder)
-    print(f"== {folder.name}")
-    for f in run.findings:
-        print(f"   {f.id} {f.severity} {f.location} {f.impact:.0%}: {f.title}")
-        if f.id in ("GD403", "GD404"):
-            print(f"      fix: {f.fix}")
-    for stage in run.stages:
-        owners = stage.facts.script.owners if stage.facts.script else None
-        if owners is not None:
-            print(f"   owners: {owners}")
-    for fix in run.fixes:
-        print(f"   fix {fix.remedy}: {fix.status} {fix.speedup} ({fix.speedup_low}-"
-              f"{fix.speedup_high}) {fix.equivalence}; {fix.note}")
-    for stage in run.stages:
-        m = stage.facts.script.memory if stage.facts.script else None
-        if m is not None:
-            print(f"   memory {m.device}: allocated {m.allocated_mib[:3]} .. {m.allocated_mib[-3:]}; "
-                  f"reserved max {max(m.reserved_mib or [0])}; peak {max(m.peak_mib or [0])}; "
-                  f"total {m.device_total_mib}; retries {m.alloc_retries}; steps {len(m.resident_mib)}")
-        if stage.memory is not None:
-            print(f"   stage memory: {stage.memory}")
-PY
-cat "$out/summary.txt"
+python3 benchmarks/gpu_summary.py "$out" > "$out/summary.txt"
+cat "$out/watch_cost.txt" "$out/summary.txt"
