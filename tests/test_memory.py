@@ -5,6 +5,7 @@ profiled stage's peak, the plot and trace.json make of it."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -185,3 +186,23 @@ def test_an_out_of_memory_error_is_read_for_its_request_the_device_and_a_cap(
     assert cpu is not None and cpu.device == "cpu" and cpu.requested_mib == 2**30
     assert cpu.line is not None and cpu.line.startswith("tests/test_memory.py:")
     assert out_of_memory(ValueError("no"), 1) is None
+
+
+def test_child_processes_are_counted_with_their_resident_sets(tmp_path: Path) -> None:
+    """The main thread's children (DataLoader workers fork from it), read at each step's end:
+    how many and their resident sets' sum (here a children file naming this process twice,
+    and one that is gone)."""
+    from gpudiag.measure.profile.inscript.watches.memory import children_resident
+
+    listed = tmp_path / "children"
+    listed.write_text(f"{os.getpid()} {os.getpid()} 999999999")
+    count, held = children_resident(listed)
+    assert count == 3
+    assert held == pytest.approx(2 * (_vm_rss_mib() or held / 2), abs=32.0)
+    watch = MemoryWatch(_Clock())
+    watch.children_file = listed
+    watch.step_ended()
+    memory = _filled(watch, 1).memory
+    assert memory is not None and memory.children == [3]
+    assert memory.children_resident_mib[0] == pytest.approx(held, abs=32.0)
+    assert children_resident(tmp_path / "gone") == (0, 0.0)

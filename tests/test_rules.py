@@ -434,6 +434,20 @@ def kept_list(mib_per_step: float, *, graph: bool = False, device: str = "cuda",
                        graph_kept=graph, device=device)
 
 
+def gd406(*, held_gib: float, workers: int = 8, pinned: float | None = 2048.0) -> RunResult:
+    """A script on a 64 GiB machine whose process holds 4 GiB and its `workers` DataLoader
+    workers the rest of `held_gib` at step 30 (less before); `pinned` MiB page-locked."""
+    steps, gib = 40, 1024.0
+    own = [4 * gib] * steps
+    children = [(held_gib - 4) * gib * min(1.0, (i + 10) / 40) for i in range(steps)]
+    memory = MemoryTimeline(device="cuda", resident_mib=own, host_total_mib=64 * gib,
+                            children=[workers] * steps, children_resident_mib=children,
+                            pinned_host_mib=pinned)
+    facts = StageFacts(script=ScriptFacts(steps=steps, warmup=5, timed=30,
+                                          step_clock="optimizer.step()", memory=memory))
+    return make_run(make_stage("train.py", facts=facts))
+
+
 def gd201(*, share: float) -> RunResult:
     return make_run(make_stage("data-train", data_wait_ms=share * STEP_MS,
                                facts=StageFacts(loader=LoaderFacts(num_workers=1,
@@ -878,6 +892,9 @@ CASES: dict[str, Case] = {
                   {"mallocs_per_step": 1.0, "alloc_retries": 0},
                   (P(gd405, mallocs=0.49), P(gd405, mallocs=2.0, per_step=10.0),
                    P(gd405, mallocs=2.0, frees=1.0))),
+    "GD406": Case(P(gd406, held_gib=0.8 * 64), "train.py", "warning",
+                  {"children": 8, "host_total_mib": 65536.0},
+                  (P(gd406, held_gib=0.79 * 64),)),
     "GD501": Case(P(gd501, thermal=0.1), "train-fp16", "warning",
                   {"throttle_share": {"hw_slowdown": 0.1, "power_cap": 0.0}},
                   (P(gd501, thermal=0.099),)),
@@ -1043,6 +1060,20 @@ def test_rule_near_miss(code: str, index: int) -> None:
 
 
 # Rule-specific behaviour beyond the threshold pairs.
+
+
+def test_host_memory_names_the_workers_share_and_the_pinned_memory() -> None:
+    """The field report this project was born from: pinned batches and many DataLoader
+    workers near the host's memory (60 of 64 GiB): the workers' part, each on average, the
+    pinned part; critical at 95%."""
+    (f,) = findings_of("GD406", gd406(held_gib=62.0))
+    assert f.severity == "critical"
+    assert f.title == ("The script and its child processes hold 62.00 GiB of the machine's "
+                       "64.00 GiB (97%) at step 30: the process 4.00 GiB, its 8 child "
+                       "processes 58.00 GiB (~7.25 GiB each); 2.00 GiB of it page-locked "
+                       "(pinned)")
+    (g,) = findings_of("GD406", gd406(held_gib=56.0, workers=0, pinned=None))
+    assert g.severity == "warning" and "child processes" not in g.title.split(":")[1]
 
 
 def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_batch_fits(

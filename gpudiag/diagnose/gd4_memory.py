@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
-from gpudiag.diagnose.registry import Draft, Threshold, rule
+from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import KeptTensors, MemoryTimeline, OutOfMemory
 from gpudiag.model.results import RunResult, StageResult
 
@@ -533,4 +533,63 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
             fix=("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the job's "
                  "environment; where tensor sizes vary step to step (sequence lengths), pad "
                  "them to a few fixed sizes."),
+        )
+
+
+HOST_WARNING, HOST_CRITICAL = 0.80, 0.95  # of the machine's memory, the process and children
+
+
+@rule(
+    "GD406", "host-memory-near-capacity", concern="memory",
+    summary="The script and its child processes (DataLoader workers) near the machine's memory.",
+    why=("Host memory runs out before the GPU's in many input pipelines: each DataLoader worker "
+         "is a process holding its own copy of what the dataset object references (Python "
+         "objects' reference counts touch their pages, so a fork's copy-on-write copies them), "
+         "and pinned batches are page-locked. The kernel's out-of-memory killer then ends the "
+         "run with no Python traceback at all."),
+    fix=("Fewer workers or a smaller prefetch_factor; keep the dataset as memory-mapped arrays "
+         "or tensors (np.memmap, torch.from_file, a datasets.Dataset), not Python lists of "
+         "objects each worker copies; pin_memory only where the copies overlap compute."),
+    prices=NoPart("a risk of a host out-of-memory kill, not time"),
+    thresholds=(Threshold("warning_share", HOST_WARNING,
+                          "the process and its children hold 80% of the machine's memory"),
+                Threshold("critical_share", HOST_CRITICAL, "... 95%")),
+)
+def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
+    """A profiled script whose resident set and its child processes' (read at each step's
+    end) reach 80% of the machine's memory at their highest: who holds it, the children
+    (DataLoader workers, compile workers) apart and each on average, and the pinned host
+    memory where CUDA kept some."""
+    for stage in run.stages:
+        script = stage.facts.script
+        memory = script.memory if script else None
+        if memory is None or not memory.host_total_mib or not memory.resident_mib:
+            continue
+        children = memory.children_resident_mib
+        held = [own + (children[i] if i < len(children) else 0.0)
+                for i, own in enumerate(memory.resident_mib)]
+        top = max(range(len(held)), key=held.__getitem__)
+        share = held[top] / memory.host_total_mib
+        if share < HOST_WARNING:
+            continue
+        count = memory.children[top] if top < len(memory.children) else 0
+        theirs = children[top] if top < len(children) else 0.0
+        kids = (f", its {count} child processes {_gib(theirs)} (~{_gib(theirs / count)} each)"
+                if count else "")
+        pinned = (f"; {_gib(memory.pinned_host_mib)} of it page-locked (pinned)"
+                  if memory.pinned_host_mib else "")
+        yield Draft(
+            severity=severity_for(share, warning=HOST_WARNING, critical=HOST_CRITICAL),
+            stage=stage.name, impact=0.0,
+            title=(f"The script and its child processes hold {_gib(held[top])} of the "
+                   f"machine's {_gib(memory.host_total_mib)} ({share:.0%}) at step {top}: "
+                   f"the process {_gib(memory.resident_mib[top])}{kids}{pinned}"),
+            evidence={"held_mib": round(held[top], 1), "host_total_mib": memory.host_total_mib,
+                      "process_mib": memory.resident_mib[top], "children": count,
+                      "children_mib": round(theirs, 1), "pinned_mib": memory.pinned_host_mib,
+                      "step": top},
+            fix=("Fewer DataLoader workers or a smaller prefetch_factor (each worker is a process "
+                 "with its own copy of what the dataset object references); keep the data as "
+                 "memory-mapped arrays or tensors, not Python lists of objects; pin_memory only "
+                 "where the copies overlap compute."),
         )

@@ -462,6 +462,11 @@ class MemoryTimeline:
     # CUDA: the allocator's live allocations (tensors' blocks) at each step's end: memory that
     # grows with them is kept tensors, without them tensors that grew (a length curriculum)
     live_blocks: list[int] = field(default_factory=list)
+    # The script's child processes (DataLoader workers) at each step's end: how many, and their
+    # resident sets' sum (Linux; empty elsewhere)
+    children: list[int] = field(default_factory=list)
+    children_resident_mib: list[float] = field(default_factory=list)
+    pinned_host_mib: float | None = None  # CUDA: page-locked host memory at its highest
     device_total_mib: float | None = None
     host_total_mib: float | None = None  # the machine's physical memory
     # The allocator's counters at the run's end (torch.cuda.memory_stats): cudaMalloc retries

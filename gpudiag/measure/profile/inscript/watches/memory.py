@@ -50,6 +50,37 @@ def resident_mib(statm: int | None) -> float:
     return peak / _MIB if sys.platform == "darwin" else peak / 1024
 
 
+def _children_file() -> Path | None:
+    """The main thread's children (DataLoader workers fork from it), where the kernel lists
+    them (CONFIG_PROC_CHILDREN)."""
+    path = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    return path if path.exists() else None
+
+
+def children_resident(children: Path) -> tuple[int, float]:
+    """(how many children, their resident sets' sum in MiB) now."""
+    try:
+        pids = children.read_text().split()
+    except OSError:
+        return 0, 0.0
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(Path(f"/proc/{pid}/statm").read_bytes().split()[1]) * _PAGE_MIB
+    return len(pids), total
+
+
+def _pinned_host_mib() -> float | None:
+    """Page-locked host memory at its highest (CUDA's host allocator: pinned batches, the
+    DataLoader's pin_memory thread)."""
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    peak = stats.get("allocated_bytes.all.peak", stats.get("allocated_bytes.peak"))
+    return round(peak / _MIB, 1) if isinstance(peak, (int, float)) else None
+
+
 def _host_total_mib() -> float | None:
     try:
         return round(os.sysconf("SC_PHYS_PAGES") * _PAGE_MIB, 1)
@@ -127,6 +158,9 @@ class MemoryWatch(Watch):
         self.mallocs: list[int] = []  # cudaMalloc calls so far, at each step's end
         self.blocks: list[int] = []  # live allocations at each step's end
         self.oom: OutOfMemory | None = None
+        self.children_file = _children_file()
+        self.children: list[int] = []  # child processes at each step's end
+        self.children_held: list[float] = []  # their resident sets' sum, MiB
         self.resident: list[float] = []
         self.cuda = False
         self.statm = _open_statm()
@@ -154,6 +188,10 @@ class MemoryWatch(Watch):
             self.mallocs.append(int(stats.get("num_device_alloc", 0)))
             self.blocks.append(int(stats["allocation"]["all"]["current"]))
         self.resident.append(round(resident_mib(self.statm), 1))
+        if self.children_file is not None:
+            count, held = children_resident(self.children_file)
+            self.children.append(count)
+            self.children_held.append(round(held, 1))
 
     def crashed(self, exc: BaseException) -> None:
         self.oom = out_of_memory(exc, self.clock.steps)
@@ -169,11 +207,14 @@ class MemoryWatch(Watch):
                                 device_allocs=self.mallocs[:listed],
                                 live_blocks=self.blocks[:listed],
                                 resident_mib=self.resident[:listed],
-                                host_total_mib=_host_total_mib(), oom=self.oom)
+                                host_total_mib=_host_total_mib(), oom=self.oom,
+                                children=self.children[:listed],
+                                children_resident_mib=self.children_held[:listed])
         if self.cuda:
             stats = torch.cuda.memory_stats()
             memory.alloc_retries = int(stats.get("num_alloc_retries", 0))
             memory.ooms = int(stats.get("num_ooms", 0))
+            memory.pinned_host_mib = _pinned_host_mib()
             memory.device_total_mib = round(
                 torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                 / _MIB, 1)
