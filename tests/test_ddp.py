@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import invoke, ladder_run, script_run
+from conftest import invoke, ladder_run, script_run, tiny_config
 from tiny_mlp import MODEL as TINY_MLP
 
 from gpudiag.diagnose import evaluate
@@ -568,3 +568,31 @@ def test_a_gloo_wait_is_a_straggler_once_it_is_half_the_waiting_ranks_collective
     run = script_run(_gloo_rank(0, [5.0 + late_ms, 5.0] * 2, step=60.0, window=60.0),
                      _gloo_rank(1, [5.0, 5.0] * 2, step=60.0, window=60.0), device="cpu")
     assert bool(_one(run, "GD804")) == named and not _one(run, "GD803")
+
+
+def test_a_rank_that_aborts_after_every_rank_wrote_its_results_loses_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gloo torn down under a peer aborts a rank on its way out (SIGABRT, rank 0 in a CPU CI
+    run, before it gathered the parts): torchrun exits 1, but every rank's results are
+    written, and the stage keeps them; with one rank's missing it fails, saying why."""
+    from gpudiag.measure.stages.ddp import launch
+
+    written: list[int] = []
+
+    class Launched:
+        def __init__(self, command: list[str], **_: object) -> None:
+            out = Path(command[command.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            for rank in written:
+                (out / f"rank-{rank}.json").write_text(json.dumps({"rank": rank}))
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Launched)
+    monkeypatch.setattr(launch, "wait_child", lambda process: (1, None))
+    config = tiny_config(stages=["ddp"], nproc=2)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    written[:] = [0, 1]
+    assert launch.launch_ranks(config, tmp_path / "a") == [{"rank": 0}, {"rank": 1}]
+    written[:] = [1]
+    with pytest.raises(launch.LaunchError, match=r"torch\.distributed\.run exited 1"):
+        launch.launch_ranks(config, tmp_path / "b")
