@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
@@ -137,6 +137,16 @@ class Growth:
         return max(0.0, self.limit_mib - self.now_mib) / self.mib_per_step
 
 
+def _steady_changes(series: Sequence[float], first: int,
+                    window: tuple[int | None, int | None]) -> list[float]:
+    """Step-to-step changes of a per-step counter from step `first` on, less those into and
+    out of gpudiag's profiler window (its own buffers)."""
+    start, end = window
+    skipped = set() if start is None else set(range(start, (end or start) + 2))
+    return [series[i] - series[i - 1] for i in range(first + 1, len(series))
+            if i not in skipped]
+
+
 def growth(memory: MemoryTimeline, warmup: int,
            window: tuple[int | None, int | None]) -> Growth | None:
     """The step-to-step changes of what tensors hold (CUDA) or of the process (a CPU), from
@@ -147,10 +157,7 @@ def growth(memory: MemoryTimeline, warmup: int,
     cuda = memory.device == "cuda"
     series = memory.allocated_mib if cuda else memory.resident_mib
     first = max(warmup, GROWTH_SKIP)
-    start, end = window
-    skipped = set() if start is None else set(range(start, (end or start) + 2))
-    changes = [series[i] - series[i - 1] for i in range(first + 1, len(series))
-               if i not in skipped]
+    changes = _steady_changes(series, first, window)
     if len(changes) < GROWTH_MIN_STEPS:
         return None
     total = sum(changes)
@@ -462,12 +469,7 @@ def _steady_mallocs(memory: MemoryTimeline, warmup: int,
                     window: tuple[int | None, int | None]) -> tuple[float, int]:
     """cudaMalloc calls per step past the warm-up and the optimizer's first steps, gpudiag's
     window apart (its buffers); and the steps counted."""
-    counts = memory.device_allocs
-    first = max(warmup, GROWTH_SKIP)
-    start, end = window
-    skipped = set() if start is None else set(range(start, (end or start) + 2))
-    changes = [counts[i] - counts[i - 1] for i in range(first + 1, len(counts))
-               if i not in skipped]
+    changes = _steady_changes(memory.device_allocs, max(warmup, GROWTH_SKIP), window)
     return (sum(changes) / len(changes) if changes else 0.0), len(changes)
 
 
