@@ -81,10 +81,12 @@ def test_steps_past_the_timeline_are_not_kept(monkeypatch: pytest.MonkeyPatch) -
     assert len(watch.resident) == 3
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, used: list[int]) -> None:
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, used: list[int], fraction: float = 1.0,
+               ) -> None:
     """A CUDA device whose allocator holds what `used` says (the script initialises it at
-    its third step)."""
+    its third step), the process capped at `fraction` of it."""
     cuda = torch.cuda
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda *a: fraction)
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "is_initialized", lambda: bool(used))
     monkeypatch.setattr(cuda, "memory_reserved", lambda *a: (used[-1] + 512) * MIB if used
@@ -118,11 +120,25 @@ def test_a_cuda_scripts_allocator_is_read_from_the_step_it_starts_using_it(
     assert memory.device_allocs == [0, 0, 1, 2, 3]
     assert memory.live_blocks == [0, 0, 10, 20, 30]
     assert memory.device_total_mib == 80 * 1024 and memory.alloc_retries == 2
+    assert memory.cap_mib is None and memory.device_capacity_mib == 80 * 1024
     peaks = recorder_module._device_peaks(memory)
     assert peaks is not None and peaks.peak_allocated_mib == 1400.0
     assert peaks.peak_reserved_mib == 1912.0 and peaks.device_total_mib == 80 * 1024
     assert recorder_module._device_peaks(MemoryTimeline(device="cpu",
                                                         resident_mib=[1.0])) is None
+
+
+def test_a_process_capped_below_the_device_has_the_cap_for_capacity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.set_per_process_memory_fraction(0.25): what the process may use is a
+    quarter of the device (GD401 and the headroom read it)."""
+    used = [1000]
+    _fake_cuda(monkeypatch, used, fraction=0.25)
+    watch = MemoryWatch(_Clock())
+    watch.step_ended()
+    memory = _filled(watch, 1).memory
+    assert memory is not None and memory.cap_mib == 20 * 1024
+    assert memory.device_capacity_mib == 20 * 1024 and memory.device_total_mib == 80 * 1024
 
 
 def test_a_cpu_script_in_a_cuda_machine_is_not_read_as_cuda(

@@ -1154,8 +1154,10 @@ def test_out_of_memory_lists_the_knobs_that_would_fit_in_bytes() -> None:
     knobs = f.evidence["knobs"]
     assert knobs[0].startswith("the optimizer's state, 3.73 GiB in fp32")
     assert "three quarters (2.79 GiB)" in knobs[0]
+    # What the failing step needed at least: the 78,000 MiB held and the 2 GiB asked, beyond
+    # the 16 bytes an element of weights, gradients and moments.
     assert knobs[1].startswith("the step's own allocations (activations and temporaries), "
-                               "~69.70 GiB")
+                               "~70.72 GiB")
     capped = gd404()
     script = capped.stages[0].facts.script
     assert script is not None and script.memory is not None and script.memory.oom is not None
@@ -1167,6 +1169,34 @@ def test_out_of_memory_lists_the_knobs_that_would_fit_in_bytes() -> None:
     assert grown.evidence["knobs"][0].startswith("memory grew 125.0 MiB a step")
     assert "expandable_segments:True" in grown.evidence["knobs"][1]
     assert "(1) memory grew" in grown.fix and "(2) the allocator held 4.00 GiB" in grown.fix
+
+
+def test_memory_near_a_cap_is_measured_against_the_cap_with_the_knobs_in_bytes() -> None:
+    """A profiled script capped at 24 GiB (set_per_process_memory_fraction) on an 80 GB
+    device, reserving 22.5 GiB at its peak: near capacity of what it may use, not of the
+    device; the knobs priced in bytes as for an out-of-memory (the optimizer's state, the
+    step's own allocations). Without the cap, 28% of the device: nothing."""
+    run = gd404(oom=False, numel=200_000_000)
+    stage = run.stages[0]
+    script = stage.facts.script
+    assert script is not None and script.memory is not None
+    stage.status, stage.error = "ok", None
+    script.memory.peak_mib = [22_000.0] * 40
+    script.memory.cap_mib = 24_576.0
+    stage.memory = MemoryStats(peak_allocated_mib=22_000.0, peak_reserved_mib=23_000.0,
+                               device_total_mib=81_920.0)
+    (f,) = findings_of("GD401", run)
+    assert f.severity == "warning" and f.title == (
+        "Peak reserved memory is 94% of the 24.00 GiB the process may use (its "
+        "set_per_process_memory_fraction)")
+    knobs = f.evidence["knobs"]
+    assert knobs[0].startswith("the allocator held 1,000 MiB cached beyond what tensors used")
+    assert knobs[1].startswith("the optimizer's state, 1.49 GiB in fp32")
+    assert knobs[2].startswith("the step's own allocations (activations and temporaries), "
+                               "~18.50 GiB")  # 22,000 MiB less 16 bytes x 200M elements
+    assert "(3) the step's own" in f.fix and "--try-fixes measures both" in f.fix
+    script.memory.cap_mib = None
+    assert findings_of("GD401", run) == []
 
 
 def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_plan() -> None:

@@ -31,6 +31,7 @@ from gpudiag.model.config import ProfileConfig
 from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
+    ActivationCheckpointRecord,
     AllocatorConfRecord,
     AsyncSaveRecord,
     Bf16AutocastRecord,
@@ -614,6 +615,11 @@ RECORDS: dict[type[RemedyRecord], tuple[RemedyRecord | None, RemedyRecord]] = {
     DebugOffRecord: (DebugOffRecord(),
                      DebugOffRecord([DebugOff("CUDA_LAUNCH_BLOCKING=1"),
                                      DebugOff("anomaly detection", "t.py:7")])),
+    ActivationCheckpointRecord: (
+        ActivationCheckpointRecord(kept="the script's GPT2LMHeadModel checkpoints its layers "
+                                        "already"),
+        ActivationCheckpointRecord(blocks=12, block="Block", container="GPT.blocks",
+                                   site="t.py:30")),
     AllocatorConfRecord: (None,  # acts on the environment whatever the script does
                           AllocatorConfRecord(before="max_split_size_mb:128",
                                               after="max_split_size_mb:128,"

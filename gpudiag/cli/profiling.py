@@ -84,7 +84,9 @@ def profile(
             on_rerun=lambda note: stderr.print(f"[yellow]gpudiag profile:[/] {escape(note)}",
                                                soft_wrap=True))
     _warn_reruns(output.run.reruns)
-    if options.try_fixes and output.exit_code == 0 and not output.run.interrupted:
+    # A script that died of out-of-memory is tried too: with what frees memory (GD404's fixes).
+    if options.try_fixes and not output.run.interrupted and (
+            output.exit_code == 0 or output.run.died_of_out_of_memory):
         with stop_on_signals():  # a SIGTERM between the runs stops them as Ctrl-C does
             _try_fixes(run_dir, output, list(dict.fromkeys(options.fixes)), policy)
     elif options.try_fixes:

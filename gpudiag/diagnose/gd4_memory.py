@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
-from gpudiag.model.facts import KeptTensors, MemoryTimeline, OutOfMemory
+from gpudiag.model.facts import KeptTensors, MemoryTimeline
 from gpudiag.model.results import RunResult, StageResult
 
 RESERVED_WARNING, FRAGMENTATION = 0.90, 0.20
@@ -20,6 +20,21 @@ GROWTH_MIN_STEPS, GROWTH_MIN_MIB, GROWTH_HALF, GROWTH_SKIP = 10, 64.0, 0.25, 3
 # that grow without them are tensors that grew (examples/growing_lengths.py on an H200: +4 MiB
 # a step, the live allocations flat).
 MORE_BLOCKS_PER_STEP, MIN_MORE_BLOCKS = 0.05, 2
+KNOB_MIN_MIB = 64.0  # a knob that frees less than this is not worth listing
+
+GROWTH_THRESHOLDS = (
+    Threshold("min_growth_mib", GROWTH_MIN_MIB,
+              "grown at least 64 MiB over the steps counted (or a kept container's bytes a "
+              "step, over them)"),
+    Threshold("min_steps", GROWTH_MIN_STEPS, "at least 10 step-to-step changes counted"),
+    Threshold("half_share", GROWTH_HALF,
+              "each half of the steps holds a quarter of the growth: it goes on"),
+    Threshold("skipped_steps", GROWTH_SKIP,
+              "the first steps make the optimizer's state: not counted"),
+    Threshold("more_blocks_per_step", MORE_BLOCKS_PER_STEP,
+              "CUDA: kept tensors add a live allocation every 20 steps or more; bytes that "
+              "grow without them are tensors that grew (information)"),
+    Threshold("min_more_blocks", MIN_MORE_BLOCKS, "... and at least 2 in all"))
 
 
 @rule(
@@ -35,29 +50,44 @@ MORE_BLOCKS_PER_STEP, MIN_MORE_BLOCKS = 0.05, 2
     thresholds=(Threshold("warning_reserved_share", RESERVED_WARNING,
                           "90% of device memory reserved"),
                 Threshold("fragmentation_share", FRAGMENTATION,
-                          "reserved exceeds allocated by 20% of the device")),
+                          "reserved exceeds allocated by 20% of the device"),
+                Threshold("min_knob_mib", KNOB_MIN_MIB,
+                          "a knob freeing less than 64 MiB is not listed"),
+                *GROWTH_THRESHOLDS),
 )
 def memory_near_capacity(run: RunResult) -> Iterator[Draft]:
-    """Peak reserved at least 90% of the device (warning); reserved exceeding allocated by 20%
-    of the device (information: fragmentation)."""
+    """Peak reserved at least 90% of what the process may use (the device, or the cap the
+    script set) (warning, with the knobs that would free memory, in bytes); reserved exceeding
+    allocated by 20% of it (information: fragmentation)."""
     for stage in run.ok_stages():
         mem = stage.memory
-        if mem is None or not mem.device_total_mib:
+        script = stage.facts.script
+        timeline = script.memory if script is not None else None
+        cap = timeline.cap_mib if timeline is not None else None
+        capacity = cap or (mem.device_total_mib if mem is not None else None)
+        if mem is None or not capacity:
             continue
-        reserved = mem.peak_reserved_mib / mem.device_total_mib
-        slack = (mem.peak_reserved_mib - mem.peak_allocated_mib) / mem.device_total_mib
-        evidence = {"peak_allocated_mib": round(mem.peak_allocated_mib),
+        reserved = mem.peak_reserved_mib / capacity
+        slack = (mem.peak_reserved_mib - mem.peak_allocated_mib) / capacity
+        evidence: dict[str, object] = {"peak_allocated_mib": round(mem.peak_allocated_mib),
                     "peak_reserved_mib": round(mem.peak_reserved_mib),
-                    "device_total_mib": round(mem.device_total_mib)}
+                    "device_total_mib": round(mem.device_total_mib or 0), "cap_mib": cap}
+        of = (f"the {_gib(cap)} the process may use (its set_per_process_memory_fraction)"
+              if cap else "the GPU")
         if reserved >= RESERVED_WARNING:
+            knobs = _fit_knobs(stage, timeline, script.warmup if script else 0,
+                               cached_mib=mem.peak_reserved_mib - mem.peak_allocated_mib) \
+                if timeline is not None else []
+            evidence["knobs"] = knobs
             yield Draft(severity="warning", stage=stage.name,
-                        title=f"Peak reserved memory is {pct(reserved)} of the GPU",
+                        title=f"Peak reserved memory is {pct(reserved)} of {of}",
                         impact=0.0, evidence=evidence,
-                        fix=("Shrink the largest temporaries or the micro-batch (gradient "
-                             "accumulation keeps the effective batch)."))
+                        fix=("; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + "."
+                             if knobs else "Shrink the largest temporaries or the micro-batch "
+                             "(gradient accumulation keeps the effective batch)."))
         elif slack >= FRAGMENTATION:
             yield Draft(severity="info", stage=stage.name,
-                        title=f"Allocator holds {pct(slack)} of the GPU more than it uses",
+                        title=f"Allocator holds {pct(slack)} of {of} more than it uses",
                         impact=0.0, evidence=evidence,
                         fix="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces "
                             "fragmentation from varying tensor sizes.")
@@ -202,21 +232,6 @@ def _runs_out(found: Growth, stage: StageResult, planned: int | None) -> str:
     return f"{where} runs out in ~{left:,.0f} more steps{when}{plan}"
 
 
-GROWTH_THRESHOLDS = (
-    Threshold("min_growth_mib", GROWTH_MIN_MIB,
-              "grown at least 64 MiB over the steps counted (or a kept container's bytes a "
-              "step, over them)"),
-    Threshold("min_steps", GROWTH_MIN_STEPS, "at least 10 step-to-step changes counted"),
-    Threshold("half_share", GROWTH_HALF,
-              "each half of the steps holds a quarter of the growth: it goes on"),
-    Threshold("skipped_steps", GROWTH_SKIP,
-              "the first steps make the optimizer's state: not counted"),
-    Threshold("more_blocks_per_step", MORE_BLOCKS_PER_STEP,
-              "CUDA: kept tensors add a live allocation every 20 steps or more; bytes that "
-              "grow without them are tensors that grew (information)"),
-    Threshold("min_more_blocks", MIN_MORE_BLOCKS, "... and at least 2 in all"))
-
-
 @rule(
     "GD403", "memory-growth", concern="memory",
     summary=("Memory that grows step after step: tensors kept from every step, named where "
@@ -359,18 +374,20 @@ def _kept_fix(kept: KeptTensors) -> str:
 STATE_BYTES = {"Adam": 8, "AdamW": 8, "NAdam": 8, "RAdam": 8, "Adamax": 8, "RMSprop": 4,
                "Adagrad": 4}
 ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
-KNOB_MIN_MIB = 64.0  # a knob that frees less than this is not worth listing
 
 
 def _gib(mib: float) -> str:
     return f"{mib / 1024:,.2f} GiB" if mib >= 1024 else f"{mib:,.0f} MiB"
 
 
-def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
-               warmup: int) -> list[str]:
-    """What would make the step fit, each priced in bytes from what the run measured, in the
-    order they are worth trying: what grew, what the cache held, the optimizer's state, the
-    step's own allocations."""
+def _fit_knobs(stage: StageResult, memory: MemoryTimeline, warmup: int, *,
+               cached_mib: float | None = None, requested_mib: float | None = None,
+               failed_at_mib: float | None = None) -> list[str]:
+    """What would free memory, each priced in bytes from what the run measured, in the order
+    they are worth trying: what grew, what the cache held (`cached_mib`: beyond what tensors
+    held; where an allocation of `requested_mib` failed, only if it would have fit), the
+    optimizer's state, the step's own allocations (at least `failed_at_mib` where a step
+    failed: what tensors held then and the request)."""
     knobs = []
     timeline = stage.facts.script.timeline if stage.facts.script else None
     found = growth(memory, warmup, (timeline.window_start, timeline.window_end)
@@ -381,12 +398,13 @@ def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
         knobs.append(f"memory grew {found.mib_per_step:,.1f} MiB a step from step "
                      f"{found.first}: {_gib(found.mib)} kept by the script ({keeper}GD403); "
                      "keep numbers or detached slices instead")
-    if oom.reserved_mib is not None and oom.allocated_mib is not None:
-        cached = oom.reserved_mib - oom.allocated_mib
-        if oom.requested_mib and cached >= oom.requested_mib:
-            knobs.append(f"the allocator held {_gib(cached)} cached but in pieces none of which "
-                         f"fit {_gib(oom.requested_mib)}: PYTORCH_CUDA_ALLOC_CONF="
-                         "expandable_segments:True grows a segment instead (no code change)")
+    if cached_mib is not None and (cached_mib >= requested_mib if requested_mib
+                                   else cached_mib >= KNOB_MIN_MIB):
+        pieces = (f"in pieces none of which fit {_gib(requested_mib)}" if requested_mib
+                  else "beyond what tensors used at the peak")
+        knobs.append(f"the allocator held {_gib(cached_mib)} cached {pieces}: "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True grows a segment instead "
+                     "(no code change)")
     script = stage.facts.script
     state = sum(STATE_BYTES.get(o.name, 0) * o.numel for o in script.optimizers) / 2**20 \
         if script else 0.0
@@ -397,14 +415,16 @@ def _oom_knobs(stage: StageResult, memory: MemoryTimeline, oom: OutOfMemory,
                         f"quarters ({_gib(state * 0.75)}); " if adam else "")
                      + "sharding it (ZeRO-1, FSDP) divides it by the GPUs")
     weights = 8 * sum(o.numel for o in script.optimizers) / 2**20 if script else 0.0
-    peak = max(memory.peak_mib, default=0.0)
+    # A step that failed needed what was held then and the request at least.
+    peak = max(max(memory.peak_mib, default=0.0), failed_at_mib or 0.0)
     step_own = peak - weights - state if peak and weights else None
     if step_own is not None and step_own >= KNOB_MIN_MIB:
         knobs.append(f"the step's own allocations (activations and temporaries), ~"
                      f"{_gib(step_own)} at the peak beyond the fp32 weights, gradients and "
                      "state (an estimate): half the micro-batch with 2 accumulation steps "
                      f"saves about half ({_gib(step_own / 2)}); activation checkpointing of "
-                     "the model's blocks most of them, for ~20-30% more time")
+                     "the model's blocks most of them, for about one more forward's time "
+                     "(--try-fixes measures both)")
     return knobs
 
 
@@ -446,7 +466,12 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
                   f"set_per_process_memory_fraction; {where} holds {_gib(total or 0.0)})")
         asked = f"{_gib(oom.requested_mib)} requested" if oom.requested_mib else \
             "an allocation failed"
-        knobs = _oom_knobs(stage, memory, oom, script.warmup)
+        cached = oom.reserved_mib - oom.allocated_mib \
+            if oom.reserved_mib is not None and oom.allocated_mib is not None else None
+        failed_at = oom.allocated_mib + (oom.requested_mib or 0.0) \
+            if oom.allocated_mib is not None else None
+        knobs = _fit_knobs(stage, memory, script.warmup, cached_mib=cached,
+                           requested_mib=oom.requested_mib, failed_at_mib=failed_at)
         yield Draft(
             severity="critical", stage=stage.name, location=oom.line,
             title=f"Out of memory at step {oom.step}: {asked}{held}{of}",
@@ -456,9 +481,11 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
                       "reserved_mib": oom.reserved_mib, "free_mib": oom.device_free_mib,
                       "peak_mib": max(memory.peak_mib, default=None), "knobs": knobs},
             fix=("; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + "."
-                 if knobs else "No owner of the memory was measured before the failure: run "
-                 "fewer steps or a smaller batch under gpudiag profile to see what the step "
-                 "holds."),
+                 if knobs else "No owner of the memory was measured before the failure (on "
+                 "a CPU the allocator keeps no counters): `gpudiag profile --try-fixes` "
+                 "measures what frees memory (activation checkpointing of the model's "
+                 "blocks); a smaller micro-batch with gradient accumulation keeps the "
+                 "effective batch."),
         )
 
 

@@ -116,6 +116,10 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     `baseline_losses` (the diagnosis run), with `before`'s own difference as the floor."""
     fix = _fix_of(remedy, names, run)
     a, b = _main_stage(before), _main_stage(after)
+    _measured_memory(fix, a, b)
+    if remedy is not None and remedy.frees_memory and fix.before_oom_step is not None \
+            and b is not None and b.iter_ms:
+        return _fitted(fix, names, b, baseline_losses, run)
     if a is None or b is None or not a.iter_ms or not b.iter_ms:
         fix.status = "failed"
         fix.note = (_why_not_measured(after, b, "the script with this fix")
@@ -142,6 +146,41 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.change = _switched_off(fix.evidence) or fix.change
     _measured_loader_change(fix)
     _check_losses(fix, names, run, baseline_losses, (_losses(a), _losses(b)))
+    return fix
+
+
+def _peak_and_oom(stage: StageResult | None) -> tuple[float | None, int | None]:
+    """The allocator's peak over a run's steps (CUDA), and the step it died of out-of-memory
+    at (None: it did not)."""
+    script = stage.facts.script if stage is not None else None
+    memory = script.memory if script is not None else None
+    if memory is None:
+        return None, None
+    peak = max(memory.peak_mib, default=None) if memory.device == "cuda" else None
+    return peak, memory.oom.step if memory.oom is not None else None
+
+
+def _measured_memory(fix: MeasuredFix, before: StageResult | None,
+                     after: StageResult | None) -> None:
+    fix.before_peak_mib, fix.before_oom_step = _peak_and_oom(before)
+    fix.after_peak_mib, fix.after_oom_step = _peak_and_oom(after)
+
+
+def _fitted(fix: MeasuredFix, names: list[str], after: StageResult,
+            baseline_losses: list[float], run: RunResult) -> MeasuredFix:
+    """A fix that frees memory, where the script died of out-of-memory without it and ran its
+    steps with it: what it bought is the run itself; its time cost cannot be measured (no
+    step ran without it)."""
+    fix.evidence = after.facts.script.remedies if after.facts.script else RemedyEvidence()
+    fix.location = fix.evidence.site(names) or fix.location
+    fix.after_ms = statistics.fmean(steady_state(after.iter_ms))
+    no_effect = fix.evidence.unchanged(names)
+    fix.changed_nothing = no_effect is not None
+    fix.note = no_effect or (
+        f"without it the script died of out-of-memory at step {fix.before_oom_step}; with it, "
+        f"it ran its {len(after.iter_ms)} timed steps: its time cost is not measured (no step "
+        "ran without it)")
+    _check_losses(fix, names, run, baseline_losses, ([], _losses(after)))
     return fix
 
 
@@ -314,6 +353,7 @@ def passing(fixes: list[MeasuredFix]) -> list[str]:
     and computing the same thing, or what mixed precision changes."""
     return [f.remedy for f in fixes
             if f.status == "measured" and f.remedy in REMEDIES and f.speedup is not None
+            and not REMEDIES[f.remedy].frees_memory  # its time is a cost, not a saving
             and not f.changed_nothing
             and (f.speedup_low if f.speedup_low is not None else f.speedup) > 1.0
             and f.equivalence in ("same", "mixed-precision")]

@@ -468,6 +468,9 @@ class MemoryTimeline:
     children_resident_mib: list[float] = field(default_factory=list)
     pinned_host_mib: float | None = None  # CUDA: page-locked host memory at its highest
     device_total_mib: float | None = None
+    # CUDA: what the process may allocate where the script capped it below the device
+    # (torch.cuda.set_per_process_memory_fraction), None where it did not
+    cap_mib: float | None = None
     host_total_mib: float | None = None  # the machine's physical memory
     # The allocator's counters at the run's end (torch.cuda.memory_stats): cudaMalloc retries
     # after freeing its cache, and out-of-memory errors it raised.
@@ -475,6 +478,11 @@ class MemoryTimeline:
     ooms: int | None = None
     note: str = ""  # what this device cannot tell
     oom: OutOfMemory | None = None  # the run died of an allocation that failed
+
+    @property
+    def device_capacity_mib(self) -> float | None:
+        """What the process may allocate on the device: its cap, else the device's memory."""
+        return self.cap_mib or self.device_total_mib
 
 
 @dataclass

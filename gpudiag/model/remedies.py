@@ -53,6 +53,10 @@ class Remedy:
     # Its findings price disjoint parts of the step, each of which it removes: its price is
     # their sum (otherwise the largest, the parts may overlap).
     adds_prices: bool = False
+    # It trades time for memory: judged by the peak it saves (its time is the cost), never
+    # combined with the fixes that pay in time, and tried where memory is the limit (an
+    # out-of-memory diagnosis too).
+    frees_memory: bool = False
 
 
 REMEDIES: dict[str, Remedy] = {r.name: r for r in (
@@ -137,6 +141,19 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "environment had) before CUDA starts",
            "in the job's environment: `export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` "
            "(or add it to what PYTORCH_CUDA_ALLOC_CONF holds)", cuda_only=True),
+    # Each block's forward recomputed in backward instead of its activations kept
+    # (torch.utils.checkpoint, use_reentrant=False as its docs recommend; the RNG state is
+    # replayed, so dropout draws the same masks): the same arithmetic on the same inputs.
+    Remedy("activation-checkpointing", "activation checkpointing of the model's repeated blocks",
+           ("GD401", "GD404"), "exact",
+           "each repeated block (the children of an nn.ModuleList or nn.Sequential of one "
+           "class, two or more, holding submodules: a transformer's layers) run through "
+           "torch.utils.checkpoint.checkpoint(use_reentrant=False) while gradients are on; a "
+           "Hugging Face model through its own gradient_checkpointing_enable()",
+           "run each block through `torch.utils.checkpoint.checkpoint(block, x, "
+           "use_reentrant=False)` in the model's forward (Hugging Face: "
+           "`model.gradient_checkpointing_enable()`; FSDP: `apply_activation_checkpointing`)",
+           frees_memory=True),
     Remedy("ddp-no-sync", "DDP all-reduces once per optimizer step, not per micro-step",
            ("GD802",), "exact",
            "every DistributedDataParallel forward run as under model.no_sync(), and the "
@@ -169,6 +186,7 @@ NO_REMEDY: dict[str, str] = {
     "GD103": "host syncs (.item(), .cpu(), bool(tensor)) are the script's logic: move them "
              "out of the step or batch them, see the fix",
     "GD104": "small kernels: a bigger batch or torch.compile changes what the script trains",
+    "GD403": "what the script keeps from each step is its logic: keep less, see the fix",
     "GD703": "periodic work that is not a save (evaluation, logging) is the script's choice",
 }
 
@@ -469,6 +487,21 @@ class AllocatorConfRecord(RemedyRecord):
 
 
 @dataclass
+class ActivationCheckpointRecord(RemedyRecord):
+    blocks: Count = 0  # blocks whose forwards were checkpointed
+    block: str | None = None  # their class
+    container: str | None = None  # where they are in the model ("model.layers")
+    framework: str | None = None  # "transformers": its own gradient_checkpointing_enable()
+    site: str | None = None  # the script's line that first called the model: its forward
+    kept: str | None = None  # why a model was left as it was (it checkpoints already)
+
+    def unchanged(self) -> str | None:
+        return None if self.blocks or self.framework else self.kept or (
+            "the script's model has no repeated blocks to checkpoint (an nn.ModuleList or "
+            "nn.Sequential of two or more submodules of one class)")
+
+
+@dataclass
 class RemedyEvidence:
     """What the remedies applied in one process saw, one record per remedy (None: not
     applied). A field is its remedy's name with underscores (run.json's keys of schema 3 and
@@ -489,6 +522,7 @@ class RemedyEvidence:
     nondeterministic: DebugOffRecord | None = None
     channels_last: ChannelsLastRecord | None = None
     expandable_segments: AllocatorConfRecord | None = None
+    activation_checkpointing: ActivationCheckpointRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

@@ -474,6 +474,12 @@ class MeasuredFix:
     # The remedy found nothing to change in the script (no DataLoader, no save): its speedup is
     # noise between two runs, never a reason to rank or recommend it.
     changed_nothing: bool = False
+    # Memory: the allocator's peak without and with the fix (CUDA; MiB), and the step a run
+    # died of out-of-memory at (a fix that frees memory is judged by these, its time the cost).
+    before_peak_mib: NonNegative | None = None
+    after_peak_mib: NonNegative | None = None
+    before_oom_step: Count | None = None
+    after_oom_step: Count | None = None
 
 
 @dataclass
@@ -567,6 +573,12 @@ class RunResult:
         """The stages whose measurements are judged: those that ran to their end, and those
         that failed after their timed steps and profiler window (`failed_after_timing`)."""
         return (s for s in self.stages if s.ok or s.failed_after_timing)
+
+    @property
+    def died_of_out_of_memory(self) -> bool:
+        """A stage's script died of an allocation that failed (CUDA's or the CPU's)."""
+        return any(s.facts.script is not None and s.facts.script.memory is not None
+                   and s.facts.script.memory.oom is not None for s in self.stages)
 
     def stages_with_evidence(self) -> Iterator[StageResult]:
         return (s for s in self.ok_stages() if s.evidence is not None)

@@ -26,9 +26,10 @@ UNMEASURED = {"failed": "failed", "not-measured": "not measured"}  # said after 
 
 
 def _ms(fix: MeasuredFix) -> str:
-    if fix.before_ms is None or fix.after_ms is None:
+    if fix.after_ms is None:
         return "-"
-    return f"{fix.before_ms:,.2f} -> {fix.after_ms:,.2f}"
+    before = f"{fix.before_ms:,.2f}" if fix.before_ms is not None else "-"
+    return f"{before} -> {fix.after_ms:,.2f}"
 
 
 # An interval wider than this ratio (high / low) says nothing: too few or too noisy steps.
@@ -54,10 +55,57 @@ def _interval(fix: MeasuredFix) -> tuple[float, float] | None:
     return low, high
 
 
+# Peaks within this share of each other are the same memory: the allocator rounds blocks up
+# and caches them (pytorch.org/docs/stable/notes/cuda.html, "Memory management").
+MIN_FREED_SHARE = 0.05
+
+
+def _frees_memory(fix: MeasuredFix) -> bool:
+    remedy = REMEDIES.get(fix.remedy)
+    return remedy is not None and remedy.frees_memory
+
+
+def _peak(mib: float | None, oom_step: int | None) -> str:
+    if oom_step is not None:
+        return f"out of memory at step {oom_step}"
+    return f"{mib / 1024:,.2f} GiB" if mib is not None else "-"
+
+
+def memory_cell(fix: MeasuredFix) -> str:
+    """The allocator's peak without and with the fix (or the step a run died at)."""
+    before = _peak(fix.before_peak_mib, fix.before_oom_step)
+    after = _peak(fix.after_peak_mib, fix.after_oom_step)
+    if before == after == "-":
+        return "-"
+    change = ""
+    if fix.before_peak_mib and fix.after_peak_mib is not None and fix.before_oom_step is None \
+            and fix.after_oom_step is None:
+        change = f" ({fix.after_peak_mib / fix.before_peak_mib - 1:+.0%})"
+    return f"{before} -> {after}{change}"
+
+
+def _freed(fix: MeasuredFix) -> str | None:
+    """Why a fix that frees memory did not (None where it did: it ran where the script died
+    without it, or its peak fell)."""
+    if fix.after_oom_step is not None:
+        return f"the script died of out-of-memory with it too (at step {fix.after_oom_step})"
+    if fix.before_oom_step is not None:
+        return None
+    if fix.before_peak_mib is None or fix.after_peak_mib is None:
+        return "its memory was not measured (the allocator's peak is read on CUDA)"
+    if fix.after_peak_mib > fix.before_peak_mib * (1 - MIN_FREED_SHARE):
+        return f"it freed no memory at the peak ({memory_cell(fix)})"
+    return None
+
+
 def _priced(fix: MeasuredFix, price: float | None) -> str:
     """The finding's printed price beside the share of the step the fix saved as measured
-    (1 - 1/speedup, with its interval): the price model's error, in view."""
+    (1 - 1/speedup, with its interval): the price model's error, in view. A fix that frees
+    memory: its time cost instead."""
     said = f"priced {price:.0%}" if price is not None else ""
+    if fix.status == "measured" and _frees_memory(fix):
+        return (f"costs {1 / fix.speedup - 1:+.0%} time" if fix.speedup is not None
+                else "time cost not measured")
     if fix.status != "measured" or fix.speedup is None:
         return said or "-"
     saved = f"saved {1 - 1 / fix.speedup:.0%}"
@@ -100,15 +148,16 @@ def _same(fix: MeasuredFix) -> str:
 
 def _not_recommended(fix: MeasuredFix) -> str | None:
     """Why a measured fix is not to be made permanent: not measured faster (its interval
-    reaching 1), or its losses changed or cannot tell; None when it is to be."""
-    if fix.status != "measured" or fix.speedup is None:
+    reaching 1), or, for one that frees memory, not measured smaller; or its losses changed
+    or cannot tell; None when it is to be."""
+    if fix.status != "measured" or (fix.speedup is None and not _frees_memory(fix)):
         return None
     if fix.changed_nothing:
-        return f"{fix.note} (the {fix.speedup:.2f}x is noise between two runs)"
-    low = fix.speedup_low if fix.speedup_low is not None else fix.speedup
-    if low <= 1.0:
-        return (f"not measured faster ({_speedup(fix)})" if fix.speedup > 1.0
-                else f"measured slower or no faster ({_speedup(fix)})")
+        return (f"{fix.note} (the {fix.speedup:.2f}x is noise between two runs)"
+                if fix.speedup is not None else fix.note)
+    paid = _freed(fix) if _frees_memory(fix) else _not_faster(fix)
+    if paid is not None:
+        return paid
     if fix.equivalence == "differs":
         return "it changed the losses"
     if fix.equivalence == "unchecked" and fix.loss_floor is not None:
@@ -116,9 +165,21 @@ def _not_recommended(fix: MeasuredFix) -> str | None:
     return None  # the same, or no losses seen (the "same result?" column says which)
 
 
+def _not_faster(fix: MeasuredFix) -> str | None:
+    """Why a fix's speedup is no gain: its interval reaches 1 (None where it does not)."""
+    assert fix.speedup is not None
+    low = fix.speedup_low if fix.speedup_low is not None else fix.speedup
+    if low > 1.0:
+        return None
+    return (f"not measured faster ({_speedup(fix)})" if fix.speedup > 1.0
+            else f"measured slower or no faster ({_speedup(fix)})")
+
+
 def recommended(fix: MeasuredFix) -> bool:
-    """To be made permanent: measured, faster, and its losses the same (or not seen)."""
-    return fix.status == "measured" and fix.speedup is not None and _not_recommended(fix) is None
+    """To be made permanent: measured, faster (or, where it frees memory, smaller), and its
+    losses the same (or not seen)."""
+    return fix.status == "measured" and (fix.speedup is not None or _frees_memory(fix)) \
+        and _not_recommended(fix) is None
 
 
 def _change(fix: MeasuredFix) -> str:
@@ -127,14 +188,18 @@ def _change(fix: MeasuredFix) -> str:
         return f"not measured ({fix.note}); the finding suggests {where}{fix.change}"
     if fix.status == "not-measured":  # a stop came first; the note says so
         return fix.note or "not measured"
-    if fix.status != "measured" or fix.speedup is None:  # its runs failed: no advice
+    if fix.status != "measured" or (fix.speedup is None and not _frees_memory(fix)):
+        # its runs failed: no advice
         return f"not recommended: {fix.note or UNMEASURED.get(fix.status, 'not measured')}"
     why_not = _not_recommended(fix)
     if why_not is not None:
         # A slower fix's note says what the code does instead (the loader's workers).
-        slower = fix.speedup < 1.0 and fix.note and not fix.changed_nothing
+        slower = fix.speedup is not None and fix.speedup < 1.0 and fix.note \
+            and not fix.changed_nothing and not _frees_memory(fix)
         return f"not recommended: {why_not}" + (f"; {fix.note}" if slower else "")
     note = f" ({fix.note})" if fix.note else ""
+    if _frees_memory(fix):
+        return f"where memory is the limit: {where}{fix.change}{note}"
     return f"{where}{fix.change}{note}"
 
 
@@ -157,10 +222,22 @@ def fixes_markdown(run: RunResult) -> list[str]:
              "`same result?` compares the first steps' losses with the diagnosis run's, against "
              "how much two runs without the fix differ. `priced vs saved`: the finding's "
              "price, as a share of the mean timed step, beside the share of it the fix saved "
-             "(1 - 1/speedup).", ""]
+             "(1 - 1/speedup)." + (
+                 f" A fix that frees memory is judged by the allocator's peak instead: worth "
+                 f"making where memory is the limit when its peak fell by {MIN_FREED_SHARE:.0%}"
+                 " or more (or the script ran its steps where it died of out-of-memory "
+                 "without it), its time is its cost." if any(map(_frees_memory, run.fixes))
+                 else ""), ""]
     priced = timed_shares(run)
-    lines += markdown_table(HEADER, [fix_cells(f, price_of(f, priced)) for f in run.fixes],
-                            right=[False, False, True, True, True, True, False, False])
+    rows = [fix_cells(f, price_of(f, priced)) for f in run.fixes]
+    header, right = list(HEADER), [False, False, True, True, True, True, False, False]
+    memory = [memory_cell(f) for f in run.fixes]
+    if any(cell != "-" for cell in memory):  # the allocator's peaks, where a run read them
+        header.insert(4, "peak memory before -> after")
+        right.insert(4, True)
+        for row, cell in zip(rows, memory, strict=True):
+            row.insert(4, cell)
+    lines += markdown_table(header, rows, right=right)
     measured = [f for f in run.fixes if f.status == "measured"]
     if run.env.device.startswith("cuda") and measured and all(
             f.after_j_per_step is None for f in measured):
@@ -190,8 +267,8 @@ def fixes_table(run: RunResult) -> Table:
         block = Text(name, style="bold")
         block.append(f" ({findings})" if findings != "-" else "")
         measured = [f"{label} {value}".strip() for label, value in (
-            ("ms/step (mean)", ms), ("speedup", speedup), ("", price), ("J/step", energy))
-            if value != "-"]
+            ("ms/step (mean)", ms), ("speedup", speedup), ("", price), ("J/step", energy),
+            ("peak memory", memory_cell(fix))) if value != "-"]
         if same != "-":
             measured.append(same)
         if measured:

@@ -39,6 +39,7 @@ from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
 from gpudiag.measure.profile.inscript.timeline import TIMELINE_STEPS, build_timeline
 from gpudiag.measure.profile.inscript.watches import StageDraft, discover
+from gpudiag.measure.profile.inscript.watches.memory import oom_device
 from gpudiag.measure.profile.protocol import (
     ENV_PARENT,
     ENV_TRACE_DIR,
@@ -134,6 +135,9 @@ class Recorder:
         self.fitted_to_plan = False  # the schedule was shrunk to the steps the script plans
         self.env: Env | None = None
         self.crash: list[str] = []  # the last lines of an uncaught exception's traceback
+        # It died of an allocation that failed: its stage is written even before a first step
+        # (the commonest out-of-memory: the first step does not fit), for what held memory.
+        self.out_of_memory = False
         self.stop = Stop()  # lifecycle.py's signal handlers ask; each step boundary acts
         # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
         self.applied = Applied(config.remedies)
@@ -499,6 +503,7 @@ class Recorder:
         lines = traceback.format_exception(exc_type, exc, tb)
         self.crash = [line for chunk in lines[-CRASH_LINES:] for line in chunk.splitlines(True)
                       ][-CRASH_LINES:]
+        self.out_of_memory = oom_device(exc) is not None
         for watch in self.watches:
             try:
                 watch.crashed(exc)
@@ -523,7 +528,7 @@ class Recorder:
         part = ProfilePart(pid=os.getpid(), argv=list(sys.argv), steps=self.steps,
                            rank=_rank()[0], cuda=bool(self.cuda), error=self.error,
                            final=final, crash="".join(self.crash) or None,
-                           stage=self.stage() if self.steps else None,
+                           stage=self.stage() if self.steps or self.out_of_memory else None,
                            env=self._environment(), window=self.window_trace)
         self.out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.out / part_name(os.getpid()), part_text(part))

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from gpudiag.measure.evidence.source import call_site
 from gpudiag.measure.profile.inscript.frameworks import loader_origin
+from gpudiag.measure.profile.inscript.memoryremedies import MEMORY_APPLIERS
 from gpudiag.measure.profile.inscript.watches.debug import LAUNCH_BLOCKING, launch_blocking
 from gpudiag.measure.profile.inscript.watches.fsdp import when_fsdp_imported
 from gpudiag.model.remedies import (
@@ -691,6 +692,7 @@ APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "ddp-no-sync": _ddp_no_sync, "compile-model": _compile_model,
     "no-debug": _no_debug, "nondeterministic": _nondeterministic,
     "channels-last": _channels_last, "expandable-segments": _expandable_segments,
+    **MEMORY_APPLIERS,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 

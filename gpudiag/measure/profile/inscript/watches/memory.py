@@ -218,6 +218,9 @@ class MemoryWatch(Watch):
             memory.device_total_mib = round(
                 torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                 / _MIB, 1)
+            fraction = torch.cuda.get_per_process_memory_fraction()
+            if fraction < 1.0:
+                memory.cap_mib = round(fraction * memory.device_total_mib, 1)
         else:
             memory.note = CPU_NOTE + ("" if self.statm is not None else
                                       "; on this system only its highest so far")
