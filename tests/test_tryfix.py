@@ -169,6 +169,9 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     (kept,) = records.persistent_workers.loaders
     assert kept.site == f"train.py:{line_of(script, 'loader = DataLoader(')}"
     assert kept.before is not None and kept.before.num_workers == 0
+    # A larger batch: the plan's default ask, twice the loader's batch_size, at its line.
+    assert records.larger_batch is not None and records.larger_batch.batches() == (16, 32)
+    assert records.larger_batch.site == kept.site and output.run.stages[0].samples_per_step == 32
     # The lines to edit: where the script saves, where it switches TF32 off.
     assert saved.site == f"train.py:{line_of(script, 'torch.save(')}"
     assert records.tf32.site == f"train.py:{line_of(script, 'allow_tf32 = False')}"
@@ -382,7 +385,7 @@ def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_it_was
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     outside = allowed / "outside.txt"
-    forced = ("loader",)
+    forced = ("loader", "larger-batch")  # a larger batch: forced, a CPU has no headroom
     with in_folder(user):
         done = invoke(["profile", "--no-plots", "--try-fixes",
                        *[a for n in forced for a in ("--fix", n)], "--warmup", "2", "--timed",
@@ -419,6 +422,12 @@ def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_it_was
     assert fixes["loader"].location == f"train.py:{line_of(script, 'loader = DataLoader(')}"
     # Same seed, same data order, with loader workers too: the same losses.
     assert fixes["loader"].equivalence == "same", fixes["loader"].loss_gap
+    # Twice the batch from the loader's line, in samples per second; another recipe.
+    larger = fixes["larger-batch"]
+    assert larger.evidence.larger_batch is not None
+    assert larger.evidence.larger_batch.batches() == (16, 32)
+    assert larger.location == fixes["loader"].location and larger.equivalence == "recipe"
+    assert "batch 16 -> 32 a step" in larger.note and "samples per second" in larger.note
     assert "## Measured fixes" in report
 
 
@@ -581,7 +590,7 @@ def test_a_larger_batch_is_measured_in_samples_per_second_and_never_the_same_rec
     assert (fix.before_ms, fix.after_ms) == (pytest.approx(10.0), pytest.approx(16.0))
     assert fix.speedup == pytest.approx(1.25) and fix.equivalence == "recipe"
     assert fix.location == "train.py:12" and passing([fix]) == []
-    assert "batch 32 -> 64 a step (the DataLoader at train.py:12)" in fix.note
+    assert "batch 32 -> 64 a step, from the DataLoader at train.py:12" in fix.note
     assert "the headroom predicted a batch of up to ~2,288 would fit" in fix.note
     assert "samples per second (3,200 -> 4,000)" in fix.note
     assert equivalence([1.0], [1.0], [1.0], "recipe")[0] == "recipe"

@@ -273,7 +273,7 @@ def _per_sample(fix: MeasuredFix, stages: tuple[StageResult, StageResult],
                  if room is not None and room.largest_batch else "")
     fix.note = _joined(fix.note, (
         f"batch {batches[0]:,} -> {batches[1]:,} a step"
-        + (f" (the DataLoader at {record.site})" if record.site else "") + predicted
+        + (f", from the DataLoader at {record.site}" if record.site else "") + predicted
         + f"; its step takes {fix.after_ms or 0:,.2f} ms against {fix.before_ms or 0:,.2f}: "
         f"the speedup is in samples per second ({1e3 * batches[0] / (fix.before_ms or 1):,.0f}"
         f" -> {1e3 * batches[1] / (fix.after_ms or 1):,.0f})"))
