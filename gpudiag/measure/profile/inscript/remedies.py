@@ -330,11 +330,15 @@ def _pinned(seen: RemedyEvidence) -> Callable[[], None]:
 
 # --- a larger training batch ---------------------------------------------------------------
 
-def _batch_kept(given: dict[str, Any], site: str | None, training: str | None) -> str | None:
+def _batch_kept(given: dict[str, Any], site: str | None, training: str | None,
+                origin: dict[str, str]) -> str | None:
     """Why the larger-batch remedy leaves the DataLoader built at `site` with `given`
-    arguments as it was (`training`: the diagnosis run's training loader's line)."""
+    arguments as it was (`training`: the diagnosis run's training loader's line; `origin`:
+    what built it, frameworks.loader_origin)."""
     if training is not None and site != training:
         return f"not the training DataLoader (built at {training})"
+    if "rebuilt_by" in origin:  # from a loader built here: scaled already
+        return f"rebuilt by {origin['rebuilt_by']} from a loader with the larger batch"
     if isinstance(given["dataset"], IterableDataset):
         return "an IterableDataset: its own code decides what a pass holds"
     if given["batch_sampler"] is not None or not isinstance(given["batch_size"], int):
@@ -356,7 +360,8 @@ def _larger_batch(seen: RemedyEvidence) -> Callable[[], None]:
             given = dict(bound.arguments)
             given.pop("self")
             note = BatchSeen(site=_site())
-            note.kept = _batch_kept(given, note.site, record.training_site)
+            note.kept = _batch_kept(given, note.site, record.training_site,
+                                    loader_origin(sys._getframe(1), self))
             if note.kept is None:
                 note.before = given["batch_size"]
                 given["batch_size"] = note.after = note.before * record.factor
