@@ -594,8 +594,10 @@ def test_a_larger_batch_is_measured_in_samples_per_second_and_never_the_same_rec
     assert "the headroom predicted a batch of up to ~2,288 would fit" in fix.note
     assert "samples per second (3,200 -> 4,000)" in fix.note
     assert equivalence([1.0], [1.0], [1.0], "recipe")[0] == "recipe"
+    fix.before_j_per_step, fix.after_j_per_step = 3.2, 4.8
     cells = fix_cells(fix)
     assert cells[2] == "10.00 -> 16.00 (batch 32 -> 64)"
+    assert cells[5] == "3.20 -> 4.80 (0.1 -> 0.075 J/sample)"
     assert cells[3].startswith("1.25x in samples/s")
     assert cells[6].startswith("another recipe")
 

@@ -95,7 +95,10 @@ def price_of(fix: MeasuredFix, priced: dict[str, float]) -> float | None:
 def _energy(fix: MeasuredFix) -> str:
     if fix.before_j_per_step is None or fix.after_j_per_step is None:
         return "-"
-    return f"{fix.before_j_per_step:,.2f} -> {fix.after_j_per_step:,.2f}"
+    batches = _batches(fix)  # a larger batch's step holds more samples: per sample too
+    return f"{fix.before_j_per_step:,.2f} -> {fix.after_j_per_step:,.2f}" + (
+        f" ({fix.before_j_per_step / batches[0]:,.3g} -> "
+        f"{fix.after_j_per_step / batches[1]:,.3g} J/sample)" if batches else "")
 
 
 def _same(fix: MeasuredFix) -> str:
