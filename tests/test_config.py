@@ -181,12 +181,13 @@ def test_every_config_field_is_an_option_or_derived() -> None:
 
 def test_profile_options_make_the_profile_config() -> None:
     """ProfileConfig is what a profile measured: its schedule and telemetry are options of the
-    same name; the command is the argument; remedies, losses and the seed are --try-fixes'.
-    Where runs in a scratch copy may write is not a measured setting (ConfineOptions)."""
+    same name; the command is the argument; remedies, losses, the seed and the larger batch's
+    ask are --try-fixes'. Where runs in a scratch copy may write is not a measured setting
+    (ConfineOptions)."""
     options = {f.name for f, _, _ in option_fields(ProfileOptions)}
     fields = {f.name for f in dataclasses.fields(ProfileConfig)}
     assert fields - options == {"command", "remedies", "losses", "seed", "mode",
-                                "evidence_budget_s"}
+                                "evidence_budget_s", "batch_factor", "batch_site"}
     assert options - fields == {"rerun", "try_fixes", "fixes"}
     config = profile_config(ProfileOptions(warmup=2, timed=6, evidence_steps=1,
                                            telemetry="off", try_fixes=True, fixes=("tf32",)),

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gpudiag.measure.profile.inscript.remedies import APPLIERS, Applied, LossLog
 from gpudiag.measure.profile.inscript.watches import discover
 from gpudiag.measure.profile.inscript.watches.fsdp import FSDP_PARAM_GROUP_MODULES
+from gpudiag.model.remedies import LargerBatchRecord
 
 # Modules a hook patches only if imported: imported first, so their attributes are compared.
 PATCHED_IF_IMPORTED = (*FSDP_PARAM_GROUP_MODULES, "safetensors.torch")
@@ -203,7 +204,9 @@ def _install_watches() -> None:
 
 
 def _apply_remedies() -> None:
-    Applied(list(APPLIERS))
+    # The larger batch's wrapper installed, for a training loader built elsewhere: the
+    # loaders built here keep the batch size _frameworks_see_the_same checks.
+    Applied(list(APPLIERS), LargerBatchRecord(training_site="train.py:1"))
     LossLog(1)
 
 

@@ -1076,6 +1076,19 @@ def test_host_memory_names_the_workers_share_and_the_pinned_memory() -> None:
     assert g.severity == "warning" and "child processes" not in g.title.split(":")[1]
 
 
+def with_owners(stage: StageResult, *, device: str = "cuda") -> StageResult:
+    """`stage` a profiled step of 32 samples using 1.5 of 80 GiB: activations, batch and
+    temporaries 1 GiB, weights, gradients and optimizer state 0.5 GiB."""
+    gib = 2**30
+    stage.samples_per_step = 32
+    stage.facts.script = ScriptFacts(
+        steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
+        memory=MemoryTimeline(device=device, device_total_mib=80 * 1024.0),
+        owners=MemoryOwners(device=device, step=35, parameters=gib // 8, gradients=gib // 8,
+                            optimizer_state=gib // 4, activations=gib // 2, peak=3 * gib // 2))
+    return stage
+
+
 def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_batch_fits(
         ) -> None:
     """A host-paced step of 32 samples using 1.5 of 80 GiB (issue 57): its activations, batch
@@ -1083,14 +1096,7 @@ def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_b
     do not; a batch of ~(0.9 x 80 - 0.5) / 1 x 32 = 2,288 would fit. Without owners, nothing
     is said of memory."""
     run = gd102(excess=0.5)
-    stage = run.stages[1]
-    gib = 2**30
-    stage.samples_per_step = 32
-    stage.facts.script = ScriptFacts(
-        steps=100, warmup=5, timed=30, step_clock="optimizer.step()",
-        memory=MemoryTimeline(device="cuda", device_total_mib=80 * 1024.0),
-        owners=MemoryOwners(device="cuda", step=35, parameters=gib // 8, gradients=gib // 8,
-                            optimizer_state=gib // 4, activations=gib // 2, peak=3 * gib // 2))
+    stage = with_owners(run.stages[1])
     (f,) = findings_of("GD102", run)
     assert f.evidence["largest_batch"] == 2288
     assert ("The step uses 1.50 of the device's 80 GiB (2%) at its peak: 1.00 GiB scale with "
@@ -1100,6 +1106,26 @@ def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_b
     (g,) = findings_of("GD102", run)
     assert "~72 times this step's batch would fit in 90% of it" in g.fix
     (bare,) = findings_of("GD102", gd102(excess=0.5))
+    assert "largest_batch" not in bare.evidence and "GiB" not in bare.fix
+
+
+@pytest.mark.parametrize("code", ["GD101", "GD104"])
+def test_a_loop_or_launch_bound_steps_fix_says_what_batch_fits(code: str) -> None:
+    """GD101's Python loop and GD104's short kernels leave the GPU waiting on launches, as
+    GD102's host does (issue 57): their fix says the step's memory and the batch that fits
+    where the run counted owners on CUDA; not on a CPU's owners, nor without any."""
+    make = {"GD101": gd101, "GD104": lambda: gd104(kernels=limit("GD104",
+                                                                   "min_kernels_per_step"))}[code]
+    run = make()
+    with_owners(run.stages[0])
+    (f,) = findings_of(code, run)
+    assert f.evidence["largest_batch"] == 2288 and f.evidence["batches_that_fit"] == 72
+    assert "a batch of up to ~2,288 (now 32) would fit in 90% of it" in f.fix
+    cpu = make()
+    with_owners(cpu.stages[0], device="cpu")
+    (g,) = findings_of(code, cpu)
+    assert "largest_batch" not in g.evidence and "GiB" not in g.fix
+    (bare,) = findings_of(code, make())
     assert "largest_batch" not in bare.evidence and "GiB" not in bare.fix
 
 

@@ -18,6 +18,7 @@ from conftest import in_folder, invoke, line_of, script_run, script_stage, tree_
 
 from gpudiag.diagnose.tryfix import (
     MAX_REORDER_GAP,
+    assess,
     equivalence,
     measured_fix,
     passing,
@@ -28,12 +29,14 @@ from gpudiag.diagnose.tryfix import (
 from gpudiag.measure.childexec import landlock_abi
 from gpudiag.measure.confine import ConfinementPolicy
 from gpudiag.model.config import ProfileConfig
+from gpudiag.model.facts import LoaderFacts, LoaderUse, MemoryOwners, MemoryTimeline
 from gpudiag.model.remedies import (
     NO_REMEDY,
     REMEDIES,
     ActivationCheckpointRecord,
     AllocatorConfRecord,
     AsyncSaveRecord,
+    BatchSeen,
     Bf16AutocastRecord,
     ChannelsLastRecord,
     CompileModelRecord,
@@ -42,6 +45,7 @@ from gpudiag.model.remedies import (
     DebugOffRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
+    LargerBatchRecord,
     LoaderRecord,
     LoaderSeen,
     LoaderSettings,
@@ -166,6 +170,9 @@ def test_every_remedy_applied_together_is_seen_in_effect(tmp_path: Path) -> None
     (kept,) = records.persistent_workers.loaders
     assert kept.site == f"train.py:{line_of(script, 'loader = DataLoader(')}"
     assert kept.before is not None and kept.before.num_workers == 0
+    # A larger batch: the plan's default ask, twice the loader's batch_size, at its line.
+    assert records.larger_batch is not None and records.larger_batch.batches() == (16, 32)
+    assert records.larger_batch.site == kept.site and output.run.stages[0].samples_per_step == 32
     # The lines to edit: where the script saves, where it switches TF32 off.
     assert saved.site == f"train.py:{line_of(script, 'torch.save(')}"
     assert records.tf32.site == f"train.py:{line_of(script, 'allow_tf32 = False')}"
@@ -379,7 +386,7 @@ def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_it_was
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     outside = allowed / "outside.txt"
-    forced = ("loader",)
+    forced = ("loader", "larger-batch")  # a larger batch: forced, a CPU has no headroom
     with in_folder(user):
         done = invoke(["profile", "--no-plots", "--try-fixes",
                        *[a for n in forced for a in ("--fix", n)], "--warmup", "2", "--timed",
@@ -416,6 +423,12 @@ def test_try_fixes_measures_each_fix_alone_and_leaves_the_users_folder_as_it_was
     assert fixes["loader"].location == f"train.py:{line_of(script, 'loader = DataLoader(')}"
     # Same seed, same data order, with loader workers too: the same losses.
     assert fixes["loader"].equivalence == "same", fixes["loader"].loss_gap
+    # Twice the batch from the loader's line, in samples per second; another recipe.
+    larger = fixes["larger-batch"]
+    assert larger.evidence.larger_batch is not None
+    assert larger.evidence.larger_batch.batches() == (16, 32)
+    assert larger.location == fixes["loader"].location and larger.equivalence == "recipe"
+    assert "batch 16 -> 32 a step" in larger.note and "samples per second" in larger.note
     assert "## Measured fixes" in report
 
 
@@ -453,6 +466,141 @@ def test_findings_decide_the_remedies() -> None:
     # A CNN in NCHW: its layout tried beside compile, not compile alone (issue 55's H200 run).
     cnn = plan_fixes(_run(("GD306", "warning"), ("GD304", "warning")))
     assert sorted(r.name for r in cnn.remedies) == ["channels-last", "compile-model"]
+
+
+GIB = 2**30
+
+
+def _small_batch_run(*, owners_device: str = "cuda", peak_gib: float = 1.5,
+                     iterable: bool = False, batch_size: int | None = 32,
+                     code: str = "GD102") -> RunResult:
+    """A host-bound step (`code` a warning) of 32 samples from the DataLoader built at
+    train.py:12, whose owners (0.5 GiB fixed: weights, gradients, optimizer state; the rest of
+    `peak_gib` scales with the batch) were counted on `owners_device`, of 80 GiB."""
+    stage = script_stage(
+        [10.0] * 40, owners=MemoryOwners(device=owners_device, step=35, parameters=GIB // 8,
+                                         gradients=GIB // 8, optimizer_state=GIB // 4,
+                                         activations=GIB // 2, peak=int(peak_gib * GIB)),
+        memory=MemoryTimeline(device=owners_device, device_total_mib=80 * 1024.0),
+        loaders=[LoaderUse(site="train.py:12", settings=LoaderFacts(0, False),
+                           batch_size=batch_size, iterable=iterable, training=True)])
+    stage.samples_per_step = 32
+    run = _run((code, "warning"))
+    run.stages = [stage]
+    return run
+
+
+def test_a_larger_batch_is_tried_where_the_headroom_fits_twice_the_batch_from_a_dataloader(
+        ) -> None:
+    """GD102 and GD104 call for a larger batch (issue 57) where the step's headroom fits at
+    least 2x its batch and a map-style DataLoader given a batch_size makes it: the factor the
+    largest power of two that fits, at most 8, asked of the DataLoader at the training
+    loader's line. Not where the headroom fits less, nor without owners on CUDA (a CPU run:
+    only forced, at 2x), nor an IterableDataset or a batch_sampler's batches; the finding
+    then keeps its written fix."""
+    for code in ("GD102", "GD104"):
+        plan = plan_fixes(_small_batch_run(code=code))  # (72 - 0.5) / 1 = 71x fits
+        assert [r.name for r in plan.remedies] == ["larger-batch"] and not plan.untreated
+        assert (plan.batch_factor, plan.batch_site) == (8, "train.py:12")
+        config = plan.configured(ProfileConfig())
+        assert (config.batch_factor, config.batch_site) == (8, "train.py:12")
+    # 0.5 fixed + 25 scaling: (72 - 0.5) / 25 = 2.86x fits, a factor of 2.
+    assert plan_fixes(_small_batch_run(peak_gib=25.5)).batch_factor == 2
+    for run, why in [
+            (_small_batch_run(peak_gib=40.5), "the step's memory leaves room for 1.8x its "
+                                              "batch, less than 2x"),
+            (_small_batch_run(owners_device="cpu"), "no headroom measured"),
+            (_small_batch_run(iterable=True), "the training DataLoader reads an "
+                                              "IterableDataset"),
+            (_small_batch_run(batch_size=None), "a batch_sampler makes the training batches")]:
+        plan = plan_fixes(run)
+        assert plan.remedies == [] and plan.skipped[0].startswith(f"larger-batch: {why}")
+        (untreated,) = plan.untreated
+        assert untreated.findings == ["GD102"] and NO_REMEDY["GD102"] in untreated.note
+    forced = plan_fixes(_small_batch_run(owners_device="cpu"), forced=["larger-batch"])
+    assert [r.name for r in forced.remedies] == ["larger-batch"]
+    assert (forced.batch_factor, forced.batch_site) == (2, "train.py:12")
+
+
+def test_a_larger_batch_is_applied_to_the_training_dataloader_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the script's process: the DataLoader built at the plan's line gets its batch_size
+    times the factor, recorded with that line; another loader, an IterableDataset's and a
+    batch_sampler's are left as they were, each saying why."""
+    from torch.utils.data import (
+        BatchSampler,
+        DataLoader,
+        IterableDataset,
+        SequentialSampler,
+        TensorDataset,
+    )
+
+    from gpudiag.measure.profile.inscript.remedies import Applied
+
+    class Stream(IterableDataset[torch.Tensor]):
+        def __iter__(self) -> typing.Iterator[torch.Tensor]:
+            return iter(torch.zeros(8, 2))
+
+    monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)  # unwrapped after
+    data = TensorDataset(torch.zeros(64, 2))
+    applied = Applied(["larger-batch"], LargerBatchRecord(factor=4))
+    training = DataLoader(data, batch_size=8, shuffle=True)
+    stream = DataLoader(Stream(), batch_size=8)
+    sampled = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 8, False))
+    record = applied.observe().larger_batch
+    assert record is not None and training.batch_size == 32 and len(training) == 2
+    assert stream.batch_size == 8 and sampled.batch_size is None
+    first, second, third = record.loaders
+    assert (first.before, first.after, first.kept) == (8, 32, None)
+    assert first.site is not None and first.site.split(":")[0].endswith("test_tryfix.py")
+    assert "IterableDataset" in (second.kept or "") and "batch_sampler" in (third.kept or "")
+    assert record.unchanged() is None and record.site == first.site
+    assert record.batches() == (8, 32)
+    monkeypatch.undo()  # the first remedy's wrapper off, for the second's alone
+    monkeypatch.setattr(DataLoader, "__init__", DataLoader.__init__)
+    other = Applied(["larger-batch"], LargerBatchRecord(factor=2, training_site="t.py:1"))
+    kept = DataLoader(data, batch_size=8)
+    seen = other.observe().larger_batch
+    assert kept.batch_size == 8 and seen is not None
+    assert seen.loaders[0].kept == "not the training DataLoader (built at t.py:1)"
+    assert seen.unchanged() == ("the script built no map-style DataLoader given a "
+                                "batch_size at t.py:1")
+
+
+def test_a_larger_batch_is_measured_in_samples_per_second_and_never_the_same_recipe() -> None:
+    """Its step takes longer (10 -> 16 ms at twice the batch) and each sample less: 1.25x in
+    samples per second, not "0.62x slower"; the losses, whatever they are, say another recipe
+    (never "same"), so it never joins the combined run; the note says the batches, the line
+    and the batch the headroom predicted; the table shows the batches beside the step."""
+    run = _small_batch_run()
+    run.stages[0].facts.script.losses = [1.0, 0.9]  # type: ignore[union-attr]
+    plan = plan_fixes(run)
+    record = LargerBatchRecord(factor=2, training_site="train.py:12",
+                               loaders=[BatchSeen("train.py:12", 32, 64)])
+
+    def timed(ms: float, batch: int, remedies: tuple[str, ...] = ()) -> RunResult:
+        stage = script_stage([ms] * 40, steps=40, warmup=0, timed=40, losses=[1.0, 0.9],
+                             remedies=RemedyEvidence(larger_batch=record if remedies else None))
+        stage.samples_per_step = batch
+        return script_run(stage, config=ProfileConfig(remedies=remedies))
+
+    runs = {"without-fixes-1": timed(10.0, 32), "larger-batch": timed(16.0, 64,
+                                                                       ("larger-batch",)),
+            "without-fixes-2": timed(10.0, 32)}
+    (fix,) = [f for f in assess(run, plan, runs) if f.remedy == "larger-batch"]
+    assert (fix.before_ms, fix.after_ms) == (pytest.approx(10.0), pytest.approx(16.0))
+    assert fix.speedup == pytest.approx(1.25) and fix.equivalence == "recipe"
+    assert fix.location == "train.py:12" and passing([fix]) == []
+    assert "batch 32 -> 64 a step, from the DataLoader at train.py:12" in fix.note
+    assert "the headroom predicted a batch of up to ~2,288 would fit" in fix.note
+    assert "samples per second (3,200 -> 4,000)" in fix.note
+    assert equivalence([1.0], [1.0], [1.0], "recipe")[0] == "recipe"
+    fix.before_j_per_step, fix.after_j_per_step = 3.2, 4.8
+    cells = fix_cells(fix)
+    assert cells[2] == "10.00 -> 16.00 (batch 32 -> 64)"
+    assert cells[5] == "3.20 -> 4.80 (0.1 -> 0.075 J/sample)"
+    assert cells[3].startswith("1.25x in samples/s")
+    assert cells[6].startswith("another recipe")
 
 
 def test_equivalence_against_the_run_to_run_floor() -> None:
@@ -620,6 +768,8 @@ RECORDS: dict[type[RemedyRecord], tuple[RemedyRecord | None, RemedyRecord]] = {
                                         "already"),
         ActivationCheckpointRecord(blocks=12, block="Block", container="GPT.blocks",
                                    site="t.py:30")),
+    LargerBatchRecord: (LargerBatchRecord(loaders=[BatchSeen("t.py:12", kept="a batch_sampler")]),
+                        LargerBatchRecord(factor=4, loaders=[BatchSeen("t.py:12", 16, 64)])),
     AllocatorConfRecord: (None,  # acts on the environment whatever the script does
                           AllocatorConfRecord(before="max_split_size_mb:128",
                                               after="max_split_size_mb:128,"

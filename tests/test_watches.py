@@ -8,18 +8,20 @@ from __future__ import annotations
 import json
 import pkgutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import profile_script, write_script
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from gpudiag.measure.profile.inscript import watches
 from gpudiag.measure.profile.inscript.recorder import Recorder
 from gpudiag.measure.profile.inscript.watches import StageDraft
 from gpudiag.measure.profile.inscript.watches.convlayout import ConvLayoutWatch, memory_format
-from gpudiag.measure.profile.inscript.watches.loaders import LoadersWatch
+from gpudiag.measure.profile.inscript.watches.loaders import LoadersWatch, LoaderUses
 from gpudiag.model.config import ProfileConfig
 from gpudiag.model.facts import ScriptFacts, StageFacts, StepTimeline
 
@@ -91,6 +93,21 @@ def test_the_loaders_watch_tells_trainings_loader_from_an_evaluations() -> None:
     assert draft.samples_per_step == 8
     (loop,) = timeline.loops
     assert (loop.batches, loop.steps) == (4, [5])
+
+
+def test_the_loaders_watch_notes_a_loader_of_an_iterable_dataset() -> None:
+    """An IterableDataset's loader decides its own passes: --try-fixes' larger batch is not
+    planned on it (gpudiag/diagnose/tryfix.py), so its use says what it reads."""
+    class Stream(IterableDataset[torch.Tensor]):
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter(torch.zeros(8, 1))
+
+    uses = LoaderUses()
+    stream, mapped = DataLoader(Stream(), batch_size=4), DataLoader(
+        TensorDataset(torch.zeros(8, 1)), batch_size=4)
+    uses.iterated(stream, 1, 0, 0.0, None)
+    uses.iterated(mapped, 2, 0, 0.0, None)
+    assert [(u.iterable, u.batch_size) for u in uses.facts(set())] == [(True, 4), (False, 4)]
 
 
 SIGNATURES_SEEN = """

@@ -149,7 +149,7 @@ def _try_fixes(run_dir: Path, first: ProfileOutput, forced: list[str],
         _warn_reruns(output.run.reruns)
 
     done = run_fixes(
-        run_dir, run.config, [r.name for r in plan.remedies], policy=policy,
+        run_dir, plan.configured(run.config), [r.name for r in plan.remedies], policy=policy,
         paid=lambda runs: passing(assess(run, plan, runs)),
         on_start=lambda label: stderr.print(f"try-fixes: running {label}", soft_wrap=True),
         on_done=done_one)

@@ -147,7 +147,7 @@ def python_loop_launches(run: RunResult) -> Iterator[Draft]:
             location=line.location,
             impact=impact,
             evidence=evidence,
-            fix=_loop_fix(stage, line),
+            fix=_loop_fix(stage, line) + _headroom(stage, evidence),
         )
 
 
@@ -356,16 +356,23 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             severity = min(severity, optimizer_severity(price), key=SEVERITY_RANK.__getitem__)
         cause = (f"Build {_named(optimizer[0])} with {ARGUMENT[optimizer[1]]} (GD106)."
                  if optimizer else _starved_fix(stage, loop))
-        room = headroom(stage)
-        if room is not None:  # a larger batch is the other lever of a host-paced step
-            evidence.update(peak_bytes=room.peak, batch_scaled_bytes=room.scaled,
-                            largest_batch=room.largest_batch,
-                            batches_that_fit=None if room.times is None else round(room.times))
         yield Draft(
             severity=severity, stage=stage.name, title=title, impact=impact, evidence=evidence,
             fix=cause + " Then batch small ops, remove per-step host syncs, and where shapes "
-                f"are static try {_capture_advice(stage)}."
-                + (f" {room.says()}" if room is not None else ""))
+                f"are static try {_capture_advice(stage)}." + _headroom(stage, evidence))
+
+
+def _headroom(stage: StageResult, evidence: dict[str, object]) -> str:
+    """How much of the device a host- or launch-bound step uses and the batch that would fit
+    (a larger batch is the other lever of such a step), into `evidence`; what the fix says of
+    it (nothing where the run counted no owners on a CUDA device)."""
+    room = headroom(stage)
+    if room is None:
+        return ""
+    evidence.update(peak_bytes=room.peak, batch_scaled_bytes=room.scaled,
+                    largest_batch=room.largest_batch,
+                    batches_that_fit=None if room.times is None else round(room.times))
+    return f" {room.says()}"
 
 
 def _optimizer_cause(stage: StageResult) -> tuple[OptimizerFacts, str] | None:
@@ -624,17 +631,19 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
         # Short kernels launched mostly by a per-tensor optimizer are GD106's (its knob).
         if (ev.kernels_per_step >= SMALL_MIN_KERNELS and short >= SMALL_SHORT_SHARE
                 and idle >= SMALL_IDLE and optimizer is None):
+            evidence: dict[str, object] = {
+                "kernels_per_step": round(ev.kernels_per_step, 1),
+                "short_kernel_share": round(short, 3), "idle_fraction": round(idle, 3),
+                "top_ops_by_count": ev.top_ops_by_count[:5]}
             yield Draft(
                 severity=severity_for(idle, warning=SMALL_IDLE, critical=IDLE_CRITICAL),
                 stage=stage.name,
                 title=(f"{ev.kernels_per_step:,.0f} kernels per step, {pct(short)} shorter than "
                        f"10 us, GPU idle {pct(idle)}: launch-bound"),
-                impact=idle,
-                evidence={"kernels_per_step": round(ev.kernels_per_step, 1),
-                          "short_kernel_share": round(short, 3), "idle_fraction": round(idle, 3),
-                          "top_ops_by_count": ev.top_ops_by_count[:5]},
+                impact=idle, evidence=evidence,
                 fix=(f"Fuse the small ops and capture the step: {_capture_advice(stage)}; "
-                     f"or give each kernel more work: {_larger_batch(run, stage)}."),
+                     f"or give each kernel more work: {_larger_batch(run, stage)}."
+                     + _headroom(stage, evidence)),
             )
         sm = stage.telemetry.gpm.get("sm_active_pct")
         active = stage.telemetry.kernel_active_pct
@@ -643,13 +652,15 @@ def small_work_per_launch(run: RunResult) -> Iterator[Draft]:
         collectives = ev.collective_wall_ms_per_step / (ev.device_busy_ms_per_step or math.inf)
         if (sm is not None and active is not None and active >= SMALL_MIN_KERNEL_ACTIVE
                 and sm < SMALL_MAX_SM and collectives < SMALL_MAX_COLLECTIVE_SHARE):
+            underfilled: dict[str, object] = {
+                "kernel_active_pct": active, "sm_active_pct": sm,
+                "batch_size": stage.samples_per_step or run.config.batch}
             yield Draft(
                 severity="warning", stage=stage.name,
                 title=(f"Kernels run {active:.0f}% of the time but keep only {sm:.0f}% of SMs "
                        "busy: too little work per kernel"),
-                impact=max(0.0, 1 - sm / 100) * SMALL_RECOVERABLE,
-                evidence={"kernel_active_pct": active, "sm_active_pct": sm,
-                          "batch_size": stage.samples_per_step or run.config.batch},
+                impact=max(0.0, 1 - sm / 100) * SMALL_RECOVERABLE, evidence=underfilled,
                 fix=(f"Increase the batch ({_larger_batch(run, stage)}) or sequence "
-                     "length per step, or fuse ops so each kernel does more work."),
+                     "length per step, or fuse ops so each kernel does more work."
+                     + _headroom(stage, underfilled)),
             )

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import estimate_ratio
+from gpudiag.diagnose.headroom import Headroom, headroom
 from gpudiag.diagnose.loaderadvice import loader_change, slower_workers
 from gpudiag.diagnose.noise import floor_for
 from gpudiag.diagnose.trials import BLOCK_STEPS, StageSamples, steady_state
 from gpudiag.model.config import ProfileConfig
+from gpudiag.model.facts import LoaderUse
 from gpudiag.model.remedies import (
     BASELINE_RUNS,
     COMBINED_RUN,
@@ -68,6 +70,12 @@ MAX_LOSS_FLOOR = PRECISION_GAP
 # windows are sized against, gpudiag/model/config.py): a timed window this long keeps that
 # within 5% of the energy.
 MIN_ENERGY_WINDOW_S = 2.0
+# The larger-batch remedy's factor: a power of two from MIN_BATCH_FACTOR (less is noise beside
+# a step's spread) to MAX_BATCH_FACTOR (a host-bound step is rarely still host-bound at 8x, and
+# a recipe tuned at one batch rarely survives more without its schedule retuned), and at most
+# what the headroom says fits.
+MIN_BATCH_FACTOR, MAX_BATCH_FACTOR = 2, 8
+LARGER_BATCH = "larger-batch"
 
 
 @dataclass
@@ -77,13 +85,69 @@ class FixPlan:
     remedies: list[Remedy] = field(default_factory=list)
     untreated: list[MeasuredFix] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # why a called-for remedy is not tried
+    # The larger batch's ask (batch_factor): the training batch times this, that DataLoader
+    # known by the line that built it.
+    batch_factor: int = MIN_BATCH_FACTOR
+    batch_site: str | None = None
+
+    def configured(self, config: ProfileConfig) -> ProfileConfig:
+        """`config` for the fixes' runs: with the larger batch's ask (which only a run given
+        that remedy reads)."""
+        return dataclasses.replace(config, batch_factor=self.batch_factor,
+                                   batch_site=self.batch_site)
+
+
+def training_loader(run: RunResult) -> LoaderUse | None:
+    """The DataLoader whose batches fed the diagnosed run's training steps."""
+    stage = _main_stage(run)
+    loaders = stage.facts.script.loaders if stage is not None and stage.facts.script else []
+    return next((use for use in loaders if use.training), None)
+
+
+def batch_factor(room: Headroom | None) -> int | None:
+    """How many times the training batch the larger-batch remedy tries: the largest power of
+    two from MIN_BATCH_FACTOR to MAX_BATCH_FACTOR that the diagnosed step's headroom `room`
+    says fits; None where it fits less (or the run counted no owners on a CUDA device)."""
+    times = room.times if room is not None else None
+    if times is None or times < MIN_BATCH_FACTOR:
+        return None
+    return 2 ** int(math.log2(min(times, MAX_BATCH_FACTOR)))
+
+
+def _headroom(run: RunResult) -> Headroom | None:
+    stage = _main_stage(run)
+    return headroom(stage) if stage is not None else None
+
+
+def _no_larger_batch(run: RunResult) -> str | None:
+    """Why the larger-batch remedy is not tried on `run` (None: it is)."""
+    loader, room = training_loader(run), _headroom(run)
+    if loader is None:
+        return "no DataLoader fed the training steps"
+    if loader.iterable:
+        return "the training DataLoader reads an IterableDataset"
+    if loader.batch_size is None:
+        return "a batch_sampler makes the training batches"
+    if room is None:
+        return "no headroom measured (the memory owners of a step on a CUDA device)"
+    if batch_factor(room) is None:
+        return (f"the step's memory leaves room for {room.times or 0:.1f}x its batch, less "
+                f"than {MIN_BATCH_FACTOR}x")
+    return None
+
+
+def _why_not_tried(remedy: Remedy, run: RunResult) -> str | None:
+    """Why a remedy a finding calls for is not tried on `run` (None: it is)."""
+    if remedy.cuda_only and not run.env.device.startswith("cuda"):
+        return "acts on a GPU only, the run had none"
+    return _no_larger_batch(run) if remedy.name == LARGER_BATCH else None
 
 
 def plan_fixes(run: RunResult, forced: list[str] | None = None) -> FixPlan:
     """Remedies for the run's warning- and critical-level findings (and any `forced` by name),
-    without those that only act on a GPU when the run had none."""
+    without those that only act on a GPU when the run had none, nor a larger batch where the
+    headroom or the training DataLoader does not allow one."""
     plan = FixPlan()
-    on_gpu = run.env.device.startswith("cuda")
     wanted: dict[str, Remedy] = {name: REMEDIES[name] for name in forced or []}
     for finding in (f for f in run.findings if f.severity != "info"):
         remedies = remedies_for(finding.id)
@@ -92,14 +156,20 @@ def plan_fixes(run: RunResult, forced: list[str] | None = None) -> FixPlan:
             plan.skipped += [f"{r.name}: {finding.id} saw nothing it turns off" for r in remedies
                              if r.name not in wanted]
             remedies = [r for r in remedies if r.name in wanted]
-        if not remedies and finding.id in NO_REMEDY:
+        skipped = {r.name: why for r in remedies if r.name not in wanted
+                   and (why := _why_not_tried(r, run)) is not None}
+        plan.skipped += [line for name, why in skipped.items()
+                         if (line := f"{name}: {why}") not in plan.skipped]
+        tried = [r for r in remedies if r.name not in skipped]
+        if not tried and finding.id in NO_REMEDY:
             plan.untreated.append(_untreated(finding))
-        for remedy in remedies:
-            if remedy.cuda_only and not on_gpu and remedy.name not in wanted:
-                plan.skipped.append(f"{remedy.name}: acts on a GPU only, the run had none")
-                continue
+        for remedy in tried:
             wanted.setdefault(remedy.name, remedy)
     plan.remedies = list(wanted.values())
+    if LARGER_BATCH in wanted:
+        loader = training_loader(run)
+        plan.batch_factor = batch_factor(_headroom(run)) or MIN_BATCH_FACTOR
+        plan.batch_site = loader.site if loader is not None else None
     return plan
 
 
@@ -145,6 +215,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     fix.note = no_effect or _queued_saves(fix.evidence)
     fix.change = _switched_off(fix.evidence) or fix.change
     _measured_loader_change(fix)
+    _per_sample(fix, (a, b), run)
     _check_losses(fix, names, run, baseline_losses, (_losses(a), _losses(b)))
     return fix
 
@@ -211,9 +282,40 @@ def _joined(note: str, more: str) -> str:
 
 
 def _numerics(names: Sequence[str]) -> Numerics:
-    """What remedies `names` together may change: precision over reordering over nothing."""
+    """What remedies `names` together may change: the recipe over precision over reordering
+    over nothing."""
     kinds = {REMEDIES[n].numerics for n in names}
-    return next((k for k in ("precision", "reordered") if k in kinds), "exact")
+    return next((k for k in ("recipe", "precision", "reordered") if k in kinds), "exact")
+
+
+def _per_sample(fix: MeasuredFix, stages: tuple[StageResult, StageResult],
+                run: RunResult) -> None:
+    """A larger batch's speedup in samples per second, not steps: its step takes longer, each
+    sample less. The batches are the runs' own (the first batch each one's training DataLoader
+    yielded), else the remedy's record; the note says both, and the batch the diagnosed
+    step's headroom predicted would fit (the measured peak is the fix's own to say)."""
+    record = fix.evidence.larger_batch if fix.remedy == LARGER_BATCH else None
+    if record is None or fix.speedup is None:
+        return
+    a, b = stages
+    batches = (a.samples_per_step, b.samples_per_step) \
+        if a.samples_per_step and b.samples_per_step else record.batches()
+    if batches is None or not batches[0]:
+        fix.note = _joined(fix.note, "no batch seen in either run: the speedup is per step")
+        return
+    ratio = batches[1] / batches[0]
+    fix.speedup *= ratio
+    if fix.speedup_low is not None and fix.speedup_high is not None:
+        fix.speedup_low, fix.speedup_high = fix.speedup_low * ratio, fix.speedup_high * ratio
+    room = _headroom(run)
+    predicted = (f"; the headroom predicted a batch of up to ~{room.largest_batch:,} would fit"
+                 if room is not None and room.largest_batch else "")
+    fix.note = _joined(fix.note, (
+        f"batch {batches[0]:,} -> {batches[1]:,} a step"
+        + (f", from the DataLoader at {record.site}" if record.site else "") + predicted
+        + f"; its step takes {fix.after_ms or 0:,.2f} ms against {fix.before_ms or 0:,.2f}: "
+        f"the speedup is in samples per second ({1e3 * batches[0] / (fix.before_ms or 1):,.0f}"
+        f" -> {1e3 * batches[1] / (fix.after_ms or 1):,.0f})"))
 
 
 def _parameter_elements(run: RunResult) -> int:
@@ -326,8 +428,11 @@ def equivalence(baseline: list[float], repeat: list[float], fixed: list[float],
     """(verdict, gap, floor): the largest relative difference of the fixed run's first losses
     from the baseline's, and of a second run without the fix (the floor). "unchecked" with a
     floor: the runs without the fix already differ too much to tell. A "reordered" remedy is
-    "same" within `reorder_tolerance` (reordering_tolerance) too."""
+    "same" within `reorder_tolerance` (reordering_tolerance) too; a "recipe" remedy is
+    always "recipe": it trains something else, whatever its first losses."""
     gap = _largest_difference(baseline, fixed)
+    if numerics == "recipe":
+        return "recipe", gap, _largest_difference(baseline, repeat)
     if gap is None:
         return "unchecked", None, None
     floor = _largest_difference(baseline, repeat) or 0.0
@@ -350,7 +455,8 @@ def _largest_difference(a: list[float], b: list[float]) -> float | None:
 
 def passing(fixes: list[MeasuredFix]) -> list[str]:
     """Remedies worth combining: measured faster (the interval above 1 where there is one)
-    and computing the same thing, or what mixed precision changes."""
+    and computing the same thing, or what mixed precision changes (never a larger batch's
+    other recipe: its speedup is in samples, and the others' are held against its step)."""
     return [f.remedy for f in fixes
             if f.status == "measured" and f.remedy in REMEDIES and f.speedup is not None
             and not REMEDIES[f.remedy].frees_memory  # its time is a cost, not a saving

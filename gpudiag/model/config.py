@@ -218,6 +218,10 @@ class ProfileConfig:
     remedies: tuple[str, ...] = ()
     losses: int = 0
     seed: int | None = None
+    # The larger-batch remedy's ask: the training DataLoader's batch_size times this, that
+    # loader known by the line that built it in the diagnosis run (None: any map-style one).
+    batch_factor: int = 2
+    batch_site: str | None = None
     mode: Literal["profile"] = "profile"
 
     @property

@@ -375,7 +375,8 @@ class LoaderUse:
 
     site: str | None  # "path:line": the script's line that built it
     settings: LoaderFacts
-    batch_size: int | None = None
+    batch_size: int | None = None  # as given (None: a batch_sampler makes its batches)
+    iterable: bool = False  # its dataset an IterableDataset (no larger-batch remedy)
     batch_bytes: int | None = None  # what its first batch's tensors hold (the step's inputs)
     iterated_at: str | None = None  # "path:line": where the script iterates it
     training: bool = False  # its batches fed the training steps

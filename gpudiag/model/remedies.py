@@ -23,8 +23,9 @@ from pydantic import Field
 # "exact": the losses must not change; "precision": they may, as mixed precision moves them;
 # "reordered": the same arithmetic per element, rounded in another order (a fused or foreach
 # kernel's sums and fused multiply-adds): they may differ by rounding that grows with the terms
-# summed and the steps taken (gpudiag/diagnose/tryfix.py: reordering_tolerance).
-Numerics = Literal["exact", "precision", "reordered"]
+# summed and the steps taken (gpudiag/diagnose/tryfix.py: reordering_tolerance); "recipe": it
+# trains something else (a larger batch): never "same", whatever the losses.
+Numerics = Literal["exact", "precision", "reordered", "recipe"]
 FIX_SEED = 0  # the seed every run of one --try-fixes starts from (the script's own overrides)
 # The runs of a --try-fixes besides one per remedy (fixes/<label>/): two without any fix that
 # bracket the others, and the fixes that paid, together.
@@ -171,6 +172,17 @@ REMEDIES: dict[str, Remedy] = {r.name: r for r in (
            "delete the call that turns it on (set_detect_anomaly(True), `with "
            "detect_anomaly()`, emit_nvtx()) or unset CUDA_LAUNCH_BLOCKING; keep them for a "
            "debugging run"),
+    # A host- or launch-bound step does more work per launch at a larger batch; the step
+    # takes longer, each sample less. Planned only where the headroom fits 2x the batch and a
+    # map-style DataLoader makes it (gpudiag/diagnose/tryfix.py: batch_factor).
+    Remedy("larger-batch", "a larger training batch (samples per second)", ("GD102", "GD104"),
+           "recipe",
+           "the training DataLoader (the diagnosis run's, by the line that built it) built with "
+           "its batch_size times k: a power of two, 2 to 8, at most what the headroom says "
+           "fits; measured in samples per second",
+           "in the training DataLoader(...) call: a larger batch_size, with the learning rate "
+           "scaled to it (linearly for SGD, about its square root for Adam) and the steps "
+           "divided by the same factor to see as many samples"),
     Remedy("nondeterministic", "deterministic algorithms off", ("GD108",), "precision",
            "torch.use_deterministic_algorithms(True) and torch.backends.cudnn.deterministic = "
            "True skipped (calls noted)",
@@ -185,7 +197,8 @@ NO_REMEDY: dict[str, str] = {
     "GD102": "the GPU starves behind host work; the finding names what keeps the host busy",
     "GD103": "host syncs (.item(), .cpu(), bool(tensor)) are the script's logic: move them "
              "out of the step or batch them, see the fix",
-    "GD104": "small kernels: a bigger batch or torch.compile changes what the script trains",
+    "GD104": "small kernels: fusing them or torch.compile changes the script's code; a "
+             "larger batch is tried where its memory and DataLoader allow (larger-batch)",
     "GD403": "what the script keeps from each step is its logic: keep less, see the fix",
     "GD703": "periodic work that is not a save (evaluation, logging) is the script's choice",
 }
@@ -502,6 +515,41 @@ class ActivationCheckpointRecord(RemedyRecord):
 
 
 @dataclass
+class BatchSeen:
+    """One DataLoader the larger-batch remedy saw built: where, its batch_size before and
+    after, or why it was left as it was."""
+
+    site: str | None
+    before: Count | None = None
+    after: Count | None = None
+    kept: str | None = None
+
+
+@dataclass
+class LargerBatchRecord(RemedyRecord):
+    factor: Annotated[int, Field(ge=1)] = 2  # what the plan asked: batch_size times this
+    training_site: str | None = None  # the diagnosis run's training loader (None: any)
+    loaders: list[BatchSeen] = field(default_factory=list)
+
+    def unchanged(self) -> str | None:
+        if any(n.after != n.before for n in self.loaders):
+            return None
+        return "the script built no map-style DataLoader given a batch_size" + (
+            f" at {self.training_site}" if self.training_site else "")
+
+    @property
+    def site(self) -> str | None:
+        """The training DataLoader's line, the one the remedy scaled."""
+        return next((n.site for n in self.loaders if n.after != n.before), None)
+
+    def batches(self) -> tuple[int, int] | None:
+        """The training batch without and with the remedy, where it scaled one."""
+        return next(((n.before, n.after) for n in self.loaders
+                     if n.before is not None and n.after is not None and n.after != n.before),
+                    None)
+
+
+@dataclass
 class RemedyEvidence:
     """What the remedies applied in one process saw, one record per remedy (None: not
     applied). A field is its remedy's name with underscores (run.json's keys of schema 3 and
@@ -523,6 +571,7 @@ class RemedyEvidence:
     channels_last: ChannelsLastRecord | None = None
     expandable_segments: AllocatorConfRecord | None = None
     activation_checkpointing: ActivationCheckpointRecord | None = None
+    larger_batch: LargerBatchRecord | None = None
 
     def record(self, name: str) -> RemedyRecord | None:
         """Remedy `name`'s record (None: not applied, or no such remedy)."""

@@ -25,7 +25,7 @@ StageStatus = Literal["ok", "error", "skipped"]
 # held against (the ladder's compute-bound rung); batches only, no model step; the device's
 # ceilings, not a step.
 StageRole = Literal["step", "reference", "loader", "ceiling"]
-Equivalence = Literal["same", "mixed-precision", "differs", "unchecked"]
+Equivalence = Literal["same", "mixed-precision", "differs", "unchecked", "recipe"]
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 # Bounds a file must meet (gpudiag.model.schema validates them on load). A timed step under a
@@ -464,7 +464,8 @@ class MeasuredFix:
     before_j_per_step: NonNegative | None = None
     after_j_per_step: NonNegative | None = None
     # "same": losses equal within the run-to-run floor; "mixed-precision": different by no
-    # more than a precision change does; "differs"; "unchecked": no losses to compare.
+    # more than a precision change does; "differs"; "unchecked": no losses to compare;
+    # "recipe": the fix trains something else (a larger batch), whatever the losses say.
     equivalence: Equivalence = "unchecked"
     loss_gap: NonNegative | None = None  # largest relative loss difference over the first steps
     loss_floor: NonNegative | None = None  # the same between two runs without the fix

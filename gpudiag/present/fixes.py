@@ -20,6 +20,8 @@ EQUIVALENCE = {
     "mixed-precision": "differs as mixed precision does",
     "differs": "DIFFERS",
     "unchecked": "not checked (no loss seen)",
+    "recipe": ("another recipe: it trains with a larger batch (scale the learning rate, and "
+               "divide the steps, to match)"),
 }
 
 UNMEASURED = {"failed": "failed", "not-measured": "not measured"}  # said after the fix's title
@@ -28,8 +30,17 @@ UNMEASURED = {"failed": "failed", "not-measured": "not measured"}  # said after 
 def _ms(fix: MeasuredFix) -> str:
     if fix.after_ms is None:
         return "-"
+    batches = _batches(fix)
     before = f"{fix.before_ms:,.2f}" if fix.before_ms is not None else "-"
-    return f"{before} -> {fix.after_ms:,.2f}"
+    # A larger batch's step takes longer: the batch beside each says why, not "slower".
+    return f"{before} -> {fix.after_ms:,.2f}" + (
+        f" (batch {batches[0]:,} -> {batches[1]:,})" if batches else "")
+
+
+def _batches(fix: MeasuredFix) -> tuple[int, int] | None:
+    """A larger batch's training batch without and with it: its speedup is per sample."""
+    record = fix.evidence.larger_batch if fix.remedy == "larger-batch" else None
+    return record.batches() if record is not None else None
 
 
 # An interval wider than this ratio (high / low) says nothing: too few or too noisy steps.
@@ -39,12 +50,13 @@ UNINFORMATIVE_INTERVAL = 4.0
 def _speedup(fix: MeasuredFix) -> str:
     if fix.speedup is None:
         return "-"
+    unit = " in samples/s" if _batches(fix) else ""
     if fix.speedup_low is None or fix.speedup_high is None:
-        return f"{fix.speedup:.2f}x"
+        return f"{fix.speedup:.2f}x{unit}"
     interval = _interval(fix)
     if interval is None:
-        return f"{fix.speedup:.2f}x (steps too few or too noisy for an interval)"
-    return f"{fix.speedup:.2f}x ({interval[0]:.2f}-{interval[1]:.2f})"
+        return f"{fix.speedup:.2f}x{unit} (steps too few or too noisy for an interval)"
+    return f"{fix.speedup:.2f}x{unit} ({interval[0]:.2f}-{interval[1]:.2f})"
 
 
 def _interval(fix: MeasuredFix) -> tuple[float, float] | None:
@@ -131,7 +143,10 @@ def price_of(fix: MeasuredFix, priced: dict[str, float]) -> float | None:
 def _energy(fix: MeasuredFix) -> str:
     if fix.before_j_per_step is None or fix.after_j_per_step is None:
         return "-"
-    return f"{fix.before_j_per_step:,.2f} -> {fix.after_j_per_step:,.2f}"
+    batches = _batches(fix)  # a larger batch's step holds more samples: per sample too
+    return f"{fix.before_j_per_step:,.2f} -> {fix.after_j_per_step:,.2f}" + (
+        f" ({fix.before_j_per_step / batches[0]:,.3g} -> "
+        f"{fix.after_j_per_step / batches[1]:,.3g} J/sample)" if batches else "")
 
 
 def _same(fix: MeasuredFix) -> str:

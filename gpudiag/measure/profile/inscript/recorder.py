@@ -60,6 +60,7 @@ from gpudiag.model.facts import (
     StepTimeline,
 )
 from gpudiag.model.profilepart import ProfilePart, WindowTrace
+from gpudiag.model.remedies import LargerBatchRecord
 from gpudiag.model.results import Env, MemoryStats, StageResult, TimingStats
 
 NO_GPM_PERIOD_S = 1e9
@@ -140,7 +141,8 @@ class Recorder:
         self.out_of_memory = False
         self.stop = Stop()  # lifecycle.py's signal handlers ask; each step boundary acts
         # --try-fixes (remedies.py, beside this one): remedies applied, first losses.
-        self.applied = Applied(config.remedies)
+        self.applied = Applied(config.remedies, LargerBatchRecord(
+            factor=config.batch_factor, training_site=config.batch_site))
         self.losses = LossLog(config.losses)
 
     @property

@@ -44,6 +44,7 @@ from gpudiag.model.remedies import (
     REMEDIES,
     AllocatorConfRecord,
     AsyncSaveRecord,
+    BatchSeen,
     Bf16AutocastRecord,
     ChannelsLastRecord,
     CompileModelRecord,
@@ -52,6 +53,7 @@ from gpudiag.model.remedies import (
     DebugOffRecord,
     FsdpKeepGatheredRecord,
     FusedOptimizerRecord,
+    LargerBatchRecord,
     LoaderRecord,
     LoaderSeen,
     LoaderSettings,
@@ -324,6 +326,51 @@ def _pinned(seen: RemedyEvidence) -> Callable[[], None]:
 
     _wrap(torch.Tensor, "to", around)
     _wrap(torch.Tensor, "cuda", around)
+    return lambda: None
+
+
+# --- a larger training batch ---------------------------------------------------------------
+
+def _batch_kept(given: dict[str, Any], site: str | None, training: str | None,
+                origin: dict[str, str]) -> str | None:
+    """Why the larger-batch remedy leaves the DataLoader built at `site` with `given`
+    arguments as it was (`training`: the diagnosis run's training loader's line; `origin`:
+    what built it, frameworks.loader_origin)."""
+    if training is not None and site != training:
+        return f"not the training DataLoader (built at {training})"
+    if "rebuilt_by" in origin:  # from a loader built here: scaled already
+        return f"rebuilt by {origin['rebuilt_by']} from a loader with the larger batch"
+    if isinstance(given["dataset"], IterableDataset):
+        return "an IterableDataset: its own code decides what a pass holds"
+    if given["batch_sampler"] is not None or not isinstance(given["batch_size"], int):
+        return "a batch_sampler (or batch_size=None) makes its batches"
+    return None
+
+
+def _larger_batch(seen: RemedyEvidence) -> Callable[[], None]:
+    """The training DataLoader built with its batch_size times the plan's factor: the one
+    built at the diagnosis run's training loader's line (any map-style one where the plan
+    named none); its record arrives with the plan's ask (Applied)."""
+    record = seen.larger_batch = seen.larger_batch or LargerBatchRecord()
+    signature = inspect.signature(DataLoader.__init__)
+
+    def around(original: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            given = dict(bound.arguments)
+            given.pop("self")
+            note = BatchSeen(site=_site())
+            note.kept = _batch_kept(given, note.site, record.training_site,
+                                    loader_origin(sys._getframe(1), self))
+            if note.kept is None:
+                note.before = given["batch_size"]
+                given["batch_size"] = note.after = note.before * record.factor
+            record.loaders.append(note)
+            original(self, **given)
+        return __init__
+
+    _wrap(DataLoader, "__init__", around)
     return lambda: None
 
 
@@ -693,6 +740,7 @@ APPLIERS: dict[str, Callable[[RemedyEvidence], Callable[[], None]]] = {
     "no-debug": _no_debug, "nondeterministic": _nondeterministic,
     "channels-last": _channels_last, "expandable-segments": _expandable_segments,
     **MEMORY_APPLIERS,
+    "larger-batch": _larger_batch,
 }
 assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 
@@ -700,11 +748,13 @@ assert set(APPLIERS) == set(REMEDIES), "every declared remedy has an applier"
 class Applied:
     """The remedies applied in this process and what each saw; `observe()` at the end."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], batch: LargerBatchRecord | None = None) -> None:
         unknown = [n for n in names if n not in APPLIERS]
         if unknown:
             raise ValueError(f"unknown remedy {unknown[0]!r}")
-        self.evidence = RemedyEvidence()
+        # The larger batch's record arrives with the plan's ask (its factor, the training
+        # loader's line), kept beside what the remedy saw.
+        self.evidence = RemedyEvidence(larger_batch=batch if "larger-batch" in names else None)
         self.observers = [APPLIERS[name](self.evidence) for name in names]
 
     def observe(self) -> RemedyEvidence:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.profiler import record_function
+from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import DataLoader, _BaseDataLoaderIter
 
 from gpudiag.measure.evidence.source import call_site, caller_site
@@ -197,6 +198,7 @@ class LoaderUses:
             at = call_site(frame)
             use = self._uses[loader] = LoaderUse(
                 site=site, batch_size=_int(getattr(loader, "batch_size", None)),
+                iterable=isinstance(getattr(loader, "dataset", None), IterableDataset),
                 iterated_at=at.location if at is not None else None,
                 settings=LoaderFacts(
                     num_workers=_int(getattr(loader, "num_workers", 0)) or 0,
