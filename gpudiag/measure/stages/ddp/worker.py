@@ -17,6 +17,7 @@ import gc
 import json
 import math
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -154,12 +155,21 @@ def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
         "phases_ms": _phase_medians(window.phases_ms), "telemetry": to_jsonable(window.telemetry),
         "grad_bytes": grad_bytes,
         "peak_allocated_mib": None if window.memory is None else window.memory.peak_allocated_mib,
+        "peak_reserved_mib": None if window.memory is None else window.memory.peak_reserved_mib,
+        "device_total_mib": None if window.memory is None else window.memory.device_total_mib,
     }
     if evidence_steps:
         evidence = collect_evidence(step, device=ctx.device, steps=evidence_steps,
                                     timed_step_ms=TimingStats.of(window.iter_ms).p25_ms)
         part["evidence"] = to_jsonable(evidence)
     return part
+
+
+def _peak_resident_mib() -> float:
+    """This rank's process at its highest resident set so far (getrusage: KiB on Linux, bytes
+    on macOS): on a CPU the only measure of a rank's memory."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def _release(device: torch.device) -> None:
@@ -208,6 +218,7 @@ def run_rank(config: RunConfig, out: Path) -> None:
             part["variants"].append(run_variant(ctx, variant, sampler, steps))
             _release(device)  # the next variant builds its own model
     part["allreduce"] = allreduce_probe(part["variants"][0]["grad_bytes"], device)
+    part["peak_resident_mib"] = _peak_resident_mib()
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / f"rank-{rank}.json", json.dumps(part))
     parts: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
