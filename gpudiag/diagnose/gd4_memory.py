@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
+from gpudiag.diagnose.ranks import memory_rank, rank_prefix
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import KeptTensors, MemoryTimeline, OutOfMemory
 from gpudiag.model.results import RunResult, StageResult
@@ -20,6 +22,16 @@ GROWTH_MIN_STEPS, GROWTH_MIN_MIB, GROWTH_HALF, GROWTH_SKIP = 10, 64.0, 0.25, 3
 # that grow without them are tensors that grew (examples/growing_lengths.py on an H200: +4 MiB
 # a step, the live allocations flat).
 MORE_BLOCKS_PER_STEP, MIN_MORE_BLOCKS = 0.05, 2
+
+
+def _ranked(stage: StageResult, draft: Draft) -> Draft:
+    """A finding from one rank's memory says which rank (its title and evidence); a process of
+    no rank's is left as it is."""
+    rank = memory_rank(stage)
+    if rank is None:
+        return draft
+    return dataclasses.replace(draft, title=rank_prefix(stage) + draft.title,
+                               evidence={**draft.evidence, "rank": rank})
 
 
 @rule(
@@ -50,17 +62,19 @@ def memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                     "peak_reserved_mib": round(mem.peak_reserved_mib),
                     "device_total_mib": round(mem.device_total_mib)}
         if reserved >= RESERVED_WARNING:
-            yield Draft(severity="warning", stage=stage.name,
-                        title=f"Peak reserved memory is {pct(reserved)} of the GPU",
-                        impact=0.0, evidence=evidence,
-                        fix=("Shrink the largest temporaries or the micro-batch (gradient "
-                             "accumulation keeps the effective batch)."))
+            yield _ranked(stage, Draft(
+                severity="warning", stage=stage.name,
+                title=f"Peak reserved memory is {pct(reserved)} of the GPU",
+                impact=0.0, evidence=evidence,
+                fix=("Shrink the largest temporaries or the micro-batch (gradient "
+                     "accumulation keeps the effective batch).")))
         elif slack >= FRAGMENTATION:
-            yield Draft(severity="info", stage=stage.name,
-                        title=f"Allocator holds {pct(slack)} of the GPU more than it uses",
-                        impact=0.0, evidence=evidence,
-                        fix="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces "
-                            "fragmentation from varying tensor sizes.")
+            yield _ranked(stage, Draft(
+                severity="info", stage=stage.name,
+                title=f"Allocator holds {pct(slack)} of the GPU more than it uses",
+                impact=0.0, evidence=evidence,
+                fix="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces "
+                    "fragmentation from varying tensor sizes."))
 
 
 @rule(
@@ -270,7 +284,7 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
         evidence["more_live_blocks"] = found.more_blocks
         if found.more_blocks is False and kept is None:
             # As many tensors at every step's end, each larger: growing inputs, no leak.
-            yield Draft(
+            yield _ranked(stage, Draft(
                 severity="critical" if dies else "info", stage=stage.name, impact=0.0,
                 title=("The tensors a step holds at its end grow without growing in number "
                        "(larger inputs or buffers each step: a length curriculum, batches "
@@ -278,9 +292,9 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
                 evidence=evidence,
                 fix=("If the sizes grow by design, bound them (a maximum length, a few length "
                      "buckets) so that the largest step fits; memory held at the step's end "
-                     "is its inputs' and the model's."))
+                     "is its inputs' and the model's.")))
             continue
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity="critical" if dies else "warning", stage=stage.name,
             title=(f"{_what_keeps(kept)}: {grows}" if kept is not None
                    else grows[0].upper() + grows[1:]),
@@ -288,7 +302,7 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
             fix=(_kept_fix(kept) if kept is not None else
                  "Find what keeps each step's tensors (a list appended every step, a running "
                  "total that keeps its graph) and keep numbers or detached slices instead."),
-        )
+        ))
 
 
 def _grows(found: Growth, runs_out: str) -> str:
@@ -447,7 +461,7 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
         asked = f"{_gib(oom.requested_mib)} requested" if oom.requested_mib else \
             "an allocation failed"
         knobs = _oom_knobs(stage, memory, oom, script.warmup)
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity="critical", stage=stage.name, location=oom.line,
             title=f"Out of memory at step {oom.step}: {asked}{held}{of}",
             impact=0.0,
@@ -459,7 +473,7 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
                  if knobs else "No owner of the memory was measured before the failure: run "
                  "fewer steps or a smaller batch under gpudiag profile to see what the step "
                  "holds."),
-        )
+        ))
 
 
 MALLOC_MIN, MALLOC_WARNING = 0.05, 0.5  # cudaMalloc calls a steady step: named, warned
@@ -523,7 +537,7 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
         said = [f"{mallocs:.2f} cudaMalloc calls a step past warm-up"] if mallocs >= MALLOC_MIN \
             else []
         said += [f"{retries} retries after freeing the whole cache"] if retries else []
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity="warning" if (retries or mallocs >= MALLOC_WARNING) and saved != 0.0
             else "info",
             stage=stage.name, impact=saved or 0.0,
@@ -535,7 +549,7 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
             fix=("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the job's "
                  "environment; where tensor sizes vary step to step (sequence lengths), pad "
                  "them to a few fixed sizes."),
-        )
+        ))
 
 
 HOST_WARNING, HOST_CRITICAL = 0.80, 0.95  # of the machine's memory, the process and children
@@ -580,7 +594,7 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                 if count else "")
         pinned = (f"; {_gib(memory.pinned_host_mib)} of it page-locked (pinned)"
                   if memory.pinned_host_mib else "")
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity=severity_for(share, warning=HOST_WARNING, critical=HOST_CRITICAL),
             stage=stage.name, impact=0.0,
             title=(f"The script and its child processes hold {_gib(held[top])} of the "
@@ -594,4 +608,4 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                  "with its own copy of what the dataset object references); keep the data as "
                  "memory-mapped arrays or tensors, not Python lists of objects; pin_memory only "
                  "where the copies overlap compute."),
-        )
+        ))
