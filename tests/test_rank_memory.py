@@ -5,8 +5,11 @@ here from recorded-like figures; the real two-rank run is tests/test_ddp.py's.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+import pytest
 from conftest import ladder_run, script_run
 from rich.console import Console
 
@@ -22,7 +25,11 @@ from gpudiag.model.facts import (
     StepTimeline,
 )
 from gpudiag.model.results import MemoryStats, StageResult
-from gpudiag.present import rank_memory_tables, render_markdown
+from gpudiag.present import plots, rank_memory_tables, render_markdown
+from gpudiag.present.trace import build_trace
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 STEPS = 40
 
@@ -158,3 +165,22 @@ def test_a_cpu_ddp_stage_s_ranks_are_compared_by_their_processes() -> None:
     (job,) = job_memory(run)
     assert job.device == "cpu" and job.largest is not None and job.largest.rank == 0
     assert not [f for f in evaluate(run) if f.id == "GD401"]
+
+
+def test_memory_png_draws_each_rank_its_own_line_labelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn: list[Figure] = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig))
+    run = script_run(_rank_stage(0, _flat(1000.0)), _rank_stage(1, _flat(990.0)))
+    assert plots.memory_plot(run, tmp_path / "memory.png")
+    lines = drawn[0].axes[0].get_lines()
+    assert [line.get_label() for line in lines] == [
+        "train.py[rank0]: process resident", "train.py[rank1]: process resident"]
+    assert lines[0].get_linestyle() != lines[1].get_linestyle()
+
+
+def test_trace_counters_are_a_process_per_rank() -> None:
+    run = script_run(_rank_stage(0, _flat(1000.0)), _rank_stage(1, _flat(990.0)))
+    trace = build_trace(run, pd.DataFrame())
+    named = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert {f"train.py[rank{r}]: memory at each step's end (MiB)" for r in (0, 1)} <= named

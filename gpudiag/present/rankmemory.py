@@ -4,6 +4,7 @@ where each peaked, and the largest over the smallest, for report.md and the term
 from __future__ import annotations
 
 from rich import box
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -78,14 +79,14 @@ def rank_memory_markdown(run: RunResult) -> list[str]:
     return out
 
 
-def rank_memory_tables(run: RunResult) -> list[Table]:
-    """The terminal's memory by rank, a table per job, the spread as its caption."""
+def rank_memory_tables(run: RunResult) -> list[Group]:
+    """The terminal's memory by rank, a table per job and the spread below it (a line of the
+    console's width: a caption would wrap to the narrow table's)."""
     tables = []
     for job in job_memory(run):
         header, rows = _shown(job, terminal=True)
         table = Table(title=Text(f"Memory by rank: {job.job} (MiB at each rank's peak)"),
-                      title_justify="left", caption=Text(spread_line(job)),
-                      caption_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                      title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
                       pad_edge=False)
         for name in header:
             stage = name == "stage"
@@ -93,5 +94,5 @@ def rank_memory_tables(run: RunResult) -> list[Table]:
         for row in rows:
             # Cells are text, not markup: a stage named train.py[rank0] keeps its brackets.
             table.add_row(*(Text(cell) for cell in row))
-        tables.append(table)
+        tables.append(Group(table, Text(spread_line(job))))
     return tables
