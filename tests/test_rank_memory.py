@@ -153,6 +153,7 @@ def test_a_ddp_stage_near_capacity_names_its_rank_and_shows_every_rank() -> None
     assert found.evidence["rank"] == 1
     assert found.title.startswith("Rank 1 (the most reserved of ddp's ranks): Peak reserved")
     report = render_markdown(run)
+    assert "| 8.6 (rank 1) |" in report  # the run table's peak: the stage's, rank 1's
     assert "### Memory by rank: ddp" in report
     # One stage, no steps counted: no stage column, no step column.
     assert "| 1 | 8,800 | 9,400 | 2,000 | 100% |" in report
