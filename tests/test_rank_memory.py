@@ -124,9 +124,10 @@ def test_a_process_of_no_rank_keeps_its_finding_as_it_was() -> None:
 
 def _part(rank: int, allocated: float | None, reserved: float | None,
           resident: float) -> dict[str, Any]:
-    return {"rank": rank, "peak_resident_mib": resident,
+    return {"rank": rank,
             "variants": [{"peak_allocated_mib": allocated, "peak_reserved_mib": reserved,
-                          "device_total_mib": 10_000.0 if allocated is not None else None}]}
+                          "device_total_mib": 10_000.0 if allocated is not None else None,
+                          "peak_resident_mib": resident}]}
 
 
 def test_a_ddp_stage_s_memory_is_its_most_reserved_rank_s() -> None:

@@ -116,8 +116,8 @@ class RankFacts:
     collective_overlap_fraction: float | None = None
     peak_allocated_mib: float | None = None  # CUDA: the allocator's, over the rank's steps
     peak_reserved_mib: float | None = None  # CUDA: the allocator's segments at their highest
-    # The rank's process at its highest resident set (its imports and start-up included): a
-    # CPU's only measure of its memory
+    # The rank's process at its highest resident set over its model's build and steps (Linux;
+    # what it held before them, torch's imports among them, included): a CPU's only measure
     peak_resident_mib: float | None = None
 
 

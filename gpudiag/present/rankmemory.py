@@ -85,9 +85,10 @@ def rank_memory_tables(run: RunResult) -> list[Group]:
     tables = []
     for job in job_memory(run):
         header, rows = _shown(job, terminal=True)
-        table = Table(title=Text(f"Memory by rank: {job.job} (MiB at each rank's peak)"),
-                      title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
-                      pad_edge=False)
+        title = f"Memory by rank: {job.job} (MiB at each rank's peak)"
+        table = Table(title=Text(title), title_justify="left", header_style="bold",
+                      box=box.SIMPLE_HEAD, pad_edge=False)
+        table.min_width = len(title)  # rich wraps a title to its table's width otherwise
         for name in header:
             stage = name == "stage"
             table.add_column(name, justify="left" if stage else "right", no_wrap=stage)

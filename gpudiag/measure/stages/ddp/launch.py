@@ -170,7 +170,7 @@ def _rank_facts(part: dict[str, Any]) -> RankFacts:
         collective_overlap_fraction=ev.get("collective_overlap_fraction"),
         peak_allocated_mib=run.get("peak_allocated_mib"),
         peak_reserved_mib=run.get("peak_reserved_mib"),
-        peak_resident_mib=part.get("peak_resident_mib"))
+        peak_resident_mib=run.get("peak_resident_mib"))
 
 
 def ddp_facts(parts: list[dict[str, Any]], config: RunConfig, step_ms: float,

@@ -11,13 +11,13 @@ run's node 0 holds the whole picture without a shared file system.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import gc
 import json
 import math
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -143,6 +143,7 @@ def time_single(ctx: StageContext, sampler: Sampler) -> dict[str, Any]:
 
 def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
                 evidence_steps: int) -> dict[str, Any]:
+    _reset_peak_resident()
     step, grad_bytes = ddp_step(ctx, variant)
     window = measure_window(step, device=ctx.device, sampler=sampler, phases=ctx.phases,
                             label=f"ddp {variant.name}", warmup=max(1, ctx.config.warmup),
@@ -157,6 +158,7 @@ def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
         "peak_allocated_mib": None if window.memory is None else window.memory.peak_allocated_mib,
         "peak_reserved_mib": None if window.memory is None else window.memory.peak_reserved_mib,
         "device_total_mib": None if window.memory is None else window.memory.device_total_mib,
+        "peak_resident_mib": _peak_resident_mib(),
     }
     if evidence_steps:
         evidence = collect_evidence(step, device=ctx.device, steps=evidence_steps,
@@ -165,11 +167,25 @@ def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
     return part
 
 
-def _peak_resident_mib() -> float:
-    """This rank's process at its highest resident set so far (getrusage: KiB on Linux, bytes
-    on macOS): on a CPU the only measure of a rank's memory."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _reset_peak_resident() -> None:
+    """Linux: the process's peak resident set (VmHWM) starts again from what it holds now
+    (clear_refs' 5), so a rank's peak is its variant's steps', not rank 0's single-device
+    baseline's nor its imports'. Elsewhere nothing to reset: the peak is not read."""
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")
+
+
+def _peak_resident_mib() -> float | None:
+    """The process's resident set at its highest since the last reset (Linux's VmHWM, in
+    KiB); None where /proc does not say (a CPU rank's memory then goes unmeasured)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
 
 
 def _release(device: torch.device) -> None:
@@ -218,7 +234,6 @@ def run_rank(config: RunConfig, out: Path) -> None:
             part["variants"].append(run_variant(ctx, variant, sampler, steps))
             _release(device)  # the next variant builds its own model
     part["allreduce"] = allreduce_probe(part["variants"][0]["grad_bytes"], device)
-    part["peak_resident_mib"] = _peak_resident_mib()
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / f"rank-{rank}.json", json.dumps(part))
     parts: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
