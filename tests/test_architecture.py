@@ -186,6 +186,9 @@ DIRECT_WRITES_ALLOWED = {
     ("gpudiag/measure/profile/inscript/recorder.py", "touch"): "the script's own process marks "
                                                                "a window done (never truncates)",
     ("gpudiag/measure/gatejob.py", "copy2"): "untracked files into a worktree gpudiag made",
+    ("gpudiag/measure/stages/ddp/worker.py", "write_text"): "/proc/self/clear_refs, a kernel "
+                                                            "control: resets the peak resident "
+                                                            "set, no file",
     ("gpudiag/measure/profile/launching/scratch.py", "open"): "a scratch copy's file, made "
                                                               "with O_EXCL ('xb')",
     ("gpudiag/measure/profile/launching/scratch.py", "copyfile"): "over that O_EXCL file",

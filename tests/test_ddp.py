@@ -194,7 +194,14 @@ def test_real_accumulation_no_sync(tmp_path: Path, no_sync: str, misuse: bool) -
     # A real two-rank gloo job, merged: both ranks, a scaling figure, the report's section.
     assert info.world_size == 2 and len(info.ranks) == 2
     assert 0 < (info.scaling_efficiency or 0) < 2
-    assert "### Communication per rank" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "### Communication per rank" in report
+    # Each rank's memory, labelled: on a CPU its process's resident set at its highest (torch
+    # and the model loaded: hundreds of MiB), the two side by side in report.md.
+    assert all((r.peak_resident_mib or 0) > 100 and r.peak_allocated_mib is None
+               for r in info.ranks)
+    assert run.stages[0].memory is None  # no allocator's figures on a CPU
+    assert "### Memory by rank: ddp" in report and "holds 1." in report
 
 
 def test_bad_ddp_options_are_one_line_errors() -> None:

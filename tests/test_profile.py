@@ -136,6 +136,14 @@ def test_tiny_ddp_accumulating_without_no_sync_under_torchrun(tmp_path: Path) ->
     assert code == 0, output
     assert sorted(s.name for s in run.stages) == ["tiny_ddp.py[rank0]", "tiny_ddp.py[rank1]"]
     assert "tiny_ddp.py[rank0]" in output and "tiny_ddp.py[rank1]" in output  # not markup
+    # Each rank's memory, labelled, and the two side by side (the terminal's and report.md's).
+    assert "Memory by rank: tiny_ddp.py" in output
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "### Memory by rank: tiny_ddp.py" in report
+    assert "| 1 | tiny_ddp.py[rank1] | - | - |" in report
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    named = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert {f"tiny_ddp.py[rank{r}]: memory at each step's end (MiB)" for r in (0, 1)} <= named
     profiled = {s.evidence.steps for s in run.stages if s.evidence is not None}
     timelines = [s.facts.script.timeline for s in run.stages if s.facts.script]
     assert len(profiled) == 1 and all(t is not None and t.window_whole for t in timelines)

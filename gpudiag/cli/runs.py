@@ -130,10 +130,12 @@ def _measure(config: RunConfig, notes: list[str], run_dir: Path, *, trials: int,
 
 
 def print_run(run: RunResult) -> None:
-    """The terminal view of a run: the stage table, stages that did not run, the diagnosis."""
+    """The terminal view of a run: the stage table, stages that did not run, the waterfalls, a
+    multi-rank job's memory by rank, the diagnosis."""
     from gpudiag.present import (  # noqa: PLC0415  (pandas)
         findings_panel,
         problems,
+        rank_memory_tables,
         stage_table,
         waterfall_tables,
     )
@@ -141,6 +143,6 @@ def print_run(run: RunResult) -> None:
     stdout.print(stage_table(run, width=stdout.width))
     for line in problems(run):
         stdout.print(line)
-    for table in waterfall_tables(run):
+    for table in [*waterfall_tables(run), *rank_memory_tables(run)]:
         stdout.print(table)
     stdout.print(findings_panel(run))

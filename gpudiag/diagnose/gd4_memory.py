@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
+from gpudiag.diagnose.ranks import memory_rank, rank_prefix
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import KeptTensors, MemoryTimeline
 from gpudiag.model.results import RunResult, StageResult
@@ -35,6 +37,16 @@ GROWTH_THRESHOLDS = (
               "CUDA: kept tensors add a live allocation every 20 steps or more; bytes that "
               "grow without them are tensors that grew (information)"),
     Threshold("min_more_blocks", MIN_MORE_BLOCKS, "... and at least 2 in all"))
+
+
+def _ranked(stage: StageResult, draft: Draft) -> Draft:
+    """A finding from one rank's memory says which rank (its title and evidence); a process of
+    no rank's is left as it is."""
+    rank = memory_rank(stage)
+    if rank is None:
+        return draft
+    return dataclasses.replace(draft, title=rank_prefix(stage) + draft.title,
+                               evidence={**draft.evidence, "rank": rank})
 
 
 @rule(
@@ -79,18 +91,20 @@ def memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                                cached_mib=mem.peak_reserved_mib - mem.peak_allocated_mib) \
                 if timeline is not None else []
             evidence["knobs"] = knobs
-            yield Draft(severity="warning", stage=stage.name,
-                        title=f"Peak reserved memory is {pct(reserved)} of {of}",
-                        impact=0.0, evidence=evidence,
-                        fix=("; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + "."
-                             if knobs else "Shrink the largest temporaries or the micro-batch "
-                             "(gradient accumulation keeps the effective batch)."))
+            yield _ranked(stage, Draft(
+                severity="warning", stage=stage.name,
+                title=f"Peak reserved memory is {pct(reserved)} of {of}",
+                impact=0.0, evidence=evidence,
+                fix=("; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + "."
+                     if knobs else "Shrink the largest temporaries or the micro-batch "
+                     "(gradient accumulation keeps the effective batch).")))
         elif slack >= FRAGMENTATION:
-            yield Draft(severity="info", stage=stage.name,
-                        title=f"Allocator holds {pct(slack)} of {of} more than it uses",
-                        impact=0.0, evidence=evidence,
-                        fix="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces "
-                            "fragmentation from varying tensor sizes.")
+            yield _ranked(stage, Draft(
+                severity="info", stage=stage.name,
+                title=f"Allocator holds {pct(slack)} of {of} more than it uses",
+                impact=0.0, evidence=evidence,
+                fix="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces "
+                    "fragmentation from varying tensor sizes."))
 
 
 @rule(
@@ -285,7 +299,7 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
         evidence["more_live_blocks"] = found.more_blocks
         if found.more_blocks is False and kept is None:
             # As many tensors at every step's end, each larger: growing inputs, no leak.
-            yield Draft(
+            yield _ranked(stage, Draft(
                 severity="critical" if dies else "info", stage=stage.name, impact=0.0,
                 title=("The tensors a step holds at its end grow without growing in number "
                        "(larger inputs or buffers each step: a length curriculum, batches "
@@ -293,9 +307,9 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
                 evidence=evidence,
                 fix=("If the sizes grow by design, bound them (a maximum length, a few length "
                      "buckets) so that the largest step fits; memory held at the step's end "
-                     "is its inputs' and the model's."))
+                     "is its inputs' and the model's.")))
             continue
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity="critical" if dies else "warning", stage=stage.name,
             title=(f"{_what_keeps(kept)}: {grows}" if kept is not None
                    else grows[0].upper() + grows[1:]),
@@ -303,7 +317,7 @@ def memory_growth(run: RunResult) -> Iterator[Draft]:
             fix=(_kept_fix(kept) if kept is not None else
                  "Find what keeps each step's tensors (a list appended every step, a running "
                  "total that keeps its graph) and keep numbers or detached slices instead."),
-        )
+        ))
 
 
 def _grows(found: Growth, runs_out: str) -> str:
@@ -472,7 +486,7 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
             if oom.allocated_mib is not None else None
         knobs = _fit_knobs(stage, memory, script.warmup, cached_mib=cached,
                            requested_mib=oom.requested_mib, failed_at_mib=failed_at)
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity="critical", stage=stage.name, location=oom.line,
             title=f"Out of memory at step {oom.step}: {asked}{held}{of}",
             impact=0.0,
@@ -486,7 +500,7 @@ def out_of_memory(run: RunResult) -> Iterator[Draft]:
                  "measures what frees memory (activation checkpointing of the model's "
                  "blocks); a smaller micro-batch with gradient accumulation keeps the "
                  "effective batch."),
-        )
+        ))
 
 
 MALLOC_MIN, MALLOC_WARNING = 0.05, 0.5  # cudaMalloc calls a steady step: named, warned
@@ -550,7 +564,7 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
         said = [f"{mallocs:.2f} cudaMalloc calls a step past warm-up"] if mallocs >= MALLOC_MIN \
             else []
         said += [f"{retries} retries after freeing the whole cache"] if retries else []
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity="warning" if (retries or mallocs >= MALLOC_WARNING) and saved != 0.0
             else "info",
             stage=stage.name, impact=saved or 0.0,
@@ -562,7 +576,7 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
             fix=("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the job's "
                  "environment; where tensor sizes vary step to step (sequence lengths), pad "
                  "them to a few fixed sizes."),
-        )
+        ))
 
 
 HOST_WARNING, HOST_CRITICAL = 0.80, 0.95  # of the machine's memory, the process and children
@@ -607,7 +621,7 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                 if count else "")
         pinned = (f"; {_gib(memory.pinned_host_mib)} of it page-locked (pinned)"
                   if memory.pinned_host_mib else "")
-        yield Draft(
+        yield _ranked(stage, Draft(
             severity=severity_for(share, warning=HOST_WARNING, critical=HOST_CRITICAL),
             stage=stage.name, impact=0.0,
             title=(f"The script and its child processes hold {_gib(held[top])} of the "
@@ -621,4 +635,4 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                  "with its own copy of what the dataset object references); keep the data as "
                  "memory-mapped arrays or tensors, not Python lists of objects; pin_memory only "
                  "where the copies overlap compute."),
-        )
+        ))

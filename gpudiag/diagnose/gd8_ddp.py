@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from typing import Any
 
 from gpudiag.diagnose.common import pct, pct_above_zero
 from gpudiag.diagnose.ledger import NoPart, device_time
+from gpudiag.diagnose.ranks import job_and_rank
 from gpudiag.diagnose.registry import Draft, Threshold, rule, severity_for
 from gpudiag.model.facts import DdpFacts
 from gpudiag.model.results import (
@@ -398,7 +398,6 @@ def _ladder_no_sync(stage: StageResult) -> Iterator[Draft]:
 
 
 LINK_BOUND = 0.5  # effective bus bandwidth at least this share of the probe's: the link limits
-_RANK_NAME = re.compile(r"^(?P<job>.*)\[rank(?P<rank>\d+)\]$")
 
 
 @dataclass
@@ -593,9 +592,8 @@ def profiled_jobs(run: RunResult) -> dict[str, _Job]:
         ev = stage.evidence
         if ev is None or _ddp(stage) is not None or not ev.collective_calls_per_step:
             continue
-        match = _RANK_NAME.match(stage.name)
-        job, rank = (match["job"], int(match["rank"])) if match else (stage.name, 0)
-        jobs[job].append(_Rank(rank, stage, ev))
+        job, rank = job_and_rank(stage.name)
+        jobs[job].append(_Rank(rank or 0, stage, ev))
     return {job: _Job(sorted(ranks, key=lambda r: r.rank)) for job, ranks in jobs.items()}
 
 

@@ -114,7 +114,11 @@ class RankFacts:
     collective_exposed_ms_per_step: float | None = None
     compute_busy_ms_per_step: float | None = None
     collective_overlap_fraction: float | None = None
-    peak_allocated_mib: float | None = None
+    peak_allocated_mib: float | None = None  # CUDA: the allocator's, over the rank's steps
+    peak_reserved_mib: float | None = None  # CUDA: the allocator's segments at their highest
+    # The rank's process at its highest resident set over its model's build and steps (Linux;
+    # what it held before them, torch's imports among them, included): a CPU's only measure
+    peak_resident_mib: float | None = None
 
 
 @dataclass

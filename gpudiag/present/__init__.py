@@ -17,6 +17,7 @@ from gpudiag.present.findings import (
 )
 from gpudiag.present.fixes import fixes_table
 from gpudiag.present.markdown import render_markdown
+from gpudiag.present.rankmemory import rank_memory_tables
 from gpudiag.present.terminal import env_table, problems, stage_table
 from gpudiag.present.waterfall import terminal_tables as waterfall_tables
 
@@ -29,6 +30,7 @@ __all__ = [
     "fixes_table",
     "prepare_run_dir",
     "problems",
+    "rank_memory_tables",
     "render_markdown",
     "rerender_run_dir",
     "rule_panel",

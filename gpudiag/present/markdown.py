@@ -15,6 +15,7 @@ from gpudiag.model.results import RunResult, StageResult
 from gpudiag.present.findings import diagnosis_markdown
 from gpudiag.present.fixes import fixes_markdown, reruns_markdown
 from gpudiag.present.owners import owners_markdown
+from gpudiag.present.rankmemory import rank_memory_markdown
 from gpudiag.present.rows import COLUMNS, fmt, phase_medians, run_subject, table_cells, window_steps
 from gpudiag.present.tables import markdown_table
 from gpudiag.present.terminal import env_rows
@@ -68,6 +69,7 @@ def render_markdown(run: RunResult, plots: list[str] | tuple[str, ...] = ()) -> 
     out += _phases(run)
     out += _evidence(run)
     out += owners_markdown(run)
+    out += rank_memory_markdown(run)
     out += _rooflines(run)
     out += _distributed(run)
     out += _problems(run)

@@ -9,6 +9,7 @@ text and mid-tone colours, so they read in dark and light viewers alike.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ PLOTS = {"throughput": "throughput.png", "timeline": "timeline.png",
          "steps": "step-times.png", "memory": "memory.png"}
 BLUE, ORANGE, GREEN, GREY = "#1f77b4", "#d9730d", "#2a9d4b", "#888888"
 DPI = 110
+PROCESS_STYLES = ("-", "--", ":", "-.")  # memory.png: each process (a job's rank) its own line
+LEGEND_ROOM = 1.4  # memory.png's height over its highest line
 NEAR_DEVICE = 0.5  # memory above this share of the device's size: its size drawn as a line
 
 
@@ -147,7 +150,8 @@ def memory_plot(run: RunResult, path: Path) -> bool:
     if not kept:
         return False
     fig, ax = _figure(9.0, 4.0)
-    for name, memory in kept:
+    # A colour per series, a line style per process: the ranks of a job apart, each labelled.
+    for (name, memory), style in zip(kept, itertools.cycle(PROCESS_STYLES), strict=False):
         label = f"{name}: " if len(kept) > 1 else ""
         gib = [[m / 1024 for m in series] for series in (
             memory.allocated_mib, memory.reserved_mib, memory.peak_mib, memory.resident_mib)]
@@ -156,7 +160,7 @@ def memory_plot(run: RunResult, path: Path) -> bool:
                 "process resident"), strict=True):
             if series:
                 ax.plot(range(len(series)), series, color=colour, linewidth=1,
-                        label=label + what)
+                        linestyle=style, label=label + what)
     totals = [m.device_total_mib for _, m in kept if m.device_total_mib]
     highest = max(max(s, default=0.0) for _, m in kept for s in (
         m.allocated_mib, m.reserved_mib, m.peak_mib, m.resident_mib))
@@ -166,7 +170,9 @@ def memory_plot(run: RunResult, path: Path) -> bool:
         size += ", dotted"
     ax.set_xlabel("step")
     ax.set_ylabel("GiB at the step's end")
-    ax.set_ylim(bottom=0)
+    # Room above the lines for the legend (a line per series and process: a job's ranks
+    # double it), which flat memory near the top would run under.
+    ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], highest / 1024 * LEGEND_ROOM))
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title("Memory at each step's end" + (f" ({size})" if size else ""))
     _save(fig, path)

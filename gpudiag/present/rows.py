@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpudiag.diagnose.ceilings import utilisation
+from gpudiag.diagnose.ranks import memory_rank
 from gpudiag.model.config import REFERENCE_STAGE, ProfileConfig, RunConfig
 from gpudiag.model.results import RunResult, StageResult
 
@@ -52,7 +53,11 @@ def _gpm(metric: str) -> Callable[[StageResult, RunResult], str]:
 
 
 def _memory(stage: StageResult, run: RunResult) -> str:
-    return fmt(stage.memory.peak_allocated_mib / 1024 if stage.memory else None, ".1f")
+    """The stage's peak; a ddp stage's is its most reserved rank's, and says which (a profiled
+    rank's stage is named for its rank)."""
+    cell = fmt(stage.memory.peak_allocated_mib / 1024 if stage.memory else None, ".1f")
+    rank = memory_rank(stage) if stage.memory and stage.facts.ddp is not None else None
+    return cell if rank is None else f"{cell} (rank {rank})"
 
 
 def _tflops(stage: StageResult, run: RunResult) -> str:

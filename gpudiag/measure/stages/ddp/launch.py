@@ -40,7 +40,7 @@ from gpudiag.model.facts import (
     StageFacts,
     Straggler,
 )
-from gpudiag.model.results import Evidence, StageResult, TelemetrySummary
+from gpudiag.model.results import Evidence, MemoryStats, StageResult, TelemetrySummary
 from gpudiag.model.runfile import from_jsonable, to_jsonable
 
 CPU_DEFAULT_NPROC = 2
@@ -168,7 +168,9 @@ def _rank_facts(part: dict[str, Any]) -> RankFacts:
         collective_exposed_ms_per_step=ev.get("collective_exposed_ms_per_step"),
         compute_busy_ms_per_step=ev.get("compute_busy_ms_per_step"),
         collective_overlap_fraction=ev.get("collective_overlap_fraction"),
-        peak_allocated_mib=run.get("peak_allocated_mib"))
+        peak_allocated_mib=run.get("peak_allocated_mib"),
+        peak_reserved_mib=run.get("peak_reserved_mib"),
+        peak_resident_mib=run.get("peak_resident_mib"))
 
 
 def ddp_facts(parts: list[dict[str, Any]], config: RunConfig, step_ms: float,
@@ -209,6 +211,20 @@ def ddp_facts(parts: list[dict[str, Any]], config: RunConfig, step_ms: float,
         straggler=_straggler(parts), ranks=[_rank_facts(p) for p in parts], sweep=sweep)
 
 
+def largest_rank_memory(parts: list[dict[str, Any]]) -> MemoryStats | None:
+    """The stage's device memory: its largest rank's (the most reserved, with what its tensors
+    held), the one that runs out first; each rank's is in DdpFacts.ranks. None on a CPU."""
+    runs = [p["variants"][0] for p in parts]
+    measured = [r for r in runs if r.get("peak_allocated_mib") is not None
+                and r.get("peak_reserved_mib") is not None]
+    if not measured:
+        return None
+    top = max(measured, key=lambda r: r["peak_reserved_mib"])
+    return MemoryStats(peak_allocated_mib=top["peak_allocated_mib"],
+                       peak_reserved_mib=top["peak_reserved_mib"],
+                       device_total_mib=top.get("device_total_mib"))
+
+
 def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
                 title: str) -> StageResult:
     parts = sorted(parts, key=lambda p: p["rank"])
@@ -226,6 +242,7 @@ def merge_parts(parts: list[dict[str, Any]], config: RunConfig, name: str,
                telemetry=from_jsonable(TelemetrySummary, default["telemetry"])),
         samples_per_step=samples_per_step, tokens_per_step=samples_per_step * config.seq_len)
     facts.ddp = ddp_facts(parts, config, result.ms_per_iter or 0.0, evidence)
+    result.memory = largest_rank_memory(parts)
     gpu = lead["gpu_name"] or "cpu"
     result.workload = (f"{config.model}, DDP {world} x {gpu} ({lead['backend']}), per-device "
                        f"batch {config.batch_size}" + (f" x {config.ddp_accum} micro-steps"

@@ -11,6 +11,7 @@ run's node 0 holds the whole picture without a shared file system.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import gc
@@ -142,6 +143,7 @@ def time_single(ctx: StageContext, sampler: Sampler) -> dict[str, Any]:
 
 def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
                 evidence_steps: int) -> dict[str, Any]:
+    _reset_peak_resident()
     step, grad_bytes = ddp_step(ctx, variant)
     window = measure_window(step, device=ctx.device, sampler=sampler, phases=ctx.phases,
                             label=f"ddp {variant.name}", warmup=max(1, ctx.config.warmup),
@@ -154,12 +156,36 @@ def run_variant(ctx: StageContext, variant: DdpVariant, sampler: Sampler,
         "phases_ms": _phase_medians(window.phases_ms), "telemetry": to_jsonable(window.telemetry),
         "grad_bytes": grad_bytes,
         "peak_allocated_mib": None if window.memory is None else window.memory.peak_allocated_mib,
+        "peak_reserved_mib": None if window.memory is None else window.memory.peak_reserved_mib,
+        "device_total_mib": None if window.memory is None else window.memory.device_total_mib,
+        "peak_resident_mib": _peak_resident_mib(),
     }
     if evidence_steps:
         evidence = collect_evidence(step, device=ctx.device, steps=evidence_steps,
                                     timed_step_ms=TimingStats.of(window.iter_ms).p25_ms)
         part["evidence"] = to_jsonable(evidence)
     return part
+
+
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _reset_peak_resident() -> None:
+    """Linux: the process's peak resident set (VmHWM) starts again from what it holds now
+    (clear_refs' 5), so a rank's peak is its variant's steps', not rank 0's single-device
+    baseline's nor its imports'. Elsewhere nothing to reset: the peak is not read."""
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")
+
+
+def _peak_resident_mib() -> float | None:
+    """The process's resident set at its highest since the last reset (Linux's VmHWM, in
+    KiB); None where /proc does not say (a CPU rank's memory then goes unmeasured)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
 
 
 def _release(device: torch.device) -> None:
