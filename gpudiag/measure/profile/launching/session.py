@@ -40,6 +40,7 @@ from gpudiag.measure.confine import (
     confined,
     confinement_refusal,
 )
+from gpudiag.measure.hostmemory import oom_kills
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name, signal_of
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.launching.jobprocesses import (
@@ -667,12 +668,27 @@ def _mark_failure(run: RunResult, found: Collected, ended: Ended,
         stage.error = (f"the process ended without Python's shutdown (the command "
                        f"{ended.describe()}): os._exit, a kill or a native crash; steps up to "
                        "its last report are kept")
+        if ended.code == 128 + signal.SIGKILL:
+            _mark_killed(stage)
     if not run.stages:
         run.stages.append(StageResult(
             name=_command_name(command), status="error", title=" ".join(command),
             error=(f"the command {ended.describe()} before its first step was recorded"
                    + (f": {found.crash.strip().splitlines()[-1]}" if found.crash else "")),
             traceback=found.crash))
+
+
+def _mark_killed(stage: StageResult) -> None:
+    """A process that died of SIGKILL: its memory says so, with the kernel's count of
+    out-of-memory kills where its host memory limit is enforced, read again now (the rules
+    tell the kernel's out-of-memory killer from a kill from elsewhere)."""
+    memory = stage.facts.script.memory if stage.facts.script else None
+    if memory is None:
+        return
+    memory.killed = "process"
+    limit = memory.host_limit
+    if limit is not None and limit.oom_kill_file is not None:
+        limit.oom_kills_after = oom_kills(Path(limit.oom_kill_file))
 
 
 def _command_name(command: Sequence[str]) -> str:
