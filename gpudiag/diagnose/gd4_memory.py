@@ -566,10 +566,10 @@ def _host_held(memory: MemoryTimeline, step: int) -> HostHeld:
 
 
 def _latest_held(memory: MemoryTimeline, held: HostHeld) -> HostHeld:
-    """`held`, its parts the processes' own pages where they were read at a later step (near
-    the limit, before a kill)."""
+    """`held`, its parts the processes' own pages where they were read at that step (near
+    the limit: before a kill, the last step recorded)."""
     private = memory.private
-    if private is None or private.step < held.step:
+    if private is None or private.step != held.step:
         return held
     return HostHeld(held.step, held.mib, private.process_mib, private.children,
                     private.children_mib, own=True)
@@ -645,6 +645,7 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
             continue
         if share < HOST_WARNING:
             continue
+        top = _latest_held(memory, top)
         yield Draft(
             severity=severity_for(share, warning=HOST_WARNING, critical=HOST_CRITICAL),
             stage=stage.name, impact=0.0,
