@@ -16,7 +16,7 @@ from conftest import script_run, script_stage
 
 from gpudiag.diagnose import evaluate
 from gpudiag.measure.hostmemory import CgroupUsage, host_limit, oom_kills
-from gpudiag.measure.profile.inscript.watches.memory import worker_killed
+from gpudiag.measure.profile.inscript.watches.memory import MemoryWatch, worker_killed
 from gpudiag.measure.profile.launching.session import Collected, Ended, _mark_failure
 from gpudiag.model.facts import HostLimit, LoaderFacts, LoaderUse, MemoryTimeline, PrivateMemory
 from gpudiag.model.results import Finding, RunResult
@@ -120,6 +120,26 @@ def test_a_dataloader_workers_sigkill_is_read_from_torchs_error() -> None:
         assert worker_killed(raised)
     assert not worker_killed(RuntimeError("DataLoader worker (pid 1) is killed by signal: "
                                           "Terminated."))
+
+
+class _Clock:
+    steps = 0
+    host_marks = (0.0,)
+
+
+def test_near_the_limit_the_part_is_written_as_the_processes_grow() -> None:
+    """From half the limit, again at each 5% more of it: a kill loses only the steps since;
+    each time, the processes' own pages are read (this process's, here)."""
+    watch = MemoryWatch(_Clock())  # type: ignore[arg-type]
+    watch.host_limit = HostLimit(1000.0, "cgroup v2 memory.max")
+    asked = []
+    for used in (100.0, 499.0, 500.0, 520.0, 549.0, 550.0, 551.0, 700.0):
+        watch.resident.append(50.0)
+        watch.used.append(used)
+        asked.append(watch.keep_now())
+    assert asked == [False, False, True, False, False, True, False, True]
+    assert watch.private is not None and watch.private.step == 7
+    assert watch.private.process_mib > 0
 
 
 def _killed(*, counted: int | None, share: float, killed: str = "process",

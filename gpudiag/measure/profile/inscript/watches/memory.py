@@ -1,8 +1,9 @@
 """The script's memory at each step's end: on CUDA the caching allocator's counters (bytes held
 by tensors, bytes reserved from the driver, the highest held so far), on any device the
 process's resident set. Cheap enough for every step (the allocator's counters as it keeps them
-and one read of /proc/self/statm: ~20 us a step on an H200's host), so growth shows over the
-whole run, not only the profiler window. Never changes what the script can read: the
+and one read of /proc/self/statm: ~20 us a step on an H200's host; where a cgroup limits the
+host's memory, one read of its memory.stat, ~30 us), so growth shows over the whole run, not
+only the profiler window. Never changes what the script can read: the
 allocator's peak is not reset (a script or its framework may report it).
 """
 
