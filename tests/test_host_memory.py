@@ -201,6 +201,25 @@ def test_a_sigkill_far_from_the_limit_with_no_kill_counted_is_of_unknown_cause()
     assert "no out-of-memory kill counted" in f.title
 
 
+def test_on_a_machine_without_a_limit_its_kill_count_is_anyones() -> None:
+    """/proc/vmstat counts every process's out-of-memory kill, in any cgroup: said beside a
+    kill of unknown cause, never taken for this one's; held near the machine's, the killer's."""
+    run = _killed(counted=1, share=0.5)
+    memory = run.stages[0].facts.script.memory  # type: ignore[union-attr]
+    assert memory is not None and memory.host_limit is not None
+    memory.host_limit.source, memory.host_used_mib = "machine", []
+    memory.resident_mib = [400.0] * 20
+    memory.children_resident_mib = [112.0] * 20
+    memory.host_limit.limit_mib = 1024.0
+    f = _gd406(run)
+    assert f.severity == "warning" and "the cause is unknown" in f.title
+    assert "the kernel counted 1 out-of-memory kill on the machine over the run (of any " \
+           "process" in f.title
+    memory.children_resident_mib = [600.0] * 20
+    g = _gd406(run)
+    assert g.severity == "critical" and "out-of-memory killer" in g.title
+
+
 def test_a_dataloader_worker_killed_is_named_as_such() -> None:
     f = _gd406(_killed(counted=1, share=0.97, killed="worker"))
     assert f.title.startswith("A DataLoader worker was killed by the kernel's out-of-memory "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
@@ -668,13 +669,17 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
 def _host_kill(stage: StageResult, memory: MemoryTimeline, held: Sequence[HostHeld],
                capacity: tuple[float, str]) -> Draft:
     """A process that died of SIGKILL: the out-of-memory killer's where the kernel counted a
-    kill where the limit is enforced, or the last recorded step held 80% of it; else a kill
-    of unknown cause (a scheduler's preemption, a `kill -9`), never guessed to be memory."""
+    kill in the cgroup whose limit applies, or the last recorded step held 80% of the limit;
+    else a kill of unknown cause (a scheduler's preemption, a `kill -9`), never guessed to be
+    memory. The machine's own count (/proc/vmstat) is any process's kill, in any cgroup: said,
+    never taken for this process's."""
     last = _latest_held(memory, held[-1])
     limit = memory.host_limit
     counted = (limit.oom_kills_after - limit.oom_kills
                if limit is not None and limit.oom_kills_after is not None
                and limit.oom_kills is not None else None)
+    if limit is not None and limit.source == "machine":
+        return _machine_kill(stage, memory, last, capacity, counted)
     share = last.mib / capacity[0]
     who = ("A DataLoader worker" if memory.killed == "worker" else "The script's process")
     evidence = {"killed": memory.killed, "oom_kills_counted": counted,
@@ -689,17 +694,9 @@ def _host_kill(stage: StageResult, memory: MemoryTimeline, held: Sequence[HostHe
     if not counted and share < HOST_WARNING:
         count = ("no out-of-memory kill counted" if counted == 0 else
                  "no count of out-of-memory kills readable")
-        return Draft(
-            severity="warning", stage=stage.name, impact=0.0,
-            title=(f"{who} died of SIGKILL{lost} with {_gib(last.mib)} of {capacity[1]} "
-                   f"({share:.0%}) held at its last recorded step and {count}: the cause is "
-                   "unknown (a SIGKILL from elsewhere: a scheduler's preemption or time "
-                   "limit, a `kill -9`), not host memory as recorded"),
-            evidence=evidence,
-            fix=("Look at what sends SIGKILL on this machine: the job scheduler's logs (a time "
-                 "or memory limit of its own), `dmesg` or `journalctl -k` for the kernel's "
-                 "messages, another user's kill."),
-        )
+        return _unknown_kill(stage, f"{who} died of SIGKILL{lost} with {_gib(last.mib)} of "
+                             f"{capacity[1]} ({share:.0%}) held at its last recorded step and "
+                             f"{count}", evidence)
     how = (f"the kernel counted {counted} out-of-memory kill{'s' if counted != 1 else ''} "
            f"under {capacity[1]}" if counted else
            f"its last recorded step held {share:.0%} of {capacity[1]}")
@@ -709,6 +706,47 @@ def _host_kill(stage: StageResult, memory: MemoryTimeline, held: Sequence[HostHe
         title=(f"{who} was killed by the kernel's out-of-memory killer (SIGKILL, no Python "
                f"traceback){lost}: {how}; at step {last.step} "
                f"{_holders(last, memory.pinned_host_mib)}, {_host_growth(held)}"),
+        evidence={**evidence, "knobs": knobs},
+        fix="; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + ".",
+    )
+
+
+def _unknown_kill(stage: StageResult, said: str, evidence: dict[str, Any]) -> Draft:
+    return Draft(
+        severity="warning", stage=stage.name, impact=0.0,
+        title=(f"{said}: the cause is unknown (a SIGKILL from elsewhere: a scheduler's "
+               "preemption or time limit, a `kill -9`), not host memory as recorded"),
+        evidence=evidence,
+        fix=("Look at what sends SIGKILL on this machine: the job scheduler's logs (a time or "
+             "memory limit of its own), `dmesg` or `journalctl -k` for the kernel's messages "
+             "(an out-of-memory kill names its victim there), another user's kill."),
+    )
+
+
+def _machine_kill(stage: StageResult, memory: MemoryTimeline, last: HostHeld,
+                  capacity: tuple[float, str], counted: int | None) -> Draft:
+    """A SIGKILL where no cgroup limits the host's memory: the killer's where the last step
+    held 80% of the machine's, else of unknown cause, the machine's count of kills (any
+    process's) said beside it."""
+    share = last.mib / capacity[0]
+    who = "A DataLoader worker" if memory.killed == "worker" else "The script's process"
+    anywhere = (f"; the kernel counted {counted} out-of-memory kill{'s' if counted != 1 else ''}"
+                " on the machine over the run (of any process: `dmesg` names each victim)"
+                if counted else "")
+    evidence = {"killed": memory.killed, "machine_oom_kills_counted": counted,
+                "held_mib": round(last.mib, 1), "limit_mib": capacity[0],
+                "limit_source": "machine", "step": last.step}
+    if share < HOST_WARNING:
+        return _unknown_kill(stage, f"{who} died of SIGKILL (recorded up to step {last.step}) "
+                             f"with {_gib(last.mib)} of {capacity[1]} ({share:.0%}) held at its "
+                             f"last recorded step{anywhere}", evidence)
+    knobs = _host_knobs(stage, memory, last)
+    return Draft(
+        severity="critical", stage=stage.name, impact=0.0,
+        title=(f"{who} was killed by the kernel's out-of-memory killer (SIGKILL, no Python "
+               f"traceback) (recorded up to step {last.step}): it held {share:.0%} of "
+               f"{capacity[1]} at its last recorded step, "
+               f"{_holders(last, memory.pinned_host_mib)}{anywhere}"),
         evidence={**evidence, "knobs": knobs},
         fix="; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + ".",
     )
