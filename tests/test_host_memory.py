@@ -220,6 +220,25 @@ def test_on_a_machine_without_a_limit_its_kill_count_is_anyones() -> None:
     assert g.severity == "critical" and "out-of-memory killer" in g.title
 
 
+def test_forks_sharing_the_scripts_pages_are_counted_once_where_read() -> None:
+    """Eight workers' resident sets each count the 3 GiB they share with the script: 27 GiB of
+    the machine's 32 by their sum, 5 GiB by their proportional sets, read at that step: no
+    finding, and a SIGKILL then is of unknown cause."""
+    steps = 10
+    memory = MemoryTimeline(
+        device="cpu", resident_mib=[3072.0] * steps, children=[8] * steps,
+        children_resident_mib=[8 * 3072.0] * steps, host_total_mib=32768.0,
+        host_limit=HostLimit(32768.0, "machine", machine_mib=32768.0),
+        private=PrivateMemory(step=steps - 1, process_mib=100.0, children=8,
+                              children_mib=1900.0, together_mib=5120.0))
+    run = script_run(script_stage([100.0] * 30, memory=memory))
+    assert not [f for f in evaluate(run) if f.id == "GD406"]
+    memory.killed = "process"
+    assert "the cause is unknown" in _gd406(run).title
+    memory.private = None  # not read: the resident sets' sum stands
+    assert _gd406(run).severity == "critical"
+
+
 def test_a_dataloader_worker_killed_is_named_as_such() -> None:
     f = _gd406(_killed(counted=1, share=0.97, killed="worker"))
     assert f.title.startswith("A DataLoader worker was killed by the kernel's out-of-memory "

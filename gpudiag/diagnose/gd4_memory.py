@@ -572,7 +572,10 @@ def _latest_held(memory: MemoryTimeline, held: HostHeld) -> HostHeld:
     private = memory.private
     if private is None or private.step != held.step:
         return held
-    return HostHeld(held.step, held.mib, private.process_mib, private.children,
+    # Without a cgroup's count, the resident sets' sum counts each page a fork shares once per
+    # process: their proportional sets' sum counts it once.
+    together = private.together_mib if not memory.host_used_mib else None
+    return HostHeld(held.step, together or held.mib, private.process_mib, private.children,
                     private.children_mib, own=True)
 
 
@@ -639,14 +642,17 @@ def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
         if memory is None or capacity is None or not memory.resident_mib:
             continue
         held = [_host_held(memory, i) for i in range(len(memory.resident_mib))]
-        top = max(held, key=lambda h: h.mib)
-        share = top.mib / capacity[0]
         if memory.killed is not None:
             yield _host_kill(stage, memory, held, capacity)
             continue
+        top = max(held, key=lambda h: h.mib)
+        read = memory.private.step if memory.private is not None else len(held)
+        if read < len(held) and held[read].mib >= top.mib:  # as high, its own pages read
+            top = held[read]
+        top = _latest_held(memory, top)
+        share = top.mib / capacity[0]
         if share < HOST_WARNING:
             continue
-        top = _latest_held(memory, top)
         yield Draft(
             severity=severity_for(share, warning=HOST_WARNING, critical=HOST_CRITICAL),
             stage=stage.name, impact=0.0,

@@ -154,15 +154,19 @@ class CgroupUsage:
         return None
 
 
-def private_mib(pid: int | str) -> float | None:
-    """A process's pages of its own (Private_Clean + Private_Dirty of its smaps_rollup), MiB:
-    for a forked worker, the copies it made of the script's pages and what it allocated."""
-    total = 0
+def private_mib(pid: int | str) -> tuple[float, float] | None:
+    """A process's pages of its own (Private_Clean + Private_Dirty of its smaps_rollup) and its
+    proportional set (Pss: each page it shares divided among its sharers), MiB: for a forked
+    worker, the copies it made of the script's pages and what it allocated; the Pss of a
+    group of processes sums to what they hold together."""
+    own = pss = 0
     try:
         lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         if line.startswith(("Private_Clean:", "Private_Dirty:")):
-            total += int(line.split()[1])
-    return round(total / 1024, 1)
+            own += int(line.split()[1])
+        elif line.startswith("Pss:"):
+            pss = int(line.split()[1])
+    return round(own / 1024, 1), round(pss / 1024, 1)

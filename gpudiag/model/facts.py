@@ -476,6 +476,9 @@ class PrivateMemory:
     process_mib: float
     children: int
     children_mib: float  # their private memory's sum
+    # All of them together, each shared page once (their proportional sets' sum, Pss): what
+    # they hold of the machine, where no cgroup counts it
+    together_mib: float | None = None
 
 
 @dataclass

@@ -252,8 +252,10 @@ class MemoryWatch(Watch):
             return
         pids = _child_pids(self.children_file) if self.children_file is not None else []
         theirs = [mib for mib in map(private_mib, pids) if mib is not None]
-        self.private = PrivateMemory(step=len(self.resident) - 1, process_mib=own,
-                                     children=len(theirs), children_mib=round(sum(theirs), 1))
+        self.private = PrivateMemory(
+            step=len(self.resident) - 1, process_mib=own[0], children=len(theirs),
+            children_mib=round(sum(mib[0] for mib in theirs), 1),
+            together_mib=round(own[1] + sum(mib[1] for mib in theirs), 1))
 
     def crashed(self, exc: BaseException) -> None:
         self.oom = out_of_memory(exc, self.clock.steps)
