@@ -269,13 +269,26 @@ def test_gpudiags_side_marks_a_sigkilled_process_and_reads_the_count_again(
     memory.killed, memory.host_limit.oom_kill_file = None, str(counter)
     _mark_failure(run, Collected(stages=[stage], unfinished=[stage]), Ended(-9), ["python"])
     assert memory.killed == "process" and memory.host_limit.oom_kills_after == 2
-    other = _killed(counted=None, share=0.5)
-    other_memory = other.stages[0].facts.script.memory  # type: ignore[union-attr]
-    assert other_memory is not None
-    other_memory.killed = None
-    _mark_failure(other, Collected(stages=other.stages, unfinished=other.stages), Ended(1),
-                  ["python"])
-    assert other_memory.killed is None
+    # A torchrun rank: its agent exits 1; the cgroup's count rose over the run (0 -> 2).
+    rank = _killed(counted=None, share=0.5)
+    rank_memory = rank.stages[0].facts.script.memory  # type: ignore[union-attr]
+    assert rank_memory is not None and rank_memory.host_limit is not None
+    rank_memory.killed, rank_memory.host_limit.oom_kill_file = None, str(counter)
+    rank_memory.host_limit.oom_kills = 0
+    _mark_failure(rank, Collected(stages=rank.stages, unfinished=rank.stages), Ended(1),
+                  ["torchrun"])
+    assert rank_memory.killed == "process"
+    # os._exit(1) with no kill counted (2 -> 2), or only the machine's count risen: not killed.
+    for source in ("cgroup v1 memory.limit_in_bytes", "machine"):
+        other = _killed(counted=None, share=0.5)
+        other_memory = other.stages[0].facts.script.memory  # type: ignore[union-attr]
+        assert other_memory is not None and other_memory.host_limit is not None
+        other_memory.killed, other_memory.host_limit.oom_kill_file = None, str(counter)
+        other_memory.host_limit.source = source
+        other_memory.host_limit.oom_kills = 2 if source != "machine" else 0
+        _mark_failure(other, Collected(stages=other.stages, unfinished=other.stages),
+                      Ended(1), ["python"])
+        assert other_memory.killed is None
 
 
 @pytest.mark.slow

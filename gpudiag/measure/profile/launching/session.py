@@ -668,8 +668,7 @@ def _mark_failure(run: RunResult, found: Collected, ended: Ended,
         stage.error = (f"the process ended without Python's shutdown (the command "
                        f"{ended.describe()}): os._exit, a kill or a native crash; steps up to "
                        "its last report are kept")
-        if ended.code == 128 + signal.SIGKILL:
-            _mark_killed(stage)
+        _mark_killed(stage, ended)
     if not run.stages:
         run.stages.append(StageResult(
             name=_command_name(command), status="error", title=" ".join(command),
@@ -678,17 +677,23 @@ def _mark_failure(run: RunResult, found: Collected, ended: Ended,
             traceback=found.crash))
 
 
-def _mark_killed(stage: StageResult) -> None:
-    """A process that died of SIGKILL: its memory says so, with the kernel's count of
-    out-of-memory kills where its host memory limit is enforced, read again now (the rules
-    tell the kernel's out-of-memory killer from a kill from elsewhere)."""
+def _mark_killed(stage: StageResult, ended: Ended) -> None:
+    """A process that ended without Python's shutdown died of SIGKILL where the command did
+    (exit 137), or where the kernel counted an out-of-memory kill in the cgroup whose limit
+    applies to it over the run (a torchrun rank: its agent exits 1); its memory says so, with
+    that count read again now (the rules tell the kernel's out-of-memory killer from a kill
+    from elsewhere). The machine's count is any process's: never read as this one's death."""
     memory = stage.facts.script.memory if stage.facts.script else None
     if memory is None:
         return
-    memory.killed = "process"
     limit = memory.host_limit
     if limit is not None and limit.oom_kill_file is not None:
         limit.oom_kills_after = oom_kills(Path(limit.oom_kill_file))
+    counted = (limit is not None and limit.source != "machine"
+               and limit.oom_kills_after is not None and limit.oom_kills is not None
+               and limit.oom_kills_after > limit.oom_kills)
+    if ended.code == 128 + signal.SIGKILL or counted:
+        memory.killed = "process"
 
 
 def _command_name(command: Sequence[str]) -> str:
