@@ -630,8 +630,10 @@ def _holders(held: HostHeld, pinned_mib: float | None) -> str:
 def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
     """A profiled script whose resident set and its child processes' (read at each step's
     end) reach 80% of the host memory they may use at their highest (the cgroup's limit where
-    it is the smaller): who holds it, the children (DataLoader workers, compile workers) apart
-    and each on average, and the pinned host memory where CUDA kept some. A script (or a
+    it is the smaller; what they hold, the cgroup's anonymous memory where it counts it, else
+    their resident sets' sum, each shared page once where their proportional sets were read):
+    who holds it, the children (DataLoader workers, compile workers) apart and each on
+    average, and the pinned host memory where CUDA kept some. A script (or a
     DataLoader worker) that died of SIGKILL: the kernel's out-of-memory killer where it counted
     a kill or the last steps held 80%, a critical finding with the knobs in bytes; else a kill
     from elsewhere, said to be of unknown cause."""
