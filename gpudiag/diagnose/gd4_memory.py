@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpudiag.diagnose.common import duration, measured_fix, measured_saving, pct
 from gpudiag.diagnose.ledger import NoPart
@@ -579,60 +580,267 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
         ))
 
 
-HOST_WARNING, HOST_CRITICAL = 0.80, 0.95  # of the machine's memory, the process and children
+HOST_WARNING, HOST_CRITICAL = 0.80, 0.95  # of the host's limit, the process and children
+
+
+@dataclass(frozen=True)
+class HostHeld:
+    """What the script's processes held on the host at one recorded step's end: in all (the
+    cgroup's anonymous memory where its limit applies, else their resident sets' sum), and
+    the process's and its children's resident sets, or the pages of their own where those
+    were read (a forked worker's resident set counts the pages it shares with the script)."""
+
+    step: int
+    mib: float
+    process_mib: float
+    children: int
+    children_mib: float
+    own: bool = False  # the process's and children's figures are their private pages
+
+
+def _host_held(memory: MemoryTimeline, step: int) -> HostHeld:
+    children = memory.children_resident_mib
+    theirs = children[step] if step < len(children) else 0.0
+    count = memory.children[step] if step < len(memory.children) else 0
+    own = memory.resident_mib[step]
+    used = memory.host_used_mib
+    return HostHeld(step, used[step] if step < len(used) else own + theirs, own, count, theirs)
+
+
+def _latest_held(memory: MemoryTimeline, held: HostHeld) -> HostHeld:
+    """`held`, its parts the processes' own pages where they were read at that step (near
+    the limit: before a kill, the last step recorded)."""
+    private = memory.private
+    if private is None or private.step != held.step:
+        return held
+    # Without a cgroup's count, the resident sets' sum counts each page a fork shares once per
+    # process: their proportional sets' sum counts it once.
+    together = private.together_mib if not memory.host_used_mib else None
+    return HostHeld(held.step, together or held.mib, private.process_mib, private.children,
+                    private.children_mib, own=True)
+
+
+def _host_capacity(memory: MemoryTimeline) -> tuple[float, str] | None:
+    """What the processes may hold on the host, and how to say it: a cgroup's limit where it
+    is below the machine's memory (a container's, a Slurm job's), else the machine's."""
+    limit = memory.host_limit
+    if limit is not None and limit.source != "machine":
+        return limit.limit_mib, (f"the container's {_gib(limit.limit_mib)} limit (cgroup "
+                                 f"{limit.source.split()[-1]}; the machine has "
+                                 f"{_gib(limit.machine_mib or 0.0)})")
+    total = limit.limit_mib if limit is not None else memory.host_total_mib
+    return (total, f"the machine's {_gib(total)}") if total else None
+
+
+def _holders(held: HostHeld, pinned_mib: float | None) -> str:
+    own = " of its own" if held.own else ""
+    kids = (f", its {held.children} child processes {_gib(held.children_mib)}"
+            f"{' of their own' if held.own else ''} "
+            f"(~{_gib(held.children_mib / held.children)} each)" if held.children else "")
+    pinned = f"; {_gib(pinned_mib)} of it page-locked (pinned)" if pinned_mib else ""
+    shared = held.mib - held.process_mib - held.children_mib
+    together = (f", {_gib(shared)} shared between them (the script's pages its forks still "
+                "share)" if held.own and shared >= 1 else "")
+    return f"the process {_gib(held.process_mib)}{own}{kids}{together}{pinned}"
 
 
 @rule(
     "GD406", "host-memory-near-capacity", concern="memory",
-    summary="The script and its child processes (DataLoader workers) near the machine's memory.",
+    summary=("The script and its child processes (DataLoader workers) near the host memory "
+             "they may use (a container's cgroup limit, else the machine's), or killed by the "
+             "kernel's out-of-memory killer."),
     why=("Host memory runs out before the GPU's in many input pipelines: each DataLoader worker "
          "is a process holding its own copy of what the dataset object references (Python "
          "objects' reference counts touch their pages, so a fork's copy-on-write copies them), "
-         "and pinned batches are page-locked. The kernel's out-of-memory killer then ends the "
-         "run with no Python traceback at all."),
+         "and pinned batches are page-locked. In a container, a Slurm job or a Kubernetes pod "
+         "the limit is its cgroup's, often far below the machine's. The kernel's out-of-memory "
+         "killer then ends the run with SIGKILL (exit 137) and no Python traceback at all."),
     fix=("Fewer workers or a smaller prefetch_factor; keep the dataset as memory-mapped arrays "
          "or tensors (np.memmap, torch.from_file, a datasets.Dataset), not Python lists of "
          "objects each worker copies; pin_memory only where the copies overlap compute."),
-    prices=NoPart("a risk of a host out-of-memory kill, not time"),
+    prices=NoPart("a risk of a host out-of-memory kill, or the kill itself, not time"),
     thresholds=(Threshold("warning_share", HOST_WARNING,
-                          "the process and its children hold 80% of the machine's memory"),
-                Threshold("critical_share", HOST_CRITICAL, "... 95%")),
+                          "the process and its children hold 80% of the host memory they may "
+                          "use; a SIGKILL with 80% held is the out-of-memory killer's"),
+                Threshold("critical_share", HOST_CRITICAL, "... 95%"),
+                Threshold("min_knob_mib", KNOB_MIN_MIB,
+                          "a knob freeing less than 64 MiB is not listed")),
+    references=("https://docs.kernel.org/admin-guide/cgroup-v2.html#memory-interface-files",
+                "https://pytorch.org/docs/stable/data.html#multi-process-data-loading"),
 )
 def host_memory_near_capacity(run: RunResult) -> Iterator[Draft]:
     """A profiled script whose resident set and its child processes' (read at each step's
-    end) reach 80% of the machine's memory at their highest: who holds it, the children
-    (DataLoader workers, compile workers) apart and each on average, and the pinned host
-    memory where CUDA kept some."""
+    end) reach 80% of the host memory they may use at their highest (the cgroup's limit where
+    it is the smaller; what they hold, the cgroup's anonymous memory where it counts it, else
+    their resident sets' sum, each shared page once where their proportional sets were read):
+    who holds it, the children (DataLoader workers, compile workers) apart and each on
+    average, and the pinned host memory where CUDA kept some. A script (or a
+    DataLoader worker) that died of SIGKILL: the kernel's out-of-memory killer where it counted
+    a kill or the last steps held 80%, a critical finding with the knobs in bytes; else a kill
+    from elsewhere, said to be of unknown cause."""
     for stage in run.stages:
         script = stage.facts.script
         memory = script.memory if script else None
-        if memory is None or not memory.host_total_mib or not memory.resident_mib:
+        capacity = _host_capacity(memory) if memory is not None else None
+        if memory is None or capacity is None or not memory.resident_mib:
             continue
-        children = memory.children_resident_mib
-        held = [own + (children[i] if i < len(children) else 0.0)
-                for i, own in enumerate(memory.resident_mib)]
-        top = max(range(len(held)), key=held.__getitem__)
-        share = held[top] / memory.host_total_mib
+        held = [_host_held(memory, i) for i in range(len(memory.resident_mib))]
+        if memory.killed is not None:
+            yield _ranked(stage, _host_kill(stage, memory, held, capacity))
+            continue
+        top = max(held, key=lambda h: h.mib)
+        read = memory.private.step if memory.private is not None else len(held)
+        if read < len(held) and held[read].mib >= top.mib:  # as high, its own pages read
+            top = held[read]
+        top = _latest_held(memory, top)
+        share = top.mib / capacity[0]
         if share < HOST_WARNING:
             continue
-        count = memory.children[top] if top < len(memory.children) else 0
-        theirs = children[top] if top < len(children) else 0.0
-        kids = (f", its {count} child processes {_gib(theirs)} (~{_gib(theirs / count)} each)"
-                if count else "")
-        pinned = (f"; {_gib(memory.pinned_host_mib)} of it page-locked (pinned)"
-                  if memory.pinned_host_mib else "")
         yield _ranked(stage, Draft(
             severity=severity_for(share, warning=HOST_WARNING, critical=HOST_CRITICAL),
             stage=stage.name, impact=0.0,
-            title=(f"The script and its child processes hold {_gib(held[top])} of the "
-                   f"machine's {_gib(memory.host_total_mib)} ({share:.0%}) at step {top}: "
-                   f"the process {_gib(memory.resident_mib[top])}{kids}{pinned}"),
-            evidence={"held_mib": round(held[top], 1), "host_total_mib": memory.host_total_mib,
-                      "process_mib": memory.resident_mib[top], "children": count,
-                      "children_mib": round(theirs, 1), "pinned_mib": memory.pinned_host_mib,
-                      "step": top},
+            title=(f"The script and its child processes hold {_gib(top.mib)} of "
+                   f"{capacity[1]} ({share:.0%}) at step {top.step}: "
+                   f"{_holders(top, memory.pinned_host_mib)}"),
+            evidence={"held_mib": round(top.mib, 1), "host_total_mib": memory.host_total_mib,
+                      "limit_mib": capacity[0],
+                      "limit_source": memory.host_limit.source if memory.host_limit else None,
+                      "process_mib": top.process_mib, "children": top.children,
+                      "children_mib": round(top.children_mib, 1),
+                      "pinned_mib": memory.pinned_host_mib, "step": top.step},
             fix=("Fewer DataLoader workers or a smaller prefetch_factor (each worker is a process "
                  "with its own copy of what the dataset object references); keep the data as "
                  "memory-mapped arrays or tensors, not Python lists of objects; pin_memory only "
                  "where the copies overlap compute."),
         ))
+
+
+def _host_kill(stage: StageResult, memory: MemoryTimeline, held: Sequence[HostHeld],
+               capacity: tuple[float, str]) -> Draft:
+    """A process that died of SIGKILL: the out-of-memory killer's where the kernel counted a
+    kill in the cgroup whose limit applies, or the last recorded step held 80% of the limit;
+    else a kill of unknown cause (a scheduler's preemption, a `kill -9`), never guessed to be
+    memory. The machine's own count (/proc/vmstat) is any process's kill, in any cgroup: said,
+    never taken for this process's."""
+    last = _latest_held(memory, held[-1])
+    limit = memory.host_limit
+    counted = (limit.oom_kills_after - limit.oom_kills
+               if limit is not None and limit.oom_kills_after is not None
+               and limit.oom_kills is not None else None)
+    if limit is not None and limit.source == "machine":
+        return _machine_kill(stage, memory, last, capacity, counted)
+    share = last.mib / capacity[0]
+    who = ("A DataLoader worker" if memory.killed == "worker" else "The script's process")
+    evidence = {"killed": memory.killed, "oom_kills_counted": counted,
+                "held_mib": round(last.mib, 1), "limit_mib": capacity[0],
+                "limit_source": limit.source if limit else None, "step": last.step,
+                "process_mib": last.process_mib, "children": last.children,
+                "children_mib": round(last.children_mib, 1),
+                "pinned_mib": memory.pinned_host_mib}
+    lost = ("" if memory.killed == "worker" else
+            f" (recorded up to step {last.step}; the steps after its last report are lost "
+            "with it)")
+    if not counted and share < HOST_WARNING:
+        count = ("no out-of-memory kill counted" if counted == 0 else
+                 "no count of out-of-memory kills readable")
+        return _unknown_kill(stage, f"{who} died of SIGKILL{lost} with {_gib(last.mib)} of "
+                             f"{capacity[1]} ({share:.0%}) held at its last recorded step and "
+                             f"{count}", evidence)
+    how = (f"the kernel counted {counted} out-of-memory kill{'s' if counted != 1 else ''} "
+           f"under {capacity[1]}" if counted else
+           f"its last recorded step held {share:.0%} of {capacity[1]}")
+    knobs = _host_knobs(stage, memory, last)
+    return Draft(
+        severity="critical", stage=stage.name, impact=0.0,
+        title=(f"{who} was killed by the kernel's out-of-memory killer (SIGKILL, no Python "
+               f"traceback){lost}: {how}; at step {last.step} "
+               f"{_holders(last, memory.pinned_host_mib)}, {_host_growth(held)}"),
+        evidence={**evidence, "knobs": knobs},
+        fix="; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + ".",
+    )
+
+
+def _unknown_kill(stage: StageResult, said: str, evidence: dict[str, Any]) -> Draft:
+    return Draft(
+        severity="warning", stage=stage.name, impact=0.0,
+        title=(f"{said}: the cause is unknown (a SIGKILL from elsewhere: a scheduler's "
+               "preemption or time limit, a `kill -9`), not host memory as recorded"),
+        evidence=evidence,
+        fix=("Look at what sends SIGKILL on this machine: the job scheduler's logs (a time or "
+             "memory limit of its own), `dmesg` or `journalctl -k` for the kernel's messages "
+             "(an out-of-memory kill names its victim there), another user's kill."),
+    )
+
+
+def _machine_kill(stage: StageResult, memory: MemoryTimeline, last: HostHeld,
+                  capacity: tuple[float, str], counted: int | None) -> Draft:
+    """A SIGKILL where no cgroup limits the host's memory: the killer's where the last step
+    held 80% of the machine's, else of unknown cause, the machine's count of kills (any
+    process's) said beside it."""
+    share = last.mib / capacity[0]
+    who = "A DataLoader worker" if memory.killed == "worker" else "The script's process"
+    anywhere = (f"; the kernel counted {counted} out-of-memory kill{'s' if counted != 1 else ''}"
+                " on the machine over the run (of any process: `dmesg` names each victim)"
+                if counted else "")
+    evidence = {"killed": memory.killed, "machine_oom_kills_counted": counted,
+                "held_mib": round(last.mib, 1), "limit_mib": capacity[0],
+                "limit_source": "machine", "step": last.step}
+    if share < HOST_WARNING:
+        return _unknown_kill(stage, f"{who} died of SIGKILL (recorded up to step {last.step}) "
+                             f"with {_gib(last.mib)} of {capacity[1]} ({share:.0%}) held at its "
+                             f"last recorded step{anywhere}", evidence)
+    knobs = _host_knobs(stage, memory, last)
+    return Draft(
+        severity="critical", stage=stage.name, impact=0.0,
+        title=(f"{who} was killed by the kernel's out-of-memory killer (SIGKILL, no Python "
+               f"traceback) (recorded up to step {last.step}): it held {share:.0%} of "
+               f"{capacity[1]} at its last recorded step, "
+               f"{_holders(last, memory.pinned_host_mib)}{anywhere}"),
+        evidence={**evidence, "knobs": knobs},
+        fix="; ".join(f"({i}) {k}" for i, k in enumerate(knobs, 1)) + ".",
+    )
+
+
+def _host_growth(held: Sequence[HostHeld]) -> str:
+    first, last = held[0], held[-1]
+    if last.step == first.step:
+        return "one step recorded"
+    grew = last.mib - first.mib
+    return (f"{'+' if grew >= 0 else ''}{_gib(grew) if grew >= 0 else '-' + _gib(-grew)} since "
+            f"step {first.step} ({grew / (last.step - first.step):,.1f} MiB a step)")
+
+
+def _host_knobs(stage: StageResult, memory: MemoryTimeline, last: HostHeld) -> list[str]:
+    """What would bring the host's share down, each in the bytes the run measured: the
+    workers' copies, the batches they prefetch, the pinned batches, the dataset's form."""
+    script = stage.facts.script
+    loader = next((use for use in script.loaders if use.training), None) if script else None
+    workers = loader.settings.num_workers if loader else last.children
+    knobs = []
+    half = max(1, workers // 2)
+    if last.children and workers > half:
+        each = last.children_mib / last.children
+        knobs.append(f"fewer DataLoader workers: each holds ~{_gib(each)} of its own, so "
+                     f"num_workers={half} instead of {workers} frees "
+                     f"~{_gib(each * (workers - half))}" if last.own else
+                     f"fewer DataLoader workers: each's resident set is ~{_gib(each)}, the "
+                     f"pages it still shares with the script counted, so num_workers={half} "
+                     f"instead of {workers} frees less than {_gib(each * (workers - half))}")
+    factor = (loader.settings.prefetch_factor or 2) if loader is not None else 2
+    ready = workers * (factor - 1) * (loader.batch_bytes or 0) / 2**20 if loader else 0.0
+    if ready >= KNOB_MIN_MIB:
+        knobs.append(f"a smaller prefetch_factor: {workers} workers x {factor} batches of "
+                     f"{_gib(ready / workers / (factor - 1))} wait ready; prefetch_factor=1 "
+                     f"frees ~{_gib(ready)}")
+    if memory.pinned_host_mib:
+        knobs.append(f"pin_memory=False where the copies need not overlap compute: "
+                     f"{_gib(memory.pinned_host_mib)} page-locked at its highest")
+    elif loader is not None and loader.settings.pin_memory:
+        knobs.append("pin_memory=False where the copies need not overlap compute: its pinned "
+                     "batches are page-locked, never swapped")
+    knobs.append("the dataset as memory-mapped arrays or tensors (np.memmap, torch.from_file, "
+                 "a datasets.Dataset) instead of Python objects: a fork's workers share those "
+                 "pages, where touching an object's reference count copies its page into each "
+                 + (f"worker (~{_gib(last.children_mib / last.children)} each here)"
+                    if last.children else "worker"))
+    return knobs

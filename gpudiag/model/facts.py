@@ -448,6 +448,44 @@ class OutOfMemory:
     line: str | None = None  # "path:line": the script's line whose call failed
 
 
+HostLimitSource = Literal["machine", "cgroup v2 memory.max", "cgroup v1 memory.limit_in_bytes"]
+
+
+@dataclass
+class HostLimit:
+    """The host memory the script's processes may use: the smallest of the machine's memory and
+    the limits of its memory cgroup and that cgroup's ancestors (a container's, a Slurm job's, a
+    Kubernetes pod's), read as the script started (gpudiag/measure/hostmemory.py); and the
+    kernel's count of out-of-memory kills where that limit is enforced, before and after."""
+
+    limit_mib: float
+    source: HostLimitSource
+    machine_mib: float | None = None  # the machine's physical memory
+    cgroup: str | None = None  # the folder of the cgroup whose limit it is
+    # Where the kernel counts its out-of-memory kills for that limit: the limiting cgroup's
+    # memory.events (v2) or memory.oom_control (v1), /proc/vmstat for the machine's own.
+    oom_kill_file: str | None = None
+    oom_kills: int | None = None  # that count as the script started
+    # ... once the command had ended, read by gpudiag's process where a process was killed
+    oom_kills_after: int | None = None
+
+
+@dataclass
+class PrivateMemory:
+    """What the script's process and its children (DataLoader workers) hold of their own, not
+    shared with each other (/proc/PID/smaps_rollup: Private_Clean + Private_Dirty): a forked
+    worker's resident set counts every page it still shares with the script; its private
+    pages are the copies it made. Read near the host's limit only (~0.5 ms a process)."""
+
+    step: int  # the step at whose end it was read
+    process_mib: float
+    children: int
+    children_mib: float  # their private memory's sum
+    # All of them together, each shared page once (their proportional sets' sum, Pss): what
+    # they hold of the machine, where no cgroup counts it
+    together_mib: float | None = None
+
+
 @dataclass
 class MemoryTimeline:
     """The script's memory at each step's end, every step the timeline lists (cheap counters:
@@ -483,6 +521,15 @@ class MemoryTimeline:
     ooms: int | None = None
     note: str = ""  # what this device cannot tell
     oom: OutOfMemory | None = None  # the run died of an allocation that failed
+    host_limit: HostLimit | None = None  # what the script's processes may hold on the host
+    # Where a cgroup's limit applies: its processes' anonymous memory at each step's end (v2
+    # memory.stat anon, v1 total_rss), what its out-of-memory killer weighs; page cache apart
+    host_used_mib: list[float] = field(default_factory=list)
+    private: PrivateMemory | None = None  # the latest reading near the host's limit
+    # Which died of SIGKILL: "process", the script's own (its part never final, its steps since
+    # the last part lost; gpudiag's process sets it), or a DataLoader "worker" (torch's error
+    # in the script says so): the kernel's out-of-memory killer, or a kill from elsewhere.
+    killed: Literal["process", "worker"] | None = None
 
     @property
     def device_capacity_mib(self) -> float | None:

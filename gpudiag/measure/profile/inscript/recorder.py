@@ -222,14 +222,16 @@ class Recorder:
 
     def _keep_steps(self, now: float) -> None:
         """What a SIGKILL (or an out-of-memory kill) would otherwise lose: every step so far,
-        written at the end of warm-up and every PART_EVERY_S after the profiler window (the
-        window's part and the exit's replace it). Never among the timed or profiled steps:
+        written at the end of warm-up, every PART_EVERY_S after the profiler window, and where
+        a watch sees a kill near (the host's memory near its limit: memory.py) (the window's
+        part and the exit's replace it). Never among the timed or profiled steps:
         writing costs tens of ms. Runs before the step's end mark, so that time is the ending
         step's, a warm-up or later step."""
         ending = self.steps  # the step this boundary ends (0-based)
         ends_warmup = ending + 1 == self.schedule.timed_steps.start
         if ending and ending not in self.schedule.quiet_steps and (
-                ends_warmup or now - self.part_at >= PART_EVERY_S):
+                ends_warmup or now - self.part_at >= PART_EVERY_S
+                or any([watch.keep_now() for watch in self.watches])):
             self.part_at = now
             self._write_part()
 

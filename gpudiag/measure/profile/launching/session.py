@@ -40,6 +40,7 @@ from gpudiag.measure.confine import (
     confined,
     confinement_refusal,
 )
+from gpudiag.measure.hostmemory import oom_kills
 from gpudiag.measure.interrupts import REPEAT_WINDOW_S, signal_name, signal_of
 from gpudiag.measure.profile import protocol
 from gpudiag.measure.profile.launching.jobprocesses import (
@@ -667,12 +668,32 @@ def _mark_failure(run: RunResult, found: Collected, ended: Ended,
         stage.error = (f"the process ended without Python's shutdown (the command "
                        f"{ended.describe()}): os._exit, a kill or a native crash; steps up to "
                        "its last report are kept")
+        _mark_killed(stage, ended)
     if not run.stages:
         run.stages.append(StageResult(
             name=_command_name(command), status="error", title=" ".join(command),
             error=(f"the command {ended.describe()} before its first step was recorded"
                    + (f": {found.crash.strip().splitlines()[-1]}" if found.crash else "")),
             traceback=found.crash))
+
+
+def _mark_killed(stage: StageResult, ended: Ended) -> None:
+    """A process that ended without Python's shutdown died of SIGKILL where the command did
+    (exit 137), or where the kernel counted an out-of-memory kill in the cgroup whose limit
+    applies to it over the run (a torchrun rank: its agent exits 1); its memory says so, with
+    that count read again now (the rules tell the kernel's out-of-memory killer from a kill
+    from elsewhere). The machine's count is any process's: never read as this one's death."""
+    memory = stage.facts.script.memory if stage.facts.script else None
+    if memory is None:
+        return
+    limit = memory.host_limit
+    if limit is not None and limit.oom_kill_file is not None:
+        limit.oom_kills_after = oom_kills(Path(limit.oom_kill_file))
+    counted = (limit is not None and limit.source != "machine"
+               and limit.oom_kills_after is not None and limit.oom_kills is not None
+               and limit.oom_kills_after > limit.oom_kills)
+    if ended.code == 128 + signal.SIGKILL or counted:
+        memory.killed = "process"
 
 
 def _command_name(command: Sequence[str]) -> str:

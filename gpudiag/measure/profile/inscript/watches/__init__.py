@@ -85,6 +85,12 @@ class Watch:
         """The window closed at a step boundary, every rank of a job at the same one: a
         collective may run here."""
 
+    def keep_now(self) -> bool:
+        """Whether the steps so far should be written now, at this boundary, where a kill
+        is near (the host's memory near its limit): asked at each step boundary outside the
+        timed and profiled steps."""
+        return False
+
     def crashed(self, exc: BaseException) -> None:
         """The script raised `exc` and did not catch it (its `finish` and `fill` follow)."""
 

@@ -1,8 +1,9 @@
 """The script's memory at each step's end: on CUDA the caching allocator's counters (bytes held
 by tensors, bytes reserved from the driver, the highest held so far), on any device the
 process's resident set. Cheap enough for every step (the allocator's counters as it keeps them
-and one read of /proc/self/statm: ~20 us a step on an H200's host), so growth shows over the
-whole run, not only the profiler window. Never changes what the script can read: the
+and one read of /proc/self/statm: ~20 us a step on an H200's host; where a cgroup limits the
+host's memory, one read of its memory.stat, ~30 us), so growth shows over the whole run, not
+only the profiler window. Never changes what the script can read: the
 allocator's peak is not reset (a script or its framework may report it).
 """
 
@@ -19,11 +20,16 @@ from typing import Literal
 import torch
 
 from gpudiag.measure.evidence.source import call_site
+from gpudiag.measure.hostmemory import CgroupUsage, host_limit, oom_kills, private_mib
 from gpudiag.measure.profile.inscript.timeline import TIMELINE_STEPS
 from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
-from gpudiag.model.facts import MemoryTimeline, OutOfMemory
+from gpudiag.model.facts import MemoryTimeline, OutOfMemory, PrivateMemory
 
 _MIB = 1024 * 1024
+# Near the host's limit the part is written again at each step boundary where the processes
+# hold this much more of it than at the last write: a kernel's out-of-memory kill (SIGKILL,
+# no Python shutdown) then loses only the steps since (tens of ms a write, only there).
+KEEP_FROM_SHARE, KEEP_EVERY_SHARE = 0.5, 0.05
 _STATM = Path("/proc/self/statm")
 CPU_NOTE = ("on a CPU torch's allocator keeps no count of its own: the process's resident set "
             "stands in (it holds Python's and every library's memory too)")
@@ -57,12 +63,16 @@ def _children_file() -> Path | None:
     return path if path.exists() else None
 
 
+def _child_pids(children: Path) -> list[str]:
+    try:
+        return children.read_text().split()
+    except OSError:
+        return []
+
+
 def children_resident(children: Path) -> tuple[int, float]:
     """(how many children, their resident sets' sum in MiB) now."""
-    try:
-        pids = children.read_text().split()
-    except OSError:
-        return 0, 0.0
+    pids = _child_pids(children)
     total = 0.0
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -145,6 +155,22 @@ def out_of_memory(exc: BaseException, step: int) -> OutOfMemory | None:
     return oom
 
 
+WORKER_KILLED = "killed by signal: Killed"  # torch's DataLoader, a worker's SIGKILL
+
+
+def worker_killed(exc: BaseException) -> bool:
+    """Whether `exc` says a DataLoader worker died of SIGKILL: "DataLoader worker (pid 123) is
+    killed by signal: Killed.", raised as it is or as the cause of "... exited unexpectedly"."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # the error, and the few it was raised from
+        if seen is None:
+            return False
+        if isinstance(seen, RuntimeError) and WORKER_KILLED in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class MemoryWatch(Watch):
     """Each step's memory, read at its boundary."""
 
@@ -164,6 +190,12 @@ class MemoryWatch(Watch):
         self.resident: list[float] = []
         self.cuda = False
         self.statm = _open_statm()
+        self.host_limit = host_limit()  # the cgroup's or the machine's, as the script starts
+        self.kept_at_mib = 0.0  # what the processes held when a part was last asked for
+        self.worker_killed = False  # a DataLoader worker died of SIGKILL (torch's error said)
+        self.usage = CgroupUsage(self.host_limit) if self.host_limit is not None else None
+        self.used: list[float] = []  # the limiting cgroup's anonymous memory, each step's end
+        self.private: PrivateMemory | None = None  # near the limit: the processes' own pages
 
     def step_ended(self) -> None:
         if len(self.resident) >= TIMELINE_STEPS:
@@ -188,13 +220,50 @@ class MemoryWatch(Watch):
             self.mallocs.append(int(stats.get("num_device_alloc", 0)))
             self.blocks.append(int(stats["allocation"]["all"]["current"]))
         self.resident.append(round(resident_mib(self.statm), 1))
+        used = self.usage.mib() if self.usage is not None else None
+        if used is not None:
+            self.used.append(used)
         if self.children_file is not None:
             count, held = children_resident(self.children_file)
             self.children.append(count)
             self.children_held.append(round(held, 1))
 
+    def keep_now(self) -> bool:
+        held = self._host_held()
+        limit = self.host_limit.limit_mib if self.host_limit is not None else None
+        if not limit or held < KEEP_FROM_SHARE * limit \
+                or held - self.kept_at_mib < KEEP_EVERY_SHARE * limit:
+            return False
+        self.kept_at_mib = held
+        self._read_private()
+        return True
+
+    def _host_held(self) -> float:
+        """What the processes held at the last step's end, MiB: the cgroup's anonymous memory
+        where its limit applies, else the process's and its children's resident sets."""
+        if self.used:
+            return self.used[-1]
+        own = self.resident[-1] if self.resident else 0.0
+        return own + (self.children_held[-1] if self.children_held else 0.0)
+
+    def _read_private(self) -> None:
+        own = private_mib("self")
+        if own is None:
+            return
+        pids = _child_pids(self.children_file) if self.children_file is not None else []
+        theirs = [mib for mib in map(private_mib, pids) if mib is not None]
+        self.private = PrivateMemory(
+            step=len(self.resident) - 1, process_mib=own[0], children=len(theirs),
+            children_mib=round(sum(mib[0] for mib in theirs), 1),
+            together_mib=round(own[1] + sum(mib[1] for mib in theirs), 1))
+
     def crashed(self, exc: BaseException) -> None:
         self.oom = out_of_memory(exc, self.clock.steps)
+        if worker_killed(exc):
+            self.worker_killed = True
+            limit = self.host_limit
+            if limit is not None and limit.oom_kill_file is not None:
+                limit.oom_kills_after = oom_kills(Path(limit.oom_kill_file))
 
     def fill(self, draft: StageDraft) -> None:
         listed = len(draft.timeline.step_ms)
@@ -208,6 +277,9 @@ class MemoryWatch(Watch):
                                 live_blocks=self.blocks[:listed],
                                 resident_mib=self.resident[:listed],
                                 host_total_mib=_host_total_mib(), oom=self.oom,
+                                host_limit=self.host_limit,
+                                killed="worker" if self.worker_killed else None,
+                                host_used_mib=self.used[:listed], private=self.private,
                                 children=self.children[:listed],
                                 children_resident_mib=self.children_held[:listed])
         if self.cuda:
