@@ -204,21 +204,37 @@ def test_an_out_of_memory_error_is_read_for_its_request_the_device_and_a_cap(
     assert out_of_memory(ValueError("no"), 1) is None
 
 
+def test_a_script_that_dies_of_cuda_out_of_memory_in_its_first_step_has_a_cuda_timeline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commonest out-of-memory: the first step does not fit. No step ended, so the watch
+    never saw the device in use; the failure is CUDA's: the timeline is the device's, with its
+    memory, its cap and the failure (GD404 reads them), not a CPU's."""
+    _fake_cuda(monkeypatch, [15_000], fraction=0.125)
+    watch = MemoryWatch(_Clock())
+    watch.crashed(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB."))
+    memory = _filled(watch, 0).memory
+    assert memory is not None and memory.device == "cuda" and memory.cap_mib == 10 * 1024
+    assert memory.oom is not None and memory.oom.step == 0 and memory.oom.requested_mib == 512
+    assert memory.allocated_mib == [] and memory.device_total_mib == 80 * 1024
+
+
 def test_child_processes_are_counted_with_their_resident_sets(tmp_path: Path) -> None:
-    """The main thread's children (DataLoader workers fork from it), read at each step's end:
-    how many and their resident sets' sum (here a children file naming this process twice,
-    and one that is gone)."""
-    from gpudiag.measure.profile.inscript.watches.memory import children_resident
+    """The main thread's children (DataLoader workers fork from it), read at each step's end
+    from files held open: how many and their resident sets' sum (here a children file naming
+    this process and one that is gone; then the list changes)."""
+    from gpudiag.measure.profile.inscript.watches.memory import ChildrenReader
 
     listed = tmp_path / "children"
-    listed.write_text(f"{os.getpid()} {os.getpid()} 999999999")
-    count, held = children_resident(listed)
-    assert count == 3
-    assert held == pytest.approx(2 * (_vm_rss_mib() or held / 2), abs=32.0)
+    listed.write_text(f"{os.getpid()} 999999999")
+    reader = ChildrenReader(listed)
+    count, held = reader.resident()
+    assert count == 2 and held == pytest.approx(_vm_rss_mib() or held, abs=32.0)
+    listed.write_text(f"{os.getpid()}")  # the list read again, the gone child's file closed
+    assert reader.resident()[0] == 1 and set(reader.statm) == {str(os.getpid()).encode()}
     watch = MemoryWatch(_Clock())
-    watch.children_file = listed
+    watch.child_reader = reader
     watch.step_ended()
     memory = _filled(watch, 1).memory
-    assert memory is not None and memory.children == [3]
+    assert memory is not None and memory.children == [1]
     assert memory.children_resident_mib[0] == pytest.approx(held, abs=32.0)
-    assert children_resident(tmp_path / "gone") == (0, 0.0)
+    assert ChildrenReader(tmp_path / "gone").resident() == (0, 0.0)

@@ -1191,6 +1191,16 @@ def test_out_of_memory_lists_the_knobs_that_would_fit_in_bytes() -> None:
     (c,) = findings_of("GD404", capped)
     assert c.title.endswith("of the 4.00 GiB the process may use (its "
                             "set_per_process_memory_fraction; the GPU holds 80.00 GiB)")
+    first = gd404(cached=0.0)  # died in its first step: no optimizer seen, no step ended
+    first_script = first.stages[0].facts.script
+    assert first_script is not None and first_script.memory is not None
+    first_script.optimizers, first_script.memory.peak_mib = [], []
+    (f,) = findings_of("GD404", first)
+    assert f.evidence["knobs"] == [
+        "the step needed 78.17 GiB at least (what tensors held when it failed and its request; "
+        "weights, gradients and activations not told apart: it failed before a step ended): "
+        "activation checkpointing of the model's blocks, or half the micro-batch with 2 "
+        "accumulation steps, cuts what activations hold (--try-fixes measures checkpointing)"]
     (grown,) = findings_of("GD404", gd404(per_step=125.0, cached=4096.0))
     assert grown.evidence["knobs"][0].startswith("memory grew 125.0 MiB a step")
     assert "expandable_segments:True" in grown.evidence["knobs"][1]

@@ -592,7 +592,8 @@ def test_a_larger_batch_is_measured_in_samples_per_second_and_never_the_same_rec
     assert fix.speedup == pytest.approx(1.25) and fix.equivalence == "recipe"
     assert fix.location == "train.py:12" and passing([fix]) == []
     assert "batch 32 -> 64 a step, from the DataLoader at train.py:12" in fix.note
-    assert "the headroom predicted a batch of up to ~2,288 would fit" in fix.note
+    assert ("the headroom predicted a peak of 2.50 GiB at that batch, and a batch of up to "
+            "~2,288 to fit") in fix.note
     assert "samples per second (3,200 -> 4,000)" in fix.note
     assert equivalence([1.0], [1.0], [1.0], "recipe")[0] == "recipe"
     fix.before_j_per_step, fix.after_j_per_step = 3.2, 4.8

@@ -440,6 +440,12 @@ def _fit_knobs(stage: StageResult, memory: MemoryTimeline, warmup: int, *,
                      f"saves about half ({_gib(step_own / 2)}); activation checkpointing of "
                      "the model's blocks most of them, for about one more forward's time "
                      "(--try-fixes measures both)")
+    elif step_own is None and failed_at_mib and failed_at_mib >= KNOB_MIN_MIB:
+        knobs.append(f"the step needed {_gib(failed_at_mib)} at least (what tensors held when it "
+                     "failed and its request; weights, gradients and activations not told "
+                     "apart: it failed before a step ended): activation checkpointing of the "
+                     "model's blocks, or half the micro-batch with 2 accumulation steps, cuts "
+                     "what activations hold (--try-fixes measures checkpointing)")
     return knobs
 
 

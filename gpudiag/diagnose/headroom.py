@@ -28,6 +28,10 @@ class Headroom:
         room = USABLE * self.total - self.fixed
         return room / self.scaled if self.scaled > 0 and room > 0 else None
 
+    def peak_at(self, times: float) -> int:
+        """The step's peak, bytes, at `times` its batch: the scaled part scaled."""
+        return int(self.fixed + self.scaled * times)
+
     @property
     def largest_batch(self) -> int | None:
         times = self.times

@@ -292,8 +292,9 @@ def _per_sample(fix: MeasuredFix, stages: tuple[StageResult, StageResult],
                 run: RunResult) -> None:
     """A larger batch's speedup in samples per second, not steps: its step takes longer, each
     sample less. The batches are the runs' own (the first batch each one's training DataLoader
-    yielded), else the remedy's record; the note says both, and the batch the diagnosed
-    step's headroom predicted would fit (the measured peak is the fix's own to say)."""
+    yielded), else the remedy's record; the note says both, and what the diagnosed step's
+    headroom predicted: the peak at that batch (beside the one measured) and the largest
+    batch that fits."""
     record = fix.evidence.larger_batch if fix.remedy == LARGER_BATCH else None
     if record is None or fix.speedup is None:
         return
@@ -308,8 +309,14 @@ def _per_sample(fix: MeasuredFix, stages: tuple[StageResult, StageResult],
     if fix.speedup_low is not None and fix.speedup_high is not None:
         fix.speedup_low, fix.speedup_high = fix.speedup_low * ratio, fix.speedup_high * ratio
     room = _headroom(run)
-    predicted = (f"; the headroom predicted a batch of up to ~{room.largest_batch:,} would fit"
-                 if room is not None and room.largest_batch else "")
+    predicted = ""
+    if room is not None:
+        measured = (f", measured {fix.after_peak_mib / 1024:,.2f}"
+                    if fix.after_peak_mib is not None else "")
+        predicted = (f"; the headroom predicted a peak of {room.peak_at(ratio) / 2**30:,.2f} GiB "
+                     f"at that batch{measured}" + (
+                         f", and a batch of up to ~{room.largest_batch:,} to fit"
+                         if room.largest_batch else ""))
     fix.note = _joined(fix.note, (
         f"batch {batches[0]:,} -> {batches[1]:,} a step"
         + (f", from the DataLoader at {record.site}" if record.site else "") + predicted
