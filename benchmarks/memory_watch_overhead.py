@@ -1,9 +1,10 @@
 """What reading each step's memory costs a step (issue 57: "the per-step counters within 1% of
 the plain step"): a small, host-bound training step (the case where a fixed cost per step weighs
-most) timed with and without the memory watch's step_ended() at its end, in alternating blocks
-in one process (ABAB), each step on the host clock after a device sync. Prints one JSON object:
-each side's median step, the ratio of the medians, the watch's own cost per call, and the
-per-step samples.
+most) timed with and without the memory watch's step_ended() at its end, step by step
+alternating in one process (ABAB: drift and warm caches fall on both sides alike), each step on
+the host clock after a device sync. Prints one JSON object: each side's median step, the ratio
+of the medians, the watch's own cost per call and per part (the allocator's counters, the
+resident set, the children), and the per-step samples.
 
     python3 benchmarks/memory_watch_overhead.py [--width 256] [--blocks 20] [--steps 50]
 """
@@ -14,10 +15,11 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from gpudiag.measure.profile.inscript.watches.memory import MemoryWatch
+from gpudiag.measure.profile.inscript.watches.memory import MemoryWatch, resident_mib
 
 
 class _Clock:
@@ -27,11 +29,38 @@ class _Clock:
     host_marks = (0.0,)
 
 
+def _each_call(read: Callable[[], object]) -> float:
+    """Median microseconds of one `read()`, over 20 x 200 calls."""
+    runs = []
+    for _ in range(20):
+        start = time.perf_counter()
+        for _ in range(200):
+            read()
+        runs.append((time.perf_counter() - start) / 200 * 1e6)
+    return statistics.median(runs)
+
+
+def _parts(watch: MemoryWatch, *, cuda: bool) -> dict[str, float]:
+    """What one step_ended costs, and each of its reads apart."""
+    def step_ended() -> None:
+        watch.step_ended()
+        del watch.resident[:]  # the timeline's cap would stop the reads (TIMELINE_STEPS)
+
+    parts = {"step_ended": _each_call(step_ended),
+             "resident": _each_call(lambda: resident_mib(watch.statm))}
+    if watch.child_reader is not None:
+        parts["children"] = _each_call(watch.child_reader.resident)
+    if cuda:
+        parts["allocator"] = _each_call(torch.cuda.memory_stats_as_nested_dict)
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--blocks", type=int, default=20, help="alternating blocks a side")
-    parser.add_argument("--steps", type=int, default=50, help="steps a block")
+    parser.add_argument("--blocks", type=int, default=20, help="(with --steps) steps a side: "
+                        "blocks x steps")
+    parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -56,21 +85,16 @@ def main() -> None:
     for _ in range(50):
         step(read=True)
     samples: dict[str, list[float]] = {"plain": [], "read": []}
-    for block in range(2 * args.blocks):
-        side = "plain" if block % 2 == 0 else "read"
-        samples[side] += [step(read=side == "read") for _ in range(args.steps)]
-    calls = []
-    for _ in range(20):
-        start = time.perf_counter()
-        for _ in range(200):
-            watch.step_ended()
-            del watch.resident[:]
-        calls.append((time.perf_counter() - start) / 200 * 1e6)
+    for i in range(2 * args.blocks * args.steps):
+        side = "plain" if i % 2 == 0 else "read"
+        samples[side].append(step(read=side == "read"))
+
+    parts = _parts(watch, cuda=device == "cuda")
     medians = {side: statistics.median(v) for side, v in samples.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "median_ms": medians, "ratio": medians["read"] / medians["plain"],
-        "step_ended_us": statistics.median(calls), "samples_ms": samples}, indent=1))
+        "parts_us": parts, "samples_ms": samples}, indent=1))
 
 
 if __name__ == "__main__":

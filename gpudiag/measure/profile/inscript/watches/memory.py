@@ -10,10 +10,14 @@ allocator's peak is not reset (a script or its framework may report it).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import os
 import re
 import resource
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +30,12 @@ from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watc
 from gpudiag.model.facts import MemoryTimeline, OutOfMemory, PrivateMemory
 
 _MIB = 1024 * 1024
+# The reads that cost more than a pread (the allocator's counters, a cgroup's memory.stat) take
+# at most this share of the script's step: on steps too short for it they are read every few
+# steps (up to MAX_STRIDE), the steps between repeating the last read, said in the timeline's
+# note (issue 57: "the per-step counters within 1% of the plain step"; the preads of the
+# resident sets cost ~4 us more: benchmarks/memory_watch_overhead.py).
+READ_BUDGET, MAX_STRIDE, STRIDE_STEPS = 0.0025, 32, 9
 # Near the host's limit the part is written again at each step boundary where the processes
 # hold this much more of it than at the last write: a kernel's out-of-memory kill (SIGKILL,
 # no Python shutdown) then loses only the steps since (tens of ms a write, only there).
@@ -224,6 +234,8 @@ class MemoryWatch(Watch):
         self.usage = CgroupUsage(self.host_limit) if self.host_limit is not None else None
         self.used: list[float] = []  # the limiting cgroup's anonymous memory, each step's end
         self.private: PrivateMemory | None = None  # near the limit: the processes' own pages
+        self.read_s: list[float] = []  # what each costly read took, seconds
+        self.read_every = 1  # the longest stride the costly reads took
 
     def step_ended(self) -> None:
         if len(self.resident) >= TIMELINE_STEPS:
@@ -233,24 +245,49 @@ class MemoryWatch(Watch):
         if not self.cuda and torch.cuda.is_available() and torch.cuda.is_initialized() \
                 and torch.cuda.memory_reserved() > 0:
             self._cuda_from_now()
+        fresh = len(self.resident) % self._stride() == 0
+        started = time.perf_counter()
         if self.cuda:
-            # One read of the allocator's counters, as it keeps them (16 us on an H200;
-            # torch.cuda.memory_allocated() flattens them all first: 105 us each,
-            # reports/examples/h200-memory).
-            stats = torch.cuda.memory_stats_as_nested_dict()
-            self.allocated.append(round(stats["allocated_bytes"]["all"]["current"] / _MIB, 1))
-            self.reserved.append(round(stats["reserved_bytes"]["all"]["current"] / _MIB, 1))
-            self.peak.append(round(stats["allocated_bytes"]["all"]["peak"] / _MIB, 1))
-            self.mallocs.append(int(stats.get("num_device_alloc", 0)))
-            self.blocks.append(int(stats["allocation"]["all"]["current"]))
-        self.resident.append(round(resident_mib(self.statm), 1))
-        used = self.usage.mib() if self.usage is not None else None
+            self._read_allocator(fresh)
+        used = (self.usage.mib() if fresh or not self.used else self.used[-1]) \
+            if self.usage is not None else None
         if used is not None:
             self.used.append(used)
+        if fresh:
+            self.read_s.append(time.perf_counter() - started)
+        self.resident.append(round(resident_mib(self.statm), 1))
         if self.child_reader is not None:
             count, held = self.child_reader.resident()
             self.children.append(count)
             self.children_held.append(round(held, 1))
+
+    def _read_allocator(self, fresh: bool) -> None:
+        """The allocator's counters as it keeps them (one call: 16-21 us on an H200's host;
+        torch.cuda.memory_allocated() flattens them all first: 105 us each,
+        reports/examples/h200-memory), or the last read again between reads."""
+        if not fresh and self.allocated:
+            for series in (self.allocated, self.reserved, self.peak, self.mallocs, self.blocks):
+                series.append(series[-1])  # type: ignore[arg-type]  # each its own type
+            return
+        stats = torch.cuda.memory_stats_as_nested_dict()
+        self.allocated.append(round(stats["allocated_bytes"]["all"]["current"] / _MIB, 1))
+        self.reserved.append(round(stats["reserved_bytes"]["all"]["current"] / _MIB, 1))
+        self.peak.append(round(stats["allocated_bytes"]["all"]["peak"] / _MIB, 1))
+        self.mallocs.append(int(stats.get("num_device_alloc", 0)))
+        self.blocks.append(int(stats["allocation"]["all"]["current"]))
+
+    def _stride(self) -> int:
+        """Every how many steps the costly reads (the allocator's counters, a cgroup's
+        memory.stat) keep within READ_BUDGET of the script's recent steps."""
+        marks = self.clock.host_marks
+        if len(marks) < 3 or not self.read_s:
+            return 1
+        recent = marks[-STRIDE_STEPS - 1:]
+        step_s = statistics.median(b - a for a, b in itertools.pairwise(recent))
+        cost = statistics.median(self.read_s[-STRIDE_STEPS:])
+        stride = max(1, min(MAX_STRIDE, math.ceil(cost / (READ_BUDGET * max(step_s, 1e-9)))))
+        self.read_every = max(self.read_every, stride)
+        return stride
 
     def keep_now(self) -> bool:
         held = self._host_held()
@@ -316,6 +353,12 @@ class MemoryWatch(Watch):
                                 host_used_mib=self.used[:listed], private=self.private,
                                 children=self.children[:listed],
                                 children_resident_mib=self.children_held[:listed])
+        if self.read_every > 1:
+            what = "the allocator's counters" if self.cuda else "the cgroup's memory.stat"
+            memory.note = (f"{what} read every {self.read_every} steps at most "
+                           f"(a read costs {statistics.median(self.read_s) * 1e6:,.0f} us, over "
+                           f"{READ_BUDGET:.2%} of this script's steps); the steps between repeat "
+                           "the last read")
         if self.cuda:
             stats = torch.cuda.memory_stats()
             memory.alloc_retries = int(stats.get("num_alloc_retries", 0))
@@ -328,8 +371,9 @@ class MemoryWatch(Watch):
             if fraction < 1.0:
                 memory.cap_mib = round(fraction * memory.device_total_mib, 1)
         else:
-            memory.note = CPU_NOTE + ("" if self.statm is not None else
-                                      "; on this system only its highest so far")
+            memory.note = "; ".join(filter(None, (
+                CPU_NOTE + ("" if self.statm is not None else
+                            "; on this system only its highest so far"), memory.note)))
         draft.script.memory = memory
 
 
