@@ -125,12 +125,12 @@ def test_a_script_that_changes_directory_keeps_a_relative_out(tmp_path: Path) ->
     script = write_script(tmp_path / "chdir.py", f"""
         import os
         import torch
+        import gpudiag
         os.chdir({str(elsewhere)!r})  # as Hydra's job.chdir does
         model = torch.nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(45):
+        for step in range(45):  # no optimizer: its first imports torch._dynamo, 1.4 s of CPU
             model(torch.randn(4, 8)).sum().backward()
-            opt.step()
+            gpudiag.step()
     """)
     with in_folder(tmp_path):
         done = invoke(["profile", "--no-plots", "--out", "rel-out", "--warmup", "2", "--timed",
@@ -314,8 +314,9 @@ def test_library_frames_are_passed_through_to_the_users_line(tmp_path: Path) -> 
 def test_an_interpreter_that_cannot_load_gpudiag_fails_loudly(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     write_script(broken / "nvtx.py", "raise ImportError('nvtx is broken in this environment')\n")
-    script = write_script(tmp_path / "ok.py",
-                          LOOP_SCRIPT.format(loop="for step in range(45):", count=""))
+    # The recorder loads as torch does: a script that imports torch meets it; a training loop
+    # would add only its optimizer's import of torch._dynamo (1.4 s of CPU).
+    script = write_script(tmp_path / "ok.py", "import torch\n")
     code, _, output = _profile(tmp_path, script, env={"PYTHONPATH": str(broken)})
     assert code == 2, output
     assert sys.executable in output and "cannot load gpudiag's recorder" in output
