@@ -230,18 +230,8 @@ def test_a_script_killed_after_its_warm_up_keeps_the_steps_it_reported(tmp_path:
     """SIGKILLed at step 12 (before its window at 3 + 15), nothing of it runs: the part it
     wrote at the warm-up's end stands, not "exited before its first step was recorded". An
     os._exit() at that step is test_a_process_that_dies_without_shutdown_is_reported_so's."""
-    script = _script(tmp_path, """
-        import os, signal
-        import torch
-        model = torch.nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(100):
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            if step == 11:
-                os.kill(os.getpid(), signal.SIGKILL)
-    """)
+    script = _script(tmp_path, LOOP.format(
+        after="if step == 11: os.kill(os.getpid(), signal.SIGKILL)"))
     _, run, output = profile(tmp_path, sys.executable, script, options=("--no-rerun",))
     assert run.stages, output
     assert "before its first step was recorded" not in output
@@ -262,11 +252,11 @@ LOOP = """
     import os, signal, sys
     import torch
     import gpudiag
-    model = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Steps marked by gpudiag.step(): a first optimizer would import torch._dynamo (1.4 s a process)
+    weight = torch.randn(8, 8, requires_grad=True)
     for step in range(30):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
+        (torch.randn(4, 8) @ weight).sum().backward()
+        gpudiag.step()
         {after}
 """
 
