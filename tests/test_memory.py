@@ -222,7 +222,7 @@ def test_an_out_of_memory_error_is_read_for_its_request_the_device_and_a_cap(
     """CUDA's message as c10 writes it, the allocator's counters at the failure and a
     per-process cap (set_per_process_memory_fraction); the CPU allocator's failure; any other
     error is no out-of-memory."""
-    from gpudiag.measure.profile.inscript.watches.memory import out_of_memory
+    from gpudiag.measure.profile.inscript.outofmemory import out_of_memory
 
     _fake_cuda(monkeypatch, [3600])
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 0.05)

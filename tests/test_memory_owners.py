@@ -213,6 +213,41 @@ def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth() -> None:
     assert owners.kept == kept.bytes
 
 
+def test_a_script_dying_of_out_of_memory_before_the_second_look_is_looked_at_in_its_failure(
+        ) -> None:
+    """The first look at step 2, the out-of-memory at step 7, long before the window's end
+    (the second look's step): the failure's traceback holds the loop's frame, looked at there,
+    so GD404 can name what the script keeps (issue 57: kept_logits capped died at step 22,
+    its window at 35, and GD404 could only say "memory grew")."""
+    clock = _Clock(Schedule(warmup=3, timed=30, evidence_steps=1))
+    watch = OwnersWatch(clock)
+    model = torch.nn.Linear(16, 256)
+    opt = torch.optim.Adam(model.parameters())
+    outputs: list[torch.Tensor] = []
+    try:
+        for step in range(12):
+            out = model(torch.randn(32, 16))
+            out.square().mean().backward()
+            opt.step()
+            clock.steps += 1
+            watch.step_ended()
+            opt.zero_grad()
+            if step == 6:  # the next step's forward does not fit
+                torch.empty(2**50, dtype=torch.uint8)  # the CPU allocator's own failure
+            outputs.append(out.detach())
+    except RuntimeError as error:
+        watch.crashed(error)
+    script = ScriptFacts(steps=7, warmup=3, timed=30, step_clock="optimizer.step()")
+    watch.fill(StageDraft(facts=StageFacts(script=script), script=script,
+                          timeline=StepTimeline(step_ms=[1.0] * 7), timed=range(3, 7)))
+    (kept,) = script.kept
+    assert (kept.name, kept.steps, kept.added_per_step) == ("outputs", (2, 7), 1.0)
+    assert kept.location == f"tests/test_memory_owners.py:{_line('outputs.append(')}"
+    other = OwnersWatch(_Clock(Schedule(warmup=3, timed=30, evidence_steps=1)))
+    other.crashed(ValueError("not memory"))  # nothing looked at: no first look, no failure
+    assert other.kept == []
+
+
 def test_the_report_shows_the_owners_by_role_and_what_grows() -> None:
     owners = settled(_owners(peak=1000 * MIB), [], [])
     owners.activation_sites = [SavedSite("train.py:12", 300 * MIB, 24)]

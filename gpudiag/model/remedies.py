@@ -505,7 +505,9 @@ class ActivationCheckpointRecord(RemedyRecord):
     block: str | None = None  # their class
     container: str | None = None  # where they are in the model ("model.layers")
     framework: str | None = None  # "transformers": its own gradient_checkpointing_enable()
-    site: str | None = None  # the script's line that first called the model: its forward
+    # The script's line that first called a block (its model's forward: where the change goes;
+    # a Hugging Face model's: the line that called the model)
+    site: str | None = None
     kept: str | None = None  # why a model was left as it was (it checkpoints already)
 
     def unchanged(self) -> str | None:

@@ -39,12 +39,15 @@ def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
     return None
 
 
-def _checkpoint(block: nn.Module) -> None:
+def _checkpoint(block: nn.Module, record: ActivationCheckpointRecord) -> None:
     """`block`'s forward recomputed in backward instead of its activations kept, where
-    gradients are on (an evaluation's no_grad forward runs as it was)."""
+    gradients are on (an evaluation's no_grad forward runs as it was). The first block's call
+    is the script's line the permanent change goes to (its model's forward)."""
     forward = block.forward
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if record.site is None:
+            record.site = _site()
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
@@ -92,10 +95,9 @@ def _activation_checkpointing(seen: RemedyEvidence) -> Callable[[], None]:
             return
         record.container, blocks = found
         for block in blocks:
-            _checkpoint(block)
+            _checkpoint(block, record)
         record.blocks += len(blocks)
         record.block = record.block or type(blocks[0]).__name__
-        record.site = record.site or _site()
 
     def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
         if not torch.compiler.is_compiling():

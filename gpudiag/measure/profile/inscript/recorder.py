@@ -33,13 +33,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from gpudiag.measure.env import collect_env, device_identity
 from gpudiag.measure.evidence.profiler_window import ProfilerWindow
 from gpudiag.measure.profile.inscript.hostsampler import HostSampler, loop_frame, stack
+from gpudiag.measure.profile.inscript.outofmemory import oom_device
 from gpudiag.measure.profile.inscript.planned import planned_steps
 from gpudiag.measure.profile.inscript.ranksagree import window_goes_on
 from gpudiag.measure.profile.inscript.remedies import Applied, LossLog
 from gpudiag.measure.profile.inscript.schedule import Phase, Schedule
 from gpudiag.measure.profile.inscript.timeline import TIMELINE_STEPS, build_timeline
 from gpudiag.measure.profile.inscript.watches import StageDraft, discover
-from gpudiag.measure.profile.inscript.watches.memory import oom_device
 from gpudiag.measure.profile.protocol import (
     ENV_PARENT,
     ENV_TRACE_DIR,

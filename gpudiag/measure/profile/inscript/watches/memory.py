@@ -13,18 +13,16 @@ import contextlib
 import itertools
 import math
 import os
-import re
 import resource
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from gpudiag.measure.evidence.source import call_site
 from gpudiag.measure.hostmemory import CgroupUsage, host_limit, oom_kills, private_mib
+from gpudiag.measure.profile.inscript.outofmemory import out_of_memory
 from gpudiag.measure.profile.inscript.timeline import TIMELINE_STEPS
 from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
 from gpudiag.model.facts import MemoryTimeline, OutOfMemory, PrivateMemory
@@ -139,59 +137,6 @@ def _host_total_mib() -> float | None:
 # capacity of 79.11 GiB of which 1.38 GiB is free. ..." (c10/cuda/CUDACachingAllocator.cpp);
 # the CPU allocator's "DefaultCPUAllocator: can't allocate memory: you tried to allocate
 # 1125899906842624 bytes" (c10/core/impl/alloc_cpu.cpp).
-_UNIT_MIB = {"GiB": 1024.0, "MiB": 1.0, "KiB": 1 / 1024, "B": 1 / _MIB, "bytes": 1 / _MIB}
-_SIZE = r"([\d.]+) ?(GiB|MiB|KiB|bytes|B)\b"
-_REQUESTED = re.compile(r"[Tt]ried to allocate " + _SIZE)
-_FREE = re.compile(r"of which " + _SIZE + " is free")
-_TOTAL = re.compile(r"total capacity of " + _SIZE)
-CPU_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory"
-
-
-def oom_device(exc: BaseException) -> Literal["cuda", "cpu"] | None:
-    """Which allocator `exc` says ran out, or None for another error."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "cuda"
-    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError)
-                                        and CPU_ALLOCATOR in str(exc)):
-        return "cpu"
-    return None
-
-
-def _mib(pattern: re.Pattern[str], text: str) -> float | None:
-    found = pattern.search(text)
-    return float(found[1]) * _UNIT_MIB[found[2]] if found else None
-
-
-def _raising_line(exc: BaseException) -> str | None:
-    """The script's line whose call failed: from the innermost frame out, the first of the
-    user's code."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    site = call_site(tb.tb_frame) if tb is not None else None
-    return site.location if site is not None else None
-
-
-def out_of_memory(exc: BaseException, step: int) -> OutOfMemory | None:
-    """What `exc` says of the allocation that failed, beside the allocator's own counters."""
-    device = oom_device(exc)
-    if device is None:
-        return None
-    text = str(exc)
-    first = " ".join(re.split(r"(?<=\.) ", text.split("\n", maxsplit=1)[0])[:2])[:400]
-    oom = OutOfMemory(device=device, step=step, message=first, line=_raising_line(exc),
-                      requested_mib=_mib(_REQUESTED, text),
-                      device_free_mib=_mib(_FREE, text), device_total_mib=_mib(_TOTAL, text))
-    if device == "cuda" and torch.cuda.is_initialized():
-        stats = torch.cuda.memory_stats_as_nested_dict()
-        oom.allocated_mib = round(stats["allocated_bytes"]["all"]["current"] / _MIB, 1)
-        oom.reserved_mib = round(stats["reserved_bytes"]["all"]["current"] / _MIB, 1)
-        fraction = torch.cuda.get_per_process_memory_fraction()
-        if fraction < 1.0 and oom.device_total_mib:
-            oom.cap_mib = round(fraction * oom.device_total_mib, 1)
-    return oom
-
-
 WORKER_KILLED = "killed by signal: Killed"  # torch's DataLoader, a worker's SIGKILL
 
 

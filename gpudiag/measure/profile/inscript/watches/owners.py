@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from gpudiag.measure.profile.inscript.heldtensors import (
     storage_bytes,
     storage_key,
 )
+from gpudiag.measure.profile.inscript.outofmemory import oom_device
 from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
 from gpudiag.model.facts import KeptTensors, LoaderUse, MemoryOwners, SavedSite
 
@@ -118,6 +119,7 @@ class OwnersWatch(Watch):
         self.hooks: Any = None  # the saved_tensors_hooks context, entered for one step
         self.owners: MemoryOwners | None = None
         self.first_look: tuple[int, dict[str, Held]] | None = None
+        self.looked_in: CodeType | None = None  # the first look's frame's code
         self.kept: list[KeptTensors] = []
         self.failed: str | None = None  # what stopped it, named in the part at the end
         self.uncounted = ""  # why the saved tensors were not counted
@@ -150,12 +152,26 @@ class OwnersWatch(Watch):
             frame = self._loop_frame()
             if frame is not None:
                 self.first_look = (done, look(loop_namespaces(frame)))
+                self.looked_in = frame.f_code
         elif self.first_look is not None and \
                 done >= max(schedule.end + 1, self.first_look[0] + LOOKS_APART):
             self._second_look(done)
 
-    def _second_look(self, done: int) -> None:
-        frame = self._loop_frame()
+    def crashed(self, exc: BaseException) -> None:
+        """A script that died of out-of-memory before the second look: that look made in the
+        failure's traceback, in the frame of the first (what it keeps is the knob GD404 names
+        first)."""
+        if self.first_look is None or self.failed is not None or oom_device(exc) is None:
+            return
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not self.looked_in:
+            tb = tb.tb_next
+        if tb is not None:
+            with contextlib.suppress(Exception):  # never hides the script's own error
+                self._second_look(self.clock.steps, tb.tb_frame)
+
+    def _second_look(self, done: int, frame: FrameType | None = None) -> None:
+        frame = frame or self._loop_frame()
         assert self.first_look is not None
         if frame is None:
             return
