@@ -223,7 +223,7 @@ def test_a_script_dying_of_out_of_memory_before_the_second_look_is_looked_at_in_
     watch = OwnersWatch(clock)
     model = torch.nn.Linear(16, 256)
     opt = torch.optim.Adam(model.parameters())
-    outputs: list[torch.Tensor] = []
+    logits: list[torch.Tensor] = []
     try:
         for step in range(12):
             out = model(torch.randn(32, 16))
@@ -234,15 +234,15 @@ def test_a_script_dying_of_out_of_memory_before_the_second_look_is_looked_at_in_
             opt.zero_grad()
             if step == 6:  # the next step's forward does not fit
                 torch.empty(2**50, dtype=torch.uint8)  # the CPU allocator's own failure
-            outputs.append(out.detach())
+            logits.append(out.detach())
     except RuntimeError as error:
         watch.crashed(error)
     script = ScriptFacts(steps=7, warmup=3, timed=30, step_clock="optimizer.step()")
     watch.fill(StageDraft(facts=StageFacts(script=script), script=script,
                           timeline=StepTimeline(step_ms=[1.0] * 7), timed=range(3, 7)))
     (kept,) = script.kept
-    assert (kept.name, kept.steps, kept.added_per_step) == ("outputs", (2, 7), 1.0)
-    assert kept.location == f"tests/test_memory_owners.py:{_line('outputs.append(')}"
+    assert (kept.name, kept.steps, kept.added_per_step) == ("logits", (2, 7), 1.0)
+    assert kept.location == f"tests/test_memory_owners.py:{_line('logits.append(')}"
     other = OwnersWatch(_Clock(Schedule(warmup=3, timed=30, evidence_steps=1)))
     other.crashed(ValueError("not memory"))  # nothing looked at: no first look, no failure
     assert other.kept == []
