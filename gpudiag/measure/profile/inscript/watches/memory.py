@@ -198,7 +198,7 @@ class MemoryWatch(Watch):
             if self.usage is not None else None
         if used is not None:
             self.used.append(used)
-        if fresh:
+        if fresh and (self.cuda or used is not None):  # a costly read was made
             self.read_s.append(time.perf_counter() - started)
         self.resident.append(round(resident_mib(self.statm), 1))
         if self.child_reader is not None:
