@@ -1,10 +1,10 @@
 """What reading each step's memory costs a step (issue 57: "the per-step counters within 1% of
 the plain step"): a small, host-bound training step (the case where a fixed cost per step weighs
-most) timed with and without the memory watch's step_ended() at its end, step by step
-alternating in one process (ABAB: drift and warm caches fall on both sides alike), each step on
-the host clock after a device sync. Prints one JSON object: each side's median step, the ratio
-of the medians, the watch's own cost per call and per part (the allocator's counters, the
-resident set, the children), and the per-step samples.
+most) timed with and without the memory watch's step_ended() at its end (and with each of its
+preads alone), step by step in turn in one process (drift and warm caches fall on every side
+alike), each step on the host clock after a device sync. Prints one JSON object: each side's
+median and mean step and their ratios to the plain step's, each read's own cost per call (the
+allocator's counters, the resident set, the children), and the per-step samples.
 
     python3 benchmarks/memory_watch_overhead.py [--width 256] [--blocks 20] [--steps 50]
 """
@@ -43,14 +43,9 @@ def _each_call(read: Callable[[], object]) -> float:
 
 
 def _parts(watch: MemoryWatch, *, cuda: bool) -> dict[str, float]:
-    """What one step_ended costs, and each of its reads apart."""
-    def step_ended() -> None:
-        watch.clock.host_marks.append(time.perf_counter())  # type: ignore[attr-defined]
-        watch.step_ended()
-        del watch.resident[:]  # the timeline's cap would stop the reads (TIMELINE_STEPS)
-
-    parts = {"step_ended (spaced as in a loop of such calls)": _each_call(step_ended),
-             "resident": _each_call(lambda: resident_mib(watch.statm))}
+    """What each of step_ended's reads costs apart (step_ended itself spaces the allocator's:
+    the A/B above is what a step pays)."""
+    parts = {"resident": _each_call(lambda: resident_mib(watch.statm))}
     if watch.child_reader is not None:
         parts["children"] = _each_call(watch.child_reader.resident)
     if cuda:
@@ -74,25 +69,30 @@ def main() -> None:
     clock = _Clock()
     watch = MemoryWatch(clock)  # type: ignore[arg-type]  # a clock of its parts
 
-    def step(read: bool) -> float:
+    # What each step ends with: nothing, one of step_ended's reads alone, or step_ended.
+    ends: dict[str, Callable[[], object]] = {
+        "plain": lambda: None, "read": watch.step_ended,
+        "resident only": lambda: resident_mib(watch.statm)}
+    if watch.child_reader is not None:
+        ends["children only"] = watch.child_reader.resident
+
+    def step(end: Callable[[], object]) -> float:
         start = time.perf_counter()
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.host_marks.append(time.perf_counter())
-        if read:
-            watch.step_ended()
-            del watch.resident[:]  # the timeline's cap would stop the reads (TIMELINE_STEPS)
+        end()  # step_ended's calls: within the timeline's TIMELINE_STEPS (blocks x steps)
         if device == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
     for _ in range(50):
-        step(read=True)
-    samples: dict[str, list[float]] = {"plain": [], "read": []}
-    for i in range(2 * args.blocks * args.steps):
-        side = "plain" if i % 2 == 0 else "read"
-        samples[side].append(step(read=side == "read"))
+        step(watch.step_ended)
+    samples: dict[str, list[float]] = {side: [] for side in ends}
+    for i in range(len(ends) * args.blocks * args.steps):  # round robin, step by step
+        side = list(ends)[i % len(ends)]
+        samples[side].append(step(ends[side]))
 
     parts = _parts(watch, cuda=device == "cuda")
     medians = {side: statistics.median(v) for side, v in samples.items()}
@@ -100,8 +100,8 @@ def main() -> None:
     means = {side: statistics.fmean(v) for side, v in samples.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "median_ms": medians, "ratio": medians["read"] / medians["plain"],
-        "mean_ms": means, "ratio_of_means": means["read"] / means["plain"],
+        "median_ms": medians, "ratio": {side: m / medians["plain"] for side, m in medians.items()},
+        "mean_ms": means, "ratio_of_means": {side: m / means["plain"] for side, m in means.items()},
         "read_every": watch.read_every,
         "parts_us": parts, "samples_ms": samples}, indent=1))
 

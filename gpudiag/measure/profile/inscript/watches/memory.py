@@ -28,12 +28,16 @@ from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watc
 from gpudiag.model.facts import MemoryTimeline, OutOfMemory, PrivateMemory
 
 _MIB = 1024 * 1024
-# The reads that cost more than a pread (the allocator's counters, a cgroup's memory.stat) take
-# at most this share of the script's step: on steps too short for it they are read every few
+# The memory reads of a step end (the allocator's counters, the resident sets' preads, a
+# cgroup's memory.stat) take at most this share of the script's recent steps (issue 57: "the
+# per-step counters within 1% of the plain step"); on shorter steps they are made every few
 # steps (up to MAX_STRIDE), the steps between repeating the last read, said in the timeline's
-# note (issue 57: "the per-step counters within 1% of the plain step"; the preads of the
-# resident sets cost ~4 us more: benchmarks/memory_watch_overhead.py).
-READ_BUDGET, MAX_STRIDE, STRIDE_STEPS = 0.0025, 32, 9
+# note. A read costs the step more than its own time: on the H200's host one pread of 2.8 us
+# cost a 1.56 ms step 20-33 us, and all of them 55 us (each call into the kernel slows the
+# Python that follows; benchmarks/memory_watch_overhead.py, reports/examples/h200-memory-fixes),
+# so each read is taken to cost READ_COST_S at least: read every step from ~6 ms steps up.
+READ_COST_S = 60e-6
+READ_BUDGET, MAX_STRIDE, STRIDE_STEPS = 0.01, 32, 9
 # Near the host's limit the part is written again at each step boundary where the processes
 # hold this much more of it than at the last write: a kernel's out-of-memory kill (SIGKILL,
 # no Python shutdown) then loses only the steps since (tens of ms a write, only there).
@@ -181,6 +185,7 @@ class MemoryWatch(Watch):
         self.private: PrivateMemory | None = None  # near the limit: the processes' own pages
         self.read_s: list[float] = []  # what each costly read took, seconds
         self.read_every = 1  # the longest stride the costly reads took
+        self.stride = 0  # the costly reads' stride now (0: not worked out yet)
 
     def step_ended(self) -> None:
         if len(self.resident) >= TIMELINE_STEPS:
@@ -190,30 +195,30 @@ class MemoryWatch(Watch):
         if not self.cuda and torch.cuda.is_available() and torch.cuda.is_initialized() \
                 and torch.cuda.memory_reserved() > 0:
             self._cuda_from_now()
-        fresh = len(self.resident) % self._stride() == 0
+        fresh = not self.resident or len(self.resident) % self._stride() == 0
+        if not fresh:  # between reads: the last read again, no call into the kernel
+            for series in (self.allocated, self.reserved, self.peak, self.mallocs, self.blocks,
+                           self.used, self.resident, self.children, self.children_held):
+                if series:
+                    series.append(series[-1])  # type: ignore[arg-type]  # each its own type
+            return
         started = time.perf_counter()
         if self.cuda:
-            self._read_allocator(fresh)
-        used = (self.usage.mib() if fresh or not self.used else self.used[-1]) \
-            if self.usage is not None else None
+            self._read_allocator()
+        used = self.usage.mib() if self.usage is not None else None
         if used is not None:
             self.used.append(used)
-        if fresh and (self.cuda or used is not None):  # a costly read was made
-            self.read_s.append(time.perf_counter() - started)
         self.resident.append(round(resident_mib(self.statm), 1))
         if self.child_reader is not None:
             count, held = self.child_reader.resident()
             self.children.append(count)
             self.children_held.append(round(held, 1))
+        self.read_s.append(time.perf_counter() - started)
 
-    def _read_allocator(self, fresh: bool) -> None:
-        """The allocator's counters as it keeps them (one call: 16-21 us on an H200's host;
+    def _read_allocator(self) -> None:
+        """The allocator's counters as it keeps them (one call: 13-27 us on an H200's host;
         torch.cuda.memory_allocated() flattens them all first: 105 us each,
-        reports/examples/h200-memory), or the last read again between reads."""
-        if not fresh and self.allocated:
-            for series in (self.allocated, self.reserved, self.peak, self.mallocs, self.blocks):
-                series.append(series[-1])  # type: ignore[arg-type]  # each its own type
-            return
+        reports/examples/h200-memory)."""
         stats = torch.cuda.memory_stats_as_nested_dict()
         self.allocated.append(round(stats["allocated_bytes"]["all"]["current"] / _MIB, 1))
         self.reserved.append(round(stats["reserved_bytes"]["all"]["current"] / _MIB, 1))
@@ -222,17 +227,20 @@ class MemoryWatch(Watch):
         self.blocks.append(int(stats["allocation"]["all"]["current"]))
 
     def _stride(self) -> int:
-        """Every how many steps the costly reads (the allocator's counters, a cgroup's
-        memory.stat) keep within READ_BUDGET of the script's recent steps."""
+        """Every how many steps the reads keep within READ_BUDGET of the script's recent steps
+        (each costing what it took, at least READ_COST_S): worked out again every STRIDE_STEPS
+        steps (two medians: a few us, not every step's)."""
         marks = self.clock.host_marks
         if len(marks) < 3 or not self.read_s:
             return 1
+        if len(self.resident) % STRIDE_STEPS and self.stride:
+            return self.stride
         recent = marks[-STRIDE_STEPS - 1:]
         step_s = statistics.median(b - a for a, b in itertools.pairwise(recent))
-        cost = statistics.median(self.read_s[-STRIDE_STEPS:])
-        stride = max(1, min(MAX_STRIDE, math.ceil(cost / (READ_BUDGET * max(step_s, 1e-9)))))
-        self.read_every = max(self.read_every, stride)
-        return stride
+        cost = max(READ_COST_S, statistics.median(self.read_s[-STRIDE_STEPS:]))
+        self.stride = max(1, min(MAX_STRIDE, math.ceil(cost / (READ_BUDGET * max(step_s, 1e-9)))))
+        self.read_every = max(self.read_every, self.stride)
+        return self.stride
 
     def keep_now(self) -> bool:
         held = self._host_held()
@@ -299,10 +307,9 @@ class MemoryWatch(Watch):
                                 children=self.children[:listed],
                                 children_resident_mib=self.children_held[:listed])
         if self.read_every > 1:
-            what = "the allocator's counters" if self.cuda else "the cgroup's memory.stat"
-            memory.note = (f"{what} read every {self.read_every} steps at most "
-                           f"(a read costs {statistics.median(self.read_s) * 1e6:,.0f} us, over "
-                           f"{READ_BUDGET:.2%} of this script's steps); the steps between repeat "
+            memory.note = (f"memory read every {self.read_every} steps at most (a step end's "
+                           f"reads cost ~{READ_COST_S * 1e6:,.0f} us or more, over "
+                           f"{READ_BUDGET:.0%} of this script's steps); the steps between repeat "
                            "the last read")
         if self.cuda:
             stats = torch.cuda.memory_stats()
