@@ -17,17 +17,23 @@ BATCH = int(os.environ.get("BATCH", "8"))
 STEPS = int(os.environ.get("STEPS", "200"))
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def build(device: str) -> tuple[nn.Module, TensorDataset]:
+    """The model and its data (benchmarks/batch_ab.py times the same at two batches)."""
     width, layers, seq = (512, 4, 128) if device == "cuda" else (64, 2, 32)
     data = TensorDataset(torch.randint(0, 1000, (16_384, seq)), torch.randint(0, 2, (16_384,)))
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
     model = nn.Sequential(nn.Embedding(1000, width),
                           nn.TransformerEncoder(nn.TransformerEncoderLayer(
                               width, 8, 4 * width, batch_first=True), layers,
                               enable_nested_tensor=False),
                           nn.Flatten(), nn.Linear(width * seq, 2)).to(device)
+    return model, data
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, data = build(device)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = 0
     while step < STEPS:
