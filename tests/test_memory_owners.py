@@ -213,12 +213,15 @@ def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth() -> None:
     assert owners.kept == kept.bytes
 
 
+@pytest.mark.parametrize(("where", "steps"), [("forward", (2, 8)), ("after its step", (2, 7))])
 def test_a_script_dying_of_out_of_memory_before_the_second_look_is_looked_at_in_its_failure(
-        ) -> None:
-    """The first look at step 2, the out-of-memory at step 7, long before the window's end
-    (the second look's step): the failure's traceback holds the loop's frame, looked at there,
-    so GD404 can name what the script keeps (issue 57: kept_logits capped died at step 22,
-    its window at 35, and GD404 could only say "memory grew")."""
+        where: str, steps: tuple[int, int]) -> None:
+    """The first look at step 2, the out-of-memory long before the window's end (the second
+    look's step): the failure's traceback holds the loop's frame, looked at there, so GD404
+    can name what the script keeps (issue 57: kept_logits capped died at step 22, its window
+    at 35, and GD404 could only say "memory grew"). One tensor a step either way: a failure in
+    the next step's forward (before its boundary) is counted as at that boundary, one after the
+    step's boundary as at it."""
     clock = _Clock(Schedule(warmup=3, timed=30, evidence_steps=1))
     watch = OwnersWatch(clock)
     model = torch.nn.Linear(16, 256)
@@ -226,14 +229,16 @@ def test_a_script_dying_of_out_of_memory_before_the_second_look_is_looked_at_in_
     logits: list[torch.Tensor] = []
     try:
         for step in range(12):
+            if where == "forward" and step == 7:  # this step's forward does not fit
+                torch.empty(2**50, dtype=torch.uint8)  # the CPU allocator's own failure
             out = model(torch.randn(32, 16))
             out.square().mean().backward()
             opt.step()
             clock.steps += 1
             watch.step_ended()
             opt.zero_grad()
-            if step == 6:  # the next step's forward does not fit
-                torch.empty(2**50, dtype=torch.uint8)  # the CPU allocator's own failure
+            if where == "after its step" and step == 6:
+                torch.empty(2**50, dtype=torch.uint8)
             logits.append(out.detach())
     except RuntimeError as error:
         watch.crashed(error)
@@ -241,7 +246,7 @@ def test_a_script_dying_of_out_of_memory_before_the_second_look_is_looked_at_in_
     watch.fill(StageDraft(facts=StageFacts(script=script), script=script,
                           timeline=StepTimeline(step_ms=[1.0] * 7), timed=range(3, 7)))
     (kept,) = script.kept
-    assert (kept.name, kept.steps, kept.added_per_step) == ("logits", (2, 7), 1.0)
+    assert (kept.name, kept.steps, kept.added_per_step) == ("logits", steps, 1.0)
     assert kept.location == f"tests/test_memory_owners.py:{_line('logits.append(')}"
     other = OwnersWatch(_Clock(Schedule(warmup=3, timed=30, evidence_steps=1)))
     other.crashed(ValueError("not memory"))  # nothing looked at: no first look, no failure

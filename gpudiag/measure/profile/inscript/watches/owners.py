@@ -119,7 +119,8 @@ class OwnersWatch(Watch):
         self.hooks: Any = None  # the saved_tensors_hooks context, entered for one step
         self.owners: MemoryOwners | None = None
         self.first_look: tuple[int, dict[str, Held]] | None = None
-        self.looked_in: CodeType | None = None  # the first look's frame's code
+        self.looked_in: CodeType | None = None  # the first look's frame's code, and line
+        self.looked_at = 0
         self.kept: list[KeptTensors] = []
         self.failed: str | None = None  # what stopped it, named in the part at the end
         self.uncounted = ""  # why the saved tensors were not counted
@@ -152,7 +153,7 @@ class OwnersWatch(Watch):
             frame = self._loop_frame()
             if frame is not None:
                 self.first_look = (done, look(loop_namespaces(frame)))
-                self.looked_in = frame.f_code
+                self.looked_in, self.looked_at = frame.f_code, frame.f_lineno
         elif self.first_look is not None and \
                 done >= max(schedule.end + 1, self.first_look[0] + LOOKS_APART):
             self._second_look(done)
@@ -167,8 +168,11 @@ class OwnersWatch(Watch):
         while tb is not None and tb.tb_frame.f_code is not self.looked_in:
             tb = tb.tb_next
         if tb is not None:
+            # The looks are made at a step's boundary: a failure earlier in the loop's body
+            # than that line came after the last step's additions, as the next boundary would.
+            done = self.clock.steps + (tb.tb_lineno < self.looked_at)
             with contextlib.suppress(Exception):  # never hides the script's own error
-                self._second_look(self.clock.steps, tb.tb_frame)
+                self._second_look(done, tb.tb_frame)
 
     def _second_look(self, done: int, frame: FrameType | None = None) -> None:
         frame = frame or self._loop_frame()
