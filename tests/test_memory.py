@@ -149,6 +149,7 @@ def test_on_steps_too_short_for_them_the_memory_reads_are_made_every_few_steps(
     assert memory.allocated_mib[7:12] == [1006] * 5  # repeated between reads
     assert memory.resident_mib[7:12] == [memory.resident_mib[6]] * 5
     assert "memory read every 6 steps at most" in memory.note
+    assert memory.read_steps[-3:] == [24, 30, 36]
 
     slow = MemoryWatch(SimpleNamespace(steps=0, host_marks=[0.0]))  # type: ignore[arg-type]
     for step in range(20):

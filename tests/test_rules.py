@@ -1253,6 +1253,20 @@ def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_
     assert "the machine runs out" in f.title
 
 
+def test_memory_growth_read_every_few_steps_is_the_rate_between_the_reads() -> None:
+    """A short-stepped script's memory read every 4th step (the steps between repeat the last
+    read, and the 5 after the last read too): 125 MiB a step, not less for the stale tail."""
+    run = gd403(per_step=125.0, steps=34)  # ends before gpudiag's window (35-37)
+    script = run.stages[0].facts.script
+    assert script is not None and script.memory is not None
+    memory = script.memory
+    reads = list(range(0, 29, 4))  # the last read at step 28; 29-33 repeat it
+    series = [memory.allocated_mib[max(r for r in reads if r <= i)] for i in range(34)]
+    memory.allocated_mib, memory.read_steps = series, reads
+    (f,) = findings_of("GD403", run)
+    assert f.evidence["mib_per_step"] == pytest.approx(125.0)
+
+
 def test_memory_growth_names_what_keeps_it_at_the_line_that_adds_to_it() -> None:
     """The issue's fine-tuning script: a list gaining 131 MB of logits (with their graphs) a
     step, at its append line, with the fix for that line; a total keeping its graph; and a

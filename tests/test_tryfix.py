@@ -968,6 +968,9 @@ def _measured_prices() -> list[tuple[str, str, float, float, str]]:
             if fix.status != "measured" or fix.remedy not in REMEDIES or not fix.speedup \
                     or (fix.speedup_low or 0.0) <= 1.0:
                 continue
+            remedy = REMEDIES[fix.remedy]
+            if remedy.numerics == "recipe" or remedy.frees_memory:
+                continue  # a larger batch's saving is per sample; checkpointing's is bytes
             codes = [c for c in REMEDIES[fix.remedy].findings if c in priced]
             price = price_of(dataclasses.replace(fix, findings=codes), priced)
             if price is None:

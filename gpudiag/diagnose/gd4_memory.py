@@ -183,13 +183,19 @@ class Growth:
 
 
 def _steady_changes(series: Sequence[float], first: int,
-                    window: tuple[int | None, int | None]) -> list[float]:
+                    window: tuple[int | None, int | None], reads: Sequence[int] = (),
+                    ) -> list[float]:
     """Step-to-step changes of a per-step counter from step `first` on, less those into and
-    out of gpudiag's profiler window (its own buffers)."""
+    out of gpudiag's profiler window (its own buffers). Where the reads were spaced (`reads`:
+    the steps read; those between repeat the last read), from the first read at or after
+    `first` to the last read: a repeated read is no change of its own."""
     start, end = window
     skipped = set() if start is None else set(range(start, (end or start) + 2))
-    return [series[i] - series[i - 1] for i in range(first + 1, len(series))
-            if i not in skipped]
+    stop = len(series)
+    if reads:
+        first = next((r for r in reads if r >= first), first)
+        stop = min(stop, reads[-1] + 1)
+    return [series[i] - series[i - 1] for i in range(first + 1, stop) if i not in skipped]
 
 
 def growth(memory: MemoryTimeline, warmup: int,
@@ -202,7 +208,7 @@ def growth(memory: MemoryTimeline, warmup: int,
     cuda = memory.device == "cuda"
     series = memory.allocated_mib if cuda else memory.resident_mib
     first = max(warmup, GROWTH_SKIP)
-    changes = _steady_changes(series, first, window)
+    changes = _steady_changes(series, first, window, memory.read_steps)
     if len(changes) < GROWTH_MIN_STEPS:
         return None
     total = sum(changes)
@@ -517,7 +523,8 @@ def _steady_mallocs(memory: MemoryTimeline, warmup: int,
                     window: tuple[int | None, int | None]) -> tuple[float, int]:
     """cudaMalloc calls per step past the warm-up and the optimizer's first steps, gpudiag's
     window apart (its buffers); and the steps counted."""
-    changes = _steady_changes(memory.device_allocs, max(warmup, GROWTH_SKIP), window)
+    changes = _steady_changes(memory.device_allocs, max(warmup, GROWTH_SKIP), window,
+                              memory.read_steps)
     return (sum(changes) / len(changes) if changes else 0.0), len(changes)
 
 

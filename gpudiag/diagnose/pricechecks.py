@@ -36,6 +36,7 @@ PRICE_CHECKS: tuple[PriceCheck, ...] = (
     PriceCheck(('GD306',), "h200-issue55/cnn_layout", "H200", "channels-last", 0.18, 0.59),
     PriceCheck(('GD107',), "h200-issue55/debug_left_on", "H200", "no-debug", 0.56, 0.56),
     PriceCheck(('GD204',), "h200-knobs/loader_restarts", "H200", "persistent-workers", 0.85, 0.86),
+    PriceCheck(('GD301',), "h200-memory-fixes/small_batch", "H200", "tf32", 0.31, 0.30),
     PriceCheck(
         ('GD106',), "h200-knobs/per_tensor_optimizer", "H200", "fused-optimizer", 0.54, 0.57),
     PriceCheck(

@@ -531,6 +531,10 @@ class MemoryTimeline:
     # in the script says so): the kernel's out-of-memory killer, or a kill from elsewhere.
     killed: Literal["process", "worker"] | None = None
 
+    # The steps whose memory was read, where the reads were spaced (the steps between repeat
+    # the last read: watches/memory.py's READ_BUDGET); empty: every step was read.
+    read_steps: list[int] = field(default_factory=list)
+
     @property
     def device_capacity_mib(self) -> float | None:
         """What the process may allocate on the device: its cap, else the device's memory."""

@@ -120,7 +120,10 @@ def _priced(fix: MeasuredFix, price: float | None) -> str:
                 else "time cost not measured")
     if fix.status != "measured" or fix.speedup is None:
         return said or "-"
-    saved = f"saved {1 - 1 / fix.speedup:.0%}"
+    # A larger batch saves per sample: not the part of the step the finding priced.
+    per = " per sample" if REMEDIES.get(fix.remedy) is not None and \
+        REMEDIES[fix.remedy].numerics == "recipe" else ""
+    saved = f"saved{per} {1 - 1 / fix.speedup:.0%}"
     interval = _interval(fix)
     if interval is not None:
         saved += f" ({1 - 1 / interval[0]:.0%} to {1 - 1 / interval[1]:.0%})"

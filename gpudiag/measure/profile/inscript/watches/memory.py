@@ -186,6 +186,7 @@ class MemoryWatch(Watch):
         self.read_s: list[float] = []  # what each costly read took, seconds
         self.read_every = 1  # the longest stride the costly reads took
         self.stride = 0  # the costly reads' stride now (0: not worked out yet)
+        self.read_at: list[int] = []  # the steps read
 
     def step_ended(self) -> None:
         if len(self.resident) >= TIMELINE_STEPS:
@@ -203,6 +204,7 @@ class MemoryWatch(Watch):
                     series.append(series[-1])  # type: ignore[arg-type]  # each its own type
             return
         started = time.perf_counter()
+        self.read_at.append(len(self.resident))
         if self.cuda:
             self._read_allocator()
         used = self.usage.mib() if self.usage is not None else None
@@ -307,6 +309,7 @@ class MemoryWatch(Watch):
                                 children=self.children[:listed],
                                 children_resident_mib=self.children_held[:listed])
         if self.read_every > 1:
+            memory.read_steps = [i for i in self.read_at if i < listed]
             memory.note = (f"memory read every {self.read_every} steps at most (a step end's "
                            f"reads cost ~{READ_COST_S * 1e6:,.0f} us or more, over "
                            f"{READ_BUDGET:.0%} of this script's steps); the steps between repeat "
