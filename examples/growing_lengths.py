@@ -5,7 +5,9 @@ cudaMalloc, step after step, and its cache fills with blocks of sizes no later s
 
 The knob is the allocator's configuration (GD405): `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:
 True` grows one segment instead; `gpudiag profile --try-fixes` measures it (an environment
-change, no file edited). `STEPS` sets the steps (80).
+change, no file edited). `STEPS` sets the steps (80). `MEM_CAP_GIB` caps what the process may
+allocate (torch.cuda.set_per_process_memory_fraction): the cache of unusable blocks then runs
+into the cap, and the allocator frees all of it and retries (a device sync each time).
 """
 
 import os
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 STEPS = int(os.environ.get("STEPS", "80"))
+CAP_GIB = float(os.environ.get("MEM_CAP_GIB", "0"))
 CUDA = torch.cuda.is_available()
 device = "cuda" if CUDA else "cpu"
 WIDTH, BATCH, FIRST, GROWTH = (1024, 16, 256, 64) if CUDA else (64, 2, 16, 4)
@@ -21,6 +24,9 @@ WIDTH, BATCH, FIRST, GROWTH = (1024, 16, 256, 64) if CUDA else (64, 2, 16, 4)
 
 def main() -> None:
     torch.manual_seed(0)
+    if CUDA and CAP_GIB:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GIB * 2**30 / total))
     model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
                           nn.Linear(4 * WIDTH, WIDTH)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=CUDA)
