@@ -1253,6 +1253,35 @@ def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_
     assert "the machine runs out" in f.title
 
 
+def test_an_allocator_that_retried_is_gd405s_not_the_scripts_empty_cache() -> None:
+    """cudaFree every step with the allocator's retries counted: the frees are the allocator
+    freeing its cache to retry (a capped examples/growing_lengths.py on the H200, which calls
+    no empty_cache), named by GD405, never GD402; without retries, the script's (GD402)."""
+    retried = gd405(retries=12, frees=1.0)
+    assert findings_of("GD402", retried) == []
+    (f,) = findings_of("GD405", retried)
+    assert f.severity == "warning" and "12 retries after freeing the whole cache" in f.title
+    emptied = gd405(frees=1.0, mallocs=1.0)
+    assert findings_of("GD405", emptied) == [] and findings_of("GD402", emptied)
+
+
+def test_memory_that_grows_as_tensors_grow_is_no_kept_tensor_in_the_knobs() -> None:
+    """Near capacity with a batch that grows (as many live allocations, larger): the knob says
+    the largest step must fit, not "kept by the script"."""
+    run = gd403(per_step=4.0)
+    stage = run.stages[0]
+    script = stage.facts.script
+    assert script is not None and script.memory is not None
+    script.memory.live_blocks = [100] * 60  # as many tensors every step
+    script.memory.cap_mib = 4096.0
+    stage.memory = MemoryStats(peak_allocated_mib=2000.0, peak_reserved_mib=3990.0,
+                               device_total_mib=80_000.0)
+    (f,) = findings_of("GD401", run)
+    assert f.evidence["knobs"][0].startswith("memory grew 4.0 MiB a step from step 5 (")
+    assert "with as many tensors, larger" in f.evidence["knobs"][0]
+    assert "kept by the script" not in f.fix
+
+
 def test_memory_growth_read_every_few_steps_is_the_rate_between_the_reads() -> None:
     """A short-stepped script's memory read every 4th step (the steps between repeat the last
     read, and the 5 after the last read too): 125 MiB a step, not less for the stale tail."""

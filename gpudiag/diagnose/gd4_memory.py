@@ -133,7 +133,7 @@ def empty_cache_in_loop(run: RunResult) -> Iterator[Draft]:
     for stage in run.stages_with_evidence():
         ev = stage.evidence
         assert ev is not None
-        if ev.empty_cache_per_step < MIN_FREES:
+        if ev.empty_cache_per_step < MIN_FREES or _retried(stage):
             continue
         share = (min(1.0, ev.empty_cache_ms_per_step / stage.ms_per_iter)
                  if stage.ms_per_iter else 0.0)
@@ -152,6 +152,16 @@ def empty_cache_in_loop(run: RunResult) -> Iterator[Draft]:
                                "idle share); --try-fixes measures it"},
             fix="Delete the torch.cuda.empty_cache() call from the step.",
         )
+
+
+def _retried(stage: StageResult) -> bool:
+    """The CUDA allocator freed its whole cache to retry an allocation during the run: the
+    cudaFree calls the profiler saw are its own (GD405 names them), not the script's
+    empty_cache (a capped run of examples/growing_lengths.py on the H200 read as GD402, the
+    script calling none)."""
+    script = stage.facts.script
+    memory = script.memory if script is not None else None
+    return memory is not None and bool(memory.alloc_retries)
 
 
 @dataclass(frozen=True)
@@ -414,7 +424,11 @@ def _fit_knobs(stage: StageResult, memory: MemoryTimeline, warmup: int, *,
     found = growth(memory, warmup, (timeline.window_start, timeline.window_end)
                    if timeline else (None, None))
     kept = _keeping(stage.facts.script.kept) if stage.facts.script else None
-    if found is not None:
+    if found is not None and found.more_blocks is False:  # as many tensors, larger
+        knobs.append(f"memory grew {found.mib_per_step:,.1f} MiB a step from step "
+                     f"{found.first} ({_gib(found.mib)}) with as many tensors, larger: a batch "
+                     "or sequence that grows; its largest step is what must fit")
+    elif found is not None:
         keeper = f"{_what_keeps(kept)}; " if kept is not None else ""
         knobs.append(f"memory grew {found.mib_per_step:,.1f} MiB a step from step "
                      f"{found.first}: {_gib(found.mib)} kept by the script ({keeper}GD403); "
@@ -561,7 +575,8 @@ def allocator_misses(run: RunResult) -> Iterator[Draft]:
         window = (timeline.window_start, timeline.window_end) if timeline else (None, None)
         grown = growth(memory, script.warmup, window)
         if (grown is not None and grown.more_blocks is not False) or (
-                stage.evidence is not None and stage.evidence.empty_cache_per_step >= MIN_FREES):
+                stage.evidence is not None and stage.evidence.empty_cache_per_step >= MIN_FREES
+                and not _retried(stage)):
             continue
         mallocs, counted = _steady_mallocs(memory, script.warmup, window)
         retries = memory.alloc_retries or 0
