@@ -4,6 +4,7 @@ profiled stage's peak, the plot and trace.json make of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -150,6 +151,9 @@ def test_on_steps_too_short_for_them_the_memory_reads_are_made_every_few_steps(
     assert memory.resident_mib[7:12] == [memory.resident_mib[6]] * 5
     assert "memory read every 6 steps at most" in memory.note
     assert memory.read_steps[-3:] == [24, 30, 36]
+    if watch.host_limit is not None:  # near the host's limit (here 1 MiB) every step is read
+        watch.host_limit = dataclasses.replace(watch.host_limit, limit_mib=1.0)
+        assert watch._stride() == 1
 
     slow = MemoryWatch(SimpleNamespace(steps=0, host_marks=[0.0]))  # type: ignore[arg-type]
     for step in range(20):

@@ -233,8 +233,10 @@ class MemoryWatch(Watch):
         (each costing what it took, at least READ_COST_S): worked out again every STRIDE_STEPS
         steps (two medians: a few us, not every step's)."""
         marks = self.clock.host_marks
-        if len(marks) < 3 or not self.read_s:
-            return 1
+        limit = self.host_limit.limit_mib if self.host_limit is not None else None
+        if len(marks) < 3 or not self.read_s or (
+                limit and self._host_held() >= KEEP_FROM_SHARE * limit):
+            return 1  # near the host's limit every step is read: a kill loses the fewest
         if len(self.resident) % STRIDE_STEPS and self.stride:
             return self.stride
         recent = marks[-STRIDE_STEPS - 1:]
