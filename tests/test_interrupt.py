@@ -85,3 +85,25 @@ def test_the_sigterm_hook_leaves_an_exiting_script_to_end() -> None:
     assert recorder.stop.seen and recorder.stop.signal is None
     with pytest.raises(SystemExit):  # finished, yet its own code still running: exit now
         lifecycle._exit_on_sigterm(recorder, signal.SIGTERM, sys._getframe())
+
+
+def test_a_ctrl_c_inside_multiprocessings_fork_or_finalizers_is_only_remembered() -> None:
+    """Where Python would print a KeyboardInterrupt as "Exception ignored" and lose it (the
+    at-fork callbacks of multiprocessing's popen_fork, a Finalize in its util: a DataLoader's
+    workers shut down each epoch), the handler raises nothing; the script's next step
+    boundary does. Elsewhere it raises, as Python's own handler."""
+    import types
+
+    from gpudiag.measure.profile.inscript import lifecycle
+
+    def frame_in(path: str) -> types.FrameType:
+        namespace: dict[str, object] = {"sys": sys}
+        exec(compile("def inner():\n    return sys._getframe()\n", path, "exec"), namespace)
+        return namespace["inner"]()  # type: ignore[operator,no-any-return]
+
+    for path in ("/usr/lib/python3.11/multiprocessing/util.py",
+                 "/usr/lib/python3.11/multiprocessing/popen_fork.py"):
+        assert lifecycle._swallowed_here(frame_in(path)), path
+    assert lifecycle._launching_a_process(frame_in("/x/multiprocessing/popen_fork.py"))
+    assert not lifecycle._launching_a_process(frame_in("/x/multiprocessing/util.py"))
+    assert not lifecycle._swallowed_here(sys._getframe())

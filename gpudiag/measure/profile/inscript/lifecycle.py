@@ -27,7 +27,11 @@ from gpudiag.measure.interrupts import sharer_lost_a_peer
 if TYPE_CHECKING:
     from gpudiag.measure.profile.inscript.recorder import Recorder
 
+# Where a KeyboardInterrupt raised by the handler is printed as "Exception ignored" and lost:
+# multiprocessing's fork of a new process (its at-fork callbacks) and its finalizers
+# (util.Finalize: a DataLoader's workers shut down each epoch, closing their pipes).
 MULTIPROCESSING_FORK = str(Path("multiprocessing", "popen_fork.py"))
+SWALLOWING = (MULTIPROCESSING_FORK, str(Path("multiprocessing", "util.py")))
 STOP_AT_STEP_S = 3.0  # a SIGTERM waits this long for the next step boundary
 # How long a DataLoader worker's lost file-descriptor handshake waits for the stop that cut it:
 # the stop reaches the script's main process first (it drops the handshake) and this worker's
@@ -161,18 +165,19 @@ def _script_running(frame: FrameType | None) -> bool:
 
 def _interrupt(recorder: Recorder, signum: int, frame: FrameType | None) -> None:
     """Ctrl-C, or the SIGINT gpudiag passes on: KeyboardInterrupt, as Python's own handler
-    raises it, except inside multiprocessing's fork of a new process. There Python runs its
-    at-fork callbacks (logging's locks), and a KeyboardInterrupt raised in one is printed as
-    "Exception ignored" and lost: the script trained on until gpudiag killed it 30 s later
-    (a DataLoader without persistent workers forks them every epoch). So in the script's own
-    process a SIGINT is also remembered, and its next step boundary raises it again; inside a
-    fork it is only remembered (the new child leaves stopping to the script)."""
+    raises it, except inside multiprocessing's fork of a new process or its finalizers. There
+    Python runs its at-fork callbacks (logging's locks) or a Finalize, and a KeyboardInterrupt
+    raised in one is printed as "Exception ignored" and lost: the script trained on until
+    gpudiag killed it 30 s later (a DataLoader without persistent workers forks them, and shuts
+    them down, every epoch). So in the script's own process a SIGINT is also remembered, and
+    its next step boundary raises it again; inside those it is only remembered (a new child
+    leaves stopping to the script)."""
     import multiprocessing  # noqa: PLC0415 (the standard library; only on a signal)
 
     recorder.stop.seen = True
     if recorder.pid == os.getpid() and multiprocessing.parent_process() is None:
         recorder.stop.interrupt = True
-    if _launching_a_process(frame):
+    if _swallowed_here(frame):
         return
     signal.default_int_handler(signum, frame)
 
@@ -180,8 +185,21 @@ def _interrupt(recorder: Recorder, signum: int, frame: FrameType | None) -> None
 def _launching_a_process(frame: FrameType | None) -> bool:
     """Inside multiprocessing's fork of a new process, which has not yet set the child's
     parent_process(); a plain os.fork (a daemon's) never is."""
+    return _inside(frame, (MULTIPROCESSING_FORK,))
+
+
+def _inside(frame: FrameType | None, files: tuple[str, ...]) -> bool:
     while frame is not None:
-        if frame.f_code.co_filename.endswith(MULTIPROCESSING_FORK):
+        if frame.f_code.co_filename.endswith(files):
             return True
         frame = frame.f_back
     return False
+
+
+def _swallowed_here(frame: FrameType | None) -> bool:
+    """Inside multiprocessing's fork of a new process (which has not yet set the child's
+    parent_process(); a plain os.fork, a daemon's, never is) or one of its finalizers: a
+    KeyboardInterrupt raised there is lost (the next step boundary raises it; a CI run's
+    SIGINT landed in a DataLoader worker's Finalize: "Exception ignored in: <Finalize
+    object>" and its traceback on the script's stderr)."""
+    return _inside(frame, SWALLOWING)
