@@ -125,7 +125,8 @@ def memory_near_capacity(run: RunResult) -> Iterator[Draft]:
                 "https://pytorch.org/docs/stable/notes/cuda.html#memory-management"),
 )
 def empty_cache_in_loop(run: RunResult) -> Iterator[Draft]:
-    """cudaFree calls in the profiled steps: at least one every other step. Priced at least
+    """cudaFree calls in the profiled steps: at least one every other step, where the
+    allocator did not retry (its own frees then: GD405 names them). Priced at least
     the calls' own time (a lower bound: the blocks the next step allocates again with
     cudaMalloc, and the GPU idle while the host catches up after each free's device sync,
     are not timed apart), at most that plus the step's GPU idle share; --try-fixes measures
