@@ -17,7 +17,7 @@ from torch import nn
 from gpudiag.diagnose.tryfix import assess, passing, plan_fixes
 from gpudiag.measure.profile.inscript.memoryremedies import _hugging_face, repeated_blocks
 from gpudiag.measure.profile.inscript.remedies import Applied
-from gpudiag.model.facts import MemoryTimeline, OutOfMemory
+from gpudiag.model.facts import MemoryOwners, MemoryTimeline, OutOfMemory
 from gpudiag.model.remedies import (
     BASELINE_RUNS,
     NO_REMEDY,
@@ -185,6 +185,26 @@ def test_a_script_that_died_of_out_of_memory_is_fixed_when_it_runs_its_steps() -
     runs["activation-checkpointing"] = _fixed(oom_step=3, peak_mib=15_000.0)
     (died,) = assess(run, plan, runs)
     assert not recommended(died)
+
+
+def test_checkpointing_is_not_tried_where_the_loops_models_have_no_blocks() -> None:
+    """The diagnosis looked at the loop's models: none has repeated blocks, so no run is spent
+    on checkpointing (said); where it found some, or could not look, it is tried; forced,
+    always."""
+    run = _diagnosed("GD401")
+    script = run.stages[0].facts.script
+    assert script is not None
+    script.owners = MemoryOwners(device="cuda", step=1, parameters=0, gradients=0,
+                                 optimizer_state=0, models_looked=1)
+    plan = plan_fixes(run)
+    assert plan.remedies == [] and plan.skipped == [
+        "activation-checkpointing: the 1 model(s) the training loop holds have no repeated "
+        "blocks to checkpoint (an nn.ModuleList or nn.Sequential of two or more submodules of "
+        "one class)"]
+    assert [r.name for r in plan_fixes(run, forced=["activation-checkpointing"]).remedies] == [
+        "activation-checkpointing"]
+    script.owners.blocks = "12 `Block` blocks in `GPT.h`"
+    assert [r.name for r in plan_fixes(run).remedies] == ["activation-checkpointing"]
 
 
 def test_a_fix_that_frees_memory_is_judged_by_the_peak_with_its_time_as_the_cost() -> None:

@@ -211,6 +211,27 @@ def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth() -> None:
     assert kept.bytes_per_step == 32 * 256 * 4 and kept.found_by == "append"
     assert kept.location == f"tests/test_memory_owners.py:{_line('outputs.append(')}"
     assert owners.kept == kept.bytes
+    assert owners.models_looked == 1 and owners.blocks is None  # a Linear: no blocks
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_the_loops_models_are_looked_at_for_the_blocks_checkpointing_would_wrap() -> None:
+    """What GD401/GD404's knob names, and what --try-fixes skips without: the repeated blocks
+    of the models the loop holds."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), _Block(), _Block(), _Block())
+    head = torch.nn.Linear(8, 1)
+    owners = MemoryOwners(device="cpu", step=1, parameters=0, gradients=0, optimizer_state=0)
+    OwnersWatch(_Clock(Schedule(warmup=3, timed=4, evidence_steps=1)))._blocks(owners)
+    assert owners.models_looked == 2 and owners.blocks == "3 `_Block` blocks in `Sequential`"
+    assert model is not None and head is not None  # the loop's namespace holds them
 
 
 @pytest.mark.parametrize(("where", "steps"), [("forward", (2, 8)), ("after its step", (2, 7))])

@@ -412,6 +412,13 @@ def _gib(mib: float) -> str:
     return f"{mib / 1024:,.2f} GiB" if mib >= 1024 else f"{mib:,.0f} MiB"
 
 
+def _blocks(stage: StageResult) -> str:
+    """What activation checkpointing would wrap, where the run looked at its models."""
+    owners = stage.facts.script.owners if stage.facts.script is not None else None
+    return f"its {owners.blocks}" if owners is not None and owners.blocks else \
+        "the model's blocks"
+
+
 def _fit_knobs(stage: StageResult, memory: MemoryTimeline, warmup: int, *,
                cached_mib: float | None = None, requested_mib: float | None = None,
                failed_at_mib: float | None = None) -> list[str]:
@@ -459,13 +466,13 @@ def _fit_knobs(stage: StageResult, memory: MemoryTimeline, warmup: int, *,
                      f"{_gib(step_own)} at the peak beyond the fp32 weights, gradients and "
                      "state (an estimate): half the micro-batch with 2 accumulation steps "
                      f"saves about half ({_gib(step_own / 2)}); activation checkpointing of "
-                     "the model's blocks most of them, for about one more forward's time "
+                     f"{_blocks(stage)} most of them, for about one more forward's time "
                      "(--try-fixes measures both)")
     elif step_own is None and failed_at_mib and failed_at_mib >= KNOB_MIN_MIB:
         knobs.append(f"the step needed {_gib(failed_at_mib)} at least (what tensors held when it "
                      "failed and its request; weights, gradients and activations not told "
-                     "apart: it failed before a step ended): activation checkpointing of the "
-                     "model's blocks, or half the micro-batch with 2 accumulation steps, cuts "
+                     f"apart: it failed before a step ended): activation checkpointing of "
+                     f"{_blocks(stage)}, or half the micro-batch with 2 accumulation steps, cuts "
                      "what activations hold (--try-fixes measures checkpointing)")
     return knobs
 

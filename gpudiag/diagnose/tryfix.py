@@ -136,10 +136,24 @@ def _no_larger_batch(run: RunResult) -> str | None:
     return None
 
 
+def _no_blocks(run: RunResult) -> str | None:
+    """Why activation checkpointing is not tried on `run`: the diagnosis looked at the loop's
+    models and found no repeated blocks to wrap (None: it found some, or could not look)."""
+    stage = _main_stage(run)
+    owners = stage.facts.script.owners if stage is not None and stage.facts.script else None
+    if owners is None or not owners.models_looked or owners.blocks is not None:
+        return None
+    return (f"the {owners.models_looked} model(s) the training loop holds have no repeated "
+            "blocks to checkpoint (an nn.ModuleList or nn.Sequential of two or more "
+            "submodules of one class)")
+
+
 def _why_not_tried(remedy: Remedy, run: RunResult) -> str | None:
     """Why a remedy a finding calls for is not tried on `run` (None: it is)."""
     if remedy.cuda_only and not run.env.device.startswith("cuda"):
         return "acts on a GPU only, the run had none"
+    if remedy.name == "activation-checkpointing":
+        return _no_blocks(run)
     return _no_larger_batch(run) if remedy.name == LARGER_BATCH else None
 
 

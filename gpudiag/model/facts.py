@@ -577,6 +577,11 @@ class MemoryOwners:
     activation_sites: list[SavedSite] = field(default_factory=list)  # the largest, by line
     hook_ms: float = 0.0  # what counting the saved tensors cost that step (its host time)
     note: str = ""  # what this run could not tell
+    # The models in the loop's namespaces looked at for repeated blocks (what activation
+    # checkpointing would wrap: inscript/memoryremedies.py), and what was found: "12 `Block`
+    # blocks in `GPT.h`"; None where none (or where no model was looked at)
+    models_looked: int = 0
+    blocks: str | None = None
 
 
 KeptKind = Literal["list of tensors", "dict of tensors", "deque of tensors",

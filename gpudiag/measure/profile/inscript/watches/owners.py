@@ -40,6 +40,7 @@ from gpudiag.measure.profile.inscript.heldtensors import (
     storage_bytes,
     storage_key,
 )
+from gpudiag.measure.profile.inscript.memoryremedies import repeated_blocks
 from gpudiag.measure.profile.inscript.outofmemory import oom_device
 from gpudiag.measure.profile.inscript.watches import StageDraft, StepClock, Watch
 from gpudiag.model.facts import KeptTensors, LoaderUse, MemoryOwners, SavedSite
@@ -235,6 +236,22 @@ class OwnersWatch(Watch):
             hook_ms=round(counter.seconds * 1e3, 3) if counter else 0.0,
             peak=torch.cuda.max_memory_allocated() if cuda else None,
             note="; ".join(notes))
+        self._blocks(self.owners)
+
+    def _blocks(self, owners: MemoryOwners) -> None:
+        """The repeated blocks of the models in the loop's namespaces (the first found)."""
+        frame = self._loop_frame()
+        models = [v for names in (loop_namespaces(frame).values() if frame else ())
+                  for v in list(names.values()) if isinstance(v, torch.nn.Module)
+                  and next(v.parameters(), None) is not None]
+        owners.models_looked = len(models)
+        for model in models:
+            found = repeated_blocks(model)
+            if found is not None:
+                where, blocks = found
+                owners.blocks = (f"{len(blocks)} `{type(blocks[0]).__name__}` blocks in "
+                                 f"`{where}`")
+                return
 
     def _close_hooks(self) -> None:
         if self.hooks is not None:
