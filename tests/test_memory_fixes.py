@@ -4,8 +4,10 @@ out-of-memory."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from conftest import in_folder, invoke, line_of, script_run, script_stage
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from gpudiag.diagnose.tryfix import assess, passing, plan_fixes
 from gpudiag.measure.profile.inscript.memoryremedies import _hugging_face, repeated_blocks
@@ -88,7 +91,22 @@ def _saved_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, list[torch.Ten
     return sum(seen.values()), grads
 
 
-@pytest.mark.slow  # registers global module hooks: a process of its own (tests/conftest.py)
+@contextlib.contextmanager
+def _global_module_hooks_restored() -> Iterator[None]:
+    """The remedy registers global module hooks for the rest of the process (a profiled
+    script's): taken out again after the test, so no other test's modules run them."""
+    names = ("_global_forward_pre_hooks", "_global_forward_hooks",
+             "_global_forward_hooks_always_called")
+    saved = {name: dict(getattr(module_hooks, name)) for name in names}
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            current = getattr(module_hooks, name)
+            current.clear()
+            current.update(hooks)
+
+
 def test_checkpointed_blocks_keep_less_for_backward_and_compute_the_same_gradients() -> None:
     """The remedy on an unmodified model, in this process: the same gradients bit for bit
     (the blocks' forwards recomputed in backward), and a fraction of the activations kept
@@ -99,8 +117,9 @@ def test_checkpointed_blocks_keep_less_for_backward_and_compute_the_same_gradien
     model = Stack()
     model.load_state_dict(plain.state_dict())
     kept_plain, grads_plain = _saved_bytes(plain, x)
-    applied = Applied(["activation-checkpointing"])
-    kept_fixed, grads_fixed = _saved_bytes(model, x)
+    with _global_module_hooks_restored():
+        applied = Applied(["activation-checkpointing"])
+        kept_fixed, grads_fixed = _saved_bytes(model, x)
     record = applied.observe().activation_checkpointing
     assert record is not None and record.unchanged() is None
     assert (record.blocks, record.block, record.container) == (4, "Block", "Stack.layers")
