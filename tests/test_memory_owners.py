@@ -173,11 +173,14 @@ class _Clock:
         self.loop_code = None
 
 
-def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth() -> None:
+def test_the_watch_counts_one_steps_owners_and_looks_twice_for_growth(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The owners watch over a loop run here (its step boundaries where optimizer.step()
     would give them): the window's first step's saved tensors and its parameters, gradients
     and Adam's two moments; the list gaining a step's output between the looks at steps 2
-    and 9."""
+    and 9. (Whatever an earlier test in this worker compiled: Dynamo's counters are the
+    process's.)"""
+    monkeypatch.setattr("gpudiag.measure.profile.inscript.watches.owners.compiled", lambda: False)
     clock = _Clock(Schedule(warmup=3, timed=4, evidence_steps=1))
     watch = OwnersWatch(clock)
     model = torch.nn.Linear(16, 256)

@@ -1107,6 +1107,13 @@ def test_a_starved_gpus_fix_says_how_much_of_the_device_the_step_uses_and_what_b
     assert "~72 times this step's batch would fit in 90% of it" in g.fix
     (bare,) = findings_of("GD102", gd102(excess=0.5))
     assert "largest_batch" not in bare.evidence and "GiB" not in bare.fix
+    stage.samples_per_step = 32
+    script = stage.facts.script
+    assert script is not None and script.memory is not None
+    script.memory.cap_mib = 8 * 1024.0  # set_per_process_memory_fraction(0.1): 8 of 80 GiB
+    (capped,) = findings_of("GD102", run)
+    assert capped.evidence["largest_batch"] == int(32 * (0.9 * 8 - 0.5))  # 214
+    assert "The step uses 1.50 of the process's cap of 8 GiB (19%)" in capped.fix
 
 
 @pytest.mark.parametrize("code", ["GD101", "GD104"])

@@ -20,6 +20,7 @@ class Headroom:
     fixed: int  # what does not scale with the batch
     scaled: int  # what does
     batch: int | None  # samples a step now (None: not known)
+    capped: bool = False  # `total` is the process's cap (set_per_process_memory_fraction)
 
     @property
     def times(self) -> float | None:
@@ -39,7 +40,8 @@ class Headroom:
 
     def says(self) -> str:
         gib = 2**30
-        now = (f"{self.peak / gib:,.2f} of the device's {self.total / gib:,.0f} GiB "
+        of = "the process's cap of" if self.capped else "the device's"
+        now = (f"{self.peak / gib:,.2f} of {of} {self.total / gib:,.0f} GiB "
                f"({self.peak / self.total:.0%})")
         text = (f"The step uses {now} at its peak: {self.scaled / gib:,.2f} GiB scale with the "
                 f"batch (activations, the batch, temporaries), {self.fixed / gib:,.2f} GiB do "
@@ -56,13 +58,15 @@ class Headroom:
 
 
 def headroom(stage: StageResult) -> Headroom | None:
-    """The step's headroom on a CUDA device, where its owners were counted."""
+    """The step's headroom on a CUDA device, where its owners were counted: against what the
+    process may use (its cap where the script set one, else the device's memory)."""
     script = stage.facts.script
     owners = script.owners if script is not None else None
     memory = script.memory if script is not None else None
-    if owners is None or owners.device != "cuda" or not owners.peak or memory is None \
-            or not memory.device_total_mib:
+    capacity = memory.device_capacity_mib if memory is not None else None
+    if owners is None or owners.device != "cuda" or not owners.peak or not capacity:
         return None
     fixed = owners.parameters + owners.gradients + owners.optimizer_state + (owners.kept or 0)
-    return Headroom(peak=owners.peak, total=int(memory.device_total_mib * 2**20), fixed=fixed,
-                    scaled=max(0, owners.peak - fixed), batch=stage.samples_per_step)
+    return Headroom(peak=owners.peak, total=int(capacity * 2**20), fixed=fixed,
+                    scaled=max(0, owners.peak - fixed), batch=stage.samples_per_step,
+                    capped=bool(memory and memory.cap_mib))
