@@ -181,3 +181,21 @@ def test_steps_filed_in_batches_add_up_as_filed_one_at_a_time(
         monkeypatch.undo()
         assert batched == one_by_one
         assert batched.slow_steps and batched.steady_steps > 400 and batched.lines
+
+
+def test_a_sample_with_no_line_of_the_script_below_a_frameworks_loop_is_the_librarys() -> None:
+    """A framework's loop (library code, the training loop's) with no user frame below it:
+    the sample is charged to the library's line and says so (GD105 then names no line of the
+    script to edit); the same stack in a script's own loop is the user's."""
+    from gpudiag.measure.profile.inscript.hostsampler import classify
+
+    def innermost(path: str) -> FrameType:
+        namespace: dict[str, object] = {"sys": sys}
+        exec(compile("def loop():\n    return sys._getframe()\n", path, "exec"), namespace)
+        return namespace["loop"]()  # type: ignore[operator,no-any-return]
+
+    framework = innermost("/usr/lib/python3/site-packages/lightning/loops/fit_loop.py")
+    sample = classify(framework, framework.f_code, cuda=False)
+    assert sample.key.library and sample.key.location.startswith("lightning/loops/")
+    script = innermost(str(Path.cwd() / "train.py"))
+    assert not classify(script, script.f_code, cuda=False).key.library

@@ -3,6 +3,7 @@ plus near misses per rule on hand-built runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable
@@ -1258,6 +1259,26 @@ def test_memory_growth_says_when_the_device_runs_out_and_is_critical_before_the_
     (f,) = findings_of("GD403", gd403(per_step=4.0, device="cpu"))
     assert f.evidence["series"] == "resident" and "resident set" in f.title
     assert "the machine runs out" in f.title
+
+
+def test_a_frameworks_own_per_step_python_is_information_with_the_batch_as_its_knob() -> None:
+    """Host-only work charged to a library's own line with no line of the script below the
+    loop (Lightning's is_overridden() every step: its loop is the training loop): the same
+    share is information, its fix says there is no line to edit and names the batch; GD102
+    does not defer to it."""
+    run = gd105(share=0.3)
+    script = run.stages[0].facts.script
+    assert script is not None and script.host is not None
+    script.host.lines[0] = dataclasses.replace(
+        script.host.lines[0], location="lightning_utilities/core/overrides.py:29",
+        function="is_overridden", via="", library=True)
+    (f,) = findings_of("GD105", run)
+    assert f.severity == "info" and f.evidence["framework"] is True
+    assert f.fix.startswith("The framework's own per-step Python "
+                            "(lightning_utilities/core/overrides.py:29 in is_overridden()")
+    assert "A larger batch amortizes it" in f.fix
+    (user,) = findings_of("GD105", gd105(share=0.3))
+    assert user.severity != "info" and user.evidence["framework"] is False
 
 
 def test_an_allocator_that_retried_is_gd405s_not_the_scripts_empty_cache() -> None:

@@ -341,8 +341,10 @@ def gpu_starved(run: RunResult) -> Iterator[Draft]:
             title += f"; the Python loop at {loop.location} is why (see GD101)"
             impact = min(excess, loop_impact)
             severity = min(severity, loop_severity(loop_impact), key=SEVERITY_RANK.__getitem__)
-        elif host is not None and host_severity(run, stage, host[3]) != "info":
-            # So is host-only work by line (GD105), where it explains the idle time.
+        elif host is not None and host_severity(run, stage, host[3]) != "info" \
+                and not all(line.library for line in host[1]):
+            # So is host-only work by line (GD105), where it explains the idle time (not a
+            # framework's own loop: no line of the script to change; its fix is the batch).
             title += f"; Python/numpy work at {host[1][0].location} is why (see GD105)"
             impact = min(excess, host[3]) * SYMPTOM_RANK
             severity = min(severity, host_severity(run, stage, host[3]),

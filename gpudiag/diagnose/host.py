@@ -53,6 +53,7 @@ class HostLineTime:
     kinds: dict[HostKind, float] = field(default_factory=dict)  # ms per step
     via: list[str] = field(default_factory=list)
     syncs_per_step: float = 0.0  # the profiler window's count, when it saw the line
+    library: bool = False  # a library's own line, no user line below the loop (HostLine's)
 
     @property
     def main_kind(self) -> HostKind:
@@ -167,7 +168,7 @@ def step_account(stage: StageResult) -> StepAccount | None:
         ms = per_step(sample.ms)
         line = per_line.setdefault(sample.location, HostLineTime(
             sample.location, sample.function, host.text.get(sample.location, ""), 0.0, 0.0,
-            syncs_per_step=resolved.syncs.get(sample.location, 0.0)))
+            syncs_per_step=resolved.syncs.get(sample.location, 0.0), library=sample.library))
         line.ms_per_step += ms
         line.kinds[kind] = line.kinds.get(kind, 0.0) + ms
         if sample.via:

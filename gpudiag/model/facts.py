@@ -267,6 +267,9 @@ class HostLine:
     kind: HostKind
     ms: float  # over all steady steps sampled
     via: str = ""  # "path:line" of the innermost library frame below it (not torch's)
+    # No line of the user's code was below the training loop: charged to a library's own line
+    # (a framework's loop, Lightning's or HF Trainer's), nothing the script could edit there
+    library: bool = False
 
 
 @dataclass

@@ -219,6 +219,9 @@ class Key(NamedTuple):
     function: str
     via: str
     kind: HostKind
+    # Charged to a library's own line: no line of the user's code below the training loop
+    # (a framework's loop: Lightning's, HF Trainer's), so nothing the script could edit.
+    library: bool = False
 
 
 class Sample(NamedTuple):
@@ -300,7 +303,9 @@ def _classify(frame: FrameType, loop_code: CodeType | None, cuda: bool
     via = "" if walk.user is None or walk.library is None else \
         _location(walk.library.f_code.co_filename, walk.library.f_lineno)
     return Sample(Key(_location(charged.f_code.co_filename, charged.f_lineno),
-                      charged.f_code.co_name, via, kind), walk.loop_line), callee
+                      charged.f_code.co_name, via, kind,
+                      library=walk.user is None and walk.library is not None),
+                  walk.loop_line), callee
 
 
 MAX_CLASSIFIED = 4_096  # stacks remembered by a Classifier; past this it starts again
@@ -654,7 +659,8 @@ class HostSampler:
             kinds[key.kind] += ms
         result.kind_ms = {k: round(v, 3) for k, v in kinds.items()}
         busiest = sorted(self.steady.items(), key=lambda kv: -kv[1])[:MAX_LINES]
-        result.lines = [HostLine(k.location, k.function, k.kind, round(ms, 3), k.via)
+        result.lines = [HostLine(k.location, k.function, k.kind, round(ms, 3), k.via,
+                                 library=k.library)
                         for k, ms in busiest]
         result.loop_ms = {k: round(v, 3) for k, v in
                           sorted(self.steady_loop.items(), key=lambda kv: -kv[1])}
