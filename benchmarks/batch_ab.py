@@ -12,26 +12,14 @@ must agree with.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
 import torch
+from example_module import load_example
 from torch.utils.data import DataLoader
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "small_batch.py"
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("small_batch", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -44,7 +32,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("batch_ab: needs a CUDA device")
     torch.manual_seed(0)
-    model, data = _example().build("cuda")
+    model, data = load_example("small_batch").build("cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = {size: iter(DataLoader(data, batch_size=size, shuffle=True, drop_last=True))
                for size in (args.small, args.large)}

@@ -12,24 +12,12 @@ the same script must agree with).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
-from pathlib import Path
-from types import ModuleType
 
 import torch
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "deep_activations.py"
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deep_activations", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from example_module import load_example
 
 
 def main() -> None:
@@ -39,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("checkpointing_ab: needs a CUDA device (the allocator's peak is the figure)")
-    example = _example()
+    example = load_example("deep_activations")
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("high")
     model = example.Model().cuda()

@@ -260,18 +260,27 @@ def _channels_last(seen: RemedyEvidence) -> Callable[[], None]:
 
 # --- DataLoader settings --------------------------------------------------------------------
 
+_LOADER_SIGNATURE = inspect.signature(DataLoader.__init__)
+
+
+def _loader_arguments(loader: DataLoader[Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A DataLoader(...) call's arguments by name, its defaults filled in (the remedies that
+    change them rebuild the call from these)."""
+    bound = _LOADER_SIGNATURE.bind(loader, *args, **kwargs)
+    bound.apply_defaults()
+    given = dict(bound.arguments)
+    given.pop("self")
+    return given
+
+
 def _loader_options(loaders: list[LoaderSeen],
                     change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Rewrite each map-style DataLoader's arguments with `change`; note every loader, and what
     built it (a framework, from the script's line: frameworks.py, beside this one)."""
-    signature = inspect.signature(DataLoader.__init__)
-
     def around(original: Callable[..., None]) -> Callable[..., None]:
         def __init__(self: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            given = dict(bound.arguments)
-            given.pop("self")
+            given = _loader_arguments(self, args, kwargs)
             note = LoaderSeen.of(_site(), loader_origin(sys._getframe(1), self))
             if isinstance(given["dataset"], IterableDataset):
                 # More workers would each iterate the whole dataset: not the same training.
@@ -352,14 +361,9 @@ def _larger_batch(seen: RemedyEvidence) -> Callable[[], None]:
     built at the diagnosis run's training loader's line (any map-style one where the plan
     named none); its record arrives with the plan's ask (Applied)."""
     record = seen.larger_batch = seen.larger_batch or LargerBatchRecord()
-    signature = inspect.signature(DataLoader.__init__)
-
     def around(original: Callable[..., None]) -> Callable[..., None]:
         def __init__(self: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            given = dict(bound.arguments)
-            given.pop("self")
+            given = _loader_arguments(self, args, kwargs)
             note = BatchSeen(site=_site())
             note.kept = _batch_kept(given, note.site, record.training_site,
                                     loader_origin(sys._getframe(1), self))
