@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpudiag.diagnose.compare import estimate_ratio
@@ -148,13 +148,17 @@ def _no_blocks(run: RunResult) -> str | None:
             "submodules of one class)")
 
 
+# What a remedy needs of the diagnosed run beyond a finding that calls for it: why not, or None.
+PRECONDITIONS: dict[str, Callable[[RunResult], str | None]] = {
+    LARGER_BATCH: _no_larger_batch, "activation-checkpointing": _no_blocks}
+
+
 def _why_not_tried(remedy: Remedy, run: RunResult) -> str | None:
     """Why a remedy a finding calls for is not tried on `run` (None: it is)."""
     if remedy.cuda_only and not run.env.device.startswith("cuda"):
         return "acts on a GPU only, the run had none"
-    if remedy.name == "activation-checkpointing":
-        return _no_blocks(run)
-    return _no_larger_batch(run) if remedy.name == LARGER_BATCH else None
+    needs = PRECONDITIONS.get(remedy.name)
+    return needs(run) if needs is not None else None
 
 
 def plan_fixes(run: RunResult, forced: list[str] | None = None) -> FixPlan:
@@ -210,8 +214,7 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
                     if b is None or not b.iter_ms else
                     _why_not_measured(before, a, "the script without fixes"))
         return fix
-    fix.evidence = b.facts.script.remedies if b.facts.script else RemedyEvidence()
-    fix.location = fix.evidence.site(names) or fix.location
+    _seen_by(fix, names, b)
     # The mean step: what a run's length is made of. A median would not see a save every N
     # steps, the very cost a background save removes.
     fix.before_ms = statistics.fmean(steady_state(a.iter_ms))
@@ -232,6 +235,13 @@ def measured_fix(remedy: Remedy | None, names: list[str], before: RunResult,
     _per_sample(fix, (a, b), run)
     _check_losses(fix, names, run, baseline_losses, (_losses(a), _losses(b)))
     return fix
+
+
+def _seen_by(fix: MeasuredFix, names: Sequence[str], after: StageResult) -> None:
+    """What the run with the fix saw of it (its remedies' records), and the script's line they
+    acted on where one did."""
+    fix.evidence = after.facts.script.remedies if after.facts.script else RemedyEvidence()
+    fix.location = fix.evidence.site(names) or fix.location
 
 
 def _peak_and_oom(stage: StageResult | None) -> tuple[float | None, int | None]:
@@ -256,8 +266,7 @@ def _fitted(fix: MeasuredFix, names: list[str], after: StageResult,
     """A fix that frees memory, where the script died of out-of-memory without it and ran its
     steps with it: what it bought is the run itself; its time cost cannot be measured (no
     step ran without it)."""
-    fix.evidence = after.facts.script.remedies if after.facts.script else RemedyEvidence()
-    fix.location = fix.evidence.site(names) or fix.location
+    _seen_by(fix, names, after)
     fix.after_ms = statistics.fmean(steady_state(after.iter_ms))
     no_effect = fix.evidence.unchanged(names)
     fix.changed_nothing = no_effect is not None
