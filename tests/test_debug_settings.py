@@ -126,7 +126,10 @@ def test_turning_anomaly_detection_off_is_measured_faster(tmp_path: Path) -> Non
     # 2.3x on a quiet machine; 1.20x in a clean-clone CI run whose other tests shared the cores.
     assert fix.speedup is not None and fix.speedup > 1.1
     (finding,) = [f for f in run.findings if f.id == "GD107"]
-    assert finding.impact == pytest.approx(1 - 1 / fix.speedup, abs=1e-3)
+    # Priced by the measured saving: none where the interval reaches 1 (a loaded CI's 1.37x
+    # did; common.measured_saving).
+    saved = 1 - 1 / fix.speedup if (fix.speedup_low or fix.speedup) > 1.0 else 0.0
+    assert finding.impact == pytest.approx(saved, abs=1e-3)
     assert finding.evidence["measured_saving"] == pytest.approx(finding.impact, abs=1e-3)
 
 
